@@ -1,0 +1,116 @@
+"""The few collectives a save or load needs, behind one small interface.
+
+Checkpoint coordination runs over gloo even when training uses NCCL: object
+collectives on NCCL need device memory and would contend with the training
+stream, and a background persist must never touch the training group. When
+the default group is not gloo, a dedicated gloo group over the same ranks is
+created once and reused.
+
+Every collective here is entered by every rank exactly once per phase, even
+by a rank that already failed: failures travel *inside* the collective
+(:class:`Outcome`), so one rank's error never leaves the others hanging.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+
+class Comm(Protocol):
+    rank: int
+    world_size: int
+
+    def all_gather(self, obj: Any) -> list[Any]: ...
+
+    def gather(self, obj: Any) -> list[Any] | None: ...
+
+    def broadcast(self, obj: Any) -> Any: ...
+
+    def any_flags(self, flags: list[bool]) -> list[bool]: ...
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A phase's result on one rank: a payload, or the message of the error it raised."""
+
+    ok: bool
+    payload: Any = None
+    error: str = ""
+    error_type: str = ""
+
+
+class LocalComm:
+    """A world of one process (no torch.distributed, or a single-rank job)."""
+
+    rank = 0
+    world_size = 1
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        return [obj]
+
+    def gather(self, obj: Any) -> list[Any] | None:
+        return [obj]
+
+    def broadcast(self, obj: Any) -> Any:
+        return obj
+
+    def any_flags(self, flags: list[bool]) -> list[bool]:
+        return list(flags)
+
+
+class TorchComm:
+    """Collectives over a gloo process group."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size(group)
+        self.group_rank = dist.get_rank(group)
+        self.root = dist.get_global_rank(group, 0) if group is not None else 0
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def gather(self, obj: Any) -> list[Any] | None:
+        out: list[Any] | None = [None] * self.world_size if self.group_rank == 0 else None
+        dist.gather_object(obj, out, dst=self.root, group=self.group)
+        return out
+
+    def broadcast(self, obj: Any) -> Any:
+        box = [obj]
+        dist.broadcast_object_list(box, src=self.root, group=self.group)
+        return box[0]
+
+    def any_flags(self, flags: list[bool]) -> list[bool]:
+        t = torch.tensor([1 if f else 0 for f in flags], dtype=torch.uint8)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return [bool(x) for x in t.tolist()]
+
+
+_gloo_groups: dict[Any, Any] = {}
+_lock = threading.Lock()
+
+
+def resolve_comm(process_group: Any = None) -> Comm:
+    """The communicator for ``process_group`` (default: the whole world), gloo-backed."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return LocalComm()
+    group = process_group
+    if dist.get_world_size(group) == 1:
+        return LocalComm()
+    backend = dist.get_backend(group)
+    if backend != "gloo":
+        with _lock:
+            key = group if group is not None else "world"
+            if key not in _gloo_groups:
+                ranks = dist.get_process_group_ranks(group) if group is not None else None
+                _gloo_groups[key] = dist.new_group(ranks=ranks, backend="gloo")
+            group = _gloo_groups[key]
+    return TorchComm(group)

@@ -1,0 +1,261 @@
+"""A load: manifest -> targets -> plan -> verified reads into the caller's tensors.
+
+Everything that can be checked from metadata is checked before the first
+byte lands in a caller's tensor: keys, dtypes, global shapes, coverage,
+index digests and object sizes. Only a checksum mismatch can be discovered
+mid-way; the error then says the state may be partially overwritten.
+
+A load needs no collective to plan or read: each rank reads the manifest and
+the indexes of the ranks whose pieces it needs. With a process group, one
+tiny all-reduce makes strict key checking global (a key no rank asked for is
+unexpected) and makes every rank fail together.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ckptkit.adapters.dtensor import grid_of, is_dtensor, local_of
+from ckptkit.engine.collective import Comm
+from ckptkit.engine.metadata_io import read_indexes, read_manifest
+from ckptkit.engine.reader import execute_reads
+from ckptkit.engine.state import FlatState, dtype_name, torch_dtype
+from ckptkit.errors import (
+    CorruptCheckpointError,
+    DTypeMismatchError,
+    MissingKeysError,
+    ShapeMismatchError,
+    StateMismatchError,
+    UnexpectedKeysError,
+)
+from ckptkit.layout.box import Box, Region
+from ckptkit.layout.manifest import Index, IndexEntry, Manifest
+from ckptkit.layout.pieces import LocalBox
+from ckptkit.layout.values import decode_value
+from ckptkit.options import LoadOptions
+from ckptkit.plan.load_plan import CopyOp, Target, match_sources, plan_reads
+from ckptkit.storage.base import ByteStore
+
+log = logging.getLogger("ckptkit")
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    path: str
+    bytes_read: int
+    seconds: float
+    meta: dict[str, Any] = field(default_factory=dict)
+    missing: tuple[str, ...] = ()
+    unexpected: tuple[str, ...] = ()
+
+
+@dataclass
+class _Dest:
+    """A tensor being filled: the caller's, or a contiguous CPU stand-in copied back at the end."""
+
+    user: torch.Tensor
+    work: torch.Tensor
+
+    def finish(self) -> None:
+        if self.work is not self.user:
+            with torch.no_grad():
+                self.user.copy_(self.work)
+
+
+def _dest(t: torch.Tensor) -> _Dest:
+    if t.device.type == "cpu" and t.is_contiguous():
+        return _Dest(t, t.detach())
+    return _Dest(t, t.detach().to("cpu", copy=True).contiguous())
+
+
+def _check_meta(manifest: Manifest, key: str, dtype: torch.dtype, shape: tuple[int, ...], where: str) -> None:
+    meta = manifest.tensors[key]
+    if meta.dtype != dtype_name(dtype):
+        raise DTypeMismatchError(f"{where}: tensor {key!r} is {meta.dtype} in the checkpoint, the state expects {dtype_name(dtype)}")
+    if meta.shape != tuple(shape):
+        raise ShapeMismatchError(
+            f"{where}: tensor {key!r} has global shape {list(meta.shape)} in the checkpoint, the state expects {list(shape)}"
+        )
+
+
+@dataclass
+class _Plan:
+    targets: list[Target] = field(default_factory=list)
+    dests: list[_Dest] = field(default_factory=list)
+    requested: set[str] = field(default_factory=set)
+    missing: list[str] = field(default_factory=list)
+
+
+def _targets(flat: FlatState, manifest: Manifest, strict: bool, where: str) -> _Plan:
+    plan = _Plan()
+    for leaf in flat.tensors:
+        t = leaf.obj
+        plan.requested.add(leaf.key)
+        if leaf.key not in manifest.tensors:
+            plan.missing.append(leaf.key)
+            continue
+        _check_meta(manifest, leaf.key, t.dtype, tuple(t.shape), where)
+        if is_dtensor(t):
+            layout, coord = grid_of(t, leaf.key)
+            held = layout.local_pieces(coord)
+            local = local_of(t)
+            if held is None:
+                continue
+            plan.dests.append(_dest(local))
+            ref = len(plan.dests) - 1
+            for lo, box in held[1]:
+                if not box.is_empty():
+                    plan.targets.append(Target(ref, leaf.key, Region(box), tuple(local.shape), LocalBox(lo)))
+        else:
+            plan.dests.append(_dest(t))
+            ref = len(plan.dests) - 1
+            if t.numel():
+                plan.targets.append(Target(ref, leaf.key, Region(Box.full(tuple(t.shape))), tuple(t.shape), LocalBox(tuple(0 for _ in t.shape))))
+    for leaf in flat.sharded:
+        s = leaf.obj
+        plan.dests.append(_dest(s.local))
+        ref = len(plan.dests) - 1
+        for p in s.pieces:
+            plan.requested.add(p.tensor)
+            if p.tensor not in manifest.tensors:
+                plan.missing.append(p.tensor)
+                continue
+            _check_meta(manifest, p.tensor, s.local.dtype, p.shape, where)
+            if p.numel:
+                plan.targets.append(Target(ref, p.tensor, p.region, tuple(s.local.shape), p.local))
+    for leaf in (*flat.values, *flat.generators, *flat.per_rank):
+        plan.requested.add(leaf.key)
+        if leaf.key not in manifest.values and leaf.key not in manifest.per_rank_keys:
+            plan.missing.append(leaf.key)
+    if plan.missing and strict:
+        shown = ", ".join(repr(k) for k in sorted(plan.missing)[:8])
+        raise MissingKeysError(
+            f"{where}: {len(plan.missing)} key(s) of the state are not in the checkpoint: {shown}"
+            f"{' ...' if len(plan.missing) > 8 else ''} (pass strict=False to load the rest)"
+        )
+    return plan
+
+
+def _all_keys(manifest: Manifest) -> list[str]:
+    return sorted({*manifest.tensors, *manifest.values, *manifest.per_rank_keys})
+
+
+def _entry_lookup(indexes: dict[int, Index]) -> dict[int, dict[tuple, IndexEntry]]:
+    return {r: {(e.tensor, e.region.key()): e for e in idx.entries} for r, idx in indexes.items()}
+
+
+def _check_objects(store: ByteStore, indexes: dict[int, Index], needed: set[tuple[int, str]]) -> None:
+    """Truncation shows up here, before any caller tensor is touched."""
+    for writer, obj in sorted(needed):
+        expected = indexes[writer].objects[obj]
+        size = store.size(obj)
+        if size is None:
+            raise CorruptCheckpointError(f"{store.url}/{obj} (written by rank {writer}) is missing")
+        if size < expected:
+            raise CorruptCheckpointError(
+                f"{store.url}/{obj} (written by rank {writer}) is truncated: {size} bytes, the index records {expected}"
+            )
+
+
+def load_state(
+    flat: FlatState,
+    store: ByteStore,
+    comm: Comm,
+    *,
+    strict: bool = True,
+    options: LoadOptions = LoadOptions(),
+) -> LoadResult:
+    t0 = time.perf_counter()
+    where = store.url
+    error: BaseException | None = None
+    manifest: Manifest | None = None
+    plan = _Plan()
+    ops: list[CopyOp] = []
+    try:
+        manifest = read_manifest(store)
+        plan = _targets(flat, manifest, strict, where)
+        ops = match_sources(plan.targets, manifest.tensors, where)
+    except Exception as exc:  # carried through the collective below, then re-raised
+        error = exc
+    # Every rank enters the same collectives whatever happened, so no rank waits forever.
+    if comm.any_flags([error is not None])[0]:
+        if error is not None:
+            raise error
+        raise StateMismatchError(f"loading {where} failed on another rank; see that rank's error")
+    assert manifest is not None
+    keys = _all_keys(manifest)
+    requested = comm.any_flags([k in plan.requested for k in keys])
+    unexpected = [k for k, f in zip(keys, requested) if not f]
+    if unexpected and strict:
+        shown = ", ".join(repr(k) for k in unexpected[:8])
+        raise UnexpectedKeysError(
+            f"{where}: {len(unexpected)} key(s) in the checkpoint are not in any rank's state: {shown}"
+            f"{' ...' if len(unexpected) > 8 else ''} (pass strict=False to ignore them)"
+        )
+
+    per_rank_needed = bool(flat.generators or flat.per_rank)
+    resized = manifest.world_size != comm.world_size
+    if per_rank_needed and resized and options.per_rank_on_resize == "error":
+        keys_pr = [leaf.key for leaf in (*flat.generators, *flat.per_rank)]
+        raise StateMismatchError(
+            f"{where}: the checkpoint was saved by {manifest.world_size} ranks, this job has {comm.world_size}; "
+            f"per-rank values {keys_pr[:4]} cannot be matched to ranks (LoadOptions(per_rank_on_resize='skip') keeps the current ones)"
+        )
+    writers = {op.writer for op in ops}
+    if per_rank_needed and not resized:
+        writers.add(comm.rank)
+    indexes = read_indexes(store, manifest, writers)
+    lookup = _entry_lookup(indexes)
+    dtypes = {k: torch_dtype(m.dtype) for k, m in manifest.tensors.items()}
+
+    def entry_of(op: CopyOp) -> IndexEntry:
+        entry = lookup[op.writer].get((op.tensor, op.source.key()))
+        if entry is None:
+            raise CorruptCheckpointError(
+                f"{where}: the index of rank {op.writer} has no piece {op.source.to_json()} of tensor {op.tensor!r}, "
+                "which the manifest says that rank wrote"
+            )
+        return entry
+
+    requests = plan_reads(
+        ops,
+        entry_of,
+        itemsize_of=lambda k: dtypes[k].itemsize,
+        block_of=lambda r: indexes[r].block,
+    )
+    _check_objects(store, indexes, {(r.writer, r.object) for r in requests})
+    targets = [d.work for d in plan.dests]
+    try:
+        nbytes = execute_reads(requests, store, targets, dtypes, where, options.io_threads)
+    except CorruptCheckpointError as exc:
+        raise CorruptCheckpointError(f"{exc} (the state may be partially overwritten; load another checkpoint)") from None
+    for d in plan.dests:
+        d.finish()
+    _assign_values(flat, manifest, indexes.get(comm.rank) if not resized else None, where)
+    seconds = time.perf_counter() - t0
+    log.info("loaded %s: %.3f GiB on rank %d in %.2fs", where, nbytes / 2**30, comm.rank, seconds)
+    return LoadResult(where, nbytes, seconds, dict(manifest.meta), tuple(sorted(plan.missing)), tuple(unexpected))
+
+
+def _assign_values(flat: FlatState, manifest: Manifest, own_index: Index | None, where: str) -> None:
+    for leaf in flat.values:
+        if leaf.key in manifest.values:
+            leaf.assign(decode_value(manifest.values[leaf.key], f"{where}: value {leaf.key!r}"))
+    if own_index is None:
+        return
+    for leaf in flat.generators:
+        if leaf.key in own_index.values:
+            encoded = own_index.values[leaf.key]
+            if not isinstance(encoded, dict) or "__generator__" not in encoded:
+                raise CorruptCheckpointError(f"{where}: per-rank value {leaf.key!r} is not a generator state")
+            raw = base64.b64decode(encoded["__generator__"])
+            leaf.obj.set_state(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+    for leaf in flat.per_rank:
+        if leaf.key in own_index.values:
+            leaf.obj.value = decode_value(own_index.values[leaf.key], f"{where}: value {leaf.key!r}")

@@ -1,0 +1,62 @@
+"""Reading a checkpoint's manifest and indexes, with integrity checks.
+
+The manifest is the commit marker: a location without one is either not a
+checkpoint or an uncommitted one, and the two get different errors. Every
+index is checked against the size and SHA-256 the manifest recorded, so a
+torn or swapped index is caught before any of its offsets is trusted.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+from ckptkit.errors import CheckpointNotFoundError, CorruptCheckpointError, UncommittedCheckpointError
+from ckptkit.layout.manifest import MANIFEST_NAME, Index, Manifest, sha256_hex
+from ckptkit.storage.base import ByteStore
+
+
+def read_manifest(store: ByteStore) -> Manifest:
+    data = _manifest_bytes(store)
+    return Manifest.from_json_bytes(data, f"{store.url}/{MANIFEST_NAME}")
+
+
+def _manifest_bytes(store: ByteStore) -> bytes:
+    try:
+        return store.read_bytes(MANIFEST_NAME)
+    except CheckpointNotFoundError:
+        pass
+    children = store.list_children()
+    if children:
+        raise UncommittedCheckpointError(
+            f"{store.url} has no committed manifest ({MANIFEST_NAME}): the save that wrote it did not "
+            "finish, so it is not a checkpoint (ckptkit gc removes such leftovers)"
+        )
+    raise CheckpointNotFoundError(f"no checkpoint at {store.url}")
+
+
+def read_index(store: ByteStore, manifest: Manifest, rank: int) -> Index:
+    ref = manifest.indexes.get(rank)
+    where = f"{store.url}/{ref.key if ref else f'index of rank {rank}'}"
+    if ref is None:
+        raise CorruptCheckpointError(f"{store.url}: the manifest lists no index for rank {rank}")
+    try:
+        data = store.read_bytes(ref.key)
+    except CheckpointNotFoundError:
+        raise CorruptCheckpointError(f"{where}: index of rank {rank} is missing") from None
+    if len(data) != ref.size or sha256_hex(data) != ref.sha256:
+        raise CorruptCheckpointError(
+            f"{where}: index of rank {rank} does not match the manifest's digest "
+            f"({len(data)} bytes, expected {ref.size})"
+        )
+    index = Index.from_json_bytes(data, where)
+    if index.rank != rank:
+        raise CorruptCheckpointError(f"{where}: index says rank {index.rank}, manifest says rank {rank}")
+    return index
+
+
+def read_indexes(store: ByteStore, manifest: Manifest, ranks: set[int], threads: int = 8) -> dict[int, Index]:
+    ordered = sorted(ranks)
+    if len(ordered) <= 1 or threads <= 1:
+        return {r: read_index(store, manifest, r) for r in ordered}
+    with ThreadPoolExecutor(max_workers=min(threads, len(ordered)), thread_name_prefix="ckptkit-index") as pool:
+        return dict(zip(ordered, pool.map(lambda r: read_index(store, manifest, r), ordered)))

@@ -1,0 +1,126 @@
+"""Walking a user's state: which leaves are tensors, declared shards, or values.
+
+``state`` is a nested structure of dicts, lists and tuples whose leaves are
+tensors, DTensors, :class:`Sharded` declarations, ``torch.Generator`` s,
+:class:`PerRank` values or JSON-like values. Each leaf is returned with its
+key and the container slot it sits in, so a load can write values back in
+place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ckptkit.errors import LayoutError
+from ckptkit.layout.pieces import Piece
+from ckptkit.layout.values import join_key
+
+
+@dataclass(frozen=True)
+class Sharded:
+    """A local tensor described by explicit pieces of global tensors.
+
+    The mechanism the framework adapters build on: a Megatron shard, a
+    fused GLU block, a vocab-padded embedding, a ZeRO flat buffer holding
+    fragments of many parameters. See :mod:`ckptkit.layout.pieces`.
+    """
+
+    local: torch.Tensor
+    pieces: tuple[Piece, ...]
+
+    def __init__(self, local: torch.Tensor, pieces: Sequence[Piece]) -> None:
+        if not isinstance(local, torch.Tensor):
+            raise LayoutError(f"Sharded needs a torch.Tensor, got {type(local).__name__}")
+        object.__setattr__(self, "local", local)
+        object.__setattr__(self, "pieces", tuple(pieces))
+        for p in self.pieces:
+            p.check_fits(tuple(local.shape))
+
+
+@dataclass
+class PerRank:
+    """A value that differs per rank (a data-loader position, a counter).
+
+    Stored in the rank's own index; restored to the same rank when the world
+    size is unchanged. On a resize the load option ``per_rank_on_resize``
+    decides (see :class:`ckptkit.LoadOptions`).
+    """
+
+    value: Any
+
+
+@dataclass
+class Leaf:
+    key: str
+    obj: Any
+    parent: Any = None
+    slot: Any = None
+
+    def assign(self, value: Any) -> None:
+        if isinstance(self.parent, tuple):
+            raise LayoutError(f"state key {self.key!r}: cannot load a value into a tuple; use a list")
+        self.parent[self.slot] = value
+
+
+@dataclass
+class FlatState:
+    tensors: list[Leaf] = field(default_factory=list)  # torch.Tensor and DTensor
+    sharded: list[Leaf] = field(default_factory=list)
+    generators: list[Leaf] = field(default_factory=list)
+    per_rank: list[Leaf] = field(default_factory=list)
+    values: list[Leaf] = field(default_factory=list)
+
+
+def _has_state(obj: Any) -> bool:
+    if isinstance(obj, (torch.Tensor, Sharded, torch.Generator, PerRank)):
+        return True
+    if isinstance(obj, dict):
+        return any(_has_state(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return any(_has_state(v) for v in obj)
+    return False
+
+
+def flatten_state(state: Any) -> FlatState:
+    if not isinstance(state, dict):
+        raise LayoutError(f"state must be a dict, got {type(state).__name__}")
+    out = FlatState()
+    _walk(state, (), None, None, out)
+    return out
+
+
+def _walk(obj: Any, path: tuple, parent: Any, slot: Any, out: FlatState) -> None:
+    key = join_key(path)
+    if isinstance(obj, torch.Tensor):
+        out.tensors.append(Leaf(key, obj, parent, slot))
+    elif isinstance(obj, Sharded):
+        out.sharded.append(Leaf(key, obj, parent, slot))
+    elif isinstance(obj, torch.Generator):
+        out.generators.append(Leaf(key, obj, parent, slot))
+    elif isinstance(obj, PerRank):
+        out.per_rank.append(Leaf(key, obj, parent, slot))
+    elif isinstance(obj, dict) and obj:
+        for k, v in obj.items():
+            _walk(v, (*path, k), obj, k, out)
+    elif isinstance(obj, (list, tuple)) and obj and _has_state(obj):
+        for i, v in enumerate(obj):
+            _walk(v, (*path, i), obj, i, out)
+    else:
+        if not path:
+            return
+        out.values.append(Leaf(key, obj, parent, slot))
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise LayoutError(f"unknown dtype {name!r}")
+    return dt

@@ -1,0 +1,69 @@
+"""Persist one rank's pieces: one sequential write per data object, checksums on the fly.
+
+Pieces go out in offset order straight from tensor memory (zero-copy for
+contiguous CPU pieces), with zero padding for alignment, and the CRC32C of
+every checksum block is computed from the same buffer as it is written,
+never by reading the file back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import crc32c
+import torch
+
+from ckptkit.engine.tensor_bytes import as_bytes, piece_tensor
+from ckptkit.layout.manifest import IndexEntry
+from ckptkit.plan.save_plan import SavePlan, WriteItem
+from ckptkit.storage.base import ByteStore
+
+_ZEROS = bytes(4096)
+
+# Supplies the tensor an item's bytes come from: the live local tensor for a
+# synchronous save, its staged snapshot for an asynchronous one.
+TensorFor = Callable[[WriteItem], torch.Tensor]
+
+
+def block_crcs(data: memoryview, block: int) -> tuple[int, ...]:
+    if len(data) == 0:
+        return (crc32c.crc32c(b""),)
+    return tuple(crc32c.crc32c(data[b:b + block]) for b in range(0, len(data), block))
+
+
+def write_pieces(
+    store: ByteStore,
+    plan: SavePlan,
+    tensor_for: TensorFor,
+    block: int,
+    progress: Callable[[int], None] | None = None,
+) -> list[IndexEntry]:
+    """Write every object of ``plan`` and return the index entries of its pieces."""
+    entries: list[IndexEntry] = []
+    for obj in plan.objects:
+        items = sorted((i for i in plan.items if i.object == obj), key=lambda i: i.offset)
+
+        def chunks(items: list[WriteItem] = items) -> Iterator[memoryview | bytes]:
+            pos = 0
+            for item in items:
+                while pos < item.offset:
+                    pad = min(len(_ZEROS), item.offset - pos)
+                    yield _ZEROS[:pad]
+                    pos += pad
+                data = as_bytes(piece_tensor(tensor_for(item), item.region, item.local))
+                if len(data) != item.nbytes:
+                    raise AssertionError(f"tensor {item.tensor!r}: piece has {len(data)} bytes, plan says {item.nbytes}")
+                entries.append(
+                    IndexEntry(item.tensor, item.region, item.object, item.offset, item.nbytes, block_crcs(data, block))
+                )
+                yield data
+                pos += item.nbytes
+                if progress is not None:
+                    progress(item.nbytes)
+            while pos < plan.objects[obj]:
+                pad = min(len(_ZEROS), plan.objects[obj] - pos)
+                yield _ZEROS[:pad]
+                pos += pad
+
+        store.write_object(obj, chunks())
+    return entries

@@ -1,0 +1,84 @@
+"""The exceptions ckptkit raises.
+
+Every failure a user can cause or meet (a bad path, a damaged checkpoint, a
+state that does not match) is one of these, and its message names the
+checkpoint, the tensor or file, the rank where it matters, and what was
+expected. Callers catch :class:`CkptkitError` to handle all of them; the CLI
+turns them into one-line messages and a non-zero exit code.
+
+Standard library only: the layout core raises these too.
+"""
+
+from __future__ import annotations
+
+
+class CkptkitError(Exception):
+    """Base class of every error ckptkit raises on purpose."""
+
+
+class LayoutError(CkptkitError, ValueError):
+    """A layout declaration is invalid (boxes out of bounds, bad parallel config)."""
+
+
+class CheckpointNotFoundError(CkptkitError, FileNotFoundError):
+    """There is no checkpoint at the given location."""
+
+
+class UncommittedCheckpointError(CheckpointNotFoundError):
+    """The location holds checkpoint data but no committed manifest.
+
+    A save that crashed or is still running leaves such a directory behind; it
+    is never loaded (DESIGN.md section 3: the manifest's appearance is the
+    commit).
+    """
+
+
+class ManifestError(CkptkitError):
+    """A manifest or index file is malformed or fails validation."""
+
+
+class UnsupportedVersionError(ManifestError):
+    """A manifest or index was written by a format version this ckptkit cannot read."""
+
+
+class UnsafePathError(ManifestError):
+    """Checkpoint metadata points outside the checkpoint (``..``, absolute paths)."""
+
+
+class CorruptCheckpointError(CkptkitError):
+    """Stored bytes do not match their metadata: truncated object, checksum or digest mismatch."""
+
+
+class StateMismatchError(CkptkitError):
+    """The caller's state and the checkpoint disagree (keys, dtypes, shapes)."""
+
+
+class MissingKeysError(StateMismatchError, KeyError):
+    """Keys the state asks for are not in the checkpoint."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+class UnexpectedKeysError(StateMismatchError):
+    """The checkpoint holds keys the state does not have (strict loading)."""
+
+
+class DTypeMismatchError(StateMismatchError, TypeError):
+    """A tensor's dtype in the checkpoint differs from the target tensor's."""
+
+
+class ShapeMismatchError(StateMismatchError):
+    """A tensor's global shape in the checkpoint differs from the target's."""
+
+
+class CoverageError(CkptkitError):
+    """Stored pieces do not cover a region the target needs, or overlap each other."""
+
+
+class StorageError(CkptkitError, OSError):
+    """The byte store failed (permission, disk full, network) in a way retries did not fix."""
+
+
+class SaveError(CkptkitError):
+    """A save failed; the previous committed checkpoint is untouched."""

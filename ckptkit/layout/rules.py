@@ -1,0 +1,154 @@
+"""Partition rules: how a logical tensor is split, as a function of the parallel degrees.
+
+A grid layout describes the layout that *was*; a rule describes the layout
+that *would be* at any :class:`ParallelConfig`. The manifest keeps both, so
+``ckptkit reshard --to tp4pp2`` can compute every target rank's pieces
+without the framework. Rules are data (frozen dataclasses, JSON round trip),
+evaluated into :class:`GridLayout` s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+from ckptkit.errors import LayoutError
+from ckptkit.layout.config import ParallelConfig
+from ckptkit.layout.grid import Fused, GridLayout, On, Placement, Replicate, Shard
+
+
+@dataclass(frozen=True)
+class PartitionRule:
+    """One logical tensor's partitioning, independent of the degrees.
+
+    * ``tp_axis``: split over tensor parallelism along this axis (column
+      parallel: 0, row parallel: 1); None: replicated over TP.
+    * ``fused``: model-space sizes of fused parts along ``tp_axis``, each
+      split over TP on its own (SwiGLU ``[gate; up]``).
+    * ``vocab_multiple``: ``tp_axis`` is padded to a multiple of
+      ``vocab_multiple * tp`` (Megatron's ``make_vocab_size_divisible_by``);
+      the padding is not model space.
+    * ``layer``: the tensor belongs to this global layer and lives on the
+      pipeline stage that owns it; ``stage``: lives on this stage (negative
+      counts from the last: embeddings on 0, the output layer on -1);
+      ``layer_axis``: layers are stacked along this axis and split by the stage
+      assignment. None of the three: replicated over PP.
+    * ``expert`` / ``num_experts``: lives on the EP rank owning expert
+      ``expert``; ``expert_axis``: experts stacked along this axis, split
+      over EP.
+    * ``dp_axis``: additionally sharded over the data-parallel group along
+      this axis (ZeRO-3 / FSDP style optimizer or parameter sharding).
+    """
+
+    tp_axis: int | None = None
+    fused: tuple[int, ...] | None = None
+    vocab_multiple: int | None = None
+    layer: int | None = None
+    stage: int | None = None
+    layer_axis: int | None = None
+    expert: int | None = None
+    num_experts: int | None = None
+    expert_axis: int | None = None
+    dp_axis: int | None = None
+
+    def __post_init__(self) -> None:
+        placed = [x for x in (self.layer, self.stage, self.layer_axis) if x is not None]
+        if len(placed) > 1:
+            raise LayoutError("a rule takes at most one of layer, stage and layer_axis")
+        if (self.fused is not None or self.vocab_multiple is not None) and self.tp_axis is None:
+            raise LayoutError("fused parts and vocab padding apply along tp_axis; set tp_axis")
+        if self.expert is not None and self.num_experts is None:
+            raise LayoutError("an expert rule needs num_experts")
+        if self.expert is not None and self.expert_axis is not None:
+            raise LayoutError("a rule takes expert or expert_axis, not both")
+
+    def evaluate(self, shape: tuple[int, ...], config: ParallelConfig, num_layers: int | None = None) -> GridLayout:
+        """The grid layout of a tensor of model-space ``shape`` under ``config``."""
+        shape = tuple(shape)
+        ndim = len(shape)
+        for name in ("tp_axis", "layer_axis", "expert_axis", "dp_axis"):
+            axis = getattr(self, name)
+            if axis is not None and not (0 <= axis < ndim):
+                raise LayoutError(f"rule {name}={axis} is outside a tensor of shape {list(shape)}")
+        padded = None
+        fused = None
+        if self.tp_axis is not None and self.vocab_multiple is not None:
+            multiple = self.vocab_multiple * config.tp
+            n = shape[self.tp_axis]
+            padded_list = list(shape)
+            padded_list[self.tp_axis] = -(-n // multiple) * multiple
+            padded = tuple(padded_list)
+        if self.fused is not None:
+            if sum(self.fused) != shape[self.tp_axis]:  # type: ignore[index]
+                raise LayoutError(f"fused parts {list(self.fused)} do not sum to axis {self.tp_axis} of {list(shape)}")
+            for part in self.fused:
+                if part % config.tp:
+                    raise LayoutError(f"fused part of {part} does not split evenly over tp={config.tp}")
+            fused = Fused(self.tp_axis, self.fused)  # type: ignore[arg-type]
+
+        # Mesh dims: pp, edp, ep, cp, tp (config.MESH_DIMS).
+        pp: Placement = Replicate()
+        if self.layer is not None:
+            if num_layers is None:
+                raise LayoutError("a per-layer rule needs the model's number of layers")
+            pp = On(config.layer_owner(self.layer, num_layers)[0])
+        elif self.stage is not None:
+            stage = self.stage % config.pp
+            pp = On(stage)
+        elif self.layer_axis is not None:
+            n = shape[self.layer_axis]
+            pp = Shard(self.layer_axis, sizes=config.chunk_layers(n))
+
+        dp_sf = config.tp if (self.dp_axis is not None and self.dp_axis == self.tp_axis and config.tp > 1) else 1
+        edp: Placement = Replicate()
+        ep: Placement = Replicate()
+        if self.dp_axis is not None:
+            edp = Shard(self.dp_axis, split_factor=dp_sf)
+        if self.expert is not None:
+            per_rank = self.num_experts / config.ep  # type: ignore[operator]
+            if self.num_experts % config.ep:  # type: ignore[operator]
+                raise LayoutError(f"{self.num_experts} experts do not split evenly over ep={config.ep}")
+            ep = On(int(self.expert // per_rank))
+        elif self.expert_axis is not None:
+            if shape[self.expert_axis] % config.ep:
+                raise LayoutError(f"{shape[self.expert_axis]} experts do not split evenly over ep={config.ep}")
+            ep = Shard(self.expert_axis)
+        elif self.dp_axis is not None:
+            # dense tensors: the data-parallel group is edp x ep; expert tensors use edp only
+            ep = Shard(self.dp_axis, split_factor=dp_sf)
+        tp: Placement = Shard(self.tp_axis) if self.tp_axis is not None else Replicate()
+        if self.tp_axis is not None and fused is None and padded is None and shape[self.tp_axis] % config.tp:
+            raise LayoutError(f"axis {self.tp_axis} of {list(shape)} does not split evenly over tp={config.tp}")
+        return GridLayout(config.mesh(), (pp, edp, ep, Replicate(), tp), shape, padded, fused)
+
+    def to_json(self) -> dict:
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self).items() if v is not None}
+
+    @staticmethod
+    def from_json(value: object) -> PartitionRule:
+        if not isinstance(value, dict):
+            raise LayoutError(f"expected a partition rule object, got {value!r}")
+        known = {f.name for f in fields(PartitionRule)}
+        unknown = set(value) - known
+        if unknown:
+            raise LayoutError(f"partition rule has unknown fields {sorted(unknown)}")
+        kwargs = {}
+        for k, v in value.items():
+            if k == "fused":
+                kwargs[k] = tuple(int(x) for x in v)
+            elif v is not None:
+                if not isinstance(v, int) or isinstance(v, bool):
+                    raise LayoutError(f"partition rule field {k}={v!r} must be an integer")
+                kwargs[k] = v
+        return PartitionRule(**kwargs)
+
+
+def column_parallel(**kw: int) -> PartitionRule:
+    return PartitionRule(tp_axis=0, **kw)
+
+
+def row_parallel(**kw: int) -> PartitionRule:
+    return PartitionRule(tp_axis=1, **kw)
+
+
+def replicated(**kw: int) -> PartitionRule:
+    return PartitionRule(**kw)

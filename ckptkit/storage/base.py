@@ -1,0 +1,71 @@
+"""The byte-store interface every storage backend implements.
+
+Small on purpose: streaming writes of large objects, small durable puts, an
+atomic put-if-absent (the commit), ranged reads into caller buffers, listing
+and deletion. It knows nothing of tensors. Keys are ``/``-separated strings
+relative to the store's root, because roots are often remote URIs
+(``s3://bucket/run``), not paths.
+
+Durability contract: when ``write_object``/``put_bytes`` return, the bytes
+survive a crash of this process and of the machine (fsync on POSIX, a
+completed PUT on object stores). ``put_if_absent`` is atomic: two writers can
+never both succeed, and a reader never sees a partial object.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+
+
+class ByteStore(ABC):
+    """A place to put and get bytes by key (a directory, a bucket prefix)."""
+
+    url: str
+
+    @abstractmethod
+    def child(self, name: str) -> ByteStore:
+        """The store rooted at ``name`` under this one."""
+
+    @abstractmethod
+    def write_object(self, key: str, chunks: Iterable[memoryview | bytes]) -> int:
+        """Write ``chunks`` as one object, durably; return its size."""
+
+    @abstractmethod
+    def put_bytes(self, key: str, data: bytes) -> None:
+        """Write a small object durably, replacing any previous one atomically."""
+
+    @abstractmethod
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        """Atomically create ``key``; False (and nothing written) if it already exists."""
+
+    @abstractmethod
+    def read_into(self, key: str, offset: int, out: memoryview) -> None:
+        """Fill ``out`` with bytes ``[offset, offset + len(out))``; CorruptCheckpointError if short."""
+
+    @abstractmethod
+    def read_bytes(self, key: str) -> bytes:
+        """The whole object; CheckpointNotFoundError if missing."""
+
+    @abstractmethod
+    def size(self, key: str) -> int | None:
+        """Object size, or None if it does not exist."""
+
+    @abstractmethod
+    def list_keys(self, prefix: str = "") -> list[str]:
+        """Every object key under ``prefix`` (recursive), sorted."""
+
+    @abstractmethod
+    def list_children(self) -> list[str]:
+        """Names directly under the root (objects and prefixes), sorted."""
+
+    @abstractmethod
+    def delete(self, key: str) -> None:
+        """Remove one object; no error if missing."""
+
+    @abstractmethod
+    def delete_all(self) -> None:
+        """Remove every object under the root (and the root itself where that means anything)."""
+
+    def exists(self, key: str) -> bool:
+        return self.size(key) is not None
