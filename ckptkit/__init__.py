@@ -3,13 +3,17 @@
     import ckptkit
     ckptkit.save(state, "runs/exp1/step-100")   # every rank writes only its own pieces
     ckptkit.load(state, "runs/exp1/step-100")   # in place, at this job's layout
+
+The torch-facing names (save, load, Sharded, ...) are imported on first use,
+so the layout core, the catalog and the CLI's metadata commands start without
+importing torch.
 """
 
-from ckptkit.api import load, save
-from ckptkit.engine.loader import LoadResult
-from ckptkit.engine.saver import VERSION as __version__
-from ckptkit.engine.saver import SaveResult
-from ckptkit.engine.state import PerRank, Sharded
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from ckptkit.errors import (
     CheckpointNotFoundError,
     CkptkitError,
@@ -30,6 +34,32 @@ from ckptkit.errors import (
 )
 from ckptkit.layout import Box, ParallelConfig, PartitionRule, Piece, Region, box_piece, flat_piece
 from ckptkit.options import LoadOptions, SaveOptions
+from ckptkit.version import __version__
+
+if TYPE_CHECKING:
+    from ckptkit.api import load, save
+    from ckptkit.engine.loader import LoadResult
+    from ckptkit.engine.saver import SaveResult
+    from ckptkit.engine.state import PerRank, Sharded
+
+_LAZY = {
+    "save": "ckptkit.api",
+    "load": "ckptkit.api",
+    "SaveResult": "ckptkit.engine.saver",
+    "LoadResult": "ckptkit.engine.loader",
+    "Sharded": "ckptkit.engine.state",
+    "PerRank": "ckptkit.engine.state",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ckptkit' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "save", "load", "SaveResult", "LoadResult", "Sharded", "PerRank", "SaveOptions", "LoadOptions",

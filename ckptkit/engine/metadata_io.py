@@ -29,7 +29,7 @@ def _manifest_bytes(store: ByteStore) -> bytes:
     if children:
         raise UncommittedCheckpointError(
             f"{store.url} has no committed manifest ({MANIFEST_NAME}): the save that wrote it did not "
-            "finish, so it is not a checkpoint (ckptkit gc removes such leftovers)"
+            "finish, so it is not a checkpoint (saving to this path again replaces the leftovers)"
         )
     raise CheckpointNotFoundError(f"no checkpoint at {store.url}")
 

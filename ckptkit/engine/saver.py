@@ -28,10 +28,12 @@ from typing import Any
 import torch
 
 from ckptkit.adapters.dtensor import grid_of, is_dtensor, local_of
+from ckptkit.engine.checkpoint_dir import remove_uncommitted
 from ckptkit.engine.collective import Comm, Outcome
 from ckptkit.engine.state import FlatState, dtype_name
 from ckptkit.engine.writer import write_pieces
 from ckptkit.errors import CkptkitError, SaveError
+from ckptkit.version import __version__
 from ckptkit.layout.grid import GridLayout, Mesh, Replicate
 from ckptkit.layout.manifest import MANIFEST_NAME, Index, IndexRef, sha256_hex
 from ckptkit.layout.values import encode_value
@@ -41,7 +43,6 @@ from ckptkit.plan.save_plan import ExplicitDecl, GridDecl, SavePlan, index_objec
 from ckptkit.storage.base import ByteStore
 
 log = logging.getLogger("ckptkit")
-VERSION = "0.1.0"
 
 
 @dataclass(frozen=True)
@@ -157,8 +158,9 @@ def check_target(store: ByteStore) -> None:
             "(save to a new path, or delete it first)"
         )
     if store.list_children():
-        log.warning("removing leftovers of an uncommitted save at %s", store.url)
-        store.delete_all()
+        removed = remove_uncommitted(store)
+        if removed:
+            log.warning("removed %d leftover objects of an uncommitted save at %s", len(removed), store.url)
 
 
 def prepare(flat: FlatState, store: ByteStore, comm: Comm) -> tuple[Prepared | None, Outcome]:
@@ -216,17 +218,20 @@ def commit(
     report: Outcome, prep: Prepared | None, store: ByteStore, comm: Comm, metadata: dict[str, Any] | None
 ) -> int:
     """Gather reports, merge, publish the manifest; return the checkpoint's total bytes. Collective."""
-    gathered = comm.gather((report, prep.plan.nbytes if prep is not None else 0))
+    object_bytes = sum(prep.plan.objects.values()) if prep is not None else 0
+    gathered = comm.gather((report, prep.plan.nbytes if prep is not None else 0, object_bytes))
     outcome: Outcome
     if comm.rank == 0:
         assert gathered is not None
         try:
             _raise_failures([g[0] for g in gathered], 0, store.url, "persist")
             total = sum(g[1] for g in gathered)
+            stored = sum(g[2] + g[0].payload.index.size for g in gathered)
             meta = {
                 "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                "ckptkit_version": VERSION,
-                "total_bytes": total,
+                "ckptkit_version": __version__,
+                "tensor_bytes": total,  # model-space bytes of every stored piece
+                "stored_bytes": stored,  # data objects (with alignment) and indexes, without the manifest
                 "user": encode_value(dict(metadata or {}), "metadata"),
             }
             manifest = merge_reports(
@@ -243,7 +248,10 @@ def commit(
         except (CkptkitError, OSError) as exc:
             outcome = _fail(exc)
             if not store.exists(MANIFEST_NAME):
-                store.delete_all()  # an uncommitted save leaves nothing behind
+                try:
+                    remove_uncommitted(store)  # an uncommitted save leaves nothing behind
+                except (CkptkitError, OSError):
+                    log.warning("could not clean up the failed save at %s", store.url)
     else:
         outcome = Outcome(True)
     outcome = comm.broadcast(outcome)

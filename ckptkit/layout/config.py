@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from ckptkit.errors import LayoutError
 from ckptkit.layout.grid import Mesh
@@ -95,7 +96,7 @@ class ParallelConfig:
 
     def mesh(self) -> Mesh:
         """The rank mesh ``(pp, edp, ep, cp, tp)``, ranks in Megatron's default order."""
-        return Mesh.arange(MESH_DIMS, (self.pp, self.dp // self.ep, self.ep, self.cp, self.tp))
+        return _mesh(self.pp, self.dp // self.ep, self.ep, self.cp, self.tp)
 
     def coordinate(self, rank: int) -> dict[str, int]:
         coord = self.mesh().coordinate(rank)
@@ -135,3 +136,10 @@ class ParallelConfig:
         for k, n in enumerate(self.chunk_layers(num_layers)):
             counts[k % self.pp] += n
         return tuple(counts)
+
+
+@lru_cache(maxsize=32)
+def _mesh(pp: int, edp: int, ep: int, cp: int, tp: int) -> Mesh:
+    # One Mesh object per shape: layouts evaluated from rules share it, so caches keyed
+    # by mesh hit by identity instead of comparing 16k-rank tuples.
+    return Mesh.arange(MESH_DIMS, (pp, edp, ep, cp, tp))

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from math import prod
 
 from ckptkit.errors import LayoutError
@@ -35,7 +35,7 @@ from ckptkit.layout.box import Box
 Run = tuple[int, int, int]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Mesh:
     """Named mesh dimensions and the global rank at every coordinate (row-major)."""
 
@@ -57,6 +57,13 @@ class Mesh:
 
     def __hash__(self) -> int:
         return self._hash  # type: ignore[attr-defined]
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        if not isinstance(other, Mesh) or self._hash != other._hash:  # type: ignore[attr-defined]
+            return False
+        return (self.dims, self.shape, self.ranks) == (other.dims, other.shape, other.ranks)
 
     @staticmethod
     def arange(dims: tuple[str, ...], shape: tuple[int, ...], start: int = 0) -> Mesh:
@@ -267,35 +274,54 @@ class GridLayout:
     def full_shape(self) -> tuple[int, ...]:
         return self.padded if self.padded is not None else self.shape
 
-    @property
+    @cached_property
     def shard_dims(self) -> tuple[int, ...]:
         """Mesh dimensions that split the tensor (a cell is a coordinate along these)."""
         return tuple(i for i, p in enumerate(self.placements) if isinstance(p, Shard))
 
-    @property
+    @cached_property
     def replica_dims(self) -> tuple[int, ...]:
         return tuple(i for i, p in enumerate(self.placements) if isinstance(p, Replicate))
 
-    @property
+    @cached_property
     def num_replicas(self) -> int:
         return prod(self.mesh.shape[i] for i in self.replica_dims)
 
-    @property
+    @cached_property
     def num_cells(self) -> int:
         return prod(self.mesh.shape[i] for i in self.shard_dims)
 
+    @cached_property
+    def _meshdims_by_axis(self) -> tuple[tuple[int, ...], ...]:
+        return tuple(
+            tuple(i for i in self.shard_dims if self.placements[i].axis == d)  # type: ignore[union-attr]
+            for d in range(len(self.shape))
+        )
+
+    @cached_property
+    def _on(self) -> tuple[tuple[int, int], ...]:
+        return tuple((i, p.index) for i, p in enumerate(self.placements) if isinstance(p, On))
+
     def _dim_meshdims(self, d: int) -> tuple[int, ...]:
-        return tuple(i for i in self.shard_dims if self.placements[i].axis == d)  # type: ignore[union-attr]
+        return self._meshdims_by_axis[d]
+
+    @cached_property
+    def _runs_cache(self) -> dict[tuple[int, tuple[int, ...]], tuple[list[Run], int]]:
+        return {}
 
     def dim_runs(self, d: int, coords: tuple[int, ...]) -> tuple[list[Run], int]:
         """Runs held along tensor dim ``d`` for ``coords`` (one per mesh dim sharding ``d``),
         clipped to model space, and the local size of that dimension (padding included)."""
-        return _dim_runs_cached(self, d, coords)
+        key = (d, coords)
+        hit = self._runs_cache.get(key)
+        if hit is None:
+            hit = self._runs_cache[key] = _dim_runs(self, d, coords)
+        return hit
 
     def local_pieces(self, coord: tuple[int, ...]) -> tuple[tuple[int, ...], list[tuple[tuple[int, ...], Box]]] | None:
         """The local shape and ``(local_offsets, global_box)`` pieces at mesh ``coord``; None if not held."""
-        for i, p in enumerate(self.placements):
-            if isinstance(p, On) and coord[i] != p.index:
+        for i, index in self._on:
+            if coord[i] != index:
                 return None
         per_dim = []
         local_shape = []
@@ -336,22 +362,21 @@ class GridLayout:
         return self.mesh.rank_at(tuple(coord))
 
     def is_writer(self, coord: tuple[int, ...], rotation: int) -> bool:
-        if any(isinstance(p, On) and coord[i] != p.index for i, p in enumerate(self.placements)):
+        if any(coord[i] != index for i, index in self._on):
             return False
         return (rotation + self.cell_of(coord)) % self.num_replicas == self.replica_of(coord)
 
     def overlapping(self, box: Box) -> list[tuple[Box, dict[int, int]]]:
-        """Stored boxes that intersect ``box``, with the cell (mesh dim -> coordinate) holding each."""
+        """Stored boxes that intersect ``box``, with the cell (mesh dim -> coordinate) holding each.
+
+        Works dimension by dimension and descends the placements of each
+        dimension computing only the coordinates whose chunk can overlap, so
+        the cost follows the number of overlapping cells, not the mesh size.
+        """
         per_dim: list[list[tuple[dict[int, int], Run]]] = []
         for d in range(len(self.shape)):
-            mdims = self._dim_meshdims(d)
             lo, hi = box.offsets[d], box.offsets[d] + box.sizes[d]
-            hits = []
-            for coords in itertools.product(*(range(self.mesh.shape[i]) for i in mdims)):
-                runs, _ = self.dim_runs(d, coords)
-                for r in runs:
-                    if r[0] < hi and lo < r[0] + r[2]:
-                        hits.append((dict(zip(mdims, coords)), r))
+            hits = _dim_hits(self, d, lo, hi)
             if not hits:
                 return []
             per_dim.append(hits)
@@ -387,18 +412,84 @@ class GridLayout:
         return GridLayout(mesh, placements, shape, padded, fused)
 
 
-@lru_cache(maxsize=65536)
-def _dim_runs_cached(layout: GridLayout, d: int, coords: tuple[int, ...]) -> tuple[list[Run], int]:
-    full = layout.full_shape[d]
-    where = f"tensor axis {d}"
+def _segments(layout: GridLayout, d: int) -> list[list[Run]]:
+    """Tensor dim ``d`` before sharding: one segment, or one per fused part."""
     if layout.fused is not None and layout.fused.axis == d:
         segments: list[list[Run]] = []
         start = 0
         for size in layout.fused.parts:
             segments.append([(start, 0, size)])
             start += size
-    else:
-        segments = [[(0, 0, full)]]
+        return segments
+    return [[(0, 0, layout.full_shape[d])]]
+
+
+def _positions(runs: list[Run], lo: int, hi: int) -> list[tuple[int, int]]:
+    """Position intervals, within the concatenation of ``runs``, of global indices in [lo, hi)."""
+    out = []
+    pos = 0
+    for g, _, n in runs:
+        a, b = max(lo, g), min(hi, g + n)
+        if b > a:
+            out.append((pos + a - g, pos + b - g))
+        pos += n
+    return out
+
+
+def _candidates(p: Shard, k: int, runs: list[Run], lo: int, hi: int) -> list[int]:
+    """Coordinates along a mesh dim of size ``k`` whose chunk of ``runs`` may meet [lo, hi)."""
+    if p.sizes is not None:
+        return list(range(k))
+    n = sum(r[2] for r in runs)
+    found: set[int] = set()
+    for a, b in _positions(runs, lo, hi):
+        if p.split_factor == 1:
+            size = -(-n // k)
+            found.update(range(a // size, min(k, -(-b // size))))
+            continue
+        part = -(-n // p.split_factor)
+        for j in range(a // part, min(p.split_factor, -(-b // part))):
+            start, stop = j * part, min(n, (j + 1) * part)
+            ra, rb = max(a, start) - start, min(b, stop) - start
+            size = -(-(stop - start) // k)
+            if rb > ra and size:
+                found.update(range(ra // size, min(k, -(-rb // size))))
+    return sorted(found)
+
+
+def _dim_hits(layout: GridLayout, d: int, lo: int, hi: int) -> list[tuple[dict[int, int], Run]]:
+    """(mesh coords, stored run) pairs along tensor dim ``d`` that meet [lo, hi) in model space."""
+    mdims = layout._dim_meshdims(d)
+    limit = layout.shape[d]
+    found: dict[tuple[int, ...], list[Run]] = {}
+
+    def descend(level: int, runs: list[Run], coords: tuple[int, ...]) -> None:
+        if not _positions(runs, lo, hi):
+            return
+        if level == len(mdims):
+            found.setdefault(coords, []).extend(runs)
+            return
+        i = mdims[level]
+        p = layout.placements[i]
+        k = layout.mesh.shape[i]
+        for c in _candidates(p, k, runs, lo, hi):  # type: ignore[arg-type]
+            descend(level + 1, _apply(p, k, c, runs, f"tensor axis {d}"), (*coords, c))  # type: ignore[arg-type]
+
+    for seg in _segments(layout, d):
+        descend(0, seg, ())
+    hits = []
+    for coords, runs in found.items():
+        cell = dict(zip(mdims, coords))
+        for g, _, n in runs:
+            n = min(n, limit - g)
+            if n > 0 and g < hi and lo < g + n:
+                hits.append((cell, (g, 0, n)))
+    return hits
+
+
+def _dim_runs(layout: GridLayout, d: int, coords: tuple[int, ...]) -> tuple[list[Run], int]:
+    where = f"tensor axis {d}"
+    segments = _segments(layout, d)
     mdims = layout._dim_meshdims(d)
     runs: list[Run] = []
     for seg in segments:

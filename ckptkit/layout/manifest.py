@@ -32,10 +32,12 @@ INDEX_FORMAT = "ckptkit-index"
 VERSION = 1
 MANIFEST_NAME = "manifest.json"
 
-DTYPES = (
-    "float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2",
-    "int64", "int32", "int16", "int8", "uint8", "bool", "complex64", "complex128",
-)
+# Every dtype a manifest may name, with its bytes per element (so metadata-only
+# tools never need torch to size a tensor).
+DTYPES: dict[str, int] = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1, "complex64": 8, "complex128": 16,
+}
 _SAFE_KEY = re.compile(r"^[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*$")
 
 
@@ -49,11 +51,36 @@ def check_object_key(key: object, where: str) -> str:
     return key
 
 
-@dataclass(frozen=True)
 class ExplicitLayout:
-    """The stored pieces of a tensor declared piece by piece: ``(region, writer rank)``."""
+    """The stored pieces of a tensor declared piece by piece: ``(region, writer rank)``.
 
-    pieces: tuple[tuple[Region, int], ...]
+    Read from a manifest, the pieces are parsed and validated on first use: at
+    16k ranks the directories of all tensors are megabytes of JSON, and a
+    loading rank needs only the tensors it holds.
+    """
+
+    def __init__(self, pieces: tuple[tuple[Region, int], ...] | None = None, *, raw: Any = None,
+                 shape: tuple[int, ...] = (), world: int = 0, where: str = "") -> None:
+        self._pieces = pieces
+        self._raw = (raw, shape, world, where)
+
+    @staticmethod
+    def from_json(raw: Any, shape: tuple[int, ...], world: int, where: str) -> ExplicitLayout:
+        _list(raw, f"{where}: pieces")
+        return ExplicitLayout(raw=raw, shape=shape, world=world, where=where)
+
+    @property
+    def pieces(self) -> tuple[tuple[Region, int], ...]:
+        if self._pieces is None:
+            self._pieces = _parse_pieces(*self._raw)
+            self._raw = (None, (), 0, "")
+        return self._pieces
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ExplicitLayout) and self.pieces == other.pieces
+
+    def __repr__(self) -> str:
+        return f"ExplicitLayout({len(self.pieces)} pieces)"
 
     def overlapping(self, box: Box) -> list[tuple[Region, int]]:
         out = []
@@ -61,6 +88,24 @@ class ExplicitLayout:
             if any(b.intersect(box) is not None for b in region.boxes()):
                 out.append((region, writer))
         return out
+
+
+def _parse_pieces(raw: Any, shape: tuple[int, ...], world: int, where: str) -> tuple[tuple[Region, int], ...]:
+    pieces = []
+    try:
+        for item in _list(raw, f"{where}: pieces"):
+            if not isinstance(item, list) or len(item) != 4:
+                raise ManifestError(f"{where}: malformed piece {item!r}")
+            region = Region.from_json({"box": [item[0], item[1]], "flat": item[2]})
+            if not region.box.within(shape):
+                raise ManifestError(f"{where}: piece {region.to_json()} is outside shape {list(shape)}")
+            writer = _int(item[3], f"{where}: writer rank", minimum=0)
+            if writer >= world:
+                raise ManifestError(f"{where}: piece written by rank {writer} in a world of {world}")
+            pieces.append((region, writer))
+    except LayoutError as exc:
+        raise ManifestError(f"{where}: {exc}") from None
+    return tuple(pieces)
 
 
 @dataclass(frozen=True)
@@ -147,6 +192,8 @@ class Manifest:
                 meshes[mid] = Mesh.from_json(mdoc)
             except LayoutError as exc:
                 raise ManifestError(f"{where}: mesh {mid!r}: {exc}") from None
+            if max(meshes[mid].ranks) >= world:
+                raise ManifestError(f"{where}: mesh {mid!r} has ranks outside the world of {world}")
         tensors = {}
         for key, tdoc in _dict(doc.get("tensors"), f"{where}: tensors").items():
             tensors[key] = _tensor_from_json(key, tdoc, meshes, world, f"{where}: tensor {key!r}")
@@ -186,24 +233,12 @@ def _tensor_from_json(key: str, tdoc: Any, meshes: dict[str, Mesh], world: int, 
             mesh = meshes.get(ldoc.get("mesh"))  # type: ignore[arg-type]
             if mesh is None:
                 raise ManifestError(f"{where}: layout names unknown mesh {ldoc.get('mesh')!r}")
-            if any(r >= world for r in mesh.ranks):
-                raise ManifestError(f"{where}: mesh has ranks outside the world of {world}")
             layout: GridLayout | ExplicitLayout = GridLayout.from_json(ldoc, mesh, shape)
             rotation = _int(ldoc.get("rotation", 0), f"{where}: rotation", minimum=0)
             return TensorMeta(key, dtype, shape, layout, rotation, rule)
         if ldoc.get("kind") == "explicit":
-            pieces = []
-            for item in _list(ldoc.get("pieces"), f"{where}: pieces"):
-                if not isinstance(item, list) or len(item) != 4:
-                    raise ManifestError(f"{where}: malformed piece {item!r}")
-                region = Region.from_json({"box": [item[0], item[1]], "flat": item[2]})
-                if not region.box.within(shape):
-                    raise ManifestError(f"{where}: piece {region.to_json()} is outside shape {list(shape)}")
-                writer = _int(item[3], f"{where}: writer rank", minimum=0)
-                if writer >= world:
-                    raise ManifestError(f"{where}: piece written by rank {writer} in a world of {world}")
-                pieces.append((region, writer))
-            return TensorMeta(key, dtype, shape, ExplicitLayout(tuple(pieces)), 0, rule)
+            layout_e = ExplicitLayout.from_json(ldoc.get("pieces"), shape, world, where)
+            return TensorMeta(key, dtype, shape, layout_e, 0, rule)
     except LayoutError as exc:
         raise ManifestError(f"{where}: {exc}") from None
     raise ManifestError(f"{where}: unknown layout kind {ldoc.get('kind')!r}")
@@ -285,6 +320,10 @@ class Index:
             if len(crcs) != max(1, -(-nbytes // block)):
                 raise ManifestError(f"{where}: tensor {tensor!r} has {len(crcs)} checksums for {nbytes} bytes")
             entries.append(IndexEntry(tensor, region, obj, offset, nbytes, crcs))
+        spans = sorted((e.object, e.offset, e.offset + e.nbytes, e.tensor) for e in entries if e.nbytes)
+        for (o1, _, end1, t1), (o2, start2, _, t2) in zip(spans, spans[1:]):
+            if o1 == o2 and start2 < end1:
+                raise ManifestError(f"{where}: pieces of {t1!r} and {t2!r} overlap in object {o1!r}")
         values = _dict(doc.get("values", {}), f"{where}: values")
         return Index(rank, block, objects, entries, values, doc["version"])
 
@@ -295,12 +334,16 @@ def sha256_hex(data: bytes) -> str:
 
 def _load_json(data: bytes, where: str) -> dict:
     try:
-        doc = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        doc = json.loads(data, parse_constant=_reject_constant)
+    except (UnicodeDecodeError, json.JSONDecodeError, ValueError) as exc:
         raise ManifestError(f"{where}: not valid JSON ({exc})") from None
     if not isinstance(doc, dict):
         raise ManifestError(f"{where}: expected a JSON object")
     return doc
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"non-standard JSON constant {name}")
 
 
 def _check_header(doc: dict, fmt: str, where: str) -> None:

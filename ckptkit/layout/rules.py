@@ -9,7 +9,7 @@ evaluated into :class:`GridLayout` s.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 
 from ckptkit.errors import LayoutError
 from ckptkit.layout.config import ParallelConfig
@@ -121,7 +121,12 @@ class PartitionRule:
         return GridLayout(config.mesh(), (pp, edp, ep, Replicate(), tp), shape, padded, fused)
 
     def to_json(self) -> dict:
-        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self).items() if v is not None}
+        out = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if v is not None:
+                out[f.name] = list(v) if isinstance(v, tuple) else v
+        return out
 
     @staticmethod
     def from_json(value: object) -> PartitionRule:

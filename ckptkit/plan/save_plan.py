@@ -114,11 +114,14 @@ def grid_rotations(decls: list[GridDecl]) -> dict[str, int]:
                 continue
             cells = d.layout.num_cells
             per_cell = numel[d.key] / cells
-            rot = min(range(replicas), key=lambda r: (load[r], r))
-            q, rem = divmod(cells, replicas)
-            for j in range(replicas):
-                extra = 1 if (j - rot) % replicas < rem else 0
-                load[j] += per_cell * (q + extra)
+            rot = load.index(min(load))
+            if cells < replicas:
+                for c in range(cells):
+                    load[(rot + c) % replicas] += per_cell
+            else:
+                q, rem = divmod(cells, replicas)
+                for j in range(replicas):
+                    load[j] += per_cell * (q + (1 if (j - rot) % replicas < rem else 0))
             out[d.key] = rot
     return out
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import stat
+import uuid
 from collections.abc import Iterable
 
 from ckptkit.errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
@@ -69,7 +71,7 @@ class LocalStore(ByteStore):
 
     def put_bytes(self, key: str, data: bytes) -> None:
         path = self._path(key)
-        tmp = f"{path}.tmp-{os.getpid()}"
+        tmp = _temp_name(path)
         try:
             self._make_parent(path)
             _write_durable(tmp, data)
@@ -81,7 +83,7 @@ class LocalStore(ByteStore):
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
         path = self._path(key)
-        tmp = f"{path}.tmp-{os.getpid()}"
+        tmp = _temp_name(path)
         try:
             self._make_parent(path)
             _write_durable(tmp, data)
@@ -126,7 +128,7 @@ class LocalStore(ByteStore):
         try:
             with open(path, "rb") as f:
                 return f.read()
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             raise CheckpointNotFoundError(f"{path} does not exist") from None
         except IsADirectoryError:
             raise CheckpointNotFoundError(f"{path} is a directory, not a file") from None
@@ -134,11 +136,14 @@ class LocalStore(ByteStore):
             raise _storage_error(exc, f"reading {path}") from exc
 
     def size(self, key: str) -> int | None:
+        path = self._path(key)
         try:
-            st = os.stat(self._path(key))
+            st = os.stat(path)
         except (FileNotFoundError, NotADirectoryError):
             return None
-        return st.st_size if not os.path.isdir(self._path(key)) else None
+        except OSError as exc:
+            raise _storage_error(exc, f"inspecting {path}") from exc
+        return None if stat.S_ISDIR(st.st_mode) else st.st_size
 
     def list_keys(self, prefix: str = "") -> list[str]:
         base = self._path(prefix)
@@ -156,6 +161,8 @@ class LocalStore(ByteStore):
             return sorted(os.listdir(self.root))
         except (FileNotFoundError, NotADirectoryError):
             return []
+        except OSError as exc:
+            raise _storage_error(exc, f"listing {self.root}") from exc
 
     def delete(self, key: str) -> None:
         _remove_quietly(self._path(key))
@@ -165,6 +172,11 @@ class LocalStore(ByteStore):
 
     def is_dir(self) -> bool:
         return os.path.isdir(self.root)
+
+
+def _temp_name(path: str) -> str:
+    # unique per writer (process, thread, call): concurrent commits must not share a temporary
+    return f"{path}.tmp-{os.getpid()}-{uuid.uuid4().hex[:12]}"
 
 
 def _write_durable(path: str, data: bytes) -> None:

@@ -1,0 +1,60 @@
+"""The ``ckptkit`` entry point: the command group and its one error boundary.
+
+Every failure ckptkit raises on purpose (:class:`ckptkit.errors.CkptkitError`)
+is a message for the user, not a bug, so it becomes one ``error: ...`` line on
+stderr and exit code 2 — here, once, rather than in every command. Exit code 1
+is left to mean "ran fine, found problems" (``verify``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import click
+
+from ckptkit.cli import render
+from ckptkit.cli.commands_inspect import inspect_cmd
+from ckptkit.cli.commands_ls import ls_cmd
+from ckptkit.cli.commands_verify import verify_cmd
+from ckptkit.errors import CkptkitError
+
+EXIT_ERROR = 2
+
+
+class CkptkitGroup(click.Group):
+    """A click group that turns ckptkit (and OS) errors into a one-line message and exit code 2."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except (CkptkitError, OSError) as exc:
+            render.error(str(exc) or type(exc).__name__)
+            ctx.exit(EXIT_ERROR)
+
+
+@click.group(cls=CkptkitGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="ckptkit", prog_name="ckptkit")
+def cli() -> None:
+    """Inspect ckptkit checkpoints without loading them (no torch.load, no pickle).
+
+    \b
+    Examples:
+      ckptkit ls runs/exp1
+      ckptkit inspect runs/exp1/step-0001000 --tensor 'layers.0.*'
+      ckptkit verify runs/exp1/step-0001000
+    """
+
+
+cli.add_command(ls_cmd)
+cli.add_command(inspect_cmd)
+cli.add_command(verify_cmd)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Console-script entry point (``ckptkit = "ckptkit.cli.main:main"``); exits the process."""
+    cli.main(args=list(argv) if argv is not None else None, prog_name="ckptkit")
+
+
+if __name__ == "__main__":  # python -m ckptkit.cli.main
+    main()
