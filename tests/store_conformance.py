@@ -29,6 +29,15 @@ class StoreTests:
         store.read_into("data/rank-00000.bin", 5, memoryview(out))
         assert bytes(out) == expected[5:105]
 
+    def test_vectored_read_scatters_consecutive_bytes(self, store):
+        payload = bytes(range(256)) * 40
+        store.write_object("o", [payload])
+        bufs = [bytearray(3), bytearray(0), bytearray(5000), bytearray(7)]
+        store.read_into_vectored("o", 11, [memoryview(b) for b in bufs])
+        assert b"".join(bufs) == payload[11:11 + 5010]
+        with pytest.raises(CorruptCheckpointError, match="truncated"):
+            store.read_into_vectored("o", len(payload) - 4, [memoryview(bytearray(2)), memoryview(bytearray(4))])
+
     def test_short_read_is_corruption(self, store):
         store.write_object("o", [b"12345"])
         with pytest.raises(CorruptCheckpointError, match="truncated"):

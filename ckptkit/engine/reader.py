@@ -1,8 +1,8 @@
 """Execute read requests: ranged reads, checksum verification, placement into tensors.
 
-A *direct* request (one whole stored piece landing in contiguous
-destination memory, the common same-layout case) is read straight into the
-destination tensor. Others are read into a scratch buffer and scattered with
+A *direct* request (whole stored pieces landing in contiguous destination
+memory, the common same-layout case) is one vectored read straight into the
+destination tensors. Others are read into a scratch buffer and scattered with
 strided copies. Every byte read is covered by a checksum block and verified
 before the request is considered done.
 """
@@ -10,6 +10,7 @@ before the request is considered done.
 from __future__ import annotations
 
 from collections.abc import Callable
+import bisect
 from concurrent.futures import ThreadPoolExecutor
 
 import crc32c
@@ -21,9 +22,10 @@ from ckptkit.plan.load_plan import ReadRequest
 from ckptkit.storage.base import ByteStore
 
 
-def _verify(req: ReadRequest, data: memoryview, where: str) -> None:
-    for check in req.checks:
-        lo = check.offset - req.offset
+def _verify_view(req: ReadRequest, offset: int, data: memoryview, checks: list, where: str) -> None:
+    """Check every block in ``checks``; ``data`` holds request bytes from ``offset`` on."""
+    for check in checks:
+        lo = check.offset - req.offset - offset
         got = crc32c.crc32c(data[lo:lo + check.length])
         if got != check.crc:
             raise CorruptCheckpointError(
@@ -33,19 +35,44 @@ def _verify(req: ReadRequest, data: memoryview, where: str) -> None:
             )
 
 
+def _execute_direct(req: ReadRequest, store: ByteStore, targets: list[torch.Tensor], where: str) -> int:
+    """Scatter the request's bytes straight into the destination tensors, then verify them there."""
+    placed = sorted(req.ops, key=lambda p: p.src_byte)
+    buffers: list[memoryview] = []
+    views: list[tuple[int, memoryview]] = []
+    scratch: memoryview | None = None
+    pos = 0
+    for p in placed:
+        gap = p.src_byte - pos
+        if gap:
+            if scratch is None or len(scratch) < gap:
+                scratch = memoryview(bytearray(max(gap, 4096)))
+            buffers.append(scratch[:gap])
+        op = p.op
+        dest = as_bytes(targets[op.ref].view(-1)[op.dst_start:op.dst_start + op.numel])
+        buffers.append(dest)
+        views.append((p.src_byte, dest))
+        pos = p.src_byte + len(dest)
+    store.read_into_vectored(req.object, req.offset, buffers)
+    starts = [start for start, _ in views]
+    by_view: dict[int, list] = {}
+    for check in req.checks:
+        rel = check.offset - req.offset
+        i = bisect.bisect_right(starts, rel) - 1
+        by_view.setdefault(i, []).append(check)
+    for i, checks in by_view.items():
+        start, view = views[i]
+        _verify_view(req, start, view, checks, where)
+    return req.length
+
+
 def execute_request(req: ReadRequest, store: ByteStore, targets: list[torch.Tensor], dtypes: dict[str, torch.dtype], where: str) -> int:
     if req.direct:
-        placed = req.ops[0]
-        op = placed.op
-        dest = targets[op.ref].view(-1)[op.dst_start:op.dst_start + op.numel]
-        view = as_bytes(dest)
-        store.read_into(req.object, req.offset, view)
-        _verify(req, view, where)
-        return req.length
+        return _execute_direct(req, store, targets, where)
     buf = torch.empty(req.length, dtype=torch.uint8)
     view = as_bytes(buf)
     store.read_into(req.object, req.offset, view)
-    _verify(req, view, where)
+    _verify_view(req, 0, view, list(req.checks), where)
     for placed in req.ops:
         op = placed.op
         lo, hi = op.src_span()

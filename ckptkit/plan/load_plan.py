@@ -184,7 +184,13 @@ class ReadRequest:
     length: int
     checks: tuple[BlockCheck, ...]
     ops: tuple[PlacedOp, ...]
-    direct: bool  # one op filling one whole piece into contiguous destination bytes
+    # Every op fills one whole stored piece into contiguous destination memory: the
+    # reader scatters the file bytes straight into the destinations (one vectored
+    # read, no staging buffer), skipping the alignment gaps between pieces.
+    direct: bool
+
+
+MAX_REQUEST = 64 << 20  # bytes per request: bounds staging memory and keeps several reads in flight
 
 
 def plan_reads(
@@ -193,6 +199,7 @@ def plan_reads(
     itemsize_of: Callable[[str], int],
     block_of: Callable[[int], int],
     coalesce_gap: int = 1 << 16,
+    max_request: int = MAX_REQUEST,
 ) -> list[ReadRequest]:
     """Byte-range reads, widened to checksum blocks and merged, that serve ``ops``."""
     # Needed block ranges per stored piece.
@@ -212,51 +219,57 @@ def plan_reads(
         slot = per_piece.setdefault(op.source_key, (entry, block, [], []))
         slot[2].append((blo, bhi))
         slot[3].append(op)
-    segments = []
+    segments: list[_Segment] = []
     for key, (entry, block, ranges, piece_ops) in per_piece.items():
+        whole = len(piece_ops) == 1 and piece_ops[0].src_start == 0 and piece_ops[0].shape == (piece_ops[0].source.numel,)
         for lo, hi in _merge(sorted(ranges), 0):
             checks = tuple(
                 BlockCheck(entry.offset + b * block, min(block, entry.nbytes - b * block), entry.crcs[b], entry.tensor)
                 for b in range(lo // block, -(-hi // block))
             )
-            segments.append((key[0], entry.object, entry.offset + lo, entry.offset + hi, checks, entry, piece_ops))
-    segments.sort(key=lambda s: (s[0], s[1], s[2]))
+            direct = whole and lo == 0 and hi == entry.nbytes
+            segments.append(_Segment(key[0], entry.object, entry.offset + lo, entry.offset + hi, checks, entry, piece_ops, direct))
+    segments.sort(key=lambda s: (s.writer, s.object, s.lo))
     requests: list[ReadRequest] = []
     i = 0
     while i < len(segments):
-        writer, obj, lo, hi, checks, entry, piece_ops = segments[i]
-        group = [segments[i]]
+        first = segments[i]
+        lo, hi = first.lo, first.hi
+        group = [first]
         j = i + 1
-        while j < len(segments) and segments[j][0] == writer and segments[j][1] == obj and segments[j][2] <= hi + coalesce_gap:
-            hi = max(hi, segments[j][3])
-            group.append(segments[j])
+        while j < len(segments):
+            nxt = segments[j]
+            if (nxt.writer, nxt.object, nxt.direct) != (first.writer, first.object, first.direct):
+                break
+            if nxt.lo > hi + coalesce_gap or max(hi, nxt.hi) - lo > max_request:
+                break
+            hi = max(hi, nxt.hi)
+            group.append(nxt)
             j += 1
-        placed = []
+        placed: dict[int, PlacedOp] = {}
         all_checks: list[BlockCheck] = []
-        for _, _, seg_lo, seg_hi, seg_checks, seg_entry, seg_ops in group:
-            all_checks.extend(seg_checks)
-            for op in seg_ops:
+        for seg in group:
+            all_checks.extend(seg.checks)
+            for op in seg.ops:
                 isz = itemsize_of(op.tensor)
-                src_lo, _ = op.src_span()
-                byte = seg_entry.offset + src_lo * isz
-                if seg_lo <= byte < seg_hi:
-                    placed.append(PlacedOp(op, isz, byte - lo))
-        # an op belongs to exactly one segment of its piece: keep the first placement
-        unique: dict[int, PlacedOp] = {}
-        for p in placed:
-            unique.setdefault(id(p.op), p)
-        placed_ops = tuple(unique.values())
-        direct = (
-            len(group) == 1
-            and len(placed_ops) == 1
-            and placed_ops[0].op.shape == (entry.nbytes // placed_ops[0].itemsize,)
-            and placed_ops[0].op.src_start == 0
-            and lo == entry.offset
-            and hi == entry.offset + entry.nbytes
-        )
-        requests.append(ReadRequest(writer, obj, lo, hi - lo, tuple(all_checks), placed_ops, direct))
+                byte = seg.entry.offset + op.src_span()[0] * isz
+                if seg.lo <= byte < seg.hi:  # an op belongs to the segment holding its first byte
+                    placed.setdefault(id(op), PlacedOp(op, isz, byte - lo))
+        requests.append(ReadRequest(first.writer, first.object, lo, hi - lo, tuple(all_checks), tuple(placed.values()), first.direct))
         i = j
     return requests
+
+
+@dataclass(frozen=True)
+class _Segment:
+    writer: int
+    object: str
+    lo: int
+    hi: int
+    checks: tuple[BlockCheck, ...]
+    entry: IndexEntry
+    ops: list[CopyOp]
+    direct: bool
 
 
 def _merge(ranges: list[tuple[int, int]], gap: int) -> list[tuple[int, int]]:

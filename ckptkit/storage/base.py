@@ -43,6 +43,16 @@ class ByteStore(ABC):
     def read_into(self, key: str, offset: int, out: memoryview) -> None:
         """Fill ``out`` with bytes ``[offset, offset + len(out))``; CorruptCheckpointError if short."""
 
+    def read_into_vectored(self, key: str, offset: int, buffers: list[memoryview]) -> None:
+        """Fill ``buffers`` in order from consecutive bytes starting at ``offset`` (a scatter read).
+
+        Backends override this with one vectored request where they can.
+        """
+        pos = offset
+        for buf in buffers:
+            self.read_into(key, pos, buf)
+            pos += len(buf)
+
     @abstractmethod
     def read_bytes(self, key: str) -> bytes:
         """The whole object; CheckpointNotFoundError if missing."""

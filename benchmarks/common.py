@@ -1,0 +1,81 @@
+"""Small helpers shared by the benchmark scripts (no ckptkit imports here)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import sys
+from collections.abc import Sequence
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+DROP_CACHES = "/proc/sys/vm/drop_caches"
+
+
+def torchrun_command() -> list[str]:
+    """``torchrun`` of the interpreter running us (next to ``sys.executable``, not resolved:
+    a virtualenv's python is a symlink), else ``python -m torch.distributed.run``."""
+    candidate = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    if os.access(candidate, os.X_OK):
+        return [candidate]
+    return [sys.executable, "-m", "torch.distributed.run"]
+
+
+def drop_page_cache() -> bool:
+    """``sync`` then drop the page cache (needs root). True if the cache was dropped."""
+    os.sync()
+    try:
+        with open(DROP_CACHES, "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def tree_bytes(path: str) -> tuple[int, int]:
+    """(total bytes, number of files) under ``path``."""
+    total = files = 0
+    for dirpath, _, names in os.walk(path):
+        for n in names:
+            total += os.path.getsize(os.path.join(dirpath, n))
+            files += 1
+    return total, files
+
+
+def remove_tree(path: str) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def median(xs: Sequence[float]) -> float:
+    return float(statistics.median(xs))
+
+
+def spread(xs: Sequence[float]) -> float:
+    """(max - min) / median: how much the repetitions disagree."""
+    m = median(xs)
+    return (max(xs) - min(xs)) / m if m > 0 else 0.0
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[str]], align: str | None = None) -> str:
+    """A plain fixed-width text table; ``align`` is one of 'l'/'r' per column (default: first left)."""
+    align = align or ("l" + "r" * (len(headers) - 1))
+    widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) for i, h in enumerate(headers)]
+
+    def fmt(cells: Sequence[str]) -> str:
+        out = []
+        for c, w, a in zip(cells, widths, align):
+            out.append(str(c).ljust(w) if a == "l" else str(c).rjust(w))
+        return "  ".join(out).rstrip()
+
+    sep = "  ".join("-" * w for w in widths)
+    return "\n".join([fmt(headers), sep, *(fmt(r) for r in rows)])

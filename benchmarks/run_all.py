@@ -1,0 +1,106 @@
+"""Run every benchmark: ``make bench`` (``.venv/bin/python benchmarks/run_all.py $(BENCH_ARGS)``).
+
+* ``bench_io.py`` (save/load throughput) under ``torchrun --nproc_per_node=4``;
+* every other ``benchmarks/bench_*.py`` that defines ``main()`` (e.g.
+  ``bench_plan_scale.py``) as a plain single-process script.
+
+``--quick`` and ``--out`` are passed on to each. Exit status: 0 only if every
+benchmark exited 0. Scratch checkpoints that a killed bench_io left under
+``--out`` are removed at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from common import remove_tree, torchrun_command  # noqa: E402
+
+IO_BENCH = "bench_io.py"
+
+
+def other_benchmarks() -> list[str]:
+    """bench_*.py in this directory, except bench_io.py, that declare a module-level main()."""
+    out = []
+    for path in sorted(glob.glob(os.path.join(HERE, "bench_*.py"))):
+        if os.path.basename(path) == IO_BENCH:
+            continue
+        with open(path, encoding="utf-8") as f:
+            if re.search(r"^def main\(", f.read(), re.MULTILINE):
+                out.append(path)
+    return out
+
+
+def run(name: str, cmd: list[str]) -> tuple[str, int, float]:
+    print(f"\n### {name}: {' '.join(cmd)}", flush=True)
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.Popen(cmd)
+    except OSError as exc:
+        print(f"### {name}: could not start: {exc}", flush=True)
+        return name, 127, time.perf_counter() - t0
+    try:
+        rc = proc.wait()
+    except KeyboardInterrupt:  # the child got the same SIGINT: let it clean up, then stop
+        rc = proc.wait()
+        raise
+    return name, rc, time.perf_counter() - t0
+
+
+def run_selected(args: argparse.Namespace, out: str, wanted: Callable[[str], bool], results: list) -> None:
+    common = (["--quick"] if args.quick else []) + ["--out", out]
+    if wanted(IO_BENCH):
+        io_args = common + (["--reps", str(args.reps)] if args.reps else [])
+        torchrun = [*torchrun_command(), "--standalone", f"--nproc_per_node={args.nproc}"]
+        results.append(run(IO_BENCH, [*torchrun, os.path.join(HERE, IO_BENCH), *io_args]))
+    for path in filter(wanted, other_benchmarks()):
+        results.append(run(os.path.basename(path), [sys.executable, path, *common]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="small sizes (smoke test)")
+    ap.add_argument("--out", default="bench-out", help="scratch and results directory (default ./bench-out)")
+    ap.add_argument("--reps", type=int, default=None, help="bench_io repetitions per method (default: its own, 3)")
+    ap.add_argument("--nproc", type=int, default=4, help="ranks for bench_io (default 4)")
+    ap.add_argument("--only", default="", help="comma-separated benchmark names to run (e.g. bench_io); default all")
+    args = ap.parse_args(argv)
+    only = {n.strip().removesuffix(".py") for n in args.only.split(",") if n.strip()}
+
+    def wanted(path: str) -> bool:
+        return not only or os.path.basename(path).removesuffix(".py") in only
+
+    out = os.path.abspath(args.out)
+    os.makedirs(out, exist_ok=True)
+    results: list[tuple[str, int, float]] = []
+    try:
+        run_selected(args, out, wanted, results)
+    except KeyboardInterrupt:
+        print("\n### interrupted", flush=True)
+        results.append(("(interrupted)", 130, 0.0))
+    finally:
+        # A bench_io killed hard (SIGKILL) cannot remove its own scratch checkpoints.
+        for leftover in glob.glob(os.path.join(out, "bench_io-scratch-*")):
+            remove_tree(leftover)
+
+    if not results:
+        print(f"no benchmark matched --only {args.only!r}")
+        return 2
+    print("\n### summary")
+    for name, rc, secs in results:
+        print(f"  {name:24s} {'ok' if rc == 0 else f'FAILED (exit {rc})':18s} {secs:6.1f}s")
+    print(f"  results in {out}")
+    return 0 if all(rc == 0 for _, rc, _ in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
