@@ -112,28 +112,7 @@ class LocalStore(ByteStore):
             raise _storage_error(exc, f"committing {path}") from exc
 
     def read_into(self, key: str, offset: int, out: memoryview) -> None:
-        path = self._path(key)
-        view = memoryview(out).cast("B")
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            raise CorruptCheckpointError(f"object {path} is missing") from None
-        except OSError as exc:
-            raise _storage_error(exc, f"reading {path}") from exc
-        try:
-            pos = offset
-            while view:
-                n = os.preadv(fd, [view], pos)
-                if n == 0:
-                    raise CorruptCheckpointError(
-                        f"object {path} is truncated: needed bytes up to {offset + len(out)}, file ends at {pos}"
-                    )
-                view = view[n:]
-                pos += n
-        except OSError as exc:
-            raise _storage_error(exc, f"reading {path}") from exc
-        finally:
-            os.close(fd)
+        self.read_into_vectored(key, offset, [out])
 
     def read_into_vectored(self, key: str, offset: int, buffers: list[memoryview]) -> None:
         path = self._path(key)
