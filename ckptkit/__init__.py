@@ -23,6 +23,7 @@ from ckptkit.errors import (
     LayoutError,
     ManifestError,
     MissingKeysError,
+    PeerFailureError,
     SaveError,
     ShapeMismatchError,
     StateMismatchError,
@@ -33,11 +34,13 @@ from ckptkit.errors import (
     UnsupportedVersionError,
 )
 from ckptkit.layout import Box, ParallelConfig, PartitionRule, Piece, Region, box_piece, flat_piece
-from ckptkit.options import LoadOptions, SaveOptions
+from ckptkit.options import AsyncOptions, LoadOptions, SaveOptions
 from ckptkit.version import __version__
 
 if TYPE_CHECKING:
-    from ckptkit.api import load, save
+    from ckptkit.api import close_async, load, save, save_async
+    from ckptkit.engine.async_save import SaveHandle
+    from ckptkit.manager import CheckpointManager
     from ckptkit.engine.loader import LoadResult
     from ckptkit.engine.saver import SaveResult
     from ckptkit.engine.state import PerRank, Sharded
@@ -45,6 +48,10 @@ if TYPE_CHECKING:
 _LAZY = {
     "save": "ckptkit.api",
     "load": "ckptkit.api",
+    "save_async": "ckptkit.api",
+    "close_async": "ckptkit.api",
+    "SaveHandle": "ckptkit.engine.async_save",
+    "CheckpointManager": "ckptkit.manager",
     "SaveResult": "ckptkit.engine.saver",
     "LoadResult": "ckptkit.engine.loader",
     "Sharded": "ckptkit.engine.state",
@@ -62,10 +69,11 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "save", "load", "SaveResult", "LoadResult", "Sharded", "PerRank", "SaveOptions", "LoadOptions",
+    "save", "load", "save_async", "close_async", "SaveHandle", "AsyncOptions", "SaveResult", "LoadResult", "Sharded", "PerRank", "SaveOptions", "LoadOptions",
     "Box", "Region", "Piece", "box_piece", "flat_piece", "ParallelConfig", "PartitionRule",
     "CkptkitError", "CheckpointNotFoundError", "UncommittedCheckpointError", "ManifestError",
     "UnsupportedVersionError", "UnsafePathError", "CorruptCheckpointError", "StateMismatchError",
     "MissingKeysError", "UnexpectedKeysError", "DTypeMismatchError", "ShapeMismatchError",
-    "CoverageError", "LayoutError", "StorageError", "SaveError", "__version__",
+    "CoverageError", "LayoutError", "StorageError", "SaveError", "PeerFailureError", "CheckpointManager",
+    "__version__",
 ]

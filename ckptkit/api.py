@@ -10,11 +10,12 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from ckptkit.engine.async_save import SaveHandle
 from ckptkit.engine.collective import resolve_comm
 from ckptkit.engine.loader import LoadResult, load_state
 from ckptkit.engine.saver import SaveResult, save_state
 from ckptkit.engine.state import flatten_state
-from ckptkit.options import LoadOptions, SaveOptions
+from ckptkit.options import AsyncOptions, LoadOptions, SaveOptions
 from ckptkit.storage.url import open_store
 
 
@@ -59,3 +60,42 @@ def load(
     comm = resolve_comm(process_group)
     store = open_store(path, storage_options)
     return load_state(flatten_state(state), store, comm, strict=strict, options=options)
+
+
+_default_savers: dict[Any, Any] = {}
+
+
+def save_async(
+    state: dict[str, Any],
+    path: str | os.PathLike[str],
+    *,
+    metadata: dict[str, Any] | None = None,
+    options: AsyncOptions = AsyncOptions(),
+    process_group: Any = None,
+    storage_options: dict[str, Any] | None = None,
+) -> SaveHandle:
+    """Snapshot ``state`` and save it to ``path`` in the background.
+
+    Returns once the snapshot is taken (``handle.staged``); ``handle.committed``
+    resolves when the checkpoint is durable and committed. At most one save is
+    in flight per process group: a second call waits for the first. Collective.
+    The first call creates the background machinery (two gloo groups, the
+    staging buffer); :func:`wait_async` / :func:`close_async` finish it.
+    """
+    from ckptkit.engine.async_save import AsyncSaver
+
+    key = (id(process_group), options)
+    saver = _default_savers.get(key)
+    if saver is None or saver.closed:
+        saver = _default_savers[key] = AsyncSaver(process_group, options)
+    handle = saver.save(state, open_store(path, storage_options), metadata=metadata)
+    assert handle is not None  # on_busy="skip" belongs to CheckpointManager; here a second save waits
+    return handle
+
+
+def close_async() -> None:
+    """Wait for every in-flight asynchronous save and release its resources (raises a background failure)."""
+    savers = list(_default_savers.values())
+    _default_savers.clear()
+    for saver in savers:
+        saver.close()

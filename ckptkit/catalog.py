@@ -36,6 +36,7 @@ from ckptkit.layout.box import Region
 from ckptkit.layout.grid import GridLayout, Mesh, On, Placement, Replicate
 from ckptkit.layout.manifest import DTYPES, MANIFEST_NAME, ExplicitLayout, Index, IndexEntry, Manifest, TensorMeta
 from ckptkit.plan.merge import check_coverage
+from ckptkit.retention import Record, RetentionPolicy, decide
 from ckptkit.storage.base import ByteStore
 from ckptkit.storage.url import open_store
 
@@ -68,6 +69,8 @@ class CheckpointInfo:
     world_size: int | None
     created: str | None
     reason: str | None = None
+    metrics: dict[str, Any] = field(default_factory=dict)
+    keep: tuple[str, ...] = ()  # why retention keeps it: latest, last, milestone, best
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -86,15 +89,37 @@ def list_checkpoints(url: str) -> list[CheckpointInfo]:
     is_dir = getattr(store, "is_dir", None)  # an empty run directory is not an error; a missing one is
     if not children and not (callable(is_dir) and is_dir()):
         raise CheckpointNotFoundError(f"no checkpoint or run directory at {store.url}")
-    out = []
+    infos, policies = [], {}
     for name in children:
-        if store.size(name) is not None:
-            continue  # a plain file next to the checkpoints (notes, a "latest" pointer)
-        out.append(_info(store.child(name), name))
-    return sorted(out, key=lambda i: (i.step is None, i.step or 0, i.name))
+        if name.startswith(".") or store.size(name) is not None:
+            continue  # a plain file next to the checkpoints (notes, a "latest" pointer), or .leases
+        info, policy = _info_and_policy(store.child(name), name)
+        infos.append(info)
+        policies[name] = policy
+    infos.sort(key=lambda i: (i.step is None, i.step or 0, i.name))
+    return _with_retention(infos, policies)
+
+
+def _with_retention(infos: list[CheckpointInfo], policies: dict[str, Any]) -> list[CheckpointInfo]:
+    """Mark why each committed checkpoint is kept, by the policy the newest one was saved under."""
+    committed = [i for i in infos if i.committed and i.step is not None]
+    if not committed:
+        return infos
+    newest = max(committed, key=lambda i: i.step or 0)
+    decision = decide([Record(i.name, i.step or 0, True, i.metrics) for i in committed],
+                      RetentionPolicy.from_json(policies.get(newest.name)))
+    return [
+        replace(i, keep=tuple(r for r in decision.keep.get(i.name, ()) if r != "all")) if i.committed else i
+        for i in infos
+    ]
 
 
 def _info(store: ByteStore, name: str) -> CheckpointInfo:
+    return _info_and_policy(store, name)[0]
+
+
+def _info_and_policy(store: ByteStore, name: str) -> tuple[CheckpointInfo, Any]:
+    """A checkpoint's summary and the retention policy it was saved under (None if unknown)."""
     match = _STEP_NAME.search(name)
     step = int(match.group(1)) if match else None
     try:
@@ -110,7 +135,7 @@ def _info(store: ByteStore, name: str) -> CheckpointInfo:
         else:
             reason = f"{MANIFEST_NAME} is unreadable: {exc}"
         total = sum(store.size(k) or 0 for k in keys)
-        return CheckpointInfo(name, store.url, step, False, total, None, None, reason)
+        return CheckpointInfo(name, store.url, step, False, total, None, None, reason), None
     meta = manifest.meta
     user: Any = meta.get("user")
     user_step: Any = user.get("step") if isinstance(user, dict) else None
@@ -122,7 +147,12 @@ def _info(store: ByteStore, name: str) -> CheckpointInfo:
         total = recorded + (store.size(MANIFEST_NAME) or 0)
     else:
         total = sum(store.size(k) or 0 for k in store.list_keys())
-    return CheckpointInfo(name, store.url, step, True, total, manifest.world_size, _created(meta))
+    metrics = user.get("metrics") if isinstance(user, dict) else None
+    info = CheckpointInfo(
+        name, store.url, step, True, total, manifest.world_size, _created(meta),
+        metrics=metrics if isinstance(metrics, dict) else {},
+    )
+    return info, user.get("retention") if isinstance(user, dict) else None
 
 
 def _created(meta: dict[str, Any]) -> str | None:

@@ -76,6 +76,10 @@ class CoverageError(CkptkitError):
     """Stored pieces do not cover a region the target needs, or overlap each other."""
 
 
+class PeerFailureError(CkptkitError):
+    """A collective operation failed on another rank; that rank raised the real error."""
+
+
 class StorageError(CkptkitError, OSError):
     """The byte store failed (permission, disk full, network) in a way retries did not fix."""
 

@@ -42,3 +42,32 @@ class LoadOptions:
             raise LayoutError(f"io_threads {self.io_threads} must be >= 1")
         if self.per_rank_on_resize not in ("error", "skip"):
             raise LayoutError(f"per_rank_on_resize must be 'error' or 'skip', got {self.per_rank_on_resize!r}")
+
+
+@dataclass(frozen=True)
+class AsyncOptions:
+    """How asynchronous saves run.
+
+    ``executor``: who persists the snapshot — ``"thread"`` (a background
+    thread of the training process) or ``"process"`` (a persistent writer
+    process reading the snapshot from shared memory).
+    ``max_staging_bytes``: per-rank budget for the staging buffer; a save that
+    needs more fails with a clear error (None: no budget).
+    ``on_busy``: when a save is requested while the previous one is still
+    persisting, ``"wait"`` for it (the default: no checkpoint is dropped) or
+    ``"skip"`` the new one (training never waits; every rank skips together).
+    """
+
+    executor: Literal["thread", "process"] = "thread"
+    max_staging_bytes: int | None = None
+    on_busy: Literal["wait", "skip"] = "wait"
+    block_size: int = 4 << 20
+
+    def __post_init__(self) -> None:
+        if self.executor not in ("thread", "process"):
+            raise LayoutError(f"executor must be 'thread' or 'process', got {self.executor!r}")
+        if self.on_busy not in ("wait", "skip"):
+            raise LayoutError(f"on_busy must be 'wait' or 'skip', got {self.on_busy!r}")
+        if self.max_staging_bytes is not None and self.max_staging_bytes < 0:
+            raise LayoutError("max_staging_bytes must be >= 0")
+        SaveOptions(block_size=self.block_size)  # same validation

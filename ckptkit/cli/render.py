@@ -63,13 +63,15 @@ def checkpoint_table(infos: list[CheckpointInfo], url: str) -> None:
         return
     table = Table(title=escape(url), title_justify="left")
     for name, justify in (("name", "left"), ("step", "right"), ("size", "right"), ("committed", "left"),
-                          ("world", "right"), ("created", "left")):
+                          ("world", "right"), ("metrics", "left"), ("kept as", "left"), ("created", "left")):
         table.add_column(name, justify=justify, overflow="fold")  # type: ignore[arg-type]
     for i in infos:
         committed = "[green]yes[/]" if i.committed else f"[red]no[/]: {escape(i.reason or '')}"
+        metrics = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in sorted(i.metrics.items()))
         table.add_row(
             escape(i.name), "-" if i.step is None else str(i.step), human_bytes(i.total_bytes), committed,
-            "-" if i.world_size is None else str(i.world_size), escape(i.created or "-"),
+            "-" if i.world_size is None else str(i.world_size), escape(metrics or "-"),
+            escape(", ".join(i.keep) or "-"), escape(i.created or "-"),
         )
     out.print(table)
 

@@ -33,6 +33,8 @@ class Comm(Protocol):
 
     def any_flags(self, flags: list[bool]) -> list[bool]: ...
 
+    def all_min(self, values: list[int]) -> list[int]: ...
+
 
 @dataclass(frozen=True)
 class Outcome:
@@ -61,6 +63,9 @@ class LocalComm:
 
     def any_flags(self, flags: list[bool]) -> list[bool]:
         return list(flags)
+
+    def all_min(self, values: list[int]) -> list[int]:
+        return list(values)
 
 
 class TorchComm:
@@ -92,6 +97,11 @@ class TorchComm:
         t = torch.tensor([1 if f else 0 for f in flags], dtype=torch.uint8)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return [bool(x) for x in t.tolist()]
+
+    def all_min(self, values: list[int]) -> list[int]:
+        t = torch.tensor(values, dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return [int(x) for x in t.tolist()]
 
 
 _gloo_groups: dict[Any, Any] = {}

@@ -30,6 +30,7 @@ from ckptkit.errors import (
     CorruptCheckpointError,
     DTypeMismatchError,
     MissingKeysError,
+    PeerFailureError,
     ShapeMismatchError,
     StateMismatchError,
     UnexpectedKeysError,
@@ -187,7 +188,7 @@ def load_state(
     if comm.any_flags([error is not None])[0]:
         if error is not None:
             raise error
-        raise StateMismatchError(f"loading {where} failed on another rank; see that rank's error")
+        raise PeerFailureError(f"loading {where} failed on another rank; see that rank's error")
     assert manifest is not None
     keys = _all_keys(manifest)
     requested = comm.any_flags([k in plan.requested for k in keys])

@@ -1,10 +1,12 @@
-"""A save, phase by phase: prepare -> (snapshot) -> persist -> commit.
+"""A save, phase by phase: classify -> plan -> (snapshot) -> check target -> persist -> commit.
 
-* **prepare** (every rank, on the caller's thread): classify the state's
-  leaves, agree on who holds which plain tensors (one all-gather of a
-  fingerprint per rank), plan this rank's writes. Rank 0 also checks the
-  target: a committed checkpoint there is never overwritten; leftovers of a
-  crashed save are removed.
+* **classify** (local): sort the state's leaves into grid-laid tensors
+  (DTensors, plain tensors), explicit pieces and values; fingerprint the
+  structure so an unchanged structure can reuse its plan.
+* **plan** (collective: one all-gather of small per-mesh reports): find meshes
+  that replicate each other, decide this rank's writes.
+* **check target** (collective: one broadcast): rank 0 refuses a committed
+  checkpoint and clears the leftovers of a crashed save.
 * **persist**: write the data object and the index, durably.
 * **commit**: ranks report to rank 0 (one gather), rank 0 merges and
   validates the manifest and publishes it atomically (put-if-absent), then
@@ -56,15 +58,27 @@ class SaveResult:
 
 
 @dataclass
+class Classified:
+    """The state's leaves, sorted for planning, and the structure's fingerprint. Local."""
+
+    grid: list[GridDecl]
+    explicit: list[ExplicitDecl]
+    tensors: list[torch.Tensor]
+    values: dict[str, Any]
+    per_rank_values: dict[str, Any]
+    per_rank_keys: tuple[str, ...]
+    fingerprint: str
+
+
+@dataclass
 class Prepared:
-    """Everything persist and commit need, decided on the caller's thread."""
+    """Everything persist and commit need: the plan and the tensors and values it refers to."""
 
     plan: SavePlan
     tensors: list[torch.Tensor]
     values: dict[str, Any]
     per_rank_values: dict[str, Any]
     per_rank_keys: tuple[str, ...]
-    decls: tuple[list[GridDecl], list[ExplicitDecl]] = field(default_factory=lambda: ([], []))
 
 
 def _fail(exc: BaseException) -> Outcome:
@@ -163,43 +177,72 @@ def check_target(store: ByteStore) -> None:
             log.warning("removed %d leftover objects of an uncommitted save at %s", len(removed), store.url)
 
 
-def prepare(flat: FlatState, store: ByteStore, comm: Comm) -> tuple[Prepared | None, Outcome]:
-    """Classify, agree on plain-tensor replica groups, check the target, plan. Collective.
+def classify_state(flat: FlatState, rank: int) -> Classified:
+    grid, explicit, tensors = classify(flat, rank)
+    values, per_rank_values, per_rank_keys = encode_values(flat)
+    return Classified(grid, explicit, tensors, values, per_rank_values, per_rank_keys, structure_fingerprint(grid, explicit))
 
-    Returns the prepared save, or None and the failure; a failure on one rank
-    after the all-gather is carried to the commit gather rather than raised,
-    so the other ranks are not left waiting.
+
+def structure_fingerprint(grid: list[GridDecl], explicit: list[ExplicitDecl]) -> str:
+    """Identity of everything a plan depends on (not of tensor values)."""
+    h = hashlib.sha256()
+    for d in grid:
+        lay = d.layout
+        h.update(repr((d.key, d.dtype, d.local_shape, mesh_fingerprint(lay.mesh), lay.placements, lay.shape,
+                       lay.padded, lay.fused, d.coord)).encode())
+    for e in explicit:
+        h.update(repr((e.dtype, e.local_shape, e.pieces)).encode())
+    return h.hexdigest()
+
+
+def plan_collective(cls: Classified | None, failure: Outcome, comm: Comm, where: str) -> tuple[SavePlan | None, Outcome]:
+    """Agree on mesh replicas and plan this rank's writes. Collective (one all-gather).
+
+    ``failure`` is this rank's classification error, if any: it travels in the
+    all-gather, so every rank raises it. A planning error after the gather is
+    returned, to be carried to the commit gather, so no rank is left waiting.
     """
-    try:
-        grid, explicit, tensors = classify(flat, comm.rank)
-        values, per_rank_values, per_rank_keys = encode_values(flat)
-        reports = mesh_reports(grid)
-        if comm.rank == 0:
-            check_target(store)
-        first = Outcome(True, reports)
-    except (CkptkitError, OSError) as exc:
-        first = _fail(exc)
+    first = Outcome(True, mesh_reports(cls.grid)) if cls is not None and failure.ok else failure
     outcomes = comm.all_gather(first)
-    _raise_failures(outcomes, comm.rank, store.url, "preparation")
+    _raise_failures(outcomes, comm.rank, where, "preparation")
+    assert cls is not None
     try:
         combined = combine_replica_meshes([o.payload for o in outcomes])
-        grid = apply_replica_meshes(grid, combined)
-        plan = plan_save(comm.rank, grid, explicit)
+        return plan_save(comm.rank, apply_replica_meshes(cls.grid, combined), cls.explicit), Outcome(True)
     except CkptkitError as exc:
         return None, _fail(exc)
-    return Prepared(plan, tensors, values, per_rank_values, per_rank_keys, (grid, explicit)), Outcome(True)
+
+
+def bind(plan: SavePlan, cls: Classified) -> Prepared:
+    """A plan (possibly cached from an earlier save of the same structure) with this save's tensors."""
+    return Prepared(plan, cls.tensors, cls.values, cls.per_rank_values, cls.per_rank_keys)
+
+
+def check_target_collective(store: ByteStore, comm: Comm) -> None:
+    """Rank 0 checks the target (refuses a committed one, clears leftovers); all raise on failure."""
+    outcome = Outcome(True)
+    if comm.rank == 0:
+        try:
+            check_target(store)
+        except (CkptkitError, OSError) as exc:
+            outcome = _fail(exc)
+    outcome = comm.broadcast(outcome)
+    _raise_failures([outcome], comm.rank, store.url, "preparation")
 
 
 def persist(
     prep: Prepared,
     store: ByteStore,
     block: int,
-    tensor_for: Callable[[Any], torch.Tensor] | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> RankReport:
-    """Write this rank's data object(s) and index, durably. Not collective."""
-    source = tensor_for or (lambda item: prep.tensors[item.ref])
-    entries = write_pieces(store, prep.plan, source, block, progress)
+    """Write this rank's data object(s) from the live tensors, then its index, durably. Not collective."""
+    entries = write_pieces(store, prep.plan, lambda item: prep.tensors[item.ref], block, progress)
+    return write_index(prep, store, block, entries)
+
+
+def write_index(prep: Prepared, store: ByteStore, block: int, entries: list) -> RankReport:
+    """Write this rank's index (after its data is durable) and the report for the coordinator."""
     index = Index(prep.plan.rank, block, dict(prep.plan.objects), entries, prep.per_rank_values)
     data = index.to_json_bytes()
     key = index_object_key(prep.plan.rank)
@@ -224,7 +267,7 @@ def commit(
     if comm.rank == 0:
         assert gathered is not None
         try:
-            _raise_failures([g[0] for g in gathered], 0, store.url, "persist")
+            _raise_failures([g[0] for g in gathered], 0, store.url, "planning or persist")
             total = sum(g[1] for g in gathered)
             stored = sum(g[2] + g[0].payload.index.size for g in gathered)
             meta = {
@@ -269,7 +312,14 @@ def save_state(
     metadata: dict[str, Any] | None = None,
 ) -> SaveResult:
     t0 = time.perf_counter()
-    prep, report = prepare(flat, store, comm)
+    cls, failure = None, Outcome(True)
+    try:
+        cls = classify_state(flat, comm.rank)
+    except (CkptkitError, OSError) as exc:
+        failure = _fail(exc)
+    plan, report = plan_collective(cls, failure, comm, store.url)
+    check_target_collective(store, comm)
+    prep = bind(plan, cls) if plan is not None and cls is not None else None
     if prep is not None:
         try:
             report = Outcome(True, persist(prep, store, block))

@@ -74,3 +74,20 @@ def write_pieces(
             for item, crcs in pending:
                 entries.append(IndexEntry(item.tensor, item.region, item.object, item.offset, item.nbytes, crcs.result()))
     return entries
+
+
+def write_staged(store: ByteStore, plan: SavePlan, staging: torch.Tensor, block: int) -> list[IndexEntry]:
+    """Write a snapshot whose buffer already has the data object's layout; checksum it meanwhile.
+
+    Only valid for plans with a single data object (what :func:`plan_save` produces).
+    """
+    (obj,) = plan.objects
+    data = as_bytes(staging)
+    chunk = 64 << 20
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptkit-crc") as crc_pool:
+        crcs = [
+            (item, crc_pool.submit(block_crcs, data[item.offset:item.offset + item.nbytes], block))
+            for item in plan.items
+        ]
+        store.write_object(obj, (data[i:i + chunk] for i in range(0, len(data), chunk)))
+        return [IndexEntry(i.tensor, i.region, i.object, i.offset, i.nbytes, f.result()) for i, f in crcs]

@@ -60,6 +60,7 @@ class ExplicitDecl:
 @dataclass(frozen=True)
 class WriteItem:
     tensor: str
+    dtype: str
     region: Region
     ref: int
     local: LocalPlace
@@ -163,11 +164,11 @@ def plan_save(rank: int, grid: list[GridDecl], explicit: list[ExplicitDecl]) -> 
     items: list[WriteItem] = []
     offset = 0
 
-    def add(tensor: str, region: Region, ref: int, local: LocalPlace, nbytes: int) -> None:
+    def add(tensor: str, dtype: str, region: Region, ref: int, local: LocalPlace, nbytes: int) -> None:
         nonlocal offset
         align = LARGE_ALIGN if nbytes >= SMALL_PIECE else SMALL_ALIGN
         offset = -(-offset // align) * align
-        items.append(WriteItem(tensor, region, ref, local, nbytes, obj, offset))
+        items.append(WriteItem(tensor, dtype, region, ref, local, nbytes, obj, offset))
         offset += nbytes
 
     grid_reports: list[TensorMeta] = []
@@ -190,7 +191,7 @@ def plan_save(rank: int, grid: list[GridDecl], explicit: list[ExplicitDecl]) -> 
         for local_off, box in pieces:
             if box.is_empty():
                 continue
-            add(d.key, Region(box), d.ref, LocalBox(local_off), box.numel * d.itemsize)
+            add(d.key, d.dtype, Region(box), d.ref, LocalBox(local_off), box.numel * d.itemsize)
         if d.layout.cell_of(d.coord) == 0:
             grid_reports.append(TensorMeta(d.key, d.dtype, d.layout.shape, d.layout, rot, d.rule))
     explicit_reports: list[ExplicitReport] = []
@@ -201,7 +202,7 @@ def plan_save(rank: int, grid: list[GridDecl], explicit: list[ExplicitDecl]) -> 
                 raise LayoutError(f"tensor {p.tensor!r} is declared both as a grid tensor and by explicit pieces")
             if not explicit_writer(p) or p.numel == 0:
                 continue
-            add(p.tensor, p.region, e.ref, p.local, p.numel * e.itemsize)
+            add(p.tensor, e.dtype, p.region, e.ref, p.local, p.numel * e.itemsize)
             explicit_reports.append(ExplicitReport(p.tensor, e.dtype, p.shape, p.region))
     return SavePlan(rank, tuple(items), {obj: offset}, tuple(grid_reports), tuple(explicit_reports), digest)
 

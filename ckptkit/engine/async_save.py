@@ -1,0 +1,257 @@
+"""Asynchronous saves: only the snapshot blocks the step; persist and commit run in the background.
+
+Per save, on the training thread:
+
+1. classify the state and fingerprint its structure (local);
+2. one tiny all-reduce of flags on the *planning* group: is any rank still
+   persisting, did any rank's previous save fail, did any rank's structure
+   change, did any rank fail to classify — so every rank takes the same
+   branch (wait / skip / raise / replan) and no collective is left unmatched;
+3. only if the structure changed: the planning all-gather; otherwise the
+   cached plan is reused (steady-state saves run no planning collective);
+4. the snapshot into the reusable staging buffer (:mod:`staging`).
+
+Then a background executor checks the target, writes the staged bytes and
+the index, and commits, coordinating over a second, dedicated *commit*
+group: a background thread never touches the training process group, and
+the two checkpoint groups are never used by two threads at once.
+
+A background failure is kept and raised on the next ``save``/``wait``/
+``close`` on every rank; a failed save never leaves a committed manifest.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+from ckptkit.engine.collective import Comm, LocalComm, Outcome, TorchComm
+from ckptkit.engine.saver import (
+    Classified,
+    Prepared,
+    SaveResult,
+    _fail,
+    bind,
+    check_target_collective,
+    classify_state,
+    commit,
+    plan_collective,
+    write_index,
+)
+from ckptkit.engine.staging import Staged, StagingPool, snapshot
+from ckptkit.engine.state import flatten_state
+from ckptkit.engine.writer import write_staged
+from ckptkit.errors import CkptkitError, SaveError
+from ckptkit.options import AsyncOptions
+from ckptkit.plan.save_plan import SavePlan
+from ckptkit.storage.base import ByteStore
+
+log = logging.getLogger("ckptkit")
+
+
+@dataclass
+class SaveHandle:
+    """One asynchronous save: ``staged`` resolves when the snapshot is taken (training may
+    then change the state freely), ``committed`` when the checkpoint is durable and committed."""
+
+    path: str
+    step: int | None
+    staged: Future[None]
+    committed: Future[SaveResult]
+    blocked_seconds: float = 0.0
+
+    def wait(self, timeout: float | None = None) -> SaveResult:
+        return self.committed.result(timeout)
+
+    def done(self) -> bool:
+        return self.committed.done()
+
+
+def _new_comm(process_group: Any) -> Comm:
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(process_group) == 1:
+        return LocalComm()
+    ranks = dist.get_process_group_ranks(process_group) if process_group is not None else None
+    return TorchComm(dist.new_group(ranks=ranks, backend="gloo"))
+
+
+class AsyncSaver:
+    """Runs asynchronous saves for one set of ranks. Construct it on every rank (collective)."""
+
+    def __init__(self, process_group: Any = None, options: AsyncOptions = AsyncOptions()) -> None:
+        self.options = options
+        self.plan_comm = _new_comm(process_group)
+        self.commit_comm = _new_comm(process_group)
+        self.pool = StagingPool(options.max_staging_bytes, shared=options.executor == "process")
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptkit-persist")
+        self._writer: Any = None
+        if options.executor == "process":
+            from ckptkit.engine.writer_process import WriterProcess
+
+            self._writer = WriterProcess()
+        self._inflight: SaveHandle | None = None
+        self._plans: dict[str, SavePlan] = {}
+        self._lock = threading.Lock()
+        self.closed = False
+
+    @property
+    def rank(self) -> int:
+        return self.plan_comm.rank
+
+    # ------------------------------------------------------------------ public
+    def save(
+        self,
+        state: dict[str, Any],
+        store: ByteStore,
+        *,
+        step: int | None = None,
+        metadata: dict[str, Any] | None = None,
+        after_commit: Callable[[SaveResult], None] | None = None,
+    ) -> SaveHandle | None:
+        """Snapshot ``state`` and persist it in the background. None if skipped (``on_busy="skip"``)."""
+        if self.closed:
+            raise SaveError("this AsyncSaver is closed")
+        t0 = time.perf_counter()
+        cls: Classified | None = None
+        failure = Outcome(True)
+        try:
+            cls = classify_state(flatten_state(state), self.rank)
+        except (CkptkitError, OSError) as exc:
+            failure = _fail(exc)
+        prev = self._inflight
+        busy = prev is not None and not prev.done()
+        prev_failed = prev is not None and prev.done() and prev.committed.exception() is not None
+        changed = cls is not None and cls.fingerprint not in self._plans
+        any_busy, any_prev_failed, any_changed, any_failed = self.plan_comm.any_flags(
+            [busy, prev_failed, changed, not failure.ok]
+        )
+        if any_prev_failed:
+            self._raise_previous(prev)
+        if any_busy:
+            if self.options.on_busy == "skip":
+                log.warning("skipping the save to %s: the previous save is still persisting", store.url)
+                return None
+            self._wait_inflight()
+            if prev is not None and prev.committed.exception() is not None:
+                # every rank's commit outcome is the same broadcast, so every rank raises here
+                self._raise_previous(prev)
+        if any_failed:
+            raise SaveError(f"saving {store.url} failed during preparation: " + (failure.error or "failed on another rank"))
+        assert cls is not None
+        plan: SavePlan | None
+        if any_changed:
+            plan, planned = plan_collective(cls, failure, self.plan_comm, store.url)
+            over = plan is not None and self.pool.over_budget(plan)
+            if self.plan_comm.any_flags([over])[0]:
+                raise SaveError(
+                    f"saving {store.url}: a snapshot does not fit the staging budget of "
+                    f"{self.options.max_staging_bytes} bytes on "
+                    + (f"this rank ({sum(plan.objects.values())} bytes needed)" if over and plan else "another rank")
+                    + " (AsyncOptions.max_staging_bytes)"
+                )
+            if plan is not None:
+                self._plans = {cls.fingerprint: plan}  # one structure at a time: its buffer is the pool's
+        else:
+            plan, planned = self._plans[cls.fingerprint], Outcome(True)
+        prep = bind(plan, cls) if plan is not None else None
+        staged_future: Future[None] = Future()
+        staged: Staged | None = None
+        if prep is not None:
+            try:
+                staged = snapshot(prep.plan, prep.tensors, self.pool)
+            except (CkptkitError, OSError, RuntimeError) as exc:
+                planned, prep = _fail(exc), None
+        if staged is None or staged.ready is None:
+            staged_future.set_result(None)
+        handle = SaveHandle(store.url, step, staged_future, Future(), time.perf_counter() - t0)
+        self._inflight = handle
+        self._executor.submit(self._persist, handle, prep, staged, planned, store, metadata, after_commit)
+        return handle
+
+    def wait(self) -> SaveResult | None:
+        """Block until the in-flight save (if any) is committed; raise its error."""
+        handle = self._inflight
+        if handle is None:
+            return None
+        try:
+            return handle.committed.result()
+        except BaseException:
+            self._inflight = None  # reported once
+            raise
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        try:
+            self.wait()
+        finally:
+            self.closed = True
+            self._executor.shutdown(wait=True)
+            if self._writer is not None:
+                self._writer.close()
+
+    # ------------------------------------------------------------- internals
+    def _wait_inflight(self) -> None:
+        handle = self._inflight
+        if handle is not None:
+            try:
+                handle.committed.result()
+            except BaseException:  # reported through the prev_failed flag on the next save
+                pass
+
+    def _raise_previous(self, prev: SaveHandle | None) -> None:
+        self._wait_inflight()
+        self._inflight = None
+        exc = prev.committed.exception() if prev is not None else None
+        if exc is not None:
+            raise SaveError(f"the previous checkpoint save failed: {exc}") from exc
+        raise SaveError("the previous checkpoint save failed on another rank")
+
+    def _persist(
+        self,
+        handle: SaveHandle,
+        prep: Prepared | None,
+        staged: Staged | None,
+        planned: Outcome,
+        store: ByteStore,
+        metadata: dict[str, Any] | None,
+        after_commit: Callable[[SaveResult], None] | None,
+    ) -> None:
+        t0 = time.perf_counter()
+        try:
+            if staged is not None:
+                staged.wait()
+                if not handle.staged.done():
+                    handle.staged.set_result(None)
+            comm = self.commit_comm
+            check_target_collective(store, comm)
+            report = planned
+            if prep is not None and staged is not None and planned.ok:
+                try:
+                    if self._writer is not None:
+                        entries = self._writer.write(store, prep.plan, staged.buffer, self.options.block_size)
+                    else:
+                        entries = write_staged(store, prep.plan, staged.buffer, self.options.block_size)
+                    report = Outcome(True, write_index(prep, store, self.options.block_size, entries))
+                except (CkptkitError, OSError) as exc:
+                    report = _fail(exc)
+            total = commit(report, prep, store, comm, metadata)
+            assert prep is not None
+            result = SaveResult(store.url, prep.plan.nbytes, total, handle.blocked_seconds + time.perf_counter() - t0)
+            log.info(
+                "saved %s asynchronously: %.3f GiB on rank %d (blocked %.3fs, persisted in %.2fs)",
+                store.url, prep.plan.nbytes / 2**30, comm.rank, handle.blocked_seconds, time.perf_counter() - t0,
+            )
+            if after_commit is not None:
+                after_commit(result)
+            handle.committed.set_result(result)
+        except BaseException as exc:  # noqa: BLE001 - kept for the next save/wait/close
+            if not handle.staged.done():
+                handle.staged.set_exception(exc)
+            handle.committed.set_exception(exc)

@@ -1,0 +1,101 @@
+"""The snapshot: copy this rank's pieces into a reusable staging buffer.
+
+This is the only part of an asynchronous save that blocks training. The
+staging buffer has exactly the layout of the data object the rank will write
+(pieces at their planned offsets, zero padding between), so the snapshot is
+one ``copy_`` per piece and persisting is one sequential write of the buffer.
+
+The buffer is allocated once per plan and reused by every later save of the
+same structure. It is pinned host memory when the tensors live on a GPU (the
+device-to-host copies are then asynchronous and ordered on the current
+stream), shared memory when a separate writer process persists it, plain
+host memory otherwise. Its size is known before the first save and checked
+against a budget: a save that does not fit fails with a clear error rather
+than allocating without bound.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ckptkit.engine.state import torch_dtype
+from ckptkit.errors import SaveError
+from ckptkit.layout.pieces import LocalBox
+from ckptkit.plan.save_plan import SavePlan
+
+log = logging.getLogger("ckptkit")
+
+
+@dataclass
+class Staged:
+    """A snapshot in a staging buffer, and the event to wait on before its bytes are final."""
+
+    buffer: torch.Tensor
+    ready: Any = None  # a torch.cuda.Event when device copies are still in flight
+
+    def wait(self) -> None:
+        if self.ready is not None:
+            self.ready.synchronize()
+
+
+class StagingPool:
+    """One staging buffer per data object size, reused across saves."""
+
+    def __init__(self, max_bytes: int | None = None, shared: bool = False) -> None:
+        self.max_bytes = max_bytes
+        self.shared = shared
+        self._buffer: torch.Tensor | None = None
+        self.kind = "host"
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self._buffer is None else self._buffer.numel()
+
+    def over_budget(self, plan: SavePlan) -> bool:
+        return self.max_bytes is not None and sum(plan.objects.values()) > self.max_bytes
+
+    def buffer_for(self, plan: SavePlan, on_device: bool) -> torch.Tensor:
+        size = sum(plan.objects.values())
+        if self.max_bytes is not None and size > self.max_bytes:
+            raise SaveError(
+                f"rank {plan.rank}: a snapshot needs {size / 2**30:.3f} GiB of staging memory, over the "
+                f"configured budget of {self.max_bytes / 2**30:.3f} GiB (AsyncOptions.max_staging_bytes)"
+            )
+        if self._buffer is None or self._buffer.numel() != size:
+            self._buffer = None  # release the old one before allocating the new one
+            pin = on_device and torch.cuda.is_available() and not self.shared
+            buf = torch.zeros(size, dtype=torch.uint8, pin_memory=pin)
+            if self.shared:
+                buf.share_memory_()
+            self.kind = "pinned" if pin else ("shared" if self.shared else "host")
+            log.info("ckptkit staging pool on rank %d: %.3f GiB of %s memory", plan.rank, size / 2**30, self.kind)
+            self._buffer = buf
+        return self._buffer
+
+
+def snapshot(plan: SavePlan, tensors: list[torch.Tensor], pool: StagingPool) -> Staged:
+    """Copy every piece this rank writes into the pool's buffer at its planned offset."""
+    on_device = any(t.device.type != "cpu" for t in tensors)
+    buf = pool.buffer_for(plan, on_device)
+    with torch.no_grad():
+        for item in plan.items:
+            local = tensors[item.ref]
+            dtype = torch_dtype(item.dtype)
+            dst = buf[item.offset:item.offset + item.nbytes].view(dtype)
+            if isinstance(item.local, LocalBox):
+                index = tuple(slice(o, o + s) for o, s in zip(item.local.offsets, item.region.box.sizes))
+                src = local[index] if index else local
+                dst = dst.view(item.region.box.sizes)
+            else:
+                flat = local.reshape(-1) if local.is_contiguous() else local.contiguous().reshape(-1)
+                src = flat[item.local.start:item.local.start + item.region.numel]
+            dst.copy_(src, non_blocking=src.device.type == "cuda")
+    ready = None
+    if on_device and torch.cuda.is_available():
+        ready = torch.cuda.Event()
+        ready.record()
+    return Staged(buf, ready)

@@ -1,0 +1,314 @@
+"""CheckpointManager: step folders, save policies, retention, newest-valid restore, gc.
+
+    mgr = ckptkit.CheckpointManager("runs/exp1", every_steps=100, keep_last=3, keep_every=1000,
+                                    keep_best=("val_loss", 2))
+    step = mgr.restore_latest(state) or 0        # newest checkpoint that loads and verifies
+    for step in range(step + 1, total):
+        train_step()
+        mgr.maybe_save(step, state, metrics={"val_loss": v})   # blocks only for the snapshot
+    mgr.close()
+
+Every method is collective over the manager's ranks (call it on every rank).
+Decisions that could differ between ranks (a time-based trigger, a
+preemption request, which checkpoint is the newest one everybody can see,
+whether a load failed) are agreed with tiny all-reduces, so ranks never
+diverge into unmatched collectives.
+
+Retention runs on rank 0 after each commit and deletes a checkpoint by
+removing its manifest first (it is then merely uncommitted) and its files
+after, so a crash mid-deletion never leaves a committed but partial
+checkpoint. A checkpoint being read by a restore holds a lease and is not
+deleted.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+import uuid
+from concurrent.futures import Future
+from typing import Any
+
+from ckptkit.engine.async_save import AsyncSaver, SaveHandle
+from ckptkit.engine.checkpoint_dir import remove_uncommitted
+from ckptkit.engine.collective import Comm, resolve_comm
+from ckptkit.engine.loader import load_state
+from ckptkit.engine.metadata_io import read_manifest
+from ckptkit.engine.saver import SaveResult, save_state
+from ckptkit.engine.state import flatten_state
+from ckptkit.errors import (
+    CheckpointNotFoundError,
+    CkptkitError,
+    CorruptCheckpointError,
+    CoverageError,
+    ManifestError,
+    PeerFailureError,
+    StorageError,
+)
+from ckptkit.layout.manifest import MANIFEST_NAME
+from ckptkit.options import AsyncOptions, LoadOptions
+from ckptkit.retention import BestK, Record, RetentionPolicy, decide
+from ckptkit.storage.base import ByteStore
+from ckptkit.storage.url import open_store
+
+log = logging.getLogger("ckptkit")
+
+STEP_PATTERN = re.compile(r"^step-(\d+)$")
+LEASES = ".leases"
+# Failures that mean "this checkpoint is unusable, try an older one" (not "the state is wrong").
+_DAMAGED = (CorruptCheckpointError, ManifestError, CheckpointNotFoundError, CoverageError, StorageError)
+
+
+def step_dir(step: int) -> str:
+    return f"step-{step:07d}"
+
+
+def _best(value: Any) -> BestK | None:
+    if value is None or isinstance(value, BestK):
+        return value
+    return BestK(*value)
+
+
+class CheckpointManager:
+    """Periodic asynchronous checkpoints of one run under ``root`` (a path or URL)."""
+
+    def __init__(
+        self,
+        root: str,
+        *,
+        every_steps: int | None = None,
+        every_seconds: float | None = None,
+        keep_last: int | None = None,
+        keep_every: int | None = None,
+        keep_best: tuple | BestK | None = None,
+        asynchronous: bool = True,
+        options: AsyncOptions = AsyncOptions(),
+        load_options: LoadOptions = LoadOptions(),
+        process_group: Any = None,
+        storage_options: dict[str, Any] | None = None,
+        lease_seconds: float = 3600.0,
+    ) -> None:
+        self.root = open_store(root, storage_options)
+        self.every_steps = every_steps
+        self.every_seconds = every_seconds
+        self.retention = RetentionPolicy(keep_last, keep_every, _best(keep_best))
+        self.options = options
+        self.load_options = load_options
+        self.lease_seconds = lease_seconds
+        self._saver = AsyncSaver(process_group, options) if asynchronous else None
+        self._comm: Comm = self._saver.plan_comm if self._saver is not None else resolve_comm(process_group)
+        self._last_save = time.monotonic()
+        self._save_requested = threading.Event()
+        self._agree_requests = False
+        self._records: dict[str, Record] = {}
+        self._inflight_name: str | None = None
+        self._last_handle: SaveHandle | None = None
+
+    @property
+    def rank(self) -> int:
+        return self._comm.rank
+
+    # ------------------------------------------------------------------ saving
+    def request_save(self) -> None:
+        """Ask for a save at the next :meth:`maybe_save` (e.g. from a preemption signal handler).
+
+        Ranks may see the request at different steps, so once requests are
+        in use every ``maybe_save`` agrees on it with a one-byte all-reduce.
+        """
+        self._agree_requests = True
+        self._save_requested.set()
+
+    def enable_save_requests(self) -> None:
+        """Agree on save requests at every step from now on (call on every rank)."""
+        self._agree_requests = True
+
+    def should_save(self, step: int) -> bool:
+        """Whether :meth:`maybe_save` would save at ``step`` (collective when time or requests matter)."""
+        wants = self.every_steps is not None and step % self.every_steps == 0
+        if self.every_seconds is not None or self._agree_requests:
+            local = self._save_requested.is_set() or (
+                self.every_seconds is not None and time.monotonic() - self._last_save >= self.every_seconds
+            )
+            wants = self._comm.any_flags([wants or local])[0]
+        return wants
+
+    def maybe_save(self, step: int, state: dict[str, Any], *, metrics: dict[str, Any] | None = None) -> SaveHandle | None:
+        """Save if the policy says so; return the handle (None if nothing was saved)."""
+        if not self.should_save(step):
+            return None
+        return self.save(step, state, metrics=metrics)
+
+    def save(self, step: int, state: dict[str, Any], *, metrics: dict[str, Any] | None = None) -> SaveHandle | None:
+        """Save now (on demand). Asynchronous unless the manager was made with ``asynchronous=False``."""
+        self._save_requested.clear()
+        self._last_save = time.monotonic()
+        name = step_dir(step)
+        store = self.root.child(name)
+        metadata = {"step": step, "metrics": dict(metrics or {}), "retention": self.retention.to_json()}
+        if self._saver is None:
+            result = save_state(flatten_state(state), store, self._comm, block=self.options.block_size, metadata=metadata)
+            self._after_commit(name, result)
+            done: Future[SaveResult] = Future()
+            done.set_result(result)
+            staged: Future[None] = Future()
+            staged.set_result(None)
+            return SaveHandle(store.url, step, staged, done, result.seconds)
+        self._inflight_name = name
+        handle = self._saver.save(
+            state, store, step=step, metadata=metadata, after_commit=lambda r: self._after_commit(name, r)
+        )
+        if handle is not None:
+            self._last_handle = handle
+        return handle
+
+    def wait(self) -> SaveResult | None:
+        """Block until the in-flight save is committed; raise a background failure."""
+        return self._saver.wait() if self._saver is not None else None
+
+    def close(self) -> None:
+        if self._saver is not None:
+            self._saver.close()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # --------------------------------------------------------------- retention
+    def _after_commit(self, name: str, result: SaveResult) -> None:
+        self._inflight_name = None
+        if self.rank != 0 or self.retention.keeps_everything:
+            return
+        try:
+            decision = decide(self.records(), self.retention)
+            for victim in decision.delete:
+                if self._leased(victim):
+                    log.info("retention: keeping %s for now, a restore is reading it", victim)
+                    continue
+                self._delete(victim)
+        except (CkptkitError, OSError) as exc:  # retention never fails a save
+            log.warning("retention after %s failed: %s", name, exc)
+
+    def _delete(self, name: str) -> None:
+        store = self.root.child(name)
+        store.delete(MANIFEST_NAME)  # uncommit first: a crash from here on leaves garbage, never a partial checkpoint
+        self._records.pop(name, None)
+        try:
+            remove_uncommitted(store)
+            log.info("retention: deleted %s", name)
+        except CkptkitError as exc:
+            log.warning("retention: %s is uncommitted now but not removed: %s", name, exc)
+
+    def records(self) -> list[Record]:
+        """Every step folder under the root: step, committed, metrics (manifests are read once)."""
+        out = []
+        for name in self.root.list_children():
+            m = STEP_PATTERN.match(name)
+            if m is None:
+                continue
+            cached = self._records.get(name)
+            if cached is not None:
+                out.append(cached)
+                continue
+            store = self.root.child(name)
+            if not store.exists(MANIFEST_NAME):
+                out.append(Record(name, int(m.group(1)), False))
+                continue
+            try:
+                meta = read_manifest(store).meta.get("user", {})
+            except CkptkitError:
+                out.append(Record(name, int(m.group(1)), False))
+                continue
+            metrics = meta.get("metrics") if isinstance(meta, dict) else None
+            rec = Record(name, int(m.group(1)), True, metrics if isinstance(metrics, dict) else {})
+            self._records[name] = rec
+            out.append(rec)
+        return sorted(out, key=lambda r: r.step)
+
+    def gc(self) -> list[str]:
+        """Remove uncommitted step folders (leftovers of crashed saves). Rank 0 does the work."""
+        removed: list[str] = []
+        if self.rank != 0:
+            return removed
+        for rec in self.records():
+            if rec.committed or rec.name == self._inflight_name:
+                continue
+            try:
+                remove_uncommitted(self.root.child(rec.name))
+                removed.append(rec.name)
+                log.info("gc: removed uncommitted %s", rec.name)
+            except CkptkitError as exc:
+                log.warning("gc: left %s in place: %s", rec.name, exc)
+        return removed
+
+    # ---------------------------------------------------------------- restore
+    def restore_latest(self, state: dict[str, Any], *, strict: bool = True) -> int | None:
+        """Load the newest checkpoint that every rank can see and that loads and verifies.
+
+        Returns its step, or None when there is none. Damaged checkpoints
+        (uncommitted, unreadable metadata, checksum failures, missing objects)
+        are skipped with a logged reason, falling back to older ones; a state
+        that does not match the checkpoint raises instead.
+        """
+        self.wait()
+        bound = 2**62
+        while True:
+            mine = max((r.step for r in self.records() if r.committed and r.step <= bound), default=-1)
+            step = self._comm.all_min([mine])[0]
+            if step < 0:
+                return None
+            name = step_dir(step)
+            damaged: BaseException | None = None
+            other: BaseException | None = None
+            lease = self._acquire_lease(name)
+            try:
+                load_state(flatten_state(state), self.root.child(name), self._comm, strict=strict, options=self.load_options)
+            except PeerFailureError as exc:
+                damaged = exc  # another rank failed; its own flag says why
+            except _DAMAGED as exc:
+                damaged = exc
+            except Exception as exc:  # noqa: BLE001 - decided together below
+                other = exc
+            finally:
+                self._release_lease(lease)
+            any_damaged, any_other = self._comm.any_flags([damaged is not None and not isinstance(damaged, PeerFailureError), other is not None])
+            if any_other:
+                if other is not None:
+                    raise other
+                raise PeerFailureError(f"restoring {name} failed on another rank")
+            if not any_damaged:
+                log.info("restored %s", name)
+                return step
+            log.warning("skipping %s: %s", name, damaged if damaged is not None else "damaged on another rank")
+            bound = step - 1
+
+    def _acquire_lease(self, name: str) -> str:
+        key = f"{LEASES}/{name}.{self.rank}.{uuid.uuid4().hex[:12]}"
+        try:
+            self.root.put_bytes(key, repr(time.time()).encode())
+        except (CkptkitError, OSError) as exc:
+            log.warning("could not take a read lease on %s: %s", name, exc)
+        return key
+
+    def _release_lease(self, key: str) -> None:
+        try:
+            self.root.delete(key)
+        except (CkptkitError, OSError):
+            pass
+
+    def _leased(self, name: str) -> bool:
+        now = time.time()
+        for key in self.root.list_keys(LEASES):
+            base = key.rsplit("/", 1)[-1]
+            if not base.startswith(name + "."):
+                continue
+            try:
+                taken = float(self.root.read_bytes(key).decode())
+            except (CkptkitError, OSError, ValueError):
+                continue
+            if now - taken < self.lease_seconds:
+                return True
+        return False
