@@ -11,6 +11,7 @@ one.
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing as mp
 import os
 import socket
@@ -61,7 +62,8 @@ class World:
         self.procs = []
         for rank in range(size):
             parent, child = _CTX.Pipe()
-            p = _CTX.Process(target=_worker, args=(rank, size, port, child, env or {}), daemon=True)
+            # not daemonic: ranks may start helper processes of their own (ckptkit's writer process)
+            p = _CTX.Process(target=_worker, args=(rank, size, port, child, env or {}), daemon=False)
             p.start()
             self.conns.append(parent)
             self.procs.append(p)
@@ -115,6 +117,7 @@ class Worlds:
 
     def __init__(self) -> None:
         self._worlds: dict[int, World] = {}
+        atexit.register(self.close)  # worlds are not daemonic: never leave them behind
 
     def get(self, size: int) -> World:
         w = self._worlds.get(size)

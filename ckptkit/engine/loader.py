@@ -240,7 +240,10 @@ def load_state(
         d.finish()
     _assign_values(flat, manifest, indexes.get(comm.rank) if not resized else None, where)
     seconds = time.perf_counter() - t0
-    log.info("loaded %s: %.3f GiB on rank %d in %.2fs", where, nbytes / 2**30, comm.rank, seconds)
+    log.info(
+        "loaded %s: %.3f GiB on rank %d in %.2fs (%.2f GiB/s)",
+        where, nbytes / 2**30, comm.rank, seconds, nbytes / 2**30 / max(seconds, 1e-9),
+    )
     return LoadResult(where, nbytes, seconds, dict(manifest.meta), tuple(sorted(plan.missing)), tuple(unexpected))
 
 

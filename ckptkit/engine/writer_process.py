@@ -51,7 +51,12 @@ class WriterProcess:
         self._responses = ctx.Queue()
         self._proc = ctx.Process(target=_serve, args=(self._requests, self._responses), daemon=True,
                                  name="ckptkit-writer")
-        self._proc.start()
+        try:
+            self._proc.start()
+        except AssertionError as exc:  # multiprocessing refuses children of daemonic processes
+            raise SaveError(
+                f"cannot start the ckptkit writer process ({exc}); use AsyncOptions(executor='thread') here"
+            ) from None
         self._sent: int | None = None
 
     def write(self, store: ByteStore, plan: SavePlan, buffer: torch.Tensor, block: int) -> list[IndexEntry]:

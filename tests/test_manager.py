@@ -1,0 +1,119 @@
+"""CheckpointManager in one process: policies, retention, restore of the newest valid, gc, leases."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import ckptkit
+from ckptkit import catalog
+from ckptkit.cli.main import cli
+
+
+def state_at(step: int) -> dict:
+    return {"w": torch.full((64, 8), float(step)), "b": torch.arange(8, dtype=torch.bfloat16) + step, "step": step}
+
+
+def empty_state() -> dict:
+    return {"w": torch.zeros(64, 8), "b": torch.zeros(8, dtype=torch.bfloat16), "step": -1}
+
+
+def committed(run) -> list[str]:
+    return sorted(p.name for p in run.iterdir() if (p / "manifest.json").exists())
+
+
+def test_every_steps_and_retention(tmp_path):
+    with ckptkit.CheckpointManager(str(tmp_path), every_steps=10, keep_last=2, keep_every=50,
+                                   keep_best=("loss", 1)) as mgr:
+        for step in range(1, 101):
+            mgr.maybe_save(step, state_at(step), metrics={"loss": abs(step - 33)})
+    assert committed(tmp_path) == ["step-0000030", "step-0000050", "step-0000090", "step-0000100"]
+    infos = {i.name: i for i in catalog.list_checkpoints(str(tmp_path))}
+    assert infos["step-0000030"].keep == ("best",) and infos["step-0000030"].metrics == {"loss": 3}
+    assert infos["step-0000050"].keep == ("milestone",)
+    assert infos["step-0000100"].keep == ("latest", "last", "milestone")
+    out = CliRunner().invoke(cli, ["ls", str(tmp_path), "--json"])
+    rows = {r["name"]: r for r in json.loads(out.stdout)["checkpoints"]}
+    assert rows["step-0000090"]["keep"] == ["last"] and rows["step-0000090"]["metrics"] == {"loss": 57}
+
+
+def test_restore_latest_skips_uncommitted_and_corrupt(tmp_path, caplog):
+    with ckptkit.CheckpointManager(str(tmp_path), every_steps=1) as mgr:
+        for step in (1, 2, 3):
+            mgr.maybe_save(step, state_at(step))
+    # newest: a crashed save (no manifest); next: one flipped byte in its data
+    (tmp_path / "step-0000003" / "manifest.json").unlink()
+    data = tmp_path / "step-0000002" / "data" / "rank-00000.bin"
+    raw = bytearray(data.read_bytes())
+    raw[17] ^= 1
+    data.write_bytes(bytes(raw))
+    target = empty_state()
+    with caplog.at_level(logging.WARNING, logger="ckptkit"), ckptkit.CheckpointManager(str(tmp_path)) as mgr:
+        assert mgr.restore_latest(target) == 1
+    assert torch.equal(target["w"], state_at(1)["w"]) and target["step"] == 1
+    assert any("skipping step-0000002" in r.message and "checksum mismatch" in r.message for r in caplog.records)
+
+
+def test_restore_latest_on_an_empty_run_returns_none(tmp_path):
+    with ckptkit.CheckpointManager(str(tmp_path / "fresh")) as mgr:
+        assert mgr.restore_latest(empty_state()) is None
+
+
+def test_restore_latest_raises_when_the_state_does_not_match(tmp_path):
+    with ckptkit.CheckpointManager(str(tmp_path), every_steps=1) as mgr:
+        mgr.maybe_save(1, state_at(1))
+        mgr.maybe_save(2, state_at(2))
+        wrong = empty_state()
+        wrong["w"] = torch.zeros(64, 9)
+        with pytest.raises(ckptkit.ShapeMismatchError):  # a user error is not "try an older checkpoint"
+            mgr.restore_latest(wrong)
+
+
+def test_gc_removes_uncommitted_leftovers_only(tmp_path):
+    with ckptkit.CheckpointManager(str(tmp_path), every_steps=1) as mgr:
+        mgr.maybe_save(1, state_at(1))
+        mgr.maybe_save(2, state_at(2))
+        mgr.wait()
+        shutil.copytree(tmp_path / "step-0000002", tmp_path / "step-0000003")
+        (tmp_path / "step-0000003" / "manifest.json").unlink()
+        (tmp_path / "step-0000004").mkdir()
+        (tmp_path / "step-0000004" / "notes.txt").write_text("not ours")
+        assert mgr.gc() == ["step-0000003"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-0000001", "step-0000002", "step-0000004"]
+
+
+def test_a_checkpoint_being_read_is_not_deleted(tmp_path):
+    with ckptkit.CheckpointManager(str(tmp_path), every_steps=1, keep_last=1) as mgr:
+        mgr.maybe_save(1, state_at(1))
+        mgr.wait()
+        lease = mgr._acquire_lease("step-0000001")  # a restore on some rank is reading step 1
+        mgr.maybe_save(2, state_at(2))
+        mgr.wait()
+        assert committed(tmp_path) == ["step-0000001", "step-0000002"]
+        mgr._release_lease(lease)
+        mgr.maybe_save(3, state_at(3))
+        mgr.wait()
+    assert committed(tmp_path) == ["step-0000003"]
+
+
+def test_requested_and_timed_saves(tmp_path):
+    with ckptkit.CheckpointManager(str(tmp_path), every_steps=100) as mgr:
+        assert mgr.maybe_save(1, state_at(1)) is None
+        mgr.request_save()  # e.g. from a SIGTERM handler
+        assert mgr.maybe_save(2, state_at(2)) is not None
+        assert mgr.maybe_save(3, state_at(3)) is None
+    with ckptkit.CheckpointManager(str(tmp_path / "timed"), every_seconds=0.0) as mgr:
+        assert mgr.maybe_save(1, state_at(1)) is not None
+
+
+def test_synchronous_manager(tmp_path):
+    with ckptkit.CheckpointManager(str(tmp_path), every_steps=2, keep_last=1, asynchronous=False) as mgr:
+        for step in range(1, 7):
+            h = mgr.maybe_save(step, state_at(step))
+            assert h is None or h.done()
+    assert committed(tmp_path) == ["step-0000006"]
