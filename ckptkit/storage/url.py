@@ -20,14 +20,20 @@ LOCAL_PROTOCOLS = (None, "file", "local")
 
 
 def open_store(url: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> ByteStore:
-    """The byte store at ``url`` (a local path or ``file://`` URL)."""
+    """The byte store at ``url``: a local path, a ``file://`` or an ``s3://bucket/prefix`` URL."""
     text = os.fspath(url)
     protocol, _ = split_protocol(text)
     if protocol in LOCAL_PROTOCOLS:
         return LocalStore(strip_protocol(text) if protocol else text)
+    if protocol in ("s3", "s3a"):
+        try:
+            from ckptkit.storage.s3 import S3Store
+        except ImportError as exc:
+            raise StorageError(f"{text}: S3 needs the s3fs package (pip install 'ckptkit[s3]'): {exc}") from None
+        return S3Store(text, storage_options)
     raise StorageError(
-        f"{text}: storage protocol {protocol!r} is not supported by this ckptkit build "
-        "(supported: local paths and file:// URLs)"
+        f"{text}: storage protocol {protocol!r} is not supported "
+        "(supported: local paths, file:// and s3:// URLs)"
     )
 
 

@@ -1,0 +1,294 @@
+"""S3 (and S3-compatible) byte store, through s3fs and its aiobotocore client.
+
+* Large objects are multipart uploads: parts of ``part_size`` bytes uploaded
+  with at most ``max_concurrency`` in flight (memory stays bounded at about
+  ``part_size * max_concurrency``), completed at the end, aborted on failure.
+* Reads are ranged GETs of exactly the bytes asked for.
+* The commit is a conditional PUT (``If-None-Match: *``): S3 has no rename,
+  and two writers can never both create the manifest. If the answer to a
+  conditional PUT is lost and the retry sees 412, the stored object is read
+  back: if it is ours, the commit succeeded.
+* Retries: every HTTP request is retried by botocore's "standard" retry mode
+  (5xx, throttling, connection resets and timeouts, with exponential backoff
+  and jitter; ``max_attempts`` requests in all). s3fs adds its own retry for a
+  few transport errors on the calls it makes itself (listing). Errors that
+  survive the retries become :class:`~ckptkit.errors.StorageError` naming the
+  object.
+
+Credentials and the endpoint come from the usual places (environment,
+``AWS_ENDPOINT_URL``, config files) or ``storage_options`` (passed to
+``s3fs.S3FileSystem``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterable
+from concurrent.futures import Future
+from typing import Any
+
+from ckptkit.errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
+from ckptkit.storage.base import ByteStore
+
+PART_SIZE = 64 << 20
+MAX_CONCURRENCY = 8
+MAX_ATTEMPTS = 10
+
+
+def _code(exc: BaseException) -> str:
+    response = getattr(exc, "response", None)
+    if isinstance(response, dict):
+        err = response.get("Error", {})
+        return str(err.get("Code", "")) or str(response.get("ResponseMetadata", {}).get("HTTPStatusCode", ""))
+    return ""
+
+
+class S3Store(ByteStore):
+    """Objects under ``s3://bucket/prefix``."""
+
+    preferred_threads = 16
+
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None, *, _fs: Any = None,
+                 part_size: int = PART_SIZE, max_concurrency: int = MAX_CONCURRENCY) -> None:
+        import s3fs
+
+        path = url.split("://", 1)[1] if "://" in url else url
+        self.bucket, _, prefix = path.partition("/")
+        self.prefix = prefix.strip("/")
+        self.url = f"s3://{self.bucket}/{self.prefix}".rstrip("/")
+        self.part_size = part_size
+        self.max_concurrency = max_concurrency
+        if _fs is None:
+            options = dict(storage_options or {})
+            config = dict(options.pop("config_kwargs", {}) or {})
+            config.setdefault("retries", {"max_attempts": MAX_ATTEMPTS, "mode": "standard"})
+            _fs = s3fs.S3FileSystem(skip_instance_cache=True, use_listings_cache=False, config_kwargs=config, **options)
+        self.fs = _fs
+        self._storage_options = storage_options
+
+    # ---------------------------------------------------------------- plumbing
+    def _key(self, key: str) -> str:
+        return f"{self.prefix}/{key}" if self.prefix and key else (key or self.prefix)
+
+    def _run(self, coro: Any) -> Any:
+        from fsspec.asyn import sync
+
+        return sync(self.fs.loop, lambda: coro)
+
+    async def _client(self) -> Any:
+        return await self.fs.set_session()
+
+    async def _call(self, method: str, **kwargs: Any) -> Any:
+        client = await self._client()
+        return await getattr(client, method)(Bucket=self.bucket, **kwargs)
+
+    def _error(self, exc: BaseException, what: str) -> StorageError:
+        code = _code(exc)
+        return StorageError(f"{what} in {self.url}: {code + ': ' if code else ''}{exc}")
+
+    def child(self, name: str) -> S3Store:
+        url = f"s3://{self.bucket}/{self._key(name)}"
+        return S3Store(url, _fs=self.fs, part_size=self.part_size, max_concurrency=self.max_concurrency)
+
+    # ----------------------------------------------------------------- writing
+    def write_object(self, key: str, chunks: Iterable[memoryview | bytes]) -> int:
+        full = self._key(key)
+        buf = bytearray()
+        upload_id: str | None = None
+        futures: list[Future] = []
+        slots = threading.Semaphore(self.max_concurrency)
+        total = 0
+        try:
+            for chunk in chunks:
+                view = memoryview(chunk).cast("B")
+                total += len(view)
+                while view:
+                    take = min(len(view), self.part_size - len(buf))
+                    buf += view[:take]
+                    view = view[take:]
+                    if len(buf) == self.part_size:
+                        if upload_id is None:
+                            upload_id = self._run(self._call("create_multipart_upload", Key=full))["UploadId"]
+                        futures.append(self._submit_part(full, upload_id, len(futures) + 1, bytes(buf), slots))
+                        buf = bytearray()
+            if upload_id is None:
+                self._run(self._call("put_object", Key=full, Body=bytes(buf)))
+                return total
+            if buf:
+                futures.append(self._submit_part(full, upload_id, len(futures) + 1, bytes(buf), slots))
+            etags = [f.result() for f in futures]
+            done = {"Parts": [{"ETag": e, "PartNumber": i + 1} for i, e in enumerate(etags)]}
+            self._complete(key, upload_id, done, total)
+            return total
+        except Exception as exc:
+            for f in futures:
+                f.cancel()
+            if upload_id is not None:
+                try:
+                    self._run(self._call("abort_multipart_upload", Key=full, UploadId=upload_id))
+                except Exception:  # noqa: BLE001 - best effort; lifecycle rules clean up the rest
+                    pass
+            if isinstance(exc, StorageError):
+                raise
+            raise self._error(exc, f"writing {key}") from exc
+
+    def _submit_part(self, key: str, upload_id: str, number: int, data: bytes, slots: threading.Semaphore) -> Future:
+        slots.acquire()
+
+        async def upload() -> str:
+            try:
+                r = await self._call("upload_part", Key=key, UploadId=upload_id, PartNumber=number, Body=data)
+                return r["ETag"]
+            finally:
+                slots.release()
+
+        return asyncio.run_coroutine_threadsafe(upload(), self.fs.loop)
+
+    def _complete(self, key: str, upload_id: str, parts: dict, total: int) -> None:
+        try:
+            self._run(self._call("complete_multipart_upload", Key=self._key(key), UploadId=upload_id, MultipartUpload=parts))
+        except Exception as exc:
+            # A retried completion whose first attempt succeeded answers NoSuchUpload: check the object.
+            if _code(exc) == "NoSuchUpload" and self.size(key) == total:
+                return
+            raise
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        try:
+            self._run(self._call("put_object", Key=self._key(key), Body=bytes(data)))
+        except Exception as exc:
+            raise self._error(exc, f"writing {key}") from exc
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        try:
+            self._run(self._call("put_object", Key=self._key(key), Body=bytes(data), IfNoneMatch="*"))
+            return True
+        except Exception as exc:
+            if _code(exc) not in ("PreconditionFailed", "412", "ConditionalRequestConflict", "409"):
+                raise self._error(exc, f"committing {key}") from exc
+        # Someone created it first — or our own first attempt did and its answer was lost.
+        try:
+            return self.read_bytes(key) == bytes(data)
+        except CheckpointNotFoundError:
+            return False
+
+    # ----------------------------------------------------------------- reading
+    def read_into(self, key: str, offset: int, out: memoryview) -> None:
+        view = memoryview(out).cast("B")
+        if not len(view):
+            return
+        data = self._get_range(key, offset, len(view))
+        view[:] = data
+
+    def read_into_vectored(self, key: str, offset: int, buffers: list[memoryview]) -> None:
+        views = [memoryview(b).cast("B") for b in buffers]
+        total = sum(len(v) for v in views)
+        if not total:
+            return
+        data = memoryview(self._get_range(key, offset, total))
+        pos = 0
+        for v in views:
+            v[:] = data[pos:pos + len(v)]
+            pos += len(v)
+
+    def _get_range(self, key: str, offset: int, length: int) -> bytes:
+        async def get() -> bytes:
+            r = await self._call("get_object", Key=self._key(key), Range=f"bytes={offset}-{offset + length - 1}")
+            async with r["Body"] as body:
+                return await body.read()
+
+        try:
+            data = self._run(get())
+        except Exception as exc:
+            code = _code(exc)
+            if code in ("NoSuchKey", "404"):
+                raise CorruptCheckpointError(f"object {self.url}/{key} is missing") from None
+            if code in ("InvalidRange", "416"):
+                raise CorruptCheckpointError(
+                    f"object {self.url}/{key} is truncated: needed bytes up to {offset + length}"
+                ) from None
+            raise self._error(exc, f"reading {key}") from exc
+        if len(data) != length:
+            raise CorruptCheckpointError(
+                f"object {self.url}/{key} is truncated: needed bytes up to {offset + length}, got {offset + len(data)}"
+            )
+        return data
+
+    def read_bytes(self, key: str) -> bytes:
+        async def get() -> bytes:
+            r = await self._call("get_object", Key=self._key(key))
+            async with r["Body"] as body:
+                return await body.read()
+
+        try:
+            return self._run(get())
+        except Exception as exc:
+            if _code(exc) in ("NoSuchKey", "404"):
+                raise CheckpointNotFoundError(f"{self.url}/{key} does not exist") from None
+            raise self._error(exc, f"reading {key}") from exc
+
+    def size(self, key: str) -> int | None:
+        try:
+            r = self._run(self._call("head_object", Key=self._key(key)))
+        except Exception as exc:
+            if _code(exc) in ("NoSuchKey", "404", "NotFound"):
+                return None
+            raise self._error(exc, f"inspecting {key}") from exc
+        return int(r["ContentLength"])
+
+    # ------------------------------------------------------- listing, deletion
+    def _list(self, prefix: str, delimiter: bool) -> tuple[list[str], list[str]]:
+        async def run() -> tuple[list[str], list[str]]:
+            client = await self._client()
+            keys: list[str] = []
+            dirs: list[str] = []
+            kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": prefix}
+            if delimiter:
+                kwargs["Delimiter"] = "/"
+            paginator = client.get_paginator("list_objects_v2")
+            async for page in paginator.paginate(**kwargs):
+                keys.extend(o["Key"] for o in page.get("Contents", []))
+                dirs.extend(p["Prefix"] for p in page.get("CommonPrefixes", []))
+            return keys, dirs
+
+        try:
+            return self._run(run())
+        except Exception as exc:
+            raise self._error(exc, "listing") from exc
+
+    def list_keys(self, prefix: str = "") -> list[str]:
+        base = self._key(prefix)
+        root = f"{self.prefix}/" if self.prefix else ""
+        keys, _ = self._list(base, delimiter=False)
+        out = []
+        for k in keys:
+            if prefix and not (k == base or k.startswith(base.rstrip("/") + "/")):
+                continue
+            out.append(k[len(root):])
+        return sorted(out)
+
+    def list_children(self) -> list[str]:
+        root = f"{self.prefix}/" if self.prefix else ""
+        keys, dirs = self._list(root, delimiter=True)
+        names = {k[len(root):] for k in keys} | {d[len(root):].rstrip("/") for d in dirs}
+        return sorted(n for n in names if n)
+
+    def is_dir(self) -> bool:
+        return bool(self.list_children())
+
+    def delete(self, key: str) -> None:
+        try:
+            self._run(self._call("delete_object", Key=self._key(key)))
+        except Exception as exc:
+            if _code(exc) not in ("NoSuchKey", "404"):
+                raise self._error(exc, f"deleting {key}") from exc
+
+    def delete_all(self) -> None:
+        keys = [self._key(k) for k in self.list_keys()]
+        for i in range(0, len(keys), 1000):
+            batch = {"Objects": [{"Key": k} for k in keys[i:i + 1000]], "Quiet": True}
+            try:
+                self._run(self._call("delete_objects", Delete=batch))
+            except Exception as exc:
+                raise self._error(exc, "deleting") from exc
