@@ -27,3 +27,13 @@ def test_os_errors_become_storage_errors(tmp_path):
     store = LocalStore(str(tmp_path / "file" / "ckpt"))
     with pytest.raises(StorageError, match="writing .*data/x"):
         store.write_object("data/x", [b"1"])
+
+
+class TestTensorstoreEngineLocal(StoreTests):
+    def make_store(self, tmp_path):
+        return open_store(str(tmp_path / "root"), {"io_engine": "tensorstore"})
+
+
+def test_unknown_engine_is_a_clear_error(tmp_path):
+    with pytest.raises(StorageError, match="unknown io_engine 'fast'"):
+        open_store(str(tmp_path), {"io_engine": "fast"})

@@ -29,3 +29,9 @@ class TestS3StoreMultipart(StoreTests):
         out = bytearray(10_000_000)
         store.read_into("big.bin", 5_000_000, memoryview(out))
         assert bytes(out) == payload[5_000_000:15_000_000]
+
+
+class TestTensorstoreEngineOnS3(StoreTests):
+    @pytest.fixture
+    def store(self, s3_env):  # noqa: F811
+        return open_store(f"s3://{s3_env}/ts", {"io_engine": "tensorstore"})

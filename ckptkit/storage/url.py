@@ -17,11 +17,28 @@ from ckptkit.storage.base import ByteStore
 from ckptkit.storage.local import LocalStore
 
 LOCAL_PROTOCOLS = (None, "file", "local")
+# "native": ckptkit's own POSIX / s3fs paths; "tensorstore": tensorstore's kvstore moves
+# the data objects (see storage/tensorstore_kv.py). Chosen by benchmarks/bench_s3.py.
+ENGINES = ("native", "tensorstore")
+DEFAULT_ENGINE = "native"
 
 
 def open_store(url: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> ByteStore:
     """The byte store at ``url``: a local path, a ``file://`` or an ``s3://bucket/prefix`` URL."""
     text = os.fspath(url)
+    options = dict(storage_options or {})
+    engine = options.pop("io_engine", DEFAULT_ENGINE)
+    if engine not in ENGINES:
+        raise StorageError(f"{text}: unknown io_engine {engine!r} (choose from {', '.join(ENGINES)})")
+    store = _base_store(text, options)
+    if engine == "tensorstore":
+        from ckptkit.storage.tensorstore_kv import TensorstoreStore
+
+        return TensorstoreStore(store)
+    return store
+
+
+def _base_store(text: str, options: dict[str, Any]) -> ByteStore:
     protocol, _ = split_protocol(text)
     if protocol in LOCAL_PROTOCOLS:
         return LocalStore(strip_protocol(text) if protocol else text)
@@ -30,7 +47,7 @@ def open_store(url: str | os.PathLike[str], storage_options: dict[str, Any] | No
             from ckptkit.storage.s3 import S3Store
         except ImportError as exc:
             raise StorageError(f"{text}: S3 needs the s3fs package (pip install 'ckptkit[s3]'): {exc}") from None
-        return S3Store(text, storage_options)
+        return S3Store(text, options)
     raise StorageError(
         f"{text}: storage protocol {protocol!r} is not supported "
         "(supported: local paths, file:// and s3:// URLs)"
