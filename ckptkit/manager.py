@@ -50,7 +50,7 @@ from ckptkit.errors import (
 from ckptkit.layout.manifest import MANIFEST_NAME
 from ckptkit.options import AsyncOptions, LoadOptions
 from ckptkit.retention import BestK, Record, RetentionPolicy, decide
-from ckptkit.storage.base import ByteStore
+from ckptkit.storage.tiered import TieredStore
 from ckptkit.storage.url import open_store
 
 log = logging.getLogger("ckptkit")
@@ -89,8 +89,12 @@ class CheckpointManager:
         process_group: Any = None,
         storage_options: dict[str, Any] | None = None,
         lease_seconds: float = 3600.0,
+        local_dir: str | None = None,
     ) -> None:
         self.root = open_store(root, storage_options)
+        if local_dir is not None:
+            # node-local disk in front of the (object) store: see storage/tiered.py
+            self.root = TieredStore(open_store(local_dir), self.root)
         self.every_steps = every_steps
         self.every_seconds = every_seconds
         self.retention = RetentionPolicy(keep_last, keep_every, _best(keep_best))

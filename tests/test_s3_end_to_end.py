@@ -103,3 +103,27 @@ def test_distributed_async_save_to_a_bucket_and_reshard(worlds, s3_env, s3_serve
     got = worlds.run(2, tp_load, url, s3_server.endpoint)[0]
     assert sorted(ref) == sorted(got)
     assert all(torch.equal(ref[k], got[k]) for k in ref)
+
+
+def test_local_tier_in_front_of_the_bucket(s3_env, tmp_path):  # noqa: F811
+    root, local = f"s3://{s3_env}/tiered", tmp_path / "nvme"
+    with ckptkit.CheckpointManager(root, every_steps=1, keep_last=2, local_dir=str(local)) as mgr:
+        for step in (1, 2, 3):
+            mgr.maybe_save(step, state_at(step))
+    s3 = boto3.client("s3")
+    in_bucket = {o["Key"].split("/")[1] for o in s3.list_objects_v2(Bucket=s3_env, Prefix="tiered/")["Contents"]}
+    assert in_bucket == {"step-0000002", "step-0000003"} and sorted(p.name for p in local.iterdir()) == sorted(in_bucket)
+    # the local copy of the newest data object is damaged: the bucket's copy is read instead
+    data = local / "step-0000003" / "data" / "rank-00000.bin"
+    raw = bytearray(data.read_bytes())
+    raw[100] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    (local / "step-0000003" / "index" / "rank-00000.json").unlink()  # and its index is gone
+    target = empty()
+    with ckptkit.CheckpointManager(root, local_dir=str(local)) as mgr:
+        assert mgr.restore_latest(target) == 3
+    assert torch.equal(target["w"], state_at(3)["w"]) and target["step"] == 3
+    # a local copy without the bucket's commit is not a checkpoint
+    s3.delete_object(Bucket=s3_env, Key="tiered/step-0000003/manifest.json")
+    with ckptkit.CheckpointManager(root, local_dir=str(local)) as mgr:
+        assert mgr.restore_latest(empty()) == 2

@@ -35,6 +35,16 @@ def _manifest_bytes(store: ByteStore) -> bytes:
 
 
 def read_index(store: ByteStore, manifest: Manifest, rank: int) -> Index:
+    try:
+        return _read_index(store, manifest, rank)
+    except CorruptCheckpointError:
+        fallback = getattr(store, "fallback", None)  # a tiered store's local copy may be stale
+        if fallback is None:
+            raise
+        return _read_index(fallback, manifest, rank)
+
+
+def _read_index(store: ByteStore, manifest: Manifest, rank: int) -> Index:
     ref = manifest.indexes.get(rank)
     where = f"{store.url}/{ref.key if ref else f'index of rank {rank}'}"
     if ref is None:

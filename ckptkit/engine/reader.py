@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 import bisect
+import logging
 from concurrent.futures import ThreadPoolExecutor
 
 import crc32c
@@ -20,6 +21,8 @@ from ckptkit.engine.tensor_bytes import as_bytes, strided, typed_window
 from ckptkit.errors import CorruptCheckpointError
 from ckptkit.plan.load_plan import ReadRequest
 from ckptkit.storage.base import ByteStore
+
+log = logging.getLogger("ckptkit")
 
 
 def _verify_view(req: ReadRequest, offset: int, data: memoryview, checks: list, where: str) -> None:
@@ -67,6 +70,18 @@ def _execute_direct(req: ReadRequest, store: ByteStore, targets: list[torch.Tens
 
 
 def execute_request(req: ReadRequest, store: ByteStore, targets: list[torch.Tensor], dtypes: dict[str, torch.dtype], where: str) -> int:
+    try:
+        return _execute(req, store, targets, dtypes, where)
+    except CorruptCheckpointError as exc:
+        fallback = getattr(store, "fallback", None)
+        if fallback is None:
+            raise
+        # a tiered store: the local copy failed verification, the bucket's copy may not
+        log.warning("%s; reading %s from %s instead", exc, req.object, fallback.url)
+        return _execute(req, fallback, targets, dtypes, where)
+
+
+def _execute(req: ReadRequest, store: ByteStore, targets: list[torch.Tensor], dtypes: dict[str, torch.dtype], where: str) -> int:
     if req.direct:
         return _execute_direct(req, store, targets, where)
     buf = torch.empty(req.length, dtype=torch.uint8)

@@ -1,0 +1,111 @@
+"""A node-local tier in front of an object store.
+
+Writes go to node-local disk first (durable on the node quickly), then to
+the object store; the object store's manifest is the commit, so a checkpoint
+exists only once it is complete in the bucket. Reads prefer the local copy of
+an object when it is there and long enough, and fall back to the bucket;
+every byte is still verified against the checksums in the (bucket's) index,
+so a stale or damaged local copy can never pass for the checkpoint.
+
+On a multi-node job each node's local tier holds only what that node's ranks
+wrote, so a same-layout restart on the same nodes reads mostly from local
+disk and a resharded or moved restart reads from the bucket.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+from ckptkit.errors import CheckpointNotFoundError, CkptkitError, CorruptCheckpointError
+from ckptkit.layout.manifest import MANIFEST_NAME
+from ckptkit.storage.base import ByteStore
+
+log = logging.getLogger("ckptkit")
+_COPY_CHUNK = 64 << 20
+
+
+class TieredStore(ByteStore):
+    def __init__(self, local: ByteStore, remote: ByteStore) -> None:
+        self.local = local
+        self.remote = remote
+        self.url = remote.url
+
+    def child(self, name: str) -> TieredStore:
+        return TieredStore(self.local.child(name), self.remote.child(name))
+
+    @property
+    def fallback(self) -> ByteStore:
+        """Where a reader retries when bytes read through this store fail their checksums."""
+        return self.remote
+
+    # ------------------------------------------------------------- writing
+    def write_object(self, key: str, chunks: Iterable[memoryview | bytes]) -> int:
+        n = self.local.write_object(key, chunks)
+        self.remote.write_object(key, self._local_chunks(key, n))
+        return n
+
+    def _local_chunks(self, key: str, size: int) -> Iterable[memoryview]:
+        pos = 0
+        while pos < size:
+            buf = bytearray(min(_COPY_CHUNK, size - pos))
+            self.local.read_into(key, pos, memoryview(buf))
+            pos += len(buf)
+            yield memoryview(buf)
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        self.local.put_bytes(key, data)
+        self.remote.put_bytes(key, data)
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        if not self.remote.put_if_absent(key, data):  # the bucket decides the commit
+            return False
+        try:
+            self.local.put_bytes(key, data)
+        except (CkptkitError, OSError) as exc:
+            log.warning("could not keep a local copy of %s: %s", key, exc)
+        return True
+
+    # ------------------------------------------------------------- reading
+    def read_into(self, key: str, offset: int, out: memoryview) -> None:
+        self.read_into_vectored(key, offset, [out])
+
+    def read_into_vectored(self, key: str, offset: int, buffers: list[memoryview]) -> None:
+        total = sum(len(memoryview(b).cast("B")) for b in buffers)
+        size = self.local.size(key)
+        if size is not None and size >= offset + total:
+            try:
+                self.local.read_into_vectored(key, offset, buffers)
+                return
+            except (CorruptCheckpointError, OSError, CkptkitError) as exc:
+                log.warning("local copy of %s unreadable (%s); reading it from %s", key, exc, self.remote.url)
+        self.remote.read_into_vectored(key, offset, buffers)
+
+    def read_bytes(self, key: str) -> bytes:
+        if key == MANIFEST_NAME:
+            return self.remote.read_bytes(key)  # the commit lives in the bucket only
+        try:
+            return self.local.read_bytes(key)
+        except CheckpointNotFoundError:
+            return self.remote.read_bytes(key)
+
+    def size(self, key: str) -> int | None:
+        return self.remote.size(key)
+
+    # ------------------------------------------------------ listing, deletion
+    def list_keys(self, prefix: str = "") -> list[str]:
+        return sorted(set(self.remote.list_keys(prefix)) | set(self.local.list_keys(prefix)))
+
+    def list_children(self) -> list[str]:
+        return sorted(set(self.remote.list_children()) | set(self.local.list_children()))
+
+    def delete(self, key: str) -> None:
+        self.remote.delete(key)
+        self.local.delete(key)
+
+    def delete_all(self) -> None:
+        self.remote.delete_all()
+        self.local.delete_all()
+
+    def is_dir(self) -> bool:
+        return bool(self.list_children())
