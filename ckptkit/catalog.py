@@ -331,8 +331,10 @@ def verify(url: str, progress: Progress | None = None, *, threads: int = 4) -> V
         manifest = read_manifest(store)
     except UncommittedCheckpointError as exc:
         return VerifyReport(store.url, True, (Problem("uncommitted", str(exc), MANIFEST_NAME),))
-    except (CheckpointNotFoundError, StorageError) as exc:  # nothing there, or not readable at all
+    except CheckpointNotFoundError as exc:  # nothing there
         return VerifyReport(store.url, False, (Problem("missing", str(exc)),))
+    except StorageError as exc:  # could not be read at all (network, permissions): not evidence of damage
+        return VerifyReport(store.url, False, (Problem("read", str(exc), MANIFEST_NAME),))
     except CkptkitError as exc:
         return VerifyReport(store.url, True, (Problem("manifest", str(exc), MANIFEST_NAME),))
     problems: list[Problem] = []

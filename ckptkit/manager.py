@@ -45,7 +45,6 @@ from ckptkit.errors import (
     CoverageError,
     ManifestError,
     PeerFailureError,
-    StorageError,
 )
 from ckptkit.layout.manifest import MANIFEST_NAME
 from ckptkit.options import AsyncOptions, LoadOptions
@@ -57,8 +56,10 @@ log = logging.getLogger("ckptkit")
 
 STEP_PATTERN = re.compile(r"^step-(\d+)$")
 LEASES = ".leases"
-# Failures that mean "this checkpoint is unusable, try an older one" (not "the state is wrong").
-_DAMAGED = (CorruptCheckpointError, ManifestError, CheckpointNotFoundError, CoverageError, StorageError)
+# Failures that mean "this checkpoint is unusable, try an older one" — not "the state is wrong",
+# and not a storage or network failure (StorageError), which says nothing about the checkpoint:
+# falling back on those would silently restore an older step, or none.
+_DAMAGED = (CorruptCheckpointError, ManifestError, CheckpointNotFoundError, CoverageError)
 
 
 def step_dir(step: int) -> str:
@@ -144,15 +145,21 @@ class CheckpointManager:
             return None
         return self.save(step, state, metrics=metrics)
 
-    def save(self, step: int, state: dict[str, Any], *, metrics: dict[str, Any] | None = None) -> SaveHandle | None:
-        """Save now (on demand). Asynchronous unless the manager was made with ``asynchronous=False``."""
+    def save(self, step: int, state: dict[str, Any], *, metrics: dict[str, Any] | None = None,
+             deadline: float | None = None) -> SaveHandle | None:
+        """Save now (on demand). Asynchronous unless the manager was made with ``asynchronous=False``.
+
+        ``deadline`` (``time.monotonic()`` on rank 0): a save that could not be committed by then
+        is abandoned cleanly — no manifest, leftovers removed (preemption grace periods).
+        """
         self._save_requested.clear()
         self._last_save = time.monotonic()
         name = step_dir(step)
         store = self.root.child(name)
         metadata = {"step": step, "metrics": dict(metrics or {}), "retention": self.retention.to_json()}
         if self._saver is None:
-            result = save_state(flatten_state(state), store, self._comm, block=self.options.block_size, metadata=metadata)
+            result = save_state(flatten_state(state), store, self._comm, block=self.options.block_size,
+                                metadata=metadata, deadline=deadline)
             self._after_commit(name, result)
             done: Future[SaveResult] = Future()
             done.set_result(result)
@@ -161,7 +168,8 @@ class CheckpointManager:
             return SaveHandle(store.url, step, staged, done, result.seconds)
         self._inflight_name = name
         handle = self._saver.save(
-            state, store, step=step, metadata=metadata, after_commit=lambda r: self._after_commit(name, r)
+            state, store, step=step, metadata=metadata, after_commit=lambda r: self._after_commit(name, r),
+            deadline=deadline,
         )
         if handle is not None:
             self._last_handle = handle
@@ -249,8 +257,9 @@ class CheckpointManager:
         return removed
 
     # ---------------------------------------------------------------- restore
-    def restore_latest(self, state: dict[str, Any], *, strict: bool = True) -> int | None:
-        """Load the newest checkpoint that every rank can see and that loads and verifies.
+    def restore_latest(self, state: dict[str, Any], *, strict: bool = True, at_most: int | None = None) -> int | None:
+        """Load the newest checkpoint (with step <= ``at_most``, if given) that every rank can see
+        and that loads and verifies.
 
         Returns its step, or None when there is none. Damaged checkpoints
         (uncommitted, unreadable metadata, checksum failures, missing objects)
@@ -258,7 +267,7 @@ class CheckpointManager:
         that does not match the checkpoint raises instead.
         """
         self.wait()
-        bound = 2**62
+        bound = 2**62 if at_most is None else at_most
         while True:
             mine = max((r.step for r in self.records() if r.committed and r.step <= bound), default=-1)
             step = self._comm.all_min([mine])[0]

@@ -113,8 +113,11 @@ class AsyncSaver:
         step: int | None = None,
         metadata: dict[str, Any] | None = None,
         after_commit: Callable[[SaveResult], None] | None = None,
+        deadline: float | None = None,
     ) -> SaveHandle | None:
-        """Snapshot ``state`` and persist it in the background. None if skipped (``on_busy="skip"``)."""
+        """Snapshot ``state`` and persist it in the background. None if skipped (``on_busy="skip"``).
+
+        ``deadline`` (``time.monotonic()``, decided by rank 0): past it, the commit is abandoned."""
         if self.closed:
             raise SaveError("this AsyncSaver is closed")
         t0 = time.perf_counter()
@@ -171,7 +174,7 @@ class AsyncSaver:
             staged_future.set_result(None)
         handle = SaveHandle(store.url, step, staged_future, Future(), time.perf_counter() - t0)
         self._inflight = handle
-        self._executor.submit(self._persist, handle, prep, staged, planned, store, metadata, after_commit)
+        self._executor.submit(self._persist, handle, prep, staged, planned, store, metadata, after_commit, deadline)
         return handle
 
     def wait(self) -> SaveResult | None:
@@ -222,6 +225,7 @@ class AsyncSaver:
         store: ByteStore,
         metadata: dict[str, Any] | None,
         after_commit: Callable[[SaveResult], None] | None,
+        deadline: float | None,
     ) -> None:
         t0 = time.perf_counter()
         try:
@@ -241,7 +245,7 @@ class AsyncSaver:
                     report = Outcome(True, write_index(prep, store, self.options.block_size, entries))
                 except (CkptkitError, OSError) as exc:
                     report = _fail(exc)
-            total = commit(report, prep, store, comm, metadata)
+            total = commit(report, prep, store, comm, metadata, deadline)
             assert prep is not None
             result = SaveResult(store.url, prep.plan.nbytes, total, handle.blocked_seconds + time.perf_counter() - t0)
             log.info(

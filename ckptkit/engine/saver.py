@@ -258,7 +258,8 @@ def write_index(prep: Prepared, store: ByteStore, block: int, entries: list) -> 
 
 
 def commit(
-    report: Outcome, prep: Prepared | None, store: ByteStore, comm: Comm, metadata: dict[str, Any] | None
+    report: Outcome, prep: Prepared | None, store: ByteStore, comm: Comm, metadata: dict[str, Any] | None,
+    deadline: float | None = None,
 ) -> int:
     """Gather reports, merge, publish the manifest; return the checkpoint's total bytes. Collective."""
     object_bytes = sum(prep.plan.objects.values()) if prep is not None else 0
@@ -268,6 +269,8 @@ def commit(
         assert gathered is not None
         try:
             _raise_failures([g[0] for g in gathered], 0, store.url, "planning or persist")
+            if deadline is not None and time.monotonic() > deadline:
+                raise SaveError(f"{store.url}: abandoned: the save could not be committed before its deadline")
             total = sum(g[1] for g in gathered)
             stored = sum(g[2] + g[0].payload.index.size for g in gathered)
             meta = {
@@ -285,22 +288,44 @@ def commit(
                 parallel=None,
                 where=store.url,
             )
-            if not store.put_if_absent(MANIFEST_NAME, manifest.to_json_bytes()):
-                raise SaveError(f"{store.url}: another writer committed this checkpoint first")
+            publish(store, manifest.to_json_bytes())
             outcome = Outcome(True, total)
         except (CkptkitError, OSError) as exc:
             outcome = _fail(exc)
-            if not store.exists(MANIFEST_NAME):
-                try:
-                    remove_uncommitted(store)  # an uncommitted save leaves nothing behind
-                except (CkptkitError, OSError):
-                    log.warning("could not clean up the failed save at %s", store.url)
+            _clean_up_failed(store)
     else:
         outcome = Outcome(True)
     outcome = comm.broadcast(outcome)
     if not outcome.ok:
         raise SaveError(outcome.error if outcome.error.startswith("saving") else f"saving {store.url} failed: {outcome.error}")
     return int(outcome.payload)
+
+
+def publish(store: ByteStore, manifest: bytes) -> None:
+    """The commit: create the manifest if absent. If every answer to the request was lost,
+    whether it happened is decided by reading the manifest back."""
+    try:
+        if store.put_if_absent(MANIFEST_NAME, manifest):
+            return
+    except (CkptkitError, OSError) as exc:
+        try:
+            stored = store.read_bytes(MANIFEST_NAME)
+        except (CkptkitError, OSError):
+            raise exc from None
+        if stored == manifest:
+            log.warning("commit of %s: the answer was lost but the manifest is ours; committed", store.url)
+            return
+        raise SaveError(f"{store.url}: another writer committed this checkpoint first") from exc
+    raise SaveError(f"{store.url}: another writer committed this checkpoint first")
+
+
+def _clean_up_failed(store: ByteStore) -> None:
+    """Best effort, never raising: the outcome must still reach every rank."""
+    try:
+        if not store.exists(MANIFEST_NAME):
+            remove_uncommitted(store)  # an uncommitted save leaves nothing behind
+    except (CkptkitError, OSError) as exc:
+        log.warning("could not clean up the failed save at %s: %s", store.url, exc)
 
 
 def save_state(
@@ -310,6 +335,7 @@ def save_state(
     *,
     block: int,
     metadata: dict[str, Any] | None = None,
+    deadline: float | None = None,
 ) -> SaveResult:
     t0 = time.perf_counter()
     cls, failure = None, Outcome(True)
@@ -325,7 +351,7 @@ def save_state(
             report = Outcome(True, persist(prep, store, block))
         except (CkptkitError, OSError) as exc:
             report = _fail(exc)
-    total = commit(report, prep, store, comm, metadata)
+    total = commit(report, prep, store, comm, metadata, deadline)
     assert prep is not None  # commit raised otherwise
     seconds = time.perf_counter() - t0
     log.info(

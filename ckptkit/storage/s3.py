@@ -10,10 +10,15 @@
   back: if it is ours, the commit succeeded.
 * Retries: every HTTP request is retried by botocore's "standard" retry mode
   (5xx, throttling, connection resets and timeouts, with exponential backoff
-  and jitter; ``max_attempts`` requests in all). s3fs adds its own retry for a
+  and jitter; up to ``MAX_ATTEMPTS`` retries after the first attempt, so a
+  persistent outage fails a request after about two minutes). s3fs adds its own retry for a
   few transport errors on the calls it makes itself (listing). Errors that
   survive the retries become :class:`~ckptkit.errors.StorageError` naming the
   object.
+
+A multipart upload whose creation answer was lost cannot be aborted by the
+client (it never learned the upload id): give the bucket a lifecycle rule
+that aborts incomplete multipart uploads after a day.
 
 Credentials and the endpoint come from the usual places (environment,
 ``AWS_ENDPOINT_URL``, config files) or ``storage_options`` (passed to
@@ -33,7 +38,8 @@ from ckptkit.storage.base import ByteStore
 
 PART_SIZE = 64 << 20
 MAX_CONCURRENCY = 8
-MAX_ATTEMPTS = 10
+MAX_ATTEMPTS = 10  # botocore: retries after the first attempt
+SHORT_READ_RETRIES = 3
 
 
 def _code(exc: BaseException) -> str:
@@ -193,27 +199,36 @@ class S3Store(ByteStore):
             pos += len(v)
 
     def _get_range(self, key: str, offset: int, length: int) -> bytes:
-        async def get() -> bytes:
+        async def get() -> tuple[bytes, str]:
             r = await self._call("get_object", Key=self._key(key), Range=f"bytes={offset}-{offset + length - 1}")
             async with r["Body"] as body:
-                return await body.read()
+                return await body.read(), str(r.get("ContentRange", ""))
 
-        try:
-            data = self._run(get())
-        except Exception as exc:
-            code = _code(exc)
-            if code in ("NoSuchKey", "404"):
-                raise CorruptCheckpointError(f"object {self.url}/{key} is missing") from None
-            if code in ("InvalidRange", "416"):
+        for attempt in range(SHORT_READ_RETRIES + 1):
+            try:
+                data, content_range = self._run(get())
+            except Exception as exc:
+                code = _code(exc)
+                if code in ("NoSuchKey", "404"):
+                    raise CorruptCheckpointError(f"object {self.url}/{key} is missing") from None
+                if code in ("InvalidRange", "416"):
+                    raise CorruptCheckpointError(
+                        f"object {self.url}/{key} is truncated: needed bytes up to {offset + length}"
+                    ) from None
+                raise self._error(exc, f"reading {key}") from exc
+            if len(data) == length:
+                return data
+            # Short: either the object ends early (the server says so in Content-Range) or the
+            # response was cut off in transit (retry; a network failure is not a damaged checkpoint).
+            total = content_range.rsplit("/", 1)[-1]
+            if total.isdigit() and int(total) < offset + length:
                 raise CorruptCheckpointError(
-                    f"object {self.url}/{key} is truncated: needed bytes up to {offset + length}"
-                ) from None
-            raise self._error(exc, f"reading {key}") from exc
-        if len(data) != length:
-            raise CorruptCheckpointError(
-                f"object {self.url}/{key} is truncated: needed bytes up to {offset + length}, got {offset + len(data)}"
-            )
-        return data
+                    f"object {self.url}/{key} is truncated: needed bytes up to {offset + length}, it has {total}"
+                )
+        raise StorageError(
+            f"reading {key} in {self.url}: responses kept ending early ({len(data)} of {length} bytes) "
+            f"after {SHORT_READ_RETRIES + 1} attempts"
+        )
 
     def read_bytes(self, key: str) -> bytes:
         async def get() -> bytes:
