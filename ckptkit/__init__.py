@@ -35,12 +35,15 @@ from ckptkit.errors import (
 )
 from ckptkit.layout import Box, ParallelConfig, PartitionRule, Piece, Region, box_piece, flat_piece
 from ckptkit.options import AsyncOptions, LoadOptions, SaveOptions
+from ckptkit.resilience.policy import SpikePolicy
 from ckptkit.version import __version__
 
 if TYPE_CHECKING:
     from ckptkit.api import close_async, load, save, save_async
     from ckptkit.engine.async_save import SaveHandle
     from ckptkit.manager import CheckpointManager
+    from ckptkit.resilience.controller import ResilienceController, TrainingStopped
+    from ckptkit.resilience.lr import ScaledLR
     from ckptkit.engine.loader import LoadResult
     from ckptkit.engine.saver import SaveResult
     from ckptkit.engine.state import PerRank, Sharded
@@ -52,6 +55,9 @@ _LAZY = {
     "close_async": "ckptkit.api",
     "SaveHandle": "ckptkit.engine.async_save",
     "CheckpointManager": "ckptkit.manager",
+    "ResilienceController": "ckptkit.resilience.controller",
+    "TrainingStopped": "ckptkit.resilience.controller",
+    "ScaledLR": "ckptkit.resilience.lr",
     "SaveResult": "ckptkit.engine.saver",
     "LoadResult": "ckptkit.engine.loader",
     "Sharded": "ckptkit.engine.state",
@@ -75,5 +81,6 @@ __all__ = [
     "UnsupportedVersionError", "UnsafePathError", "CorruptCheckpointError", "StateMismatchError",
     "MissingKeysError", "UnexpectedKeysError", "DTypeMismatchError", "ShapeMismatchError",
     "CoverageError", "LayoutError", "StorageError", "SaveError", "PeerFailureError", "CheckpointManager",
+    "ResilienceController", "TrainingStopped", "ScaledLR", "SpikePolicy",
     "__version__",
 ]

@@ -214,6 +214,21 @@ class CheckpointManager:
         except CkptkitError as exc:
             log.warning("retention: %s is uncommitted now but not removed: %s", name, exc)
 
+    def discard_after(self, step: int) -> list[str]:
+        """Delete committed checkpoints newer than ``step`` (rank 0; call on every rank).
+
+        After a rollback those belong to an abandoned trajectory: the run will
+        save those step numbers again, and a restart must never resume from them.
+        """
+        self.wait()
+        removed: list[str] = []
+        if self.rank == 0:
+            for rec in self.records():
+                if rec.committed and rec.step > step:
+                    self._delete(rec.name)
+                    removed.append(rec.name)
+        return removed
+
     def records(self) -> list[Record]:
         """Every step folder under the root: step, committed, metrics (manifests are read once)."""
         out = []

@@ -1,0 +1,296 @@
+"""The resilience controller: spikes, preemption and restarts, handled without a human.
+
+    ctl = ResilienceController(manager, policy=SpikePolicy(), batch_size=B)
+    start = ctl.resume(state)                              # newest valid checkpoint, skip ranges, LR re-warm
+    for step, batch in ctl.batches(get_batch, start):      # never yields a recorded bad sample
+        loss, grad_norm = forward_backward(batch)
+        action = ctl.observe(step, loss=loss, grad_norm=grad_norm)
+        if action.rollback:
+            action.restore(state); continue                # training state rewound in place
+        if not action.skip_step:
+            optimizer.step()
+        ctl.maybe_save(step, state)
+        if ctl.should_stop: break                          # preempted (after an emergency save) or stopped
+
+Every decision is agreed across ranks (one small all-reduce of flags per
+step), so all ranks skip, roll back, save and stop at the same step. The data
+position is an absolute sample counter kept in ``state["resilience"]``, so a
+rollback or a restart replays exactly the samples the uninterrupted run would
+have seen, minus the skipped ranges.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import signal
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckptkit.engine.async_save import SaveHandle
+from ckptkit.errors import CkptkitError
+from ckptkit.manager import CheckpointManager
+from ckptkit.resilience.incidents import Incident, IncidentLog
+from ckptkit.resilience.ladder import Decision, Flags, Ladder
+from ckptkit.resilience.planner import young_daly_interval
+from ckptkit.resilience.policy import SpikePolicy
+from ckptkit.resilience.skips import SkipRanges
+from ckptkit.resilience.watchdog import Watchdog
+
+log = logging.getLogger("ckptkit")
+STATE_KEY = "resilience"
+
+
+class TrainingStopped(CkptkitError):
+    """The ladder ran out of rungs: repeated spikes even after lowering the learning rate."""
+
+
+@dataclass
+class Action:
+    """What the training loop should do after :meth:`ResilienceController.observe`."""
+
+    decision: Decision
+    restore: Callable[[dict[str, Any]], dict[str, Any]] = field(default=lambda s: s)
+
+    @property
+    def skip_step(self) -> bool:
+        return self.decision.skip_step
+
+    @property
+    def rollback(self) -> bool:
+        return self.decision.kind == "rollback"
+
+
+class ResilienceController:
+    def __init__(
+        self,
+        manager: CheckpointManager,
+        policy: SpikePolicy = SpikePolicy(),
+        *,
+        batch_size: int,
+        signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGUSR1),
+        grace_seconds: float = 60.0,
+        watchdog_seconds: float | None = 1800.0,
+        mtbf_hours: float | None = None,
+    ) -> None:
+        if batch_size < 1:
+            raise ValueError("batch_size must be >= 1 (samples per step, all ranks together)")
+        self.manager = manager
+        self.policy = policy
+        self.batch_size = batch_size
+        self.grace_seconds = grace_seconds
+        self.watchdog_seconds = watchdog_seconds
+        self.mtbf_hours = mtbf_hours
+        self.ladder = Ladder(policy)
+        self.skips = SkipRanges()
+        self.step = 0  # last completed step
+        self.sample = 0  # next sample position in the data stream (absolute)
+        self.log = IncidentLog(manager.root, writer=manager.rank == 0)
+        self.should_stop = False
+        self._current: tuple[int, int] | None = None
+        self._preempted_at: float | None = None
+        self._preempt_agreed = False
+        self._save_costs: list[float] = []
+        self._step_times: list[float] = []
+        self._last_observe: float | None = None
+        self._install(signals)
+
+    # ------------------------------------------------------------- signals
+    def _install(self, signals: tuple[int, ...]) -> None:
+        for sig in signals:
+            try:
+                signal.signal(sig, self._on_signal)
+            except ValueError:  # not the main thread: the caller handles signals itself
+                log.warning("ckptkit: cannot install a handler for %s outside the main thread", sig)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        # only note the time: ranks agree on it at the next observe(), then all save and stop together
+        if self._preempted_at is None:
+            self._preempted_at = time.monotonic()
+
+    def preempt(self) -> None:
+        """What a SIGTERM/SIGUSR1 does: save at the next step within the grace period, then stop."""
+        self._on_signal(signal.SIGTERM, None)
+
+    # -------------------------------------------------------------- state
+    def _export(self) -> dict[str, Any]:
+        return {"step": self.step, "sample": self.sample, "batch_size": self.batch_size,
+                "skips": self.skips.to_json(), "ladder": self.ladder.state_dict()}
+
+    def attach(self, state: dict[str, Any]) -> dict[str, Any]:
+        """Put the controller's state (data position, skips, ladder) into ``state[STATE_KEY]``.
+
+        One JSON string, so its inner structure may change between versions
+        or policies without making checkpoints fail strict key matching.
+        """
+        state[STATE_KEY] = json.dumps(self._export())
+        return state
+
+    @staticmethod
+    def _saved(state: dict[str, Any]) -> dict[str, Any]:
+        value = state.get(STATE_KEY)
+        try:
+            doc = json.loads(value) if isinstance(value, str) else value
+        except ValueError:
+            doc = None
+        return doc if isinstance(doc, dict) else {}
+
+    def _import(self, saved: dict[str, Any]) -> None:
+        self.step = int(saved.get("step", 0))
+        self.sample = int(saved.get("sample", 0))
+        self.skips.update(SkipRanges.from_json(saved.get("skips")))
+        if isinstance(saved.get("ladder"), dict):
+            self.ladder.load_state_dict(saved["ladder"])
+
+    def resume(self, state: dict[str, Any]) -> int:
+        """Restore the newest valid checkpoint into ``state`` (if any); return the next step to run.
+
+        Adds ``state["resilience"]`` (the data position, skip ranges and ladder
+        state, saved with every checkpoint). Skip ranges recorded in the
+        incident log after the newest checkpoint are honoured too.
+        """
+        self.attach(state)
+        for incident in self.log.read():
+            if incident.kind == "rollback" and incident.data.get("skip"):
+                a, b = incident.data["skip"]
+                self.skips.add(int(a), int(b))
+        with Watchdog(self.watchdog_seconds or math.inf, "restoring the newest checkpoint"):
+            step = self.manager.restore_latest(state)
+        if step is None:
+            return 1
+        self._import(self._saved(state))
+        self.attach(state)
+        lost = max((s for s, _, _ in self.log.read_metrics()), default=step) - step
+        self.log.record(Incident("restart", step, f"resumed from step {step}", data={"steps_lost": max(0, lost)}))
+        log.info("ckptkit: resumed at step %d, sample %d (%d samples in skip ranges)", step, self.sample, self.skips.skipped)
+        return step + 1
+
+    # --------------------------------------------------------------- data
+    def batches(self, get_batch: Callable[[int], Any], start: int | None = None) -> Iterator[tuple[int, Any]]:
+        """Yield ``(step, get_batch(first_sample))`` forever, never touching a skipped sample.
+
+        ``get_batch(p)`` returns the global batch of samples ``[p, p + batch_size)``
+        (each rank takes its share). After a rollback the next batch comes from
+        the restored position.
+        """
+        if start is not None and self.step < start - 1:
+            self.step = start - 1
+        while True:
+            first = self.skips.next_batch_start(self.sample, self.batch_size)
+            self._current = (first, first + self.batch_size)
+            yield self.step + 1, get_batch(first)
+
+    def current_samples(self) -> tuple[int, int] | None:
+        return self._current
+
+    # ------------------------------------------------------------ observe
+    def observe(self, step: int, *, loss: Any = None, grad_norm: Any = None,
+                samples: tuple[int, int] | None = None) -> Action:
+        loss_v = None if loss is None else float(loss)
+        grad_v = None if grad_norm is None else float(grad_norm)
+        samples = samples or self._current
+        now = time.monotonic()
+        if self._last_observe is not None:
+            self._step_times.append(now - self._last_observe)
+            self._step_times = self._step_times[-100:]
+        self._last_observe = now
+        local = self.ladder.detect(loss_v, grad_v)
+        # one all-reduce per step: the detectors' flags and "a preemption signal arrived"
+        *flags, preempt = self.manager._comm.any_flags([*local.as_list(), self._preempted_at is not None])
+        agreed = Flags(*flags)
+        if preempt and not self._preempt_agreed:
+            self._preempt_agreed = True
+            self._preempted_at = self._preempted_at or time.monotonic()
+        decision = self.ladder.decide(step, samples, agreed)
+        self.log.metric(step, loss_v, grad_v)
+        if decision.kind == "stop":
+            self.log.record(Incident("stop", step, decision.reason))
+            self.log.flush_metrics()
+            self.should_stop = True
+            raise TrainingStopped(f"ckptkit stopped the run at step {step}: {decision.reason}")
+        if decision.kind == "rollback":
+            return Action(decision, lambda state: self._rollback(step, decision, state))
+        if decision.reason:
+            self.log.record(Incident("skip_step" if decision.skip_step else "spike", step, decision.reason,
+                                     data={"loss": loss_v, "grad_norm": grad_v}))
+        self.step = step
+        if samples is not None:
+            self.sample = samples[1]
+        return Action(decision)
+
+    def _rollback(self, step: int, decision: Decision, state: dict[str, Any]) -> dict[str, Any]:
+        if decision.skip is not None:
+            self.skips.add(*decision.skip)
+        memory = (self.skips, self.ladder.state_dict())
+        self.attach(state)
+        with Watchdog(self.watchdog_seconds or math.inf, f"rolling back from step {step}"):
+            restored = self.manager.restore_latest(state, at_most=decision.restore_at_most)
+        if restored is None:
+            self.should_stop = True
+            self.log.record(Incident("stop", step, f"{decision.reason}: no checkpoint to roll back to"))
+            raise TrainingStopped(f"ckptkit cannot roll back from step {step}: no checkpoint at or before "
+                                  f"step {decision.restore_at_most}")
+        discarded = self.manager.discard_after(restored)  # the abandoned trajectory's checkpoints
+        saved = self._saved(state)
+        self.step = int(saved.get("step", restored))
+        self.sample = int(saved.get("sample", 0))
+        self.skips.update(memory[0])  # keep every skip decided since that checkpoint, and the new one
+        self.ladder.load_state_dict(memory[1])  # the ladder's memory of rollbacks outlives the rollback
+        self.ladder.rolled_back(step, self.step, decision.lower_lr)
+        self.attach(state)
+        lost = step - restored
+        self.log.record(Incident("rollback", step, decision.reason, data={
+            "restored": restored, "skip": list(decision.skip) if decision.skip else None,
+            "lower_lr": decision.lower_lr, "steps_lost": lost, "spikes": list(decision.spike_steps),
+            "discarded": discarded}))
+        log.warning("ckptkit: %s -> rolled back to step %d (%d steps lost), skipping samples %s%s", decision.reason,
+                    restored, lost, decision.skip, ", learning rate lowered" if decision.lower_lr else "")
+        return state
+
+    def lr_factor(self) -> float:
+        """The factor for the scheduled learning rate of the next step (re-warm and drops)."""
+        return self.ladder.lr_factor(self.step + 1)
+
+    # ------------------------------------------------------------- saving
+    def maybe_save(self, step: int, state: dict[str, Any], *, metrics: dict[str, Any] | None = None) -> SaveHandle | None:
+        """The manager's ``maybe_save`` plus the resilience state, metrics and preemption handling."""
+        self.attach(state)
+        preempting = self._preempt_agreed and not self.should_stop
+        if not preempting and not self.manager.should_save(step):
+            return None
+        deadline = self._preempted_at + self.grace_seconds if preempting and self._preempted_at else None
+        self.log.flush_metrics()
+        handle = self.manager.save(step, state, metrics=metrics, deadline=deadline)
+        if handle is None:
+            return None
+        if handle.blocked_seconds:
+            self._save_costs.append(handle.blocked_seconds)
+        if preempting:
+            self.log.record(Incident("preempt", step, "preemption signal: emergency save"))
+            self._finish_emergency(step, handle, deadline)
+        return handle
+
+    def _finish_emergency(self, step: int, handle: SaveHandle, deadline: float | None) -> None:
+        self.should_stop = True
+        remaining = max(0.0, (deadline or time.monotonic() + self.grace_seconds) - time.monotonic())
+        try:
+            handle.committed.result(timeout=remaining + 5.0)
+            self.log.record(Incident("emergency_save", step, "saved on preemption within the grace period"))
+        except Exception as exc:  # noqa: BLE001 - abandoned: the previous checkpoint stands
+            self.log.record(Incident("save_abandoned", step, f"emergency save abandoned: {exc}"))
+            log.warning("ckptkit: emergency save at step %d abandoned (%s); the previous checkpoint stands", step, exc)
+
+    def recommended_interval_steps(self) -> int | None:
+        """Young/Daly interval in steps from the measured save cost and step time (needs ``mtbf_hours``)."""
+        if self.mtbf_hours is None or not self._save_costs or not self._step_times:
+            return None
+        cost = sorted(self._save_costs)[len(self._save_costs) // 2]
+        step_s = sorted(self._step_times)[len(self._step_times) // 2]
+        return max(1, round(young_daly_interval(cost, self.mtbf_hours * 3600) / max(step_s, 1e-6)))
+
+    def close(self) -> None:
+        self.log.flush_metrics()
+        self.manager.close()

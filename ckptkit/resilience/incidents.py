@@ -1,0 +1,86 @@
+"""The incident log and the loss history, stored next to the checkpoints.
+
+Each incident (a detection and what was done about it, a restart, an
+emergency save) is one small JSON object under ``<run>/incidents/``, and the
+loss history is flushed in chunks under ``<run>/metrics/``. Small objects,
+not an appended file, so the same code works on a local disk and in an S3
+bucket (which cannot append). Rank 0 writes; any process can read them back
+(``ckptkit report``, and ``resume`` merges skip ranges from the log, so a
+skip decided after the newest checkpoint still holds after a crash).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckptkit.errors import CkptkitError
+from ckptkit.storage.base import ByteStore
+
+INCIDENTS = "incidents"
+METRICS = "metrics"
+
+
+@dataclass
+class Incident:
+    kind: str  # spike, skip_step, rollback, lower_lr, stop, restart, preempt, emergency_save, save_abandoned
+    step: int
+    detail: str = ""
+    time: float = field(default_factory=time.time)
+    data: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": self.kind, "step": self.step, "detail": self.detail, "time": self.time, "data": self.data}
+
+    @staticmethod
+    def from_json(doc: dict[str, Any]) -> Incident:
+        return Incident(str(doc.get("kind", "")), int(doc.get("step", -1)), str(doc.get("detail", "")),
+                        float(doc.get("time", 0.0)), dict(doc.get("data") or {}))
+
+
+class IncidentLog:
+    def __init__(self, store: ByteStore, writer: bool) -> None:
+        self.store = store
+        self.writer = writer
+        self._seq = 0
+        self._pending: list[tuple[int, float | None, float | None]] = []
+
+    def record(self, incident: Incident) -> None:
+        if not self.writer:
+            return
+        self._seq += 1
+        key = f"{INCIDENTS}/{incident.time:017.6f}-{self._seq:05d}-{uuid.uuid4().hex[:6]}.json"
+        self.store.put_bytes(key, json.dumps(incident.to_json(), allow_nan=True).encode())
+
+    def read(self) -> list[Incident]:
+        out = []
+        for key in self.store.list_keys(INCIDENTS):
+            try:
+                out.append(Incident.from_json(json.loads(self.store.read_bytes(key))))
+            except (CkptkitError, ValueError, TypeError):
+                continue
+        return sorted(out, key=lambda i: (i.time, i.step))
+
+    def metric(self, step: int, loss: float | None, grad_norm: float | None) -> None:
+        if self.writer:
+            self._pending.append((step, loss, grad_norm))
+
+    def flush_metrics(self) -> None:
+        if not self.writer or not self._pending:
+            return
+        first = self._pending[0][0]
+        key = f"{METRICS}/{time.time():017.6f}-{first:09d}.json"
+        self.store.put_bytes(key, json.dumps(self._pending, allow_nan=True).encode())
+        self._pending = []
+
+    def read_metrics(self) -> list[tuple[int, float | None, float | None]]:
+        rows = []
+        for key in self.store.list_keys(METRICS):
+            try:
+                rows.extend(tuple(r) for r in json.loads(self.store.read_bytes(key)))
+            except (CkptkitError, ValueError, TypeError):
+                continue
+        return rows  # in time order: a rolled-back stretch appears twice, as it happened

@@ -1,0 +1,180 @@
+"""The escalation ladder as a pure state machine (no torch, no I/O).
+
+Per step: :meth:`Ladder.detect` runs the detectors on this rank's values and
+returns four flags; the controller agrees them across ranks (any rank's flag
+counts); :meth:`Ladder.decide` turns the agreed flags into a decision. The
+same inputs give the same decisions on every rank, and the state round-trips
+through JSON so a restarted run continues the same ladder.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from ckptkit.resilience.detectors import SpikeDetector
+from ckptkit.resilience.policy import SpikePolicy
+
+
+@dataclass(frozen=True)
+class Flags:
+    loss_spike: bool = False
+    loss_nonfinite: bool = False
+    grad_spike: bool = False
+    grad_nonfinite: bool = False
+
+    @property
+    def nonfinite(self) -> bool:
+        return self.loss_nonfinite or self.grad_nonfinite
+
+    @property
+    def any(self) -> bool:
+        return self.loss_spike or self.grad_spike or self.nonfinite
+
+    def as_list(self) -> list[bool]:
+        return [self.loss_spike, self.loss_nonfinite, self.grad_spike, self.grad_nonfinite]
+
+    def describe(self) -> str:
+        parts = []
+        if self.loss_nonfinite:
+            parts.append("non-finite loss")
+        elif self.loss_spike:
+            parts.append("loss spike")
+        if self.grad_nonfinite:
+            parts.append("non-finite grad norm")
+        elif self.grad_spike:
+            parts.append("grad-norm spike")
+        return ", ".join(parts)
+
+
+@dataclass(frozen=True)
+class Decision:
+    kind: Literal["ok", "skip_step", "rollback", "stop"]
+    reason: str = ""
+    restore_at_most: int | None = None  # roll back to the newest checkpoint with step <= this
+    skip: tuple[int, int] | None = None  # absolute sample range to skip from now on
+    lower_lr: bool = False
+    spike_steps: tuple[int, ...] = ()
+
+    @property
+    def skip_step(self) -> bool:
+        return self.kind in ("skip_step", "rollback")
+
+
+class Ladder:
+    def __init__(self, policy: SpikePolicy = SpikePolicy()) -> None:
+        self.policy = policy
+        self.loss = SpikeDetector(policy.loss) if policy.loss is not None else None
+        self.grad = SpikeDetector(policy.grad_norm) if policy.grad_norm is not None else None
+        self.spikes: deque[int] = deque()
+        self.nonfinite_run = 0
+        self.samples: OrderedDict[int, tuple[int, int]] = OrderedDict()
+        self._keep = max(policy.window_steps, policy.skip_before, policy.rollback_before) + 8
+        self.rollbacks: list[int] = []
+        self.lr_drops = 0
+        self.rewarm_from: int | None = None
+
+    # ----------------------------------------------------------- per step
+    def detect(self, loss: float | None, grad_norm: float | None) -> Flags:
+        lv = self.loss.observe(loss) if self.loss is not None and loss is not None else None
+        gv = self.grad.observe(grad_norm) if self.grad is not None and grad_norm is not None else None
+        return Flags(
+            loss_spike=bool(lv and lv.reason == "spike"),
+            loss_nonfinite=bool(lv and lv.reason == "nonfinite"),
+            grad_spike=bool(gv and gv.reason == "spike"),
+            grad_nonfinite=bool(gv and gv.reason == "nonfinite"),
+        )
+
+    def decide(self, step: int, samples: tuple[int, int] | None, flags: Flags) -> Decision:
+        p = self.policy
+        if samples is not None:
+            self.samples[step] = samples
+            while len(self.samples) > self._keep:
+                self.samples.popitem(last=False)
+        while self.spikes and self.spikes[0] <= step - p.window_steps:
+            self.spikes.popleft()
+        if not flags.any:
+            self.nonfinite_run = 0
+            return Decision("ok")
+        self.spikes.append(step)
+        self.nonfinite_run = self.nonfinite_run + 1 if flags.nonfinite else 0
+        reason = f"{flags.describe()} at step {step}"
+        wants_rollback = p.rollback_after is not None and (
+            len(self.spikes) >= p.rollback_after or self.nonfinite_run >= p.nonfinite_rollback
+        )
+        if not wants_rollback:
+            if p.skip_step or flags.nonfinite:
+                return Decision("skip_step", reason, spike_steps=(step,))
+            return Decision("ok", reason, spike_steps=(step,))
+        return self._rollback(step, reason)
+
+    def _rollback(self, step: int, reason: str) -> Decision:
+        p = self.policy
+        first = self.spikes[0]
+        recent = [s for s in self.rollbacks if s > step - p.rollback_window] + [step]
+        lower = p.lower_lr_on_rollback
+        if len(recent) > p.max_rollbacks:
+            if self.lr_drops >= p.max_lr_drops:
+                return Decision(
+                    "stop",
+                    f"{reason}: {len(recent)} rollbacks within {p.rollback_window} steps after lowering the "
+                    f"learning rate {self.lr_drops} times; stopping for a human",
+                    spike_steps=tuple(self.spikes),
+                )
+            lower = True
+        skip = self._skip_range(first, step)
+        restore = first - max(p.rollback_before, 1)
+        return Decision("rollback", reason, restore, skip, lower, tuple(self.spikes))
+
+    def _skip_range(self, first: int, last: int) -> tuple[int, int] | None:
+        p = self.policy
+        known = [s for s in self.samples if s >= first - p.skip_before]
+        if not known or last not in self.samples:
+            return None
+        start = self.samples[min(known)][0]
+        a, b = self.samples[last]
+        end = b + p.skip_after * (b - a)
+        return (start, end) if end > start else None
+
+    def rolled_back(self, at_step: int, resumed_step: int, lowered_lr: bool) -> None:
+        """The controller restored a checkpoint: the episode is over, re-warm from ``resumed_step``."""
+        self.rollbacks.append(at_step)
+        self.spikes.clear()
+        self.nonfinite_run = 0
+        if lowered_lr:
+            self.lr_drops += 1
+        self.rewarm_from = resumed_step if self.policy.rewarm_steps else None
+        self.samples = OrderedDict((s, r) for s, r in self.samples.items() if s <= resumed_step)
+
+    def lr_factor(self, step: int) -> float:
+        """Multiplier for the scheduled learning rate at ``step``: permanent drops times the re-warm ramp."""
+        p = self.policy
+        factor = p.lr_factor ** self.lr_drops
+        if self.rewarm_from is not None and p.rewarm_steps:
+            t = (step - self.rewarm_from) / p.rewarm_steps
+            if t < 1:
+                factor *= p.rewarm_factor + (1 - p.rewarm_factor) * max(0.0, t)
+        return factor
+
+    # ------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "loss": self.loss.state_dict() if self.loss is not None else None,
+            "grad": self.grad.state_dict() if self.grad is not None else None,
+            "rollbacks": list(self.rollbacks),
+            "lr_drops": self.lr_drops,
+            "rewarm_from": self.rewarm_from,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.loss is not None and isinstance(state.get("loss"), dict):
+            self.loss.load_state_dict(state["loss"])
+        if self.grad is not None and isinstance(state.get("grad"), dict):
+            self.grad.load_state_dict(state["grad"])
+        self.rollbacks = [int(s) for s in state.get("rollbacks", [])]
+        self.lr_drops = int(state.get("lr_drops", 0))
+        rw = state.get("rewarm_from")
+        self.rewarm_from = int(rw) if rw is not None else None
+        self.spikes.clear()
+        self.nonfinite_run = 0
