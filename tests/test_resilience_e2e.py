@@ -128,3 +128,29 @@ def test_skip_ranges_survive_a_restart(runs):
     assert start == STEPS + 1
     assert ctl.skips == runs["ctl"].skips and isinstance(ctl.skips, SkipRanges)
     mgr.close()
+
+
+def test_report_command_prints_incidents_and_draws_the_curve(runs, tmp_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from ckptkit.cli.main import cli
+
+    png = tmp_path / "loss.png"
+    out = CliRunner().invoke(cli, ["report", runs["run"], "--plot", str(png)])
+    assert out.exit_code == 0, out.output
+    assert "rollback" in out.stdout and "skip_step" in out.stdout and "steps lost" in out.stdout
+    assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    doc = json.loads(CliRunner().invoke(cli, ["report", runs["run"], "--json", "--no-plot"]).stdout)
+    assert doc["summary"]["rollback"] == 1 and doc["steps_lost"] > 0
+
+
+def test_plan_command():
+    from click.testing import CliRunner
+
+    from ckptkit.cli.main import cli
+
+    out = CliRunner().invoke(cli, ["plan", "--params", "70e9", "--tp", "4", "--pp", "8", "--dp", "32", "--zero", "1",
+                                   "--write-gbps", "5", "--mtbf-hours", "3"])
+    assert out.exit_code == 0 and "checkpoint size: 912.7 GiB" in out.stdout and "Young/Daly interval" in out.stdout

@@ -16,6 +16,8 @@ import click
 from ckptkit.cli import render
 from ckptkit.cli.commands_inspect import inspect_cmd
 from ckptkit.cli.commands_ls import ls_cmd
+from ckptkit.cli.commands_plan import plan_cmd
+from ckptkit.cli.commands_report import report_cmd
 from ckptkit.cli.commands_verify import verify_cmd
 from ckptkit.errors import CkptkitError
 
@@ -36,19 +38,23 @@ class CkptkitGroup(click.Group):
 @click.group(cls=CkptkitGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="ckptkit", prog_name="ckptkit")
 def cli() -> None:
-    """Inspect ckptkit checkpoints without loading them (no torch.load, no pickle).
+    """Inspect checkpoints without loading them (no torch.load, no pickle), report on runs, plan intervals.
 
     \b
     Examples:
       ckptkit ls runs/exp1
       ckptkit inspect runs/exp1/step-0001000 --tensor 'layers.0.*'
       ckptkit verify runs/exp1/step-0001000
+      ckptkit report runs/exp1
+      ckptkit plan --params 70e9 --tp 4 --pp 8 --dp 32 --write-gbps 5 --mtbf-hours 3
     """
 
 
 cli.add_command(ls_cmd)
 cli.add_command(inspect_cmd)
 cli.add_command(verify_cmd)
+cli.add_command(report_cmd)
+cli.add_command(plan_cmd)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
