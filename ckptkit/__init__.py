@@ -65,9 +65,14 @@ _LAZY = {
 }
 
 
+_SUBMODULES = {"catalog", "resilience", "manager", "storage", "layout", "plan", "engine", "api", "cli", "retention"}
+
+
 def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
+        if name in _SUBMODULES:  # ckptkit.catalog, ckptkit.resilience, ... without an explicit import
+            return importlib.import_module(f"ckptkit.{name}")
         raise AttributeError(f"module 'ckptkit' has no attribute {name!r}")
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value

@@ -179,6 +179,11 @@ class CheckpointManager:
         """Block until the in-flight save is committed; raise a background failure."""
         return self._saver.wait() if self._saver is not None else None
 
+    def acknowledge(self, handle: SaveHandle) -> None:
+        """A failed save the caller has handled (e.g. an abandoned emergency save): not raised again."""
+        if self._saver is not None:
+            self._saver.acknowledge(handle)
+
     def close(self) -> None:
         if self._saver is not None:
             self._saver.close()

@@ -188,6 +188,11 @@ class AsyncSaver:
             self._inflight = None  # reported once
             raise
 
+    def acknowledge(self, handle: SaveHandle) -> None:
+        """The caller has dealt with ``handle``'s failure: do not raise it again."""
+        if self._inflight is handle and handle.done():
+            self._inflight = None
+
     def close(self) -> None:
         if self.closed:
             return

@@ -280,6 +280,7 @@ class ResilienceController:
             handle.committed.result(timeout=remaining + 5.0)
             self.log.record(Incident("emergency_save", step, "saved on preemption within the grace period"))
         except Exception as exc:  # noqa: BLE001 - abandoned: the previous checkpoint stands
+            self.manager.acknowledge(handle)
             self.log.record(Incident("save_abandoned", step, f"emergency save abandoned: {exc}"))
             log.warning("ckptkit: emergency save at step %d abandoned (%s); the previous checkpoint stands", step, exc)
 
