@@ -1,12 +1,14 @@
 """Run every benchmark: ``make bench`` (``.venv/bin/python benchmarks/run_all.py $(BENCH_ARGS)``).
 
-* ``bench_io.py`` (save/load throughput) under ``torchrun --nproc_per_node=4``;
+* ``bench_io.py`` (save/load throughput) and ``bench_async.py`` (what an
+  asynchronous save blocks, and its cost to a training loop) under
+  ``torchrun --nproc_per_node=4``;
 * every other ``benchmarks/bench_*.py`` that defines ``main()`` (e.g.
   ``bench_plan_scale.py``) as a plain single-process script.
 
-``--quick`` and ``--out`` are passed on to each. Exit status: 0 only if every
-benchmark exited 0. Scratch checkpoints that a killed bench_io left under
-``--out`` are removed at the end.
+``--quick`` and ``--out`` are passed on to each, ``--reps`` to the torchrun
+ones. Exit status: 0 only if every benchmark exited 0. Scratch checkpoints
+that a killed torchrun benchmark left under ``--out`` are removed at the end.
 """
 
 from __future__ import annotations
@@ -26,13 +28,16 @@ sys.path.insert(0, HERE)
 from common import remove_tree, torchrun_command  # noqa: E402
 
 IO_BENCH = "bench_io.py"
+ASYNC_BENCH = "bench_async.py"
+TORCHRUN_BENCHES = (IO_BENCH, ASYNC_BENCH)  # run under torchrun, in this order
+SCRATCH_PREFIXES = ("bench_io-scratch-", "bench_async-scratch-")
 
 
 def other_benchmarks() -> list[str]:
-    """bench_*.py in this directory, except bench_io.py, that declare a module-level main()."""
+    """bench_*.py in this directory, except the torchrun ones, that declare a module-level main()."""
     out = []
     for path in sorted(glob.glob(os.path.join(HERE, "bench_*.py"))):
-        if os.path.basename(path) == IO_BENCH:
+        if os.path.basename(path) in TORCHRUN_BENCHES:
             continue
         with open(path, encoding="utf-8") as f:
             if re.search(r"^def main\(", f.read(), re.MULTILINE):
@@ -58,10 +63,11 @@ def run(name: str, cmd: list[str]) -> tuple[str, int, float]:
 
 def run_selected(args: argparse.Namespace, out: str, wanted: Callable[[str], bool], results: list) -> None:
     common = (["--quick"] if args.quick else []) + ["--out", out]
-    if wanted(IO_BENCH):
-        io_args = common + (["--reps", str(args.reps)] if args.reps else [])
-        torchrun = [*torchrun_command(), "--standalone", f"--nproc_per_node={args.nproc}"]
-        results.append(run(IO_BENCH, [*torchrun, os.path.join(HERE, IO_BENCH), *io_args]))
+    torchrun = [*torchrun_command(), "--standalone", f"--nproc_per_node={args.nproc}"]
+    dist_args = common + (["--reps", str(args.reps)] if args.reps else [])
+    for bench in TORCHRUN_BENCHES:
+        if wanted(bench):
+            results.append(run(bench, [*torchrun, os.path.join(HERE, bench), *dist_args]))
     for path in filter(wanted, other_benchmarks()):
         results.append(run(os.path.basename(path), [sys.executable, path, *common]))
 
@@ -70,8 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small sizes (smoke test)")
     ap.add_argument("--out", default="bench-out", help="scratch and results directory (default ./bench-out)")
-    ap.add_argument("--reps", type=int, default=None, help="bench_io repetitions per method (default: its own, 3)")
-    ap.add_argument("--nproc", type=int, default=4, help="ranks for bench_io (default 4)")
+    ap.add_argument("--reps", type=int, default=None,
+                    help="repetitions per method for bench_io and bench_async (default: their own, 3 and 5)")
+    ap.add_argument("--nproc", type=int, default=4, help="ranks for bench_io and bench_async (default 4)")
     ap.add_argument("--only", default="", help="comma-separated benchmark names to run (e.g. bench_io); default all")
     args = ap.parse_args(argv)
     only = {n.strip().removesuffix(".py") for n in args.only.split(",") if n.strip()}
@@ -88,9 +95,10 @@ def main(argv: list[str] | None = None) -> int:
         print("\n### interrupted", flush=True)
         results.append(("(interrupted)", 130, 0.0))
     finally:
-        # A bench_io killed hard (SIGKILL) cannot remove its own scratch checkpoints.
-        for leftover in glob.glob(os.path.join(out, "bench_io-scratch-*")):
-            remove_tree(leftover)
+        # A torchrun benchmark killed hard (SIGKILL) cannot remove its own scratch checkpoints.
+        for prefix in SCRATCH_PREFIXES:
+            for leftover in glob.glob(os.path.join(out, prefix + "*")):
+                remove_tree(leftover)
 
     if not results:
         print(f"no benchmark matched --only {args.only!r}")

@@ -1,22 +1,35 @@
-"""A tiny GPT-style model, trained under torchrun with FSDP2 or tensor parallelism.
+"""A tiny GPT-style model trained under torchrun with ckptkit's manager and resilience controller.
 
 Used by ``examples/demo.py``; runnable on its own:
 
-    torchrun --nproc_per_node=4 examples/tiny_gpt.py train  --ckpt runs/demo/step-20 --layout fsdp
-    torchrun --nproc_per_node=2 examples/tiny_gpt.py resume --ckpt runs/demo/step-20 --layout tp
+    torchrun --nproc_per_node=4 --max-restarts=1 examples/tiny_gpt.py train --run-dir runs/demo \\
+        --layout fsdp --steps 60 --poison 240-300 --crash-at 45
+    torchrun --nproc_per_node=2 examples/tiny_gpt.py resume --run-dir runs/demo --layout tp
+
+The data stream is synthetic and addressed by sample index, so any restart
+or rollback replays exactly the samples the run should see. ``--poison A-B``
+reverses the pattern of samples [A, B), which makes the loss and gradient
+norm spike; ``--crash-at S`` kills rank 1 with SIGKILL at step S on the first
+attempt. ``--timings FILE`` appends JSON lines of when each attempt started,
+crashed, finished restoring and ran its first step (benchmarks/bench_resilience.py).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import sys
+import time
 
-import torch
-import torch.distributed as dist
-from torch import nn
-from torch.distributed.checkpoint.state_dict import (
+PROCESS_START = time.time()  # before the heavy imports: a restart's cost includes them
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import signal  # noqa: E402
+import sys  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.distributed.checkpoint.state_dict import (  # noqa: E402
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -25,6 +38,8 @@ from torch.distributed.checkpoint.state_dict import (
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ckptkit  # noqa: E402
+from ckptkit.resilience import DetectorConfig  # noqa: E402
+from ckptkit.resilience.restart import init_process_group  # noqa: E402
 
 VOCAB, DIM, HEADS, LAYERS, SEQ, BATCH = 101, 32, 4, 2, 16, 8
 
@@ -102,11 +117,18 @@ def parallelize(model: nn.Module, layout: str) -> nn.Module:
     return model
 
 
-def batch(step: int) -> torch.Tensor:
-    """A synthetic, learnable token stream: the same on every rank and for every layout."""
-    g = torch.Generator().manual_seed(step)
-    start = torch.randint(0, VOCAB, (BATCH, 1), generator=g)
-    return (start + torch.arange(SEQ + 1) * 3) % VOCAB
+def sample(i: int, poison: tuple[int, int] | None) -> torch.Tensor:
+    """Sample ``i`` of the stream: a learnable arithmetic sequence (stride +3). A poisoned sample
+    runs the other way (stride -3): at every position a model that has learned the stream is
+    confidently wrong, so the loss and the gradient norm jump."""
+    g = torch.Generator().manual_seed(i)
+    start = torch.randint(0, VOCAB, (1,), generator=g)
+    stride = -3 if poison is not None and poison[0] <= i < poison[1] else 3
+    return (start + torch.arange(SEQ + 1) * stride) % VOCAB
+
+
+def global_batch(first: int, poison: tuple[int, int] | None) -> torch.Tensor:
+    return torch.stack([sample(i, poison) for i in range(first, first + BATCH)])
 
 
 def loss_on(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
@@ -116,66 +138,128 @@ def loss_on(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
 
 
-def build(layout: str) -> tuple[nn.Module, torch.optim.Optimizer]:
+def eval_loss(model: nn.Module) -> float:
+    with torch.no_grad():
+        return loss_on(model, global_batch(10_000_000, None)).item()
+
+
+def state_of(model: nn.Module, optim: torch.optim.Optimizer) -> dict:
+    return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optim)}
+
+
+def apply(model: nn.Module, optim: torch.optim.Optimizer, state: dict) -> None:
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, optim, state["optim"])
+
+
+def controller(run: str, async_save: bool = True) -> ckptkit.ResilienceController:
+    det = DetectorConfig(window=32, warmup=8, k=6.0)
+    policy = ckptkit.SpikePolicy(loss=det, grad_norm=det, rollback_after=3, window_steps=20, rollback_before=8,
+                                 skip_before=2, skip_after=6, rewarm_factor=0.2, rewarm_steps=10)
+    mgr = ckptkit.CheckpointManager(os.path.join(run, "ckpt"), every_steps=10, keep_last=4, asynchronous=async_save)
+    return ckptkit.ResilienceController(mgr, policy, batch_size=BATCH)
+
+
+def note_time(args: argparse.Namespace, event: str, **extra: float) -> None:
+    """Append one timing event (``--timings``); every rank may call it, each line is one write."""
+    if args.timings:
+        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        line = json.dumps({"event": event, "attempt": attempt, "rank": dist.get_rank(), "t": time.time(), **extra})
+        with open(args.timings, "a") as f:
+            f.write(line + "\n")
+
+
+def train(args: argparse.Namespace) -> float:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     torch.manual_seed(0)
-    model = parallelize(TinyGPT(), layout)
-    return model, torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model = parallelize(TinyGPT(), args.layout)
+    optim = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: min(1.0, (s + 1) / 5))
+    ctl = controller(args.run)
+    lr = ckptkit.ScaledLR(sched, optim, ctl.lr_factor)
+    state = state_of(model, optim)
+    if rank == 0:
+        note_time(args, "start", t_process=PROCESS_START)
+    t0 = time.time()
+    start = ctl.resume(state)
+    if start > 1:
+        apply(model, optim, state)
+        if rank == 0:
+            note_time(args, "restored", load_s=time.time() - t0, step=start - 1)
+            print(f"[attempt {attempt}] resumed from step {start - 1} at sample {ctl.sample}", flush=True)
+    poison = tuple(int(x) for x in args.poison.split("-")) if args.poison else None
+    for step, first in ctl.batches(lambda p: p, start):
+        if step > args.steps:
+            break
+        if args.crash_at == step and attempt == 0 and rank == 1:
+            print(f"[attempt {attempt}] rank 1 crashes (SIGKILL) at step {step}", flush=True)
+            note_time(args, "crash", step=step)
+            os.kill(os.getpid(), signal.SIGKILL)
+        tokens = global_batch(first, poison)
+        local = tokens[rank::world] if args.layout == "fsdp" else tokens  # data parallel: each rank its share
+        optim.zero_grad()
+        loss = loss_on(model, local)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
+        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        mean = mean.item() / world
+        action = ctl.observe(step, loss=mean, grad_norm=grad_norm.item())
+        if action.rollback:
+            action.restore(state)
+            apply(model, optim, state)
+            if rank == 0:
+                print(f"[attempt {attempt}] step {step}: {action.decision.reason} -> rolled back to step "
+                      f"{ctl.step}, skipping samples {list(action.decision.skip or ())}", flush=True)
+            continue
+        if not action.skip_step:
+            optim.step()
+        elif rank == 0:
+            print(f"[attempt {attempt}] step {step}: {action.decision.reason} -> optimizer step skipped", flush=True)
+        lr.step()
+        if rank == 0 and step % 10 == 0:
+            print(f"[attempt {attempt}] step {step:3d} loss {mean:.4f} lr x{ctl.lr_factor():.2f}", flush=True)
+        ctl.maybe_save(step, state_of(model, optim))
+        if step == start and rank == 0:
+            note_time(args, "first_step", step=step)
+    ctl.close()
+    return eval_loss(model)
 
 
-def state_of(model: nn.Module, optim: torch.optim.Optimizer, step: int) -> dict:
-    return {
-        "model": get_model_state_dict(model),
-        "optim": get_optimizer_state_dict(model, optim),
-        "train": {"step": step},
-    }
+def resume(args: argparse.Namespace) -> float:
+    torch.manual_seed(123)  # a different init: everything must come from the checkpoint
+    model = parallelize(TinyGPT(), args.layout)
+    optim = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    ctl = controller(args.run, async_save=False)
+    state = state_of(model, optim)
+    start = ctl.resume(state)
+    apply(model, optim, state)
+    loss = eval_loss(model)
+    if dist.get_rank() == 0:
+        print(f"[resume {args.layout} x{dist.get_world_size()}] loaded step {start - 1}; eval loss {loss:.6f}", flush=True)
+    ctl.close()
+    return loss
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("phase", choices=["train", "resume"])
-    ap.add_argument("--ckpt", required=True)
+    ap.add_argument("--run-dir", dest="run", required=True)
     ap.add_argument("--layout", default="fsdp")
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--report", default=None, help="write the measured losses here (JSON)")
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--poison", default=None, help="sample range A-B to corrupt")
+    ap.add_argument("--crash-at", type=int, default=None)
+    ap.add_argument("--report", default=None, help="write the final eval loss here (JSON)")
+    ap.add_argument("--timings", default=None, help="append timing events here (JSON lines)")
     args = ap.parse_args()
-    dist.init_process_group("gloo")
+    init_process_group("gloo")  # survives torchrun restarts
     torch.set_num_threads(1)
-    rank = dist.get_rank()
-    model, optim = build(args.layout)
-    eval_tokens = batch(10_000)
-    if args.phase == "train":
-        for step in range(args.steps):
-            optim.zero_grad()
-            loss = loss_on(model, batch(step))
-            loss.backward()
-            optim.step()
-            if rank == 0 and step % 5 == 0:
-                print(f"[train {args.layout} x{dist.get_world_size()}] step {step:3d} loss {loss.item():.4f}", flush=True)
-        with torch.no_grad():
-            eval_loss = loss_on(model, eval_tokens).item()
-        result = ckptkit.save(state_of(model, optim, args.steps), args.ckpt, metadata={"step": args.steps})
-        if rank == 0:
-            print(f"[train] saved {result.total_bytes / 1024:.0f} KiB to {args.ckpt} in {result.seconds:.3f}s; eval loss {eval_loss:.6f}")
-    else:
-        state = state_of(model, optim, 0)
-        ckptkit.load(state, args.ckpt)
-        set_model_state_dict(model, state["model"])
-        set_optimizer_state_dict(model, optim, state["optim"])
-        with torch.no_grad():
-            eval_loss = loss_on(model, eval_tokens).item()
-        if rank == 0:
-            print(f"[resume {args.layout} x{dist.get_world_size()}] loaded step {state['train']['step']}; eval loss {eval_loss:.6f}")
-        step0 = state["train"]["step"]
-        for step in range(step0, step0 + 5):
-            optim.zero_grad()
-            loss = loss_on(model, batch(step))
-            loss.backward()
-            optim.step()
-        if rank == 0:
-            print(f"[resume] trained 5 more steps at the new layout; loss {loss.item():.4f}")
-    if rank == 0 and args.report:
+    loss = train(args) if args.phase == "train" else resume(args)
+    if dist.get_rank() == 0 and args.report:
         with open(args.report, "w") as f:
-            json.dump({"phase": args.phase, "eval_loss": eval_loss}, f)
+            json.dump({"phase": args.phase, "eval_loss": loss}, f)
     dist.destroy_process_group()
     return 0
 

@@ -68,9 +68,11 @@ class StagingPool:
         if self._buffer is None or self._buffer.numel() != size:
             self._buffer = None  # release the old one before allocating the new one
             pin = on_device and torch.cuda.is_available() and not self.shared
-            buf = torch.zeros(size, dtype=torch.uint8, pin_memory=pin)
             if self.shared:
-                buf.share_memory_()
+                # fresh shared pages are already zero (padding stays zero): no fill, no copy
+                buf = torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(size))
+            else:
+                buf = torch.zeros(size, dtype=torch.uint8, pin_memory=pin)
             self.kind = "pinned" if pin else ("shared" if self.shared else "host")
             log.info("ckptkit staging pool on rank %d: %.3f GiB of %s memory", plan.rank, size / 2**30, self.kind)
             self._buffer = buf

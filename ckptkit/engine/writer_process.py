@@ -23,12 +23,14 @@ from ckptkit.plan.save_plan import SavePlan
 from ckptkit.storage.base import ByteStore
 
 _POLL = 1.0
+READY_TIMEOUT = 120.0
 
 
 def _serve(requests: Any, responses: Any) -> None:
     from ckptkit.engine.writer import write_staged
 
     torch.set_num_threads(1)
+    responses.put(("ready", None))
     buffers: dict[int, torch.Tensor] = {}
     while True:
         msg = requests.get()
@@ -58,9 +60,28 @@ class WriterProcess:
                 f"cannot start the ckptkit writer process ({exc}); use AsyncOptions(executor='thread') here"
             ) from None
         self._sent: int | None = None
+        self._ready = False
+
+    def _wait_ready(self) -> None:
+        """The writer says so once it runs. A script without an ``if __name__ == "__main__":``
+        guard is re-imported by the spawned writer and may never get there: fail clearly."""
+        try:
+            reply = self._responses.get(timeout=READY_TIMEOUT)
+        except queue.Empty:
+            self.close()
+            raise SaveError(
+                f"the ckptkit writer process did not start within {READY_TIMEOUT:.0f}s. It is started with "
+                "'spawn' and re-imports your main module: guard the training script with "
+                "`if __name__ == \"__main__\":` (or use AsyncOptions(executor='thread'))"
+            ) from None
+        if reply[0] != "ready":
+            raise SaveError(f"the ckptkit writer process failed to start: {reply}")
+        self._ready = True
 
     def write(self, store: ByteStore, plan: SavePlan, buffer: torch.Tensor, block: int) -> list[IndexEntry]:
         """Persist ``buffer`` (shared memory) as ``plan``'s data object; return its index entries."""
+        if not self._ready:
+            self._wait_ready()
         buffer_id = id(buffer.untyped_storage())
         send = buffer if self._sent != buffer_id else None
         self._requests.put((buffer_id, send, store, plan, block))

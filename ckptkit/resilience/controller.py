@@ -163,8 +163,17 @@ class ResilienceController:
             return 1
         self._import(self._saved(state))
         self.attach(state)
-        lost = max((s for s, _, _ in self.log.read_metrics()), default=step) - step
-        self.log.record(Incident("restart", step, f"resumed from step {step}", data={"steps_lost": max(0, lost)}))
+        # steps reached after the checkpoint were lost (a lower bound: progress is noted every
+        # PROGRESS_EVERY_S); a previous job that closed cleanly was not a crash
+        progress = self.log.read_progress()
+        reached = max([s for s, _, _ in self.log.read_metrics()] + [progress[0] if progress else step])
+        lost = max(0, reached - step)
+        crashed = progress is None or not progress[1] or lost > 0
+        if crashed:
+            self.log.record(Incident("restart", step, f"resumed from step {step} after a crash at or after step "
+                                     f"{reached} (at least {lost} steps lost)", data={"steps_lost": lost}))
+        else:
+            self.log.record(Incident("resume", step, f"resumed from step {step} (the previous job ended cleanly)"))
         log.info("ckptkit: resumed at step %d, sample %d (%d samples in skip ranges)", step, self.sample, self.skips.skipped)
         return step + 1
 
@@ -206,6 +215,7 @@ class ResilienceController:
             self._preempted_at = self._preempted_at or time.monotonic()
         decision = self.ladder.decide(step, samples, agreed)
         self.log.metric(step, loss_v, grad_v)
+        self.log.progress(step)
         if decision.kind == "stop":
             self.log.record(Incident("stop", step, decision.reason))
             self.log.flush_metrics()
@@ -295,3 +305,4 @@ class ResilienceController:
     def close(self) -> None:
         self.log.flush_metrics()
         self.manager.close()
+        self.log.progress(self.step, closed=True)

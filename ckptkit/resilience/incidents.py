@@ -1,8 +1,8 @@
 """The incident log and the loss history, stored next to the checkpoints.
 
 Each incident (a detection and what was done about it, a restart, an
-emergency save) is one small JSON object under ``<run>/incidents/``, and the
-loss history is flushed in chunks under ``<run>/metrics/``. Small objects,
+emergency save) is one small JSON object under ``<run>/.ckptkit/incidents/``,
+and the loss history is flushed in chunks under ``<run>/.ckptkit/metrics/``. Small objects,
 not an appended file, so the same code works on a local disk and in an S3
 bucket (which cannot append). Rank 0 writes; any process can read them back
 (``ckptkit report``, and ``resume`` merges skip ranges from the log, so a
@@ -20,8 +20,10 @@ from typing import Any
 from ckptkit.errors import CkptkitError
 from ckptkit.storage.base import ByteStore
 
-INCIDENTS = "incidents"
-METRICS = "metrics"
+INCIDENTS = ".ckptkit/incidents"  # dot-prefixed: never mistaken for a checkpoint folder
+METRICS = ".ckptkit/metrics"
+PROGRESS = ".ckptkit/progress.json"  # one object, overwritten: the newest step reached, and a clean exit
+PROGRESS_EVERY_S = 0.5  # how stale the "steps lost in a crash" bound may be, in seconds of training
 
 
 @dataclass
@@ -47,6 +49,7 @@ class IncidentLog:
         self.writer = writer
         self._seq = 0
         self._pending: list[tuple[int, float | None, float | None]] = []
+        self._progress_at = 0.0
 
     def record(self, incident: Incident) -> None:
         if not self.writer:
@@ -64,9 +67,11 @@ class IncidentLog:
                 continue
         return sorted(out, key=lambda i: (i.time, i.step))
 
-    def metric(self, step: int, loss: float | None, grad_norm: float | None) -> None:
+    def metric(self, step: int, loss: float | None, grad_norm: float | None, flush_every: int = 10) -> None:
         if self.writer:
             self._pending.append((step, loss, grad_norm))
+            if len(self._pending) >= flush_every:
+                self.flush_metrics()
 
     def flush_metrics(self) -> None:
         if not self.writer or not self._pending:
@@ -75,6 +80,28 @@ class IncidentLog:
         key = f"{METRICS}/{time.time():017.6f}-{first:09d}.json"
         self.store.put_bytes(key, json.dumps(self._pending, allow_nan=True).encode())
         self._pending = []
+
+    def progress(self, step: int, closed: bool = False) -> None:
+        """Note the newest step reached (at most every PROGRESS_EVERY_S, and always on a clean close).
+
+        After a crash, the step here minus the restored checkpoint's step is
+        how much work was lost; an unclosed marker tells a crash from a
+        planned resume. One small object overwritten in place, so a long run
+        leaves no trail of files.
+        """
+        now = time.monotonic()
+        if not self.writer or (not closed and now - self._progress_at < PROGRESS_EVERY_S):
+            return
+        self._progress_at = now
+        self.store.put_bytes(PROGRESS, json.dumps({"step": step, "closed": closed, "time": time.time()}).encode())
+
+    def read_progress(self) -> tuple[int, bool] | None:
+        """(step, closed) of the previous job, or None if it left no marker."""
+        try:
+            doc = json.loads(self.store.read_bytes(PROGRESS))
+            return int(doc["step"]), bool(doc.get("closed", False))
+        except (CkptkitError, ValueError, TypeError, KeyError):
+            return None
 
     def read_metrics(self) -> list[tuple[int, float | None, float | None]]:
         rows = []
