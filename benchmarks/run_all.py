@@ -3,12 +3,15 @@
 * ``bench_io.py`` (save/load throughput) and ``bench_async.py`` (what an
   asynchronous save blocks, and its cost to a training loop) under
   ``torchrun --nproc_per_node=4``;
+* ``bench_s3.py`` (object-store throughput through a local moto S3 server it
+  starts itself: ckptkit's native and tensorstore engines vs raw s3fs vs DCP
+  over fsspec, and both engines on local files) as a plain single-process script;
 * every other ``benchmarks/bench_*.py`` that defines ``main()`` (e.g.
   ``bench_plan_scale.py``) as a plain single-process script.
 
 ``--quick`` and ``--out`` are passed on to each, ``--reps`` to the torchrun
-ones. Exit status: 0 only if every benchmark exited 0. Scratch checkpoints
-that a killed torchrun benchmark left under ``--out`` are removed at the end.
+ones and to bench_s3. Exit status: 0 only if every benchmark exited 0. Scratch
+checkpoints that a killed benchmark left under ``--out`` are removed at the end.
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ from common import remove_tree, torchrun_command  # noqa: E402
 IO_BENCH = "bench_io.py"
 ASYNC_BENCH = "bench_async.py"
 TORCHRUN_BENCHES = (IO_BENCH, ASYNC_BENCH)  # run under torchrun, in this order
-SCRATCH_PREFIXES = ("bench_io-scratch-", "bench_async-scratch-")
+S3_BENCH = "bench_s3.py"  # a plain script that also takes --reps
+SCRATCH_PREFIXES = ("bench_io-scratch-", "bench_async-scratch-", "bench_s3-scratch-")
 
 
 def other_benchmarks() -> list[str]:
@@ -64,12 +68,14 @@ def run(name: str, cmd: list[str]) -> tuple[str, int, float]:
 def run_selected(args: argparse.Namespace, out: str, wanted: Callable[[str], bool], results: list) -> None:
     common = (["--quick"] if args.quick else []) + ["--out", out]
     torchrun = [*torchrun_command(), "--standalone", f"--nproc_per_node={args.nproc}"]
-    dist_args = common + (["--reps", str(args.reps)] if args.reps else [])
+    reps = ["--reps", str(args.reps)] if args.reps else []
+    dist_args = common + reps
     for bench in TORCHRUN_BENCHES:
         if wanted(bench):
             results.append(run(bench, [*torchrun, os.path.join(HERE, bench), *dist_args]))
     for path in filter(wanted, other_benchmarks()):
-        results.append(run(os.path.basename(path), [sys.executable, path, *common]))
+        extra = reps if os.path.basename(path) == S3_BENCH else []
+        results.append(run(os.path.basename(path), [sys.executable, path, *common, *extra]))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="small sizes (smoke test)")
     ap.add_argument("--out", default="bench-out", help="scratch and results directory (default ./bench-out)")
     ap.add_argument("--reps", type=int, default=None,
-                    help="repetitions per method for bench_io and bench_async (default: their own, 3 and 5)")
+                    help="repetitions per method for bench_io, bench_async and bench_s3 (default: their own, 3, 5 and 3)")
     ap.add_argument("--nproc", type=int, default=4, help="ranks for bench_io and bench_async (default 4)")
     ap.add_argument("--only", default="", help="comma-separated benchmark names to run (e.g. bench_io); default all")
     args = ap.parse_args(argv)
@@ -95,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\n### interrupted", flush=True)
         results.append(("(interrupted)", 130, 0.0))
     finally:
-        # A torchrun benchmark killed hard (SIGKILL) cannot remove its own scratch checkpoints.
+        # A benchmark killed hard (SIGKILL) cannot remove its own scratch checkpoints.
         for prefix in SCRATCH_PREFIXES:
             for leftover in glob.glob(os.path.join(out, prefix + "*")):
                 remove_tree(leftover)

@@ -28,6 +28,8 @@ Credentials and the endpoint come from the usual places (environment,
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import threading
 from collections.abc import Iterable
 from concurrent.futures import Future
@@ -50,6 +52,34 @@ def _code(exc: BaseException) -> str:
     return ""
 
 
+_FILESYSTEMS: dict[tuple, Any] = {}
+_FILESYSTEMS_LOCK = threading.Lock()
+_ENV_KEYS = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
+             "AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_DEFAULT_REGION", "AWS_REGION")
+
+
+def _filesystem(s3fs: Any, storage_options: dict[str, Any] | None) -> Any:
+    """One s3fs client per process and configuration, reused by every save and load.
+
+    A fresh client costs 0.1-0.5 s (botocore session, credential lookup, a new
+    connection pool) — the whole gap to raw s3fs on a 256 MiB load in
+    benchmarks/bench_s3.py. The key holds the options and the AWS environment,
+    so a changed endpoint or credentials gets a new client, and the pid, because
+    an event loop and its connections do not survive a fork.
+    """
+    options = dict(storage_options or {})
+    key = (os.getpid(), json.dumps(options, sort_keys=True, default=repr),
+           tuple(os.environ.get(k) for k in _ENV_KEYS))
+    with _FILESYSTEMS_LOCK:
+        fs = _FILESYSTEMS.get(key)
+        if fs is None:
+            config = dict(options.pop("config_kwargs", {}) or {})
+            config.setdefault("retries", {"max_attempts": MAX_ATTEMPTS, "mode": "standard"})
+            fs = s3fs.S3FileSystem(skip_instance_cache=True, use_listings_cache=False, config_kwargs=config, **options)
+            _FILESYSTEMS[key] = fs
+        return fs
+
+
 class S3Store(ByteStore):
     """Objects under ``s3://bucket/prefix``."""
 
@@ -65,12 +95,7 @@ class S3Store(ByteStore):
         self.url = f"s3://{self.bucket}/{self.prefix}".rstrip("/")
         self.part_size = part_size
         self.max_concurrency = max_concurrency
-        if _fs is None:
-            options = dict(storage_options or {})
-            config = dict(options.pop("config_kwargs", {}) or {})
-            config.setdefault("retries", {"max_attempts": MAX_ATTEMPTS, "mode": "standard"})
-            _fs = s3fs.S3FileSystem(skip_instance_cache=True, use_listings_cache=False, config_kwargs=config, **options)
-        self.fs = _fs
+        self.fs = _fs if _fs is not None else _filesystem(s3fs, storage_options)
         self._storage_options = storage_options
 
     # ---------------------------------------------------------------- plumbing

@@ -22,6 +22,8 @@ from ckptkit.errors import CorruptCheckpointError, StorageError
 from ckptkit.storage.base import ByteStore
 from ckptkit.storage.local import LocalStore
 
+S3_SINGLE_PUT_LIMIT = 5 << 30  # S3's limit for one PUT; larger objects go through the wrapped store
+
 
 def _spec_for(store: ByteStore) -> dict[str, Any]:
     if isinstance(store, LocalStore):
@@ -47,13 +49,20 @@ class TensorstoreStore(ByteStore):
         self.base = base
         self.url = base.url
         self._ts = ts
-        self._kv = ts.KvStore.open(_spec_for(base)).result()
+        spec = _spec_for(base)
+        self._kv = ts.KvStore.open(spec).result()
+        self._single_put_limit = S3_SINGLE_PUT_LIMIT if spec["driver"] == "s3" else None
 
     def child(self, name: str) -> TensorstoreStore:
         return TensorstoreStore(self.base.child(name))
 
     def write_object(self, key: str, chunks: Iterable[memoryview | bytes]) -> int:
-        data = b"".join(bytes(c) if not isinstance(c, bytes) else c for c in chunks)
+        views = [memoryview(c).cast("B") for c in chunks]  # no copy yet
+        if self._single_put_limit is not None and sum(len(v) for v in views) > self._single_put_limit:
+            # tensorstore's s3 driver sends an object as one PUT, which S3 caps at 5 GiB:
+            # the wrapped store uploads it in parts instead
+            return self.base.write_object(key, views)
+        data = b"".join(views)  # the one copy tensorstore's API needs (it takes a bytes value)
         try:
             self._kv.write(key, data).result()
         except Exception as exc:  # tensorstore raises ValueError / OSError-like errors

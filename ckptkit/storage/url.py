@@ -18,7 +18,8 @@ from ckptkit.storage.local import LocalStore
 
 LOCAL_PROTOCOLS = (None, "file", "local")
 # "native": ckptkit's own POSIX / s3fs paths; "tensorstore": tensorstore's kvstore moves
-# the data objects (see storage/tensorstore_kv.py). Chosen by benchmarks/bench_s3.py.
+# the data objects (see storage/tensorstore_kv.py). Native is the default for local files and S3:
+# measured by benchmarks/bench_s3.py, see docs/benchmarks.md ("Which engine, per scheme").
 ENGINES = ("native", "tensorstore")
 DEFAULT_ENGINE = "native"
 
