@@ -78,18 +78,16 @@ import argparse
 import datetime
 import gc
 import json
-import math
 import multiprocessing
 import os
 import platform
 import signal
-import statistics
 import sys
 import tempfile
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -98,7 +96,6 @@ sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
-import torch.nn as nn  # noqa: E402
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse  # noqa: E402
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
@@ -115,6 +112,7 @@ except (ImportError, AttributeError):  # pragma: no cover - another torch versio
 
 from bench_io import FULL, QUICK, ModelConfig, barrier, build_state, local_shards, settle, verify  # noqa: E402
 from common import GiB, MiB, median, remove_tree, spread, table  # noqa: E402
+from async_training import agree_ok, cpu_seconds, gather_floats, part_training  # noqa: E402
 
 SCRATCH_PREFIX = "bench_async-scratch-"
 _SCRATCH: list[str] = []  # this run's scratch directory, for the SIGTERM handler
@@ -130,41 +128,6 @@ CPU_STAGING = StagingOptions(
 )
 
 
-def _gather_floats(values: list[float]) -> list[list[float]]:
-    """Every rank's ``values`` (same length on every rank), as [rank][i]."""
-    mine = torch.tensor(values, dtype=torch.float64)
-    out = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, mine)
-    return [o.tolist() for o in out]
-
-
-def _agree_ok(ok: bool) -> bool:
-    flag = torch.tensor([0 if ok else 1])
-    dist.all_reduce(flag)
-    return int(flag.item()) == 0
-
-
-_CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-
-def _cpu_seconds() -> float:
-    """CPU time of this process (every thread) plus its helper processes (the ckptkit writer,
-    DCP's checkpoint daemon: our live multiprocessing children, read from /proc)."""
-    total = time.process_time()
-    for child in multiprocessing.active_children():
-        try:
-            with open(f"/proc/{child.pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / _CLK_TCK  # utime, stime
-        except (OSError, ValueError, IndexError):
-            pass
-    return total
-
-
-def _pct(xs: list[float], q: float) -> float:
-    """Nearest-rank percentile (q in [0, 100])."""
-    s = sorted(xs)
-    return float(s[max(0, min(len(s) - 1, math.ceil(q / 100 * len(s)) - 1))])
 
 
 # =========================================================================== part 1: blocking time
@@ -316,15 +279,15 @@ METHODS = tuple(all_methods())
 def timed_save(m: Method, state: dict[str, Any], d: str) -> dict[str, Any]:
     """One save on every rank from a common barrier: slowest-rank blocking/total, and per rank."""
     barrier()
-    c0 = _cpu_seconds()
+    c0 = cpu_seconds()
     t0 = time.perf_counter()
     pending, returned = m.start(state, d)
     block = time.perf_counter() - t0
     m.finish(pending)
     total = time.perf_counter() - t0
-    cpu = _cpu_seconds() - c0
+    cpu = cpu_seconds() - c0
     reported = m.reported_block(pending)
-    per_rank = _gather_floats([block, total, returned, -1.0 if reported is None else reported, cpu])
+    per_rank = gather_floats([block, total, returned, -1.0 if reported is None else reported, cpu])
     barrier()
     return {
         "block": max(r[0] for r in per_rank),
@@ -369,7 +332,7 @@ def check_mutation_safety(
         bad = verify(expected[i], local_shards(dest))
         if bad:
             problems.append(f"save {i + 1}/{saves}: {len(bad)} tensors differ from the state at save time, e.g. {bad[:3]}")
-    ok = _agree_ok(not problems)
+    ok = agree_ok(not problems)
     barrier()
     if rank == 0:
         for d in dirs:
@@ -392,7 +355,7 @@ def part_blocking(args: argparse.Namespace, mesh: Any, rank: int, world: int, sc
     src = local_shards(state)
     n_tensors = len(src)
     rank_bytes = sum(t.nbytes for t in src.values())
-    total_bytes = int(sum(_gather_floats([float(rank_bytes)])[r][0] for r in range(world)))
+    total_bytes = int(sum(gather_floats([float(rank_bytes)])[r][0] for r in range(world)))
     say(
         f"bench_async part 1: {world} ranks, {len(src)} tensors/rank, {total_bytes / GiB:.3f} GiB total, "
         f"{rank_bytes / MiB:.1f} MiB/rank (bf16 params + fp32 moments, Shard(0) DTensors); built in "
@@ -483,260 +446,6 @@ def part_blocking(args: argparse.Namespace, mesh: Any, rank: int, world: int, sc
     }
 
 
-# =========================================================================== part 2: training-loop overhead
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    hidden: int
-    layers: int
-    vocab: int
-    batch: int  # per rank
-    seq: int
-
-
-TRAIN_FULL = TrainConfig(hidden=320, layers=2, vocab=2048, batch=2, seq=16)  # ~3.0M params
-TRAIN_QUICK = TrainConfig(hidden=64, layers=1, vocab=256, batch=2, seq=8)
-
-
-class MLPBlock(nn.Module):
-    def __init__(self, h: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(h)
-        self.fc1 = nn.Linear(h, 4 * h)
-        self.fc2 = nn.Linear(4 * h, h)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(nn.functional.gelu(self.fc1(self.norm(x))))
-
-
-class TinyLM(nn.Module):
-    """Token embedding, residual MLP blocks, final norm, untied head: a GPT without attention."""
-
-    def __init__(self, cfg: TrainConfig) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(cfg.vocab, cfg.hidden)
-        self.blocks = nn.ModuleList(MLPBlock(cfg.hidden) for _ in range(cfg.layers))
-        self.norm = nn.LayerNorm(cfg.hidden)
-        self.head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.embed(idx)
-        for b in self.blocks:
-            x = b(x)
-        return self.head(self.norm(x))
-
-
-def _leaves(obj: Any, prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            out.update(_leaves(v, f"{prefix}{k}."))
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            out.update(_leaves(v, f"{prefix}{i}."))
-    else:
-        out[prefix.rstrip(".")] = obj
-    return out
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def state_is_live(old: dict[str, Any], new: dict[str, Any]) -> tuple[bool, str]:
-    """Whether a state dict built earlier still holds the live tensors: same keys, every tensor on the
-    same storage and equal to a freshly built one, every other value equal."""
-    a, b = _leaves(old), _leaves(new)
-    if set(a) != set(b):
-        return False, f"keys differ: {sorted(set(a) ^ set(b))[:4]}"
-    for k, v in b.items():
-        if isinstance(v, torch.Tensor):
-            o = a[k]
-            if not isinstance(o, torch.Tensor) or _local(o).data_ptr() != _local(v).data_ptr():
-                return False, f"{k}: not the same storage"
-            if not torch.equal(_local(o), _local(v)):
-                return False, f"{k}: values differ"
-        elif a[k] != v:
-            return False, f"{k}: {a[k]!r} != {v!r}"
-    return True, f"{sum(isinstance(v, torch.Tensor) for v in b.values())} tensors and {sum(not isinstance(v, torch.Tensor) for v in b.values())} values are the live ones"
-
-
-def part_training(args: argparse.Namespace, mesh: Any, rank: int, world: int, scratch: str, say: Callable[[str], None]) -> dict[str, Any]:
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-    from torch.distributed.fsdp import fully_shard
-
-    cfg = TRAIN_QUICK if args.quick else TRAIN_FULL
-    cfg = TrainConfig(
-        hidden=args.train_hidden or cfg.hidden, layers=args.train_layers or cfg.layers, vocab=args.train_vocab or cfg.vocab,
-        batch=args.train_batch or cfg.batch, seq=args.train_seq or cfg.seq,
-    )
-    K = args.every or (5 if args.quick else 20)
-    steps = max(K, (args.steps or K) // K * K)  # a multiple of K: every save has K-1 steps after it in its block
-    rounds = args.rounds or (3 if args.quick else 18)
-
-    torch.manual_seed(0)  # same initial weights on every rank
-    model = TinyLM(cfg)
-    n_params = sum(p.numel() for p in model.parameters())
-    for b in model.blocks:
-        fully_shard(b, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    gen = torch.Generator().manual_seed(1000 + rank)
-
-    def train_step() -> None:
-        idx = torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq), generator=gen)
-        logits = model(idx)
-        loss = nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), idx[:, 1:].flatten())
-        loss.backward()
-        optim.step()
-        optim.zero_grad(set_to_none=True)
-
-    def make_state() -> dict[str, Any]:
-        return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optim)}
-
-    warm = 3 if args.quick else 10
-    for _ in range(warm):  # the optimizer state exists from the first step on
-        train_step()
-    cached = make_state()
-    train_step()
-    train_step()
-    live, why = state_is_live(cached, make_state())
-    live = _agree_ok(live)
-    say(
-        f"bench_async part 2: TinyLM {n_params / 1e6:.2f}M params ({asdict(cfg)}), FSDP2 over {world} ranks, AdamW; "
-        f"state dict {'built ONCE (its tensors are the live ones: ' + why + ')' if live else 'rebuilt per save (' + why + ')'}"
-    )
-
-    variants = ["none", "ckptkit-thread", "ckptkit-process"]
-    managers: dict[str, Any] = {}
-    for v in variants[1:]:
-        managers[v] = ckptkit.CheckpointManager(
-            os.path.join(scratch, f"train-{v}"), every_steps=K, keep_last=2,
-            options=ckptkit.AsyncOptions(executor=v.removeprefix("ckptkit-")),  # type: ignore[arg-type]
-        )
-    step_counter = [0]
-
-    def run_block(v: str, n: int) -> dict[str, Any]:
-        """``n`` steps of variant ``v``, starting at a multiple of K. Collective."""
-        mgr = managers.get(v)
-        base = step_counter[0]
-        times: list[float] = []
-        blocked: list[float] = []
-        save_steps: list[int] = []
-        barrier()
-        c_start = _cpu_seconds()
-        t_start = time.perf_counter()
-        for j in range(n):
-            t0 = time.perf_counter()
-            train_step()
-            if mgr is not None:
-                g = base + j
-                if live:
-                    h = mgr.maybe_save(g, cached)
-                else:
-                    h = mgr.save(g, make_state()) if mgr.should_save(g) else None
-                if h is not None:
-                    blocked.append(h.blocked_seconds)
-                    save_steps.append(j)
-            times.append(time.perf_counter() - t0)
-        wall = time.perf_counter() - t_start
-        t_tail = time.perf_counter()
-        if mgr is not None:
-            mgr.wait()
-        tail = time.perf_counter() - t_tail
-        cpu = _cpu_seconds() - c_start  # the steps and everything the block's saves cost, to the commit
-        step_counter[0] += n
-        per_rank_times = _gather_floats(times)
-        step_max = [max(per_rank_times[r][j] for r in range(world)) for j in range(n)]
-        walls = _gather_floats([wall, tail, cpu])
-        blk = _gather_floats(blocked) if blocked else []
-        barrier()
-        return {
-            "steps": n,
-            "wall_s": max(w[0] for w in walls),
-            "tail_wait_s": max(w[1] for w in walls),
-            "cpu_s": sum(w[2] for w in walls),  # all ranks and their helper processes together
-            "step_s": step_max,
-            "saves": len(save_steps),
-            "save_steps": save_steps,
-            "blocked_s": [max(blk[r][i] for r in range(world)) for i in range(len(save_steps))] if blk else [],
-        }
-
-    results: dict[str, Any] = {v: {"blocks": []} for v in variants}
-    # Warm-up: a block of each variant (first save: plan, staging buffer, writer process).
-    for v in variants:
-        run_block(v, K)
-    for rnd in range(rounds):
-        order = variants[rnd % len(variants):] + variants[:rnd % len(variants)]
-        for v in order:
-            results[v]["blocks"].append(run_block(v, steps))
-        say(
-            f"  round {rnd + 1}/{rounds}: mean step "
-            + ", ".join(f"{v} {results[v]['blocks'][-1]['wall_s'] / steps * 1e3:.1f} ms" for v in variants)
-        )
-    final_live = _agree_ok(state_is_live(cached, make_state())[0]) if live else False
-    for mgr in managers.values():
-        mgr.close()
-    del model, optim, cached
-    gc.collect()
-    barrier()
-
-    base_blocks = results["none"]["blocks"]
-    thirds = [range(i * rounds // 3, (i + 1) * rounds // 3) for i in range(3)] if rounds >= 3 else [range(rounds)]
-    for v in variants:
-        blocks = results[v]["blocks"]
-        all_steps = [s for b in blocks for s in b["step_s"]]
-        r = results[v]
-        r["round_mean_step_s"] = [b["wall_s"] / b["steps"] for b in blocks]
-        r["mean_step_s"] = sum(b["wall_s"] for b in blocks) / sum(b["steps"] for b in blocks)
-        r["p50_step_s"] = _pct(all_steps, 50)
-        r["p99_step_s"] = _pct(all_steps, 99)
-        r["max_step_s"] = max(all_steps)
-        r["round_spread"] = spread(r["round_mean_step_s"])
-        r["round_cv"] = statistics.pstdev(r["round_mean_step_s"]) / statistics.fmean(r["round_mean_step_s"])
-        r["saves"] = sum(b["saves"] for b in blocks)
-        blocked = [x for b in blocks for x in b["blocked_s"]]
-        r["blocked_median_s"] = median(blocked) if blocked else None
-        r["blocked_max_s"] = max(blocked) if blocked else None
-        save_step_times = [b["step_s"][j] for b in blocks for j in b["save_steps"]]
-        r["save_step_median_s"] = median(save_step_times) if save_step_times else None
-        r["tail_wait_median_s"] = median([b["tail_wait_s"] for b in blocks])
-        r["cpu_per_step_s"] = sum(b["cpu_s"] for b in blocks) / sum(b["steps"] for b in blocks)
-    base_mean = results["none"]["mean_step_s"]
-    for v in variants:
-        r = results[v]
-        r["overhead"] = r["mean_step_s"] / base_mean - 1
-        r["round_overhead"] = [
-            b["wall_s"] / b["steps"] / (bb["wall_s"] / bb["steps"]) - 1 for b, bb in zip(r["blocks"], base_blocks)
-        ]
-        r["overhead_median_of_rounds"] = median(r["round_overhead"])
-        # the paired per-round overheads' mean and its 95% confidence half-width (normal approximation)
-        ro = r["round_overhead"]
-        r["overhead_mean_of_rounds"] = statistics.fmean(ro)
-        r["overhead_ci95"] = 1.96 * statistics.stdev(ro) / math.sqrt(len(ro)) if len(ro) > 1 else None
-        r["third_overhead"] = [
-            sum(r["blocks"][i]["wall_s"] for i in t) / sum(base_blocks[i]["wall_s"] for i in t) - 1 for t in thirds
-        ]
-        r["excess_per_save_s"] = (r["mean_step_s"] - base_mean) * K if v != "none" else None
-        r["extra_cpu_per_save_s"] = (
-            (r["cpu_per_step_s"] - results["none"]["cpu_per_step_s"]) * K if v != "none" else None
-        )
-    return {
-        "model": asdict(cfg),
-        "params": n_params,
-        "every_steps": K,
-        "keep_last": 2,
-        "steps_per_block": steps,
-        "rounds": rounds,
-        "state_built_once": live,
-        "state_live_check": why,
-        "state_live_at_end": final_live,
-        "variants": results,
-    }
-
-
-# =========================================================================== report
 
 
 def report(args: argparse.Namespace, world: int, p1: dict[str, Any] | None, p2: dict[str, Any] | None) -> dict[str, Any]:

@@ -39,7 +39,7 @@ import tempfile
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -53,6 +53,7 @@ from torch.distributed.tensor import DTensor, Shard  # noqa: E402
 
 import ckptkit  # noqa: E402
 from common import GiB, MiB, drop_page_cache, median, remove_tree, spread, table, tree_bytes  # noqa: E402
+from gpt_shapes import ModelConfig, param_shapes  # noqa: E402
 
 METHODS = ("ckptkit", "dcp", "torch", "raw")
 LABEL = {
@@ -68,33 +69,8 @@ TARGET_VS_DCP = 1.0  # ckptkit not slower than DCP
 # --------------------------------------------------------------------------- the state
 
 
-@dataclass(frozen=True)
-class ModelConfig:
-    hidden: int
-    ffn: int  # SwiGLU: fc1 is [2*ffn, hidden]
-    layers: int
-    vocab: int
-
-
 FULL = ModelConfig(hidden=1024, ffn=2816, layers=8, vocab=32000)  # ~1.26 GiB with fp32 moments
 QUICK = ModelConfig(hidden=256, ffn=704, layers=2, vocab=6912)  # ~32 MiB
-
-
-def param_shapes(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
-    h, f = cfg.hidden, cfg.ffn
-    out: list[tuple[str, tuple[int, ...]]] = [("embed.weight", (cfg.vocab, h))]
-    for i in range(cfg.layers):
-        p = f"layers.{i}."
-        out += [
-            (p + "attn_norm.weight", (h,)),
-            (p + "attn.qkv.weight", (3 * h, h)),
-            (p + "attn.proj.weight", (h, h)),
-            (p + "mlp_norm.weight", (h,)),
-            (p + "mlp.fc1.weight", (2 * f, h)),
-            (p + "mlp.fc2.weight", (h, f)),
-        ]
-    out.append(("final_norm.weight", (h,)))
-    return out
 
 
 def _global_stride(shape: tuple[int, ...]) -> tuple[int, ...]:

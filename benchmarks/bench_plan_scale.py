@@ -29,7 +29,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from ckptkit.layout.box import Box, Region  # noqa: E402
+from ckptkit.layout.box import Region  # noqa: E402
 from ckptkit.layout.config import ParallelConfig  # noqa: E402
 from ckptkit.layout.manifest import Index, IndexEntry, IndexRef, Manifest, sha256_hex  # noqa: E402
 from ckptkit.layout.pieces import LocalBox, LocalFlat, Piece  # noqa: E402
