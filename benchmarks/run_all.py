@@ -6,6 +6,7 @@
 * ``bench_s3.py`` (object-store throughput through a local moto S3 server it
   starts itself: ckptkit's native and tensorstore engines vs raw s3fs vs DCP
   over fsspec, and both engines on local files) as a plain single-process script;
+* ``bench_modelspace.py`` (a lazy slice vs a full load; zarr export/import vs raw writes) as a plain single-process script;
 * every other ``benchmarks/bench_*.py`` that defines ``main()`` (e.g.
   ``bench_plan_scale.py``) as a plain single-process script.
 
@@ -34,7 +35,7 @@ IO_BENCH = "bench_io.py"
 ASYNC_BENCH = "bench_async.py"
 TORCHRUN_BENCHES = (IO_BENCH, ASYNC_BENCH)  # run under torchrun, in this order
 S3_BENCH = "bench_s3.py"  # a plain script that also takes --reps
-SCRATCH_PREFIXES = ("bench_io-scratch-", "bench_async-scratch-", "bench_s3-scratch-")
+SCRATCH_PREFIXES = ("bench_io-scratch-", "bench_async-scratch-", "bench_s3-scratch-", "bench_modelspace-scratch-")
 
 
 def other_benchmarks() -> list[str]:

@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from ckptkit.engine.loader import LoadResult
     from ckptkit.engine.saver import SaveResult
     from ckptkit.engine.state import PerRank, Sharded
+    from ckptkit.modelspace.view import CheckpointView, open
 
 _LAZY = {
     "save": "ckptkit.api",
@@ -62,10 +63,12 @@ _LAZY = {
     "LoadResult": "ckptkit.engine.loader",
     "Sharded": "ckptkit.engine.state",
     "PerRank": "ckptkit.engine.state",
+    "open": "ckptkit.modelspace.view",  # not in __all__: a star import must not shadow builtins.open
+    "CheckpointView": "ckptkit.modelspace.view",
 }
 
 
-_SUBMODULES = {"catalog", "resilience", "manager", "storage", "layout", "plan", "engine", "api", "cli", "retention"}
+_SUBMODULES = {"catalog", "resilience", "manager", "storage", "layout", "plan", "engine", "api", "cli", "retention", "modelspace"}
 
 
 def __getattr__(name: str) -> Any:
@@ -86,6 +89,6 @@ __all__ = [
     "UnsupportedVersionError", "UnsafePathError", "CorruptCheckpointError", "StateMismatchError",
     "MissingKeysError", "UnexpectedKeysError", "DTypeMismatchError", "ShapeMismatchError",
     "CoverageError", "LayoutError", "StorageError", "SaveError", "PeerFailureError", "CheckpointManager",
-    "ResilienceController", "TrainingStopped", "ScaledLR", "SpikePolicy",
+    "ResilienceController", "TrainingStopped", "ScaledLR", "SpikePolicy", "CheckpointView",
     "__version__",
 ]

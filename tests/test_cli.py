@@ -15,7 +15,7 @@ import torch
 from click.testing import CliRunner, Result
 
 from ckptkit.cli.main import cli
-from tests.test_catalog import index_of, piece_of, save_single, save_two
+from tests.test_catalog import piece_of, save_single, save_two
 
 
 def run(*args: str) -> Result:

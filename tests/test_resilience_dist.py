@@ -8,7 +8,6 @@ import subprocess
 import sys
 import time
 
-import torch
 
 import ckptkit
 from ckptkit.resilience.incidents import IncidentLog

@@ -14,6 +14,8 @@ from typing import Any
 import click
 
 from ckptkit.cli import render
+from ckptkit.cli.commands_convert import convert_cmd
+from ckptkit.cli.commands_diff import diff_cmd
 from ckptkit.cli.commands_inspect import inspect_cmd
 from ckptkit.cli.commands_ls import ls_cmd
 from ckptkit.cli.commands_plan import plan_cmd
@@ -45,6 +47,8 @@ def cli() -> None:
       ckptkit ls runs/exp1
       ckptkit inspect runs/exp1/step-0001000 --tensor 'layers.0.*'
       ckptkit verify runs/exp1/step-0001000
+      ckptkit diff runs/a/step-0001000 runs/b/step-0001000
+      ckptkit convert runs/exp1/step-0001000 step-1000.zarr --format zarr
       ckptkit report runs/exp1
       ckptkit plan --params 70e9 --tp 4 --pp 8 --dp 32 --write-gbps 5 --mtbf-hours 3
     """
@@ -55,6 +59,8 @@ cli.add_command(inspect_cmd)
 cli.add_command(verify_cmd)
 cli.add_command(report_cmd)
 cli.add_command(plan_cmd)
+cli.add_command(diff_cmd)
+cli.add_command(convert_cmd)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -25,7 +25,7 @@ from ckptkit.storage.local import LocalStore
 S3_SINGLE_PUT_LIMIT = 5 << 30  # S3's limit for one PUT; larger objects go through the wrapped store
 
 
-def _spec_for(store: ByteStore) -> dict[str, Any]:
+def kvstore_spec(store: ByteStore) -> dict[str, Any]:
     if isinstance(store, LocalStore):
         return {"driver": "file", "path": store.root.rstrip("/") + "/"}
     from ckptkit.storage.s3 import S3Store
@@ -49,7 +49,7 @@ class TensorstoreStore(ByteStore):
         self.base = base
         self.url = base.url
         self._ts = ts
-        spec = _spec_for(base)
+        spec = kvstore_spec(base)
         self._kv = ts.KvStore.open(spec).result()
         self._single_put_limit = S3_SINGLE_PUT_LIMIT if spec["driver"] == "s3" else None
 

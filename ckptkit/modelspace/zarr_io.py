@@ -1,0 +1,472 @@
+"""Checkpoints as zarr v3 groups, written and read through tensorstore.
+
+Tools that speak zarr (xarray, tensorstore, zarr-python, neuroglancer-style
+viewers) should be able to read a model without ckptkit. :func:`export_zarr`
+writes every logical tensor — model space: global, unpadded, optimizer
+moments in the parameter's shape — as one zarr v3 array in one group, at the
+tensor's key path (``model/layers.0.weight`` -> array ``model/layers.0.weight``).
+
+*tensorstore* is the writer, never zarr-python: it stores bfloat16 and
+float8, and each array is written shard by shard, every write covering whole
+shards, so there is no read-modify-write and no lost update between
+concurrent writers. zarr-python 3.1 reads every non-bf16/float8 array.
+
+Chunking follows the common read — one stored piece (a TP shard, an FSDP
+shard) per inner chunk, the sharding codec packing chunks into objects of
+about ``shard_bytes`` so object counts on S3 stay low — and each inner chunk
+carries a CRC32C (see :mod:`ckptkit.modelspace.zarr_layout`).
+
+The group's root attributes (``attributes.ckptkit``, versioned JSON) hold the
+checkpoint's manifest without its index list — every tensor's dtype, global
+shape, layout (grid rule or explicit pieces, writer ranks), partition rule,
+and the replicated values and metadata; per-rank values (RNG states,
+``PerRank``) go to the attributes of a child group ``ckptkit-per-rank``. The root's
+``zarr.json`` is written last: an export without it did not finish, and
+:func:`import_zarr` refuses it.
+
+:func:`import_zarr` writes a normal committed ckptkit checkpoint with the
+saver's own machinery (plan, persist with checksums, merge, atomic publish):
+the same world size, the same pieces written by the same ranks, the same
+manifest entries (layouts, rotations, rules), values and per-rank values.
+Pieces are read from zarr one at a time (with a little read-ahead), so memory
+stays bounded by the largest pieces.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from typing import Any, Literal, cast
+
+import torch
+
+from ckptkit.engine.checkpoint_dir import remove_uncommitted
+from ckptkit.engine.saver import Prepared, check_target, persist, publish
+from ckptkit.errors import (
+    CheckpointNotFoundError,
+    CkptkitError,
+    DTypeMismatchError,
+    LayoutError,
+    SaveError,
+    ShapeMismatchError,
+    StorageError,
+)
+from ckptkit.layout.box import Box, Region
+from ckptkit.layout.manifest import DTYPES, Manifest, TensorMeta
+from ckptkit.layout.pieces import LocalBox, LocalFlat, Piece
+from ckptkit.modelspace.view import CheckpointView, ViewOptions
+from ckptkit.modelspace.view import open as open_view
+from ckptkit.modelspace.zarr_layout import (
+    ATTRIBUTE,
+    FORMAT,
+    GROUP_METADATA,
+    PER_RANK_GROUP,
+    VERSION,
+    ExportInfo,
+    choose_chunking,
+    from_stored,
+    group_json,
+    node_path,
+    pieces_by_writer,
+    read_export,
+    root_attributes,
+    shard_boxes,
+    stored_boxes,
+    stored_dtype,
+    to_stored,
+)
+from ckptkit.plan.merge import RankReport, merge_reports
+from ckptkit.plan.save_plan import ExplicitDecl, plan_save
+from ckptkit.storage.base import ByteStore
+from ckptkit.storage.url import open_store
+from ckptkit.version import __version__
+
+Progress = Callable[[int, int], None]  # (bytes done, bytes total)
+
+
+@dataclass(frozen=True)
+class ZarrExportOptions:
+    """How :func:`export_zarr` lays out and writes the arrays.
+
+    ``chunk_bytes``: largest inner (read) chunk; ``shard_bytes``: target size
+    of one shard object. ``portable``: store bfloat16 and float8 arrays as
+    float32 so zarr-python and numpy read every array (bf16 is widened bit by
+    bit, float8 by value; the import restores the original dtype).
+    ``threads``: shards read and written at once (disk and object-store
+    latency hide behind each other); memory is about ``threads * 2 *
+    shard_bytes`` (the shard read, and tensorstore's encoded copy).
+    """
+
+    chunk_bytes: int = 8 << 20
+    shard_bytes: int = 64 << 20
+    portable: bool = False
+    compression: Literal["none", "zstd"] = "none"
+    checksum: bool = True
+    threads: int = 4
+    io_threads: int = 4
+
+    def __post_init__(self) -> None:
+        if self.chunk_bytes < 1 or self.shard_bytes < 1:
+            raise LayoutError("chunk_bytes and shard_bytes must be positive")
+        if self.compression not in ("none", "zstd"):
+            raise LayoutError(f"compression must be 'none' or 'zstd', got {self.compression!r}")
+        if self.threads < 1 or self.io_threads < 1:
+            raise LayoutError("threads and io_threads must be >= 1")
+
+
+@dataclass(frozen=True)
+class ZarrImportOptions:
+    """How :func:`import_zarr` writes: checksum ``block_size``, ranks written concurrently
+    (``threads``), pieces read ahead per rank (``read_ahead``)."""
+
+    block_size: int = 4 << 20
+    threads: int = 2
+    read_ahead: int = 2
+
+    def __post_init__(self) -> None:
+        if self.block_size < 4096 or self.block_size % 4096:
+            raise LayoutError(f"block_size {self.block_size} must be a positive multiple of 4096")
+        if self.threads < 1 or self.read_ahead < 0:
+            raise LayoutError("threads must be >= 1 and read_ahead >= 0")
+
+
+@dataclass(frozen=True)
+class ConvertResult:
+    """What a conversion did: logical tensor bytes moved, data bytes read from the source."""
+
+    source: str
+    destination: str
+    format: str
+    tensors: int
+    nbytes: int
+    bytes_read: int
+    seconds: float
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# ---------------------------------------------------------------- tensorstore plumbing
+
+
+def _tensorstore() -> Any:
+    try:
+        import tensorstore as ts
+    except ImportError:
+        raise CkptkitError("zarr export and import need tensorstore: pip install 'ckptkit[tensorstore]'") from None
+    return ts
+
+
+def _kvstore_spec(store: ByteStore) -> dict[str, Any]:
+    from ckptkit.storage.tensorstore_kv import TensorstoreStore, kvstore_spec
+
+    return kvstore_spec(store.base if isinstance(store, TensorstoreStore) else store)
+
+
+def _under(kv: dict[str, Any], path: str) -> dict[str, Any]:
+    return {**kv, "path": kv.get("path", "") + path.rstrip("/") + "/"}
+
+
+def _slices(box: Box) -> tuple[slice, ...]:
+    return tuple(slice(o, o + s) for o, s in zip(box.offsets, box.sizes))
+
+
+def array_spec(kv: dict[str, Any], path: str, meta: TensorMeta, stored: str, chunk: tuple[int, ...],
+               shard: tuple[int, ...], options: ZarrExportOptions) -> dict[str, Any]:
+    """The tensorstore spec creating one zarr v3 array (sharded when a shard holds several chunks)."""
+    codecs: list[dict[str, Any]] = [{"name": "bytes", "configuration": {"endian": "little"}}]
+    if options.compression == "zstd":
+        codecs.append({"name": "zstd", "configuration": {"level": 3, "checksum": False}})
+    if options.checksum:
+        codecs.append({"name": "crc32c"})
+    grid = chunk
+    if shard != chunk:
+        grid = shard
+        codecs = [{"name": "sharding_indexed", "configuration": {
+            "chunk_shape": list(chunk), "codecs": codecs, "index_location": "end",
+            "index_codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}],
+        }}]
+    attrs = {ATTRIBUTE: {"key": meta.key, "dtype": meta.dtype, "shape": list(meta.shape), "stored_dtype": stored}}
+    return {
+        "driver": "zarr3",
+        "kvstore": _under(kv, path),
+        "metadata": {
+            "shape": list(meta.shape), "data_type": stored, "codecs": codecs, "attributes": attrs,
+            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(grid)}},
+            "chunk_key_encoding": {"name": "default"},
+        },
+        # a chunk equal to the fill value is written anyway: -0.0 and NaN payloads stay bit-exact
+        "store_data_equal_to_fill_value": True,
+        "create": True,
+    }
+
+
+# ---------------------------------------------------------------- export
+
+
+def export_zarr(
+    source: str | os.PathLike[str] | CheckpointView,
+    dest: str | os.PathLike[str],
+    *,
+    options: ZarrExportOptions = ZarrExportOptions(),
+    storage_options: dict[str, Any] | None = None,
+    progress: Progress | None = None,
+) -> ConvertResult:
+    """Write every logical tensor of the checkpoint ``source`` as a zarr v3 array in a new group at ``dest``.
+
+    ``dest`` (local path or ``s3://`` URL) must be empty or absent. Reads go
+    through the lazy view (only each shard's bytes, checksum-verified).
+    """
+    t0 = time.perf_counter()
+    ts = _tensorstore()
+    view = source if isinstance(source, CheckpointView) else open_view(
+        source, storage_options=storage_options, options=ViewOptions(options.io_threads))
+    read0 = view.bytes_read
+    out = open_store(dest, storage_options)
+    if out.list_children():
+        raise SaveError(f"{out.url} is not empty; a zarr export writes a new group (choose another path or remove it)")
+    manifest = view.manifest
+    paths = {key: node_path(key) for key in manifest.tensors}
+    if len(set(paths.values())) != len(paths):
+        raise LayoutError(f"{view.url}: two tensor keys map to one zarr path; cannot export")
+    kv = _kvstore_spec(out)
+    context = ts.Context()
+    kvs = ts.KvStore.open(kv, context=context).result()
+    plans = []
+    for meta in manifest.tensors.values():
+        stored = stored_dtype(meta.dtype, options.portable)
+        chunk, shard = choose_chunking(meta.shape, DTYPES[stored], stored_boxes(meta), options.chunk_bytes, options.shard_bytes)
+        plans.append((meta, stored, chunk, shard))
+    total = sum(m.numel * DTYPES[m.dtype] for m in manifest.tensors.values())
+    groups = {"/".join(p.split("/")[:i]) for p in paths.values() for i in range(1, p.count("/") + 1)}
+    try:
+        for group in sorted(groups):
+            kvs.write(f"{group}/{GROUP_METADATA}", group_json()).result()
+        done, lock = [0], threading.Lock()
+
+        def tick(n: int) -> None:
+            with lock:
+                done[0] += n
+                if progress is not None:
+                    progress(done[0], total)
+
+        # every array is created first (concurrently), then shards are the units of work:
+        # largest first, ``threads`` in flight, each read through the view and written whole
+        opened = [ts.open(array_spec(kv, paths[m.key], m, stored, chunk, shard, options), context=context)
+                  for m, stored, chunk, shard in plans]
+        arrays = {p[0].key: f.result() for p, f in zip(plans, opened)}
+        units = [(m, stored, box) for m, stored, _, shard in plans for box in shard_boxes(m.shape, shard)]
+        units.sort(key=lambda u: -u[2].numel * DTYPES[u[0].dtype])
+
+        def write(unit: tuple[TensorMeta, str, Box]) -> None:
+            meta, stored, box = unit
+            host = to_stored(view.read_box(meta.key, box), meta.dtype, stored)
+            arrays[meta.key][_slices(box)].write(host).result()
+            tick(box.numel * DTYPES[meta.dtype])
+
+        with ThreadPoolExecutor(max_workers=options.threads, thread_name_prefix="ckptkit-zarr") as pool:
+            list(pool.map(write, units))
+        per_rank = {r: v for r, v in view.all_per_rank_values().items() if v} if manifest.per_rank_keys else {}
+        if per_rank:
+            doc = {"format": f"{FORMAT}-per-rank", "version": VERSION, "ranks": {str(r): v for r, v in sorted(per_rank.items())}}
+            kvs.write(f"{PER_RANK_GROUP}/{GROUP_METADATA}", group_json({ATTRIBUTE: doc})).result()
+        chunking = {"chunk_bytes": options.chunk_bytes, "shard_bytes": options.shard_bytes,
+                    "compression": options.compression, "portable": options.portable}
+        attrs = root_attributes(view.url, manifest, paths, {m.key: s for m, s, _, _ in plans}, bool(per_rank), chunking)
+        kvs.write(GROUP_METADATA, group_json({ATTRIBUTE: attrs})).result()  # last: the export is complete
+    except BaseException as exc:
+        _discard(out)
+        if isinstance(exc, CkptkitError) or not isinstance(exc, Exception):
+            raise
+        raise StorageError(f"exporting {view.url} to {out.url} through tensorstore failed: {exc}") from exc
+    return ConvertResult(view.url, out.url, "zarr", len(manifest.tensors), total, view.bytes_read - read0,
+                         time.perf_counter() - t0)
+
+
+def _discard(out: ByteStore) -> None:
+    """Remove a failed export (best effort): ``out`` was empty when it began, so all of it is the export's."""
+    try:
+        out.delete_all()
+    except (CkptkitError, OSError):
+        pass
+
+
+# ---------------------------------------------------------------- import
+
+
+def is_zarr_export(url: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> bool:
+    """True if ``url`` holds a zarr group root (``zarr.json``), e.g. one :func:`export_zarr` wrote."""
+    return open_store(url, storage_options).exists(GROUP_METADATA)
+
+
+def import_zarr(
+    source: str | os.PathLike[str],
+    dest: str | os.PathLike[str],
+    *,
+    options: ZarrImportOptions = ZarrImportOptions(),
+    storage_options: dict[str, Any] | None = None,
+    progress: Progress | None = None,
+) -> ConvertResult:
+    """Write the export at ``source`` back as a committed ckptkit checkpoint at ``dest``.
+
+    Every array is checked against the recorded dtype and shape before
+    anything is written. The result has the source checkpoint's world size,
+    layouts and writer ranks, values and per-rank values; ``ckptkit.load``
+    reads it at any layout.
+    """
+    t0 = time.perf_counter()
+    ts = _tensorstore()
+    src = open_store(source, storage_options)
+    export = read_export(src)
+    manifest = export.manifest
+    arrays = _open_arrays(ts, src, export)
+    by_writer = pieces_by_writer(manifest)
+    out = open_store(dest, storage_options)
+    check_target(out)
+    total = sum(m.numel * DTYPES[m.dtype] for m in manifest.tensors.values())
+    done, lock, read = [0], threading.Lock(), [0]
+
+    def tick(n: int) -> None:
+        with lock:
+            done[0] += n
+            if progress is not None:
+                progress(done[0], total)
+
+    def write_rank(rank: int) -> tuple[RankReport, int, int]:
+        pieces = _ZarrPieces(arrays, manifest, export.arrays, by_writer.get(rank, []), options.read_ahead)
+        decls = []
+        for ref, (key, region) in enumerate(pieces.items):
+            meta = manifest.tensors[key]
+            local: LocalBox | LocalFlat = LocalBox(tuple(0 for _ in meta.shape)) if region.flat is None else LocalFlat(0)
+            decls.append(ExplicitDecl(ref, meta.dtype, DTYPES[meta.dtype], pieces.local_shape(ref),
+                                      (Piece(key, meta.shape, region, local),)))
+        plan = plan_save(rank, [], decls)
+        values = export.per_rank.get(rank, {})
+        prep = Prepared(plan, cast(list, pieces), {}, values, tuple(sorted(values)))
+        report = persist(prep, out, options.block_size, tick)
+        with lock:
+            read[0] += pieces.bytes_read
+        return report, plan.nbytes, sum(plan.objects.values())
+
+    try:
+        with ThreadPoolExecutor(max_workers=options.threads, thread_name_prefix="ckptkit-unzarr") as pool:
+            results = list(pool.map(write_rank, range(manifest.world_size)))
+        reports = [r for r, _, _ in results]
+        orig = manifest.meta
+        meta = {
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "ckptkit_version": __version__,
+            "tensor_bytes": sum(n for _, n, _ in results),
+            "stored_bytes": sum(o + r.index.size for r, _, o in results),
+            "user": orig.get("user", {}),
+            "converted_from": {"url": src.url, "format": "zarr", "created": orig.get("created"),
+                               "ckptkit_version": orig.get("ckptkit_version")},
+        }
+        merged = merge_reports(reports, world_size=manifest.world_size, values=manifest.values, meta=meta,
+                               parallel=manifest.parallel, where=out.url)
+        # the pieces were declared explicitly; the manifest keeps the source's own entries
+        # (grid rules with rotations, partition rules), which describe exactly these pieces
+        merged.tensors = dict(manifest.tensors)
+        merged.per_rank_keys = manifest.per_rank_keys
+        publish(out, merged.to_json_bytes())
+    except BaseException as exc:
+        try:
+            if not out.exists("manifest.json"):
+                remove_uncommitted(out)
+        except (CkptkitError, OSError):
+            pass
+        if isinstance(exc, CkptkitError) or not isinstance(exc, Exception):
+            raise
+        raise StorageError(f"importing {src.url} into {out.url} failed: {exc}") from exc
+    return ConvertResult(src.url, out.url, "ckptkit", len(manifest.tensors), total, read[0], time.perf_counter() - t0)
+
+
+def _open_arrays(ts: Any, src: ByteStore, export: ExportInfo) -> dict[str, Any]:
+    """Open every array (concurrently) and check it against the recorded dtype and shape."""
+    kv = _kvstore_spec(src)
+    context = ts.Context()
+    futures = {
+        key: ts.open({"driver": "zarr3", "kvstore": _under(kv, path), "open": True}, read=True, context=context)
+        for key, (path, _) in export.arrays.items()
+    }
+    arrays = {}
+    for key, future in futures.items():
+        path, stored = export.arrays[key]
+        where = f"{src.url}/{path}"
+        try:
+            arr = future.result()
+        except Exception as exc:  # noqa: BLE001 - tensorstore's errors are plain ValueErrors
+            raise CheckpointNotFoundError(f"{where}: array of tensor {key!r} cannot be opened: {exc}") from None
+        meta = export.manifest.tensors[key]
+        if tuple(arr.shape) != meta.shape:
+            raise ShapeMismatchError(
+                f"{where}: array of tensor {key!r} has shape {list(arr.shape)}, the export records {list(meta.shape)}")
+        if arr.dtype.name != stored:
+            raise DTypeMismatchError(
+                f"{where}: array of tensor {key!r} is {arr.dtype.name}, the export records {stored} (for {meta.dtype})")
+        arrays[key] = arr
+    return arrays
+
+
+class _ZarrPieces:
+    """The local tensors of one rank's pieces, read from zarr on demand, in plan order, with read-ahead.
+
+    Stands in for the list of live tensors a save persists from:
+    ``write_pieces`` asks for piece ``ref`` just before writing it.
+    """
+
+    def __init__(self, arrays: dict[str, Any], manifest: Manifest, stored: dict[str, tuple[str, str]],
+                 items: list[tuple[str, Region]], read_ahead: int) -> None:
+        self.items = items
+        self._arrays = arrays
+        self._manifest = manifest
+        self._stored = stored
+        self._read_ahead = read_ahead
+        self._futures: dict[int, Any] = {}
+        self._lock = threading.Lock()
+        self.bytes_read = 0
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def local_shape(self, ref: int) -> tuple[int, ...]:
+        region = self.items[ref][1]
+        return tuple(region.box.sizes) if region.flat is None else (region.numel,)
+
+    def _rows(self, ref: int) -> tuple[Box, int]:
+        """The box read for a piece: the piece's box, or the whole rows holding a flat fragment."""
+        region = self.items[ref][1]
+        box = region.box
+        if region.flat is None or not box.sizes:
+            return box, 0
+        row = math.prod(box.sizes[1:])
+        r0, r1 = region.flat[0] // row, -(-region.flat[1] // row)
+        return Box((box.offsets[0] + r0, *box.offsets[1:]), (r1 - r0, *box.sizes[1:])), r0 * row
+
+    def _start(self, ref: int) -> Any:
+        key = self.items[ref][0]
+        box, _ = self._rows(ref)
+        return self._arrays[key][_slices(box)].read()
+
+    def __getitem__(self, ref: int) -> torch.Tensor:
+        with self._lock:
+            future = self._futures.pop(ref, None) or self._start(ref)
+            for nxt in range(ref + 1, min(len(self.items), ref + 1 + self._read_ahead)):
+                if nxt not in self._futures:
+                    self._futures[nxt] = self._start(nxt)
+        key, region = self.items[ref]
+        data = future.result()
+        self.bytes_read += data.nbytes
+        meta = self._manifest.tensors[key]
+        t = from_stored(data, meta.dtype, self._stored[key][1])
+        if region.flat is None:
+            return t
+        _, first = self._rows(ref)
+        a, b = region.flat
+        return t.reshape(-1)[a - first:b - first]
