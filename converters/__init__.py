@@ -3,5 +3,8 @@ DeepSpeed ZeRO, DCP, Hugging Face safetensors, zarr).
 
 This is the only place where foreign pickle-based formats may be opened, and only through an
 allow-list unpickler or ``torch.load(weights_only=True)``; ``ckptkit/`` itself never unpickles.
-No converter ships yet: they arrive with the framework integrations.
+DCP (``torch.distributed.checkpoint``; torchtitan, and the base of Megatron's torch_dist) ships in
+:mod:`converters.dcp`: import into ckptkit and export for plain ``dcp.load`` (docs/converters.md).
+Its ``.metadata`` pickle is read only through :mod:`converters.safe_unpickle`. The others arrive with
+the framework integrations.
 """

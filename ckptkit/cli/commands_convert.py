@@ -1,4 +1,10 @@
-"""``ckptkit convert``: a checkpoint to a zarr v3 group (through tensorstore), or such a group back."""
+"""``ckptkit convert``: a checkpoint to a zarr v3 group (through tensorstore) or a DCP checkpoint, and back.
+
+The source's kind is detected (a zarr group has ``zarr.json``, a DCP
+checkpoint ``.metadata``, a ckptkit checkpoint ``manifest.json``); ``--format``
+names the output. The library functions do the work: this module only picks
+one, draws the progress bar and prints the result.
+"""
 
 from __future__ import annotations
 
@@ -34,11 +40,11 @@ def progress_bar(label: str, enabled: bool, *, data: bool = True) -> Iterator[Ca
         yield lambda done, total: bar.update(task, completed=done, total=total)
 
 
-@click.command("convert", short_help="Checkpoint <-> zarr v3 group (model-space arrays, via tensorstore).")
+@click.command("convert", short_help="Checkpoint <-> zarr v3 group or torch.distributed.checkpoint (DCP).")
 @click.argument("source")
 @click.argument("dest")
-@click.option("--format", "fmt", type=click.Choice(["zarr", "ckptkit"]), default=None,
-              help="Output format. Default: zarr for a checkpoint, ckptkit for a zarr export.")
+@click.option("--format", "fmt", type=click.Choice(["zarr", "dcp", "hf", "ckptkit"]), default=None,
+              help="Output format. Default: zarr for a checkpoint, ckptkit for a zarr export or a DCP checkpoint.")
 @click.option("--chunk-mib", type=click.FloatRange(min=0.001), default=8.0, show_default=True,
               help="zarr: largest inner (read) chunk.")
 @click.option("--shard-mib", type=click.FloatRange(min=0.001), default=64.0, show_default=True,
@@ -47,53 +53,93 @@ def progress_bar(label: str, enabled: bool, *, data: bool = True) -> Iterator[Ca
               help="zarr: store bfloat16/float8 as float32 so zarr-python reads every array (lossless round trip).")
 @click.option("--compression", type=click.Choice(["none", "zstd"]), default="none", show_default=True,
               help="zarr: codec of each inner chunk.")
+@click.option("--skip-unsafe-items", is_flag=True,
+              help="DCP import: leave out non-tensor items that do not decode with torch.load(weights_only=True) "
+                   "into JSON-like values (they are listed) instead of failing.")
 @click.option("--threads", type=click.IntRange(1, 64), default=None,
-              help="Shards (export, default 4) or ranks (import, default 2) written concurrently.")
+              help="Shards (zarr export, default 4), ranks (imports, default 2) or files (DCP export, default 2) "
+                   "written concurrently.")
+@click.option("--hf-config", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="hf: the model's Hugging Face config.json (head counts for the rotary permutation).")
+@click.option("--heads", type=click.IntRange(min=1), default=None, help="hf: attention heads (instead of --hf-config).")
+@click.option("--kv-heads", type=click.IntRange(min=1), default=None, help="hf: key/value heads (default: --heads).")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
+              help="hf: cast the weights (default: as stored).")
+@click.option("--prefix", default="model/", show_default=True, help="hf: where the model's parameters sit in the state.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document instead of text.")
 def convert_cmd(source: str, dest: str, fmt: str | None, chunk_mib: float, shard_mib: float, portable: bool,
-                compression: str, threads: int | None, as_json: bool) -> None:
+                compression: str, skip_unsafe_items: bool, threads: int | None, hf_config: str | None,
+                heads: int | None, kv_heads: int | None, dtype: str | None, prefix: str, as_json: bool) -> None:
     """Convert SOURCE into DEST.
 
-    A checkpoint becomes a zarr v3 group: every logical tensor (model space:
-    global, unpadded; optimizer moments in parameter shape) is one array at
-    its key path, written by tensorstore; the group's attributes carry the
-    manifest, so converting the group back (--format ckptkit) gives a
-    checkpoint with bit-identical tensors, values and layouts. DEST must not
-    exist (or be empty). Both sides take s3:// URLs.
+    A checkpoint becomes a zarr v3 group (--format zarr): every logical tensor
+    (model space: global, unpadded; optimizer moments in parameter shape) is
+    one array at its key path, written by tensorstore; the group's attributes
+    carry the manifest, so converting the group back (--format ckptkit) gives a
+    checkpoint with bit-identical tensors, values and layouts.
+
+    A checkpoint becomes a torch.distributed.checkpoint directory (--format
+    dcp) that dcp.load reads at any world size; a DCP checkpoint (e.g. a
+    torchtitan step-N folder) becomes a ckptkit checkpoint, keeping its
+    sharding. Its .metadata pickle is read through an allow-list unpickler and
+    its data only with torch.load(weights_only=True): see docs/converters.md.
+
+    DEST must not exist (or be empty). Both sides take s3:// URLs.
 
     \b
     Examples:
       ckptkit convert runs/exp1/step-0001000 step-1000.zarr --format zarr
       ckptkit convert step-1000.zarr runs/exp1-copy/step-0001000 --format ckptkit
       ckptkit convert s3://bucket/run1/step-0001200 s3://bucket/zarr/step-1200.zarr --portable
+      ckptkit convert outputs/checkpoint/step-1000 runs/titan/step-0001000        # DCP -> ckptkit
+      ckptkit convert runs/exp1/step-0001000 dcp/step-1000 --format dcp           # ckptkit -> DCP
+      ckptkit convert runs/exp1/step-0001000 hf/ --format hf --hf-config config.json  # weights -> HF safetensors
     """
-    from ckptkit.modelspace.zarr_io import (
-        ZarrExportOptions,
-        ZarrImportOptions,
-        export_zarr,
-        import_zarr,
-        is_zarr_export,
-    )
+    from ckptkit.modelspace.zarr_io import is_zarr_export
+    from converters.dcp import is_dcp_checkpoint
 
     from_zarr = is_zarr_export(source)
-    fmt = fmt or ("ckptkit" if from_zarr else "zarr")
+    from_dcp = not from_zarr and is_dcp_checkpoint(source)
+    fmt = fmt or ("ckptkit" if from_zarr or from_dcp else "zarr")
     show = not as_json and sys.stdout.isatty()
+    if fmt != "ckptkit" and (from_zarr or from_dcp):
+        kind = "a zarr group" if from_zarr else "a DCP checkpoint"
+        raise CkptkitError(f"{source} is already {kind}; --format ckptkit converts it to a checkpoint "
+                           f"(then convert that to --format {fmt})")
+    if fmt == "hf":
+        _export_hf(source, dest, hf_config, heads, kv_heads, dtype, prefix, show, as_json)
+        return
     if fmt == "zarr":
-        if from_zarr:
-            raise CkptkitError(f"{source} is already a zarr group; --format ckptkit converts it back to a checkpoint")
+        from ckptkit.modelspace.zarr_io import ZarrExportOptions, export_zarr
+
         options = ZarrExportOptions(chunk_bytes=int(chunk_mib * 2**20), shard_bytes=int(shard_mib * 2**20),
                                     portable=portable, compression=compression,  # type: ignore[arg-type]
                                     threads=threads or ZarrExportOptions.threads)
         with progress_bar("exporting", show) as progress:
             result = export_zarr(source, dest, options=options, progress=progress)
-    else:
-        if not from_zarr:
-            raise CkptkitError(
-                f"{source} is not a zarr group (no zarr.json); --format ckptkit converts a zarr export back "
-                "(a checkpoint converts to --format zarr)"
-            )
+    elif fmt == "dcp":
+        from converters.dcp import DcpExportOptions, export_dcp
+
+        with progress_bar("exporting", show) as progress:
+            result = export_dcp(source, dest, options=DcpExportOptions(threads=threads or DcpExportOptions.threads),
+                                progress=progress)
+    elif from_zarr:
+        from ckptkit.modelspace.zarr_io import ZarrImportOptions, import_zarr
+
         with progress_bar("importing", show) as progress:
-            result = import_zarr(source, dest, options=ZarrImportOptions(threads=threads or ZarrImportOptions.threads), progress=progress)
+            result = import_zarr(source, dest, options=ZarrImportOptions(threads=threads or ZarrImportOptions.threads),
+                                 progress=progress)
+    elif from_dcp:
+        from converters.dcp import DcpImportOptions, import_dcp
+
+        options_dcp = DcpImportOptions(threads=threads or DcpImportOptions.threads, skip_unsafe_items=skip_unsafe_items)
+        with progress_bar("importing", show) as progress:
+            result = import_dcp(source, dest, options=options_dcp, progress=progress)
+    else:
+        raise CkptkitError(
+            f"{source} is not a zarr group (no zarr.json) nor a DCP checkpoint (no .metadata); --format ckptkit "
+            "converts one of those to a checkpoint (a checkpoint converts to --format zarr or --format dcp)"
+        )
     if as_json:
         render.print_json(result.to_json())
         return
@@ -102,3 +148,27 @@ def convert_cmd(source: str, dest: str, fmt: str | None, chunk_mib: float, shard
         f"converted {result.source} -> {result.destination} ({result.format}): {result.tensors} tensors, "
         f"{render.human_bytes(result.nbytes)} in {result.seconds:.2f}s ({rate:.0f} MiB/s)"
     )
+    skipped = getattr(result, "skipped", ())
+    if skipped:
+        what = "per-rank values DCP cannot hold" if result.format == "dcp" else "non-tensor items that do not decode safely"
+        click.echo(f"skipped {len(skipped)} {what}: {', '.join(skipped)}")
+
+
+def _export_hf(source: str, dest: str, hf_config: str | None, heads: int | None, kv_heads: int | None,
+               dtype: str | None, prefix: str, show: bool, as_json: bool) -> None:
+    from converters.hf_safetensors import AttentionHeads, HFExportOptions, export_hf
+
+    if hf_config is not None:
+        counts = AttentionHeads.from_hf_config(hf_config)
+    elif heads is not None:
+        counts = AttentionHeads(heads, kv_heads or heads)
+    else:
+        raise CkptkitError("--format hf needs the attention head counts: --hf-config config.json or --heads N")
+    with progress_bar("exporting", show) as progress:
+        result = export_hf(source, dest, counts, options=HFExportOptions(prefix=prefix, dtype=dtype), progress=progress)
+    if as_json:
+        render.print_json({"source": source, "destination": result.dest, "format": "hf", "tensors": result.tensors,
+                           "bytes": result.bytes, "shards": list(result.shards)})
+        return
+    click.echo(f"exported {source} -> {result.dest} (hf safetensors): {result.tensors} tensors, "
+               f"{render.human_bytes(result.bytes)} in {len(result.shards)} file(s)")

@@ -25,7 +25,8 @@ and the replicated values and metadata; per-rank values (RNG states,
 :func:`import_zarr` refuses it.
 
 :func:`import_zarr` writes a normal committed ckptkit checkpoint with the
-saver's own machinery (plan, persist with checksums, merge, atomic publish):
+saver's own machinery (plan, persist with checksums, merge, atomic publish;
+see :mod:`ckptkit.engine.offline_writer`, which the DCP import shares):
 the same world size, the same pieces written by the same ranks, the same
 manifest entries (layouts, rotations, rules), values and per-rank values.
 Pieces are read from zarr one at a time (with a little read-ahead), so memory
@@ -34,20 +35,18 @@ stays bounded by the largest pieces.
 
 from __future__ import annotations
 
-import datetime
 import math
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
 import torch
 
-from ckptkit.engine.checkpoint_dir import remove_uncommitted
-from ckptkit.engine.saver import Prepared, check_target, persist, publish
+from ckptkit.engine.offline_writer import OfflineWriteOptions, write_offline
 from ckptkit.errors import (
     CheckpointNotFoundError,
     CkptkitError,
@@ -59,7 +58,6 @@ from ckptkit.errors import (
 )
 from ckptkit.layout.box import Box, Region
 from ckptkit.layout.manifest import DTYPES, Manifest, TensorMeta
-from ckptkit.layout.pieces import LocalBox, LocalFlat, Piece
 from ckptkit.modelspace.view import CheckpointView, ViewOptions
 from ckptkit.modelspace.view import open as open_view
 from ckptkit.modelspace.zarr_layout import (
@@ -81,11 +79,8 @@ from ckptkit.modelspace.zarr_layout import (
     stored_dtype,
     to_stored,
 )
-from ckptkit.plan.merge import RankReport, merge_reports
-from ckptkit.plan.save_plan import ExplicitDecl, plan_save
 from ckptkit.storage.base import ByteStore
 from ckptkit.storage.url import open_store
-from ckptkit.version import __version__
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes total)
 
@@ -326,65 +321,29 @@ def import_zarr(
     export = read_export(src)
     manifest = export.manifest
     arrays = _open_arrays(ts, src, export)
-    by_writer = pieces_by_writer(manifest)
     out = open_store(dest, storage_options)
-    check_target(out)
-    total = sum(m.numel * DTYPES[m.dtype] for m in manifest.tensors.values())
-    done, lock, read = [0], threading.Lock(), [0]
-
-    def tick(n: int) -> None:
-        with lock:
-            done[0] += n
-            if progress is not None:
-                progress(done[0], total)
-
-    def write_rank(rank: int) -> tuple[RankReport, int, int]:
-        pieces = _ZarrPieces(arrays, manifest, export.arrays, by_writer.get(rank, []), options.read_ahead)
-        decls = []
-        for ref, (key, region) in enumerate(pieces.items):
-            meta = manifest.tensors[key]
-            local: LocalBox | LocalFlat = LocalBox(tuple(0 for _ in meta.shape)) if region.flat is None else LocalFlat(0)
-            decls.append(ExplicitDecl(ref, meta.dtype, DTYPES[meta.dtype], pieces.local_shape(ref),
-                                      (Piece(key, meta.shape, region, local),)))
-        plan = plan_save(rank, [], decls)
-        values = export.per_rank.get(rank, {})
-        prep = Prepared(plan, cast(list, pieces), {}, values, tuple(sorted(values)))
-        report = persist(prep, out, options.block_size, tick)
-        with lock:
-            read[0] += pieces.bytes_read
-        return report, plan.nbytes, sum(plan.objects.values())
-
-    try:
-        with ThreadPoolExecutor(max_workers=options.threads, thread_name_prefix="ckptkit-unzarr") as pool:
-            results = list(pool.map(write_rank, range(manifest.world_size)))
-        reports = [r for r, _, _ in results]
-        orig = manifest.meta
-        meta = {
-            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "ckptkit_version": __version__,
-            "tensor_bytes": sum(n for _, n, _ in results),
-            "stored_bytes": sum(o + r.index.size for r, _, o in results),
-            "user": orig.get("user", {}),
-            "converted_from": {"url": src.url, "format": "zarr", "created": orig.get("created"),
-                               "ckptkit_version": orig.get("ckptkit_version")},
-        }
-        merged = merge_reports(reports, world_size=manifest.world_size, values=manifest.values, meta=meta,
-                               parallel=manifest.parallel, where=out.url)
-        # the pieces were declared explicitly; the manifest keeps the source's own entries
+    orig = manifest.meta
+    result = write_offline(
+        out,
+        world_size=manifest.world_size,
+        tensors=manifest.tensors,
+        pieces=pieces_by_writer(manifest),
+        source=lambda rank, items: _ZarrPieces(arrays, manifest, export.arrays, items, options.read_ahead),
+        values=manifest.values,
+        per_rank_values=export.per_rank,
+        meta={"user": orig.get("user", {}),
+              "converted_from": {"url": src.url, "format": "zarr", "created": orig.get("created"),
+                                 "ckptkit_version": orig.get("ckptkit_version")}},
+        parallel=manifest.parallel,
+        # the pieces are declared explicitly; the manifest keeps the source's own entries
         # (grid rules with rotations, partition rules), which describe exactly these pieces
-        merged.tensors = dict(manifest.tensors)
-        merged.per_rank_keys = manifest.per_rank_keys
-        publish(out, merged.to_json_bytes())
-    except BaseException as exc:
-        try:
-            if not out.exists("manifest.json"):
-                remove_uncommitted(out)
-        except (CkptkitError, OSError):
-            pass
-        if isinstance(exc, CkptkitError) or not isinstance(exc, Exception):
-            raise
-        raise StorageError(f"importing {src.url} into {out.url} failed: {exc}") from exc
-    return ConvertResult(src.url, out.url, "ckptkit", len(manifest.tensors), total, read[0], time.perf_counter() - t0)
+        layouts=manifest.tensors,
+        options=OfflineWriteOptions(block_size=options.block_size, threads=options.threads),
+        progress=progress,
+        what=f"importing {src.url} into {out.url}",
+    )
+    return ConvertResult(src.url, out.url, "ckptkit", len(manifest.tensors), result.nbytes, result.bytes_read,
+                         time.perf_counter() - t0)
 
 
 def _open_arrays(ts: Any, src: ByteStore, export: ExportInfo) -> dict[str, Any]:
@@ -417,12 +376,12 @@ def _open_arrays(ts: Any, src: ByteStore, export: ExportInfo) -> dict[str, Any]:
 class _ZarrPieces:
     """The local tensors of one rank's pieces, read from zarr on demand, in plan order, with read-ahead.
 
-    Stands in for the list of live tensors a save persists from:
-    ``write_pieces`` asks for piece ``ref`` just before writing it.
+    The :class:`~ckptkit.engine.offline_writer.PieceSource` of one virtual
+    rank: the writer asks for piece ``ref`` just before writing it.
     """
 
     def __init__(self, arrays: dict[str, Any], manifest: Manifest, stored: dict[str, tuple[str, str]],
-                 items: list[tuple[str, Region]], read_ahead: int) -> None:
+                 items: Sequence[tuple[str, Region]], read_ahead: int) -> None:
         self.items = items
         self._arrays = arrays
         self._manifest = manifest
@@ -434,10 +393,6 @@ class _ZarrPieces:
 
     def __len__(self) -> int:
         return len(self.items)
-
-    def local_shape(self, ref: int) -> tuple[int, ...]:
-        region = self.items[ref][1]
-        return tuple(region.box.sizes) if region.flat is None else (region.numel,)
 
     def _rows(self, ref: int) -> tuple[Box, int]:
         """The box read for a piece: the piece's box, or the whole rows holding a flat fragment."""

@@ -1,0 +1,441 @@
+"""torch.distributed.checkpoint (DCP) checkpoints into and out of ckptkit.
+
+DCP is what torchtitan writes (``step-N`` folders) and what Megatron-core's
+``torch_dist`` format builds on, so this is the way in for runs that did not
+start with ckptkit, and the way back to plain ``dcp.load``.
+
+* :func:`import_dcp` writes a committed ckptkit checkpoint from a DCP
+  directory (local path or ``s3://`` URL). Every tensor chunk becomes an
+  explicit box piece at the tensor's global shape, written by the virtual
+  rank that wrote it in DCP (``__3_0.distcp`` -> writer rank 3), so DCP's
+  sharding is kept and ``ckptkit.load`` reshards it like any checkpoint.
+  Chunks are read one at a time (plus ``read_ahead`` per rank being written)
+  and written with :mod:`ckptkit.engine.offline_writer`: memory never holds the
+  model. The ``.metadata`` pickle is read only through the allow-list
+  unpickler (:mod:`converters.safe_unpickle`), every blob only through
+  ``torch.load(weights_only=True)``. Non-tensor items become ckptkit values
+  when they decode that way into JSON-like values; any other item fails the
+  import with its name, unless ``skip_unsafe_items`` (then the result lists
+  what was skipped).
+* :func:`export_dcp` writes a ckptkit checkpoint as a DCP checkpoint that
+  plain ``dcp.load`` reads at any world size: one ``__{r}_0.distcp`` per
+  writer rank ``r`` of the source holding the boxes that rank stored, streamed
+  box by box through :func:`ckptkit.open` (checksum-verified); a flat
+  fragment (ZeRO / distributed-optimizer state) cannot be a DCP chunk, so it
+  is written as the at most 2N-1 boxes it decomposes into. Replicated values
+  become DCP byte items (``torch.save`` archives, as DCP's planner writes
+  them); per-rank values (RNG states, ``PerRank``) have no DCP form and are
+  listed as skipped. ``.metadata`` is written last, atomically (put-if-absent):
+  it is DCP's commit.
+
+Keys: see :mod:`converters.dcp_keys`. Byte format: :mod:`converters.dcp_format`.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ckptkit.engine.offline_writer import OfflineWriteOptions, write_offline
+from ckptkit.errors import (
+    CheckpointNotFoundError,
+    CkptkitError,
+    CorruptCheckpointError,
+    LayoutError,
+    SaveError,
+    StateMismatchError,
+    StorageError,
+)
+from ckptkit.layout.box import Box, Region
+from ckptkit.layout.manifest import DTYPES
+from ckptkit.layout.values import encode_value
+from ckptkit.modelspace.view import CheckpointView, ViewOptions
+from ckptkit.modelspace.view import open as open_view
+from ckptkit.modelspace.zarr_io import ConvertResult
+from ckptkit.modelspace.zarr_layout import pieces_by_writer
+from ckptkit.plan.merge import check_coverage
+from ckptkit.storage.base import ByteStore
+from ckptkit.storage.url import open_store
+from converters.dcp_format import (
+    METADATA_NAME,
+    Blob,
+    Chunk,
+    DcpCheckpoint,
+    DcpTensor,
+    OutItem,
+    OutTensor,
+    build_metadata,
+    data_file,
+    file_rank,
+    load_blob,
+    load_chunk,
+    parse_metadata,
+    save_blob,
+    writer_ranks,
+)
+from converters.dcp_keys import (
+    ObjPath,
+    check_unique,
+    dcp_key,
+    export_path,
+    import_keys,
+    value_leaves,
+)
+from converters.safe_unpickle import UnsafeCheckpointError, load_dcp_metadata
+
+Progress = Callable[[int, int], None]  # (bytes done, bytes total)
+
+
+@dataclass(frozen=True)
+class DcpImportOptions:
+    """How :func:`import_dcp` writes: checksum ``block_size``, virtual ranks written at once
+    (``threads``), chunks read ahead per rank (``read_ahead``); ``skip_unsafe_items``: leave out
+    non-tensor items that do not decode safely instead of failing (the result lists them).
+    Memory is about ``threads * (read_ahead + 1) * 2`` chunks (a blob and its tensor)."""
+
+    block_size: int = 4 << 20
+    threads: int = 2
+    read_ahead: int = 2
+    skip_unsafe_items: bool = False
+
+    def __post_init__(self) -> None:
+        OfflineWriteOptions(self.block_size, self.threads)  # validates both
+        if self.read_ahead < 0:
+            raise LayoutError(f"read_ahead {self.read_ahead} must be >= 0")
+
+
+@dataclass(frozen=True)
+class DcpExportOptions:
+    """How :func:`export_dcp` writes: data files (writer ranks) written at once (``threads``),
+    boxes read ahead per file (``read_ahead``), reads in flight per box (``io_threads``)."""
+
+    threads: int = 2
+    read_ahead: int = 1
+    io_threads: int = 4
+
+    def __post_init__(self) -> None:
+        if self.threads < 1 or self.io_threads < 1 or self.read_ahead < 0:
+            raise LayoutError("threads and io_threads must be >= 1, read_ahead >= 0")
+
+
+@dataclass(frozen=True)
+class DcpConvertResult(ConvertResult):
+    """A conversion's figures, plus the items left out (non-tensor items an import skipped,
+    per-rank values an export cannot express)."""
+
+    skipped: tuple[str, ...] = ()
+
+
+def is_dcp_checkpoint(url: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> bool:
+    """True if ``url`` holds a DCP ``.metadata`` (a committed DCP checkpoint)."""
+    return open_store(url, storage_options).exists(METADATA_NAME)
+
+
+# ---------------------------------------------------------------- import
+
+
+@dataclass(frozen=True)
+class _Spec:
+    dtype: str
+    shape: tuple[int, ...]
+
+
+def import_dcp(
+    source: str | os.PathLike[str],
+    dest: str | os.PathLike[str],
+    *,
+    options: DcpImportOptions = DcpImportOptions(),
+    storage_options: dict[str, Any] | None = None,
+    progress: Progress | None = None,
+) -> DcpConvertResult:
+    """Write the DCP checkpoint at ``source`` as a committed ckptkit checkpoint at ``dest``.
+
+    Everything checkable from metadata (every field, every data file's size,
+    every non-tensor item) is checked before the first byte is written; a
+    failure later (a damaged chunk) removes the partial output. ``dest`` must
+    not hold a committed checkpoint.
+    """
+    t0 = time.perf_counter()
+    src = open_store(source, storage_options)
+    ckpt = read_dcp_metadata(src)
+    files = ckpt.files()
+    _check_files(src, files)
+    ranks = writer_ranks(list(files))
+    # every rank of a DCP save writes a file, an empty one if it holds nothing: those count too
+    listed = [r for r in map(file_rank, src.list_children()) if r is not None]
+    world = max([*ranks.values(), *listed], default=0) + 1
+    paths = ckpt.paths or {fqn: (fqn,) for fqn in (*ckpt.tensors, *ckpt.items)}
+    decoded, skipped = _decode_items(src, ckpt, options.skip_unsafe_items)
+    keys, values = import_keys({f: paths[f] for f in ckpt.tensors},
+                               {f: (paths[f], v) for f, v in decoded.items()}, f"{src.url}/{METADATA_NAME}")
+    specs = {keys[f]: _Spec(t.dtype, t.shape) for f, t in ckpt.tensors.items()}
+    by_rank: dict[int, list[tuple[DcpTensor, Chunk]]] = {}
+    for t in ckpt.tensors.values():
+        for c in t.chunks:
+            if c.box.numel:
+                by_rank.setdefault(ranks[c.blob.file], []).append((t, c))
+    for refs in by_rank.values():
+        refs.sort(key=lambda r: (r[1].blob.file, r[1].blob.offset))  # sequential reads
+    for fqn, t in ckpt.tensors.items():  # before anything is written: chunks must tile each tensor
+        check_coverage(keys[fqn], t.shape, tuple((Region(c.box), ranks[c.blob.file]) for c in t.chunks if c.box.numel),
+                       f"{src.url}/{METADATA_NAME}")
+    pieces = {r: [(keys[t.fqn], Region(c.box)) for t, c in refs] for r, refs in by_rank.items()}
+    out = open_store(dest, storage_options)
+    with ThreadPoolExecutor(max_workers=options.threads * (options.read_ahead + 1),
+                            thread_name_prefix="ckptkit-dcp-read") as pool:
+        result = write_offline(
+            out,
+            world_size=world,
+            tensors=specs,
+            pieces=pieces,
+            source=lambda rank, _: _DcpPieces(src, by_rank.get(rank, []), pool, options.read_ahead),
+            values={k: encode_value(v, k) for k, v in values.items()},
+            meta={"user": {}, "converted_from": {
+                "url": src.url, "format": "dcp", "dcp_version": ckpt.version,
+                "keys": "planner_data" if ckpt.paths else "fqn", "skipped": list(skipped)}},
+            options=OfflineWriteOptions(block_size=options.block_size, threads=options.threads),
+            progress=progress,
+            what=f"importing {src.url} into {out.url}",
+        )
+    return DcpConvertResult(src.url, out.url, "ckptkit", len(specs), result.nbytes, result.bytes_read,
+                            time.perf_counter() - t0, skipped)
+
+
+def read_dcp_metadata(src: ByteStore) -> DcpCheckpoint:
+    """The validated metadata of the DCP checkpoint in ``src`` (through the allow-list unpickler)."""
+    where = f"{src.url}/{METADATA_NAME}"
+    try:
+        data = src.read_bytes(METADATA_NAME)
+    except CheckpointNotFoundError:
+        raise CheckpointNotFoundError(
+            f"{src.url} has no {METADATA_NAME}: not a DCP checkpoint, or one whose save did not finish "
+            "(DCP writes .metadata last)") from None
+    return parse_metadata(load_dcp_metadata(data, where), where)
+
+
+def _check_files(src: ByteStore, files: dict[str, int]) -> None:
+    """Every data file exists and holds every blob the metadata points into (before any read)."""
+    for name, need in files.items():
+        size = src.size(name)
+        if size is None:
+            raise CorruptCheckpointError(f"{src.url}/{name} is missing; {METADATA_NAME} records data in it")
+        if size < need:
+            raise CorruptCheckpointError(
+                f"{src.url}/{name} is truncated: {size} bytes, {METADATA_NAME} records data up to byte {need}")
+
+
+def _read(src: ByteStore, blob: Blob) -> bytearray:
+    buf = bytearray(blob.length)
+    if blob.length:
+        src.read_into(blob.file, blob.offset, memoryview(buf))
+    return buf
+
+
+def _decode_items(src: ByteStore, ckpt: DcpCheckpoint, skip: bool) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """Every non-tensor item decoded (``weights_only``) into a JSON-like value, or refused by name."""
+    decoded: dict[str, Any] = {}
+    refused: list[tuple[str, str]] = []
+    for fqn, item in sorted(ckpt.items.items(), key=lambda kv: (kv[1].blob.file, kv[1].blob.offset)):
+        where = f"{src.url}/{item.blob.file} (item {fqn!r} at byte {item.blob.offset})"
+        try:
+            value = load_blob(_read(src, item.blob), where)
+            encode_value(value, fqn)  # JSON-like all the way down (no tensors, no sets, ...)
+        except UnsafeCheckpointError as exc:
+            refused.append((fqn, str(exc)))
+            continue
+        except StateMismatchError as exc:
+            refused.append((fqn, f"{where}: decodes to a value ckptkit cannot store as JSON ({exc})"))
+            continue
+        decoded[fqn] = value
+    if refused and not skip:
+        shown = "\n  ".join(reason for _, reason in refused[:5])
+        more = f"\n  (and {len(refused) - 5} more)" if len(refused) > 5 else ""
+        raise UnsafeCheckpointError(
+            f"{src.url}: {len(refused)} non-tensor item(s) do not decode safely: "
+            f"{', '.join(repr(f) for f, _ in refused[:10])}\n  {shown}{more}\n"
+            "Nothing was written. Pass skip_unsafe_items=True (CLI: --skip-unsafe-items) to import without them.")
+    return decoded, tuple(f for f, _ in refused)
+
+
+class _DcpPieces:
+    """One virtual rank's chunks, read from its ``.distcp`` file(s) on demand, with read-ahead.
+
+    The :class:`~ckptkit.engine.offline_writer.PieceSource` of the import:
+    each chunk's blob is read and decoded (``weights_only``) on ``pool``, at
+    most ``read_ahead`` chunks ahead of the one being written.
+    """
+
+    def __init__(self, src: ByteStore, refs: Sequence[tuple[DcpTensor, Chunk]], pool: ThreadPoolExecutor,
+                 read_ahead: int) -> None:
+        self._src = src
+        self._refs = refs
+        self._pool = pool
+        self._read_ahead = read_ahead
+        self._futures: dict[int, Future[torch.Tensor]] = {}
+        self._lock = threading.Lock()
+        self.bytes_read = 0
+
+    def __len__(self) -> int:
+        return len(self._refs)
+
+    def _load(self, ref: int) -> torch.Tensor:
+        tensor, chunk = self._refs[ref]
+        where = f"{self._src.url}/{chunk.blob.file} (chunk {list(chunk.box.offsets)} of {tensor.fqn!r})"
+        data = _read(self._src, chunk.blob)
+        with self._lock:
+            self.bytes_read += len(data)
+        return load_chunk(data, tensor, chunk, where)
+
+    def __getitem__(self, ref: int) -> torch.Tensor:
+        with self._lock:
+            future = self._futures.pop(ref, None) or self._pool.submit(self._load, ref)
+            for nxt in range(ref + 1, min(len(self._refs), ref + 1 + self._read_ahead)):
+                if nxt not in self._futures:
+                    self._futures[nxt] = self._pool.submit(self._load, nxt)
+        return future.result()
+
+
+# ---------------------------------------------------------------- export
+
+
+def export_dcp(
+    source: str | os.PathLike[str] | CheckpointView,
+    dest: str | os.PathLike[str],
+    *,
+    options: DcpExportOptions = DcpExportOptions(),
+    storage_options: dict[str, Any] | None = None,
+    progress: Progress | None = None,
+) -> DcpConvertResult:
+    """Write the ckptkit checkpoint ``source`` as a DCP checkpoint at ``dest`` (empty or absent).
+
+    Plain ``torch.distributed.checkpoint.load`` reads the result at any world
+    size. On failure everything written is removed (``dest`` was empty).
+    """
+    t0 = time.perf_counter()
+    view = source if isinstance(source, CheckpointView) else open_view(
+        source, storage_options=storage_options, options=ViewOptions(options.io_threads))
+    read0 = view.bytes_read
+    out = open_store(dest, storage_options)
+    if out.list_children():
+        raise SaveError(f"{out.url} is not empty; a DCP export writes a new checkpoint (choose another path or remove it)")
+    manifest = view.manifest
+    where = view.url
+    boxes = _export_boxes(manifest, pieces_by_writer(manifest))
+    values = [(key, path, leaf) for key, value in view.values.items() for path, leaf in value_leaves(key, value)]
+    check_unique([(k, dcp_key(export_path(k))) for k in manifest.tensors] + [(k, dcp_key(p)) for k, p, _ in values],
+                 where)
+    skipped = tuple(manifest.per_rank_keys)
+    total = sum(m.numel * DTYPES[m.dtype] for m in manifest.tensors.values())
+    done, lock = [0], threading.Lock()
+
+    def tick(n: int) -> None:
+        with lock:
+            done[0] += n
+            if progress is not None:
+                progress(done[0], total)
+
+    chunks: dict[str, list[Chunk]] = {key: [] for key in manifest.tensors}
+    items: list[OutItem] = []
+    ranks = range(manifest.world_size)  # like DCP: every rank writes a file, an empty one if it holds nothing
+    try:
+        with ThreadPoolExecutor(max_workers=options.threads, thread_name_prefix="ckptkit-dcp-file") as files, \
+                ThreadPoolExecutor(max_workers=options.threads * (options.read_ahead + 1),
+                                   thread_name_prefix="ckptkit-dcp-read") as reads:
+            def write_file(rank: int) -> tuple[list[tuple[str, Chunk]], list[OutItem]]:
+                return _write_rank_file(view, out, rank, boxes.get(rank, []), values if rank == 0 else [],
+                                        reads, options.read_ahead, tick)
+
+            for got_chunks, got_items in files.map(write_file, ranks):
+                for key, chunk in got_chunks:
+                    chunks[key].append(chunk)
+                items.extend(got_items)
+        out_tensors = [OutTensor(dcp_key(export_path(k)), export_path(k), m.dtype, m.shape,
+                                 tuple(sorted(chunks[k], key=lambda c: c.box.offsets)))
+                       for k, m in manifest.tensors.items()]
+        data = build_metadata(out_tensors, items, out.url)
+        if not out.put_if_absent(METADATA_NAME, data):  # DCP's commit: written last
+            raise SaveError(f"{out.url}: another writer created {METADATA_NAME} during the export")
+    except BaseException as exc:
+        _discard(out)
+        if isinstance(exc, CkptkitError) or not isinstance(exc, Exception):
+            raise
+        raise StorageError(f"exporting {view.url} to DCP at {out.url} failed: {exc}") from exc
+    return DcpConvertResult(view.url, out.url, "dcp", len(manifest.tensors), total, view.bytes_read - read0,
+                            time.perf_counter() - t0, skipped)
+
+
+def _export_boxes(manifest: Any, by_writer: dict[int, list[tuple[str, Region]]]) -> dict[int, list[tuple[str, Box]]]:
+    """The DCP chunks of each writer rank: its stored boxes; a flat fragment as the boxes it
+    decomposes into; a tensor without elements as one empty chunk on rank 0."""
+    out: dict[int, list[tuple[str, Box]]] = {}
+    for rank, items in by_writer.items():
+        for key, region in items:
+            for box in ([region.box] if region.flat is None else region.boxes()):
+                out.setdefault(rank, []).append((key, box))
+    for key, meta in manifest.tensors.items():
+        if meta.numel == 0:
+            out.setdefault(0, []).append((key, Box.full(meta.shape)))
+    return out
+
+
+def _write_rank_file(view: CheckpointView, out: ByteStore, rank: int, boxes: Sequence[tuple[str, Box]],
+                     values: Sequence[tuple[str, ObjPath, Any]], reads: ThreadPoolExecutor, read_ahead: int,
+                     tick: Callable[[int], None]) -> tuple[list[tuple[str, Chunk]], list[OutItem]]:
+    """Stream one ``__{rank}_0.distcp``: the value items first (as DCP orders them), then each box,
+    read through the view while the previous one is written."""
+    name = data_file(rank)
+    chunks: list[tuple[str, Chunk]] = []
+    items: list[OutItem] = []
+    pos = [0]
+
+    def blob(data: bytes) -> Blob:
+        b = Blob(name, pos[0], len(data))
+        pos[0] += len(data)
+        return b
+
+    def read(i: int) -> bytes:
+        key, box = boxes[i]
+        return save_blob(view.read_box(key, box))
+
+    def stream() -> Iterator[bytes]:
+        for _, path, leaf in values:
+            data = save_blob(leaf)
+            items.append(OutItem(dcp_key(path), path, blob(data)))
+            yield data
+        for key, box, data in _prefetched(boxes, read, reads, read_ahead):
+            chunks.append((key, Chunk(box, blob(data))))
+            yield data
+            tick(box.numel * DTYPES[view.manifest.tensors[key].dtype])
+
+    out.write_object(name, stream())
+    return chunks, items
+
+
+def _prefetched(boxes: Sequence[tuple[str, Box]], read: Callable[[int], bytes], pool: ThreadPoolExecutor,
+                ahead: int) -> Iterator[tuple[str, Box, bytes]]:
+    """``read(i)`` of every box in order, up to ``ahead`` reads running ahead of the consumer."""
+    futures: dict[int, Future[bytes]] = {}
+    try:
+        for i, (key, box) in enumerate(boxes):
+            for j in range(i, min(len(boxes), i + 1 + ahead)):
+                if j not in futures:
+                    futures[j] = pool.submit(read, j)
+            yield key, box, futures.pop(i).result()
+    finally:
+        for f in futures.values():
+            f.cancel()
+
+
+def _discard(out: ByteStore) -> None:
+    """Remove a failed export (best effort): ``out`` was empty when it began, so all of it is the export's."""
+    try:
+        out.delete_all()
+    except (CkptkitError, OSError):
+        pass
