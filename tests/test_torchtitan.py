@@ -1,0 +1,315 @@
+"""torchtitan on ckptkit: train, save asynchronously, resume at other FSDP/TP layouts and DP degrees.
+
+The jobs (tests/torchtitan_job.py) run torchtitan's llama3 debug model (2
+layers) through torchtitan's own parallelize function in real gloo worlds,
+with torchtitan's optimizer and LR-scheduler containers and its
+``ParallelAwareDataloader``; the checkpointer is ``CkptkitCheckpointManager``
+built from its Config exactly as torchtitan's Trainer builds a checkpointer.
+
+Each saving run is also the uninterrupted reference: it saves every 2 steps
+(asynchronously) and keeps training to step 6. A resume loads step 4 at
+another layout and must reproduce: the whole model and optimizer state bit
+for bit (SHA-1 of every tensor in model space), the held-out loss, the
+train_state and the LR schedule position, exactly the samples the reference
+consumed at steps 5 and 6, and the reference's losses at those steps (bit for
+bit at the saved layout; within 1e-5 relative where TP or DP change the
+reduction order). The HF-datasets text loader is exercised in-process with a
+local dataset and a tokenizer built by the test (no downloads).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("torchtitan")
+
+from tests import torchtitan_job as job
+from tests.s3_server import CREDENTIALS, s3_server  # noqa: F401 - fixture
+
+WORLD = {layout: dp * tp for layout, (dp, tp) in job.LAYOUTS.items()}
+RESUME_STEP = 4
+
+
+@pytest.fixture(scope="module")
+def saved(worlds, tmp_path_factory):
+    """One uninterrupted, checkpointing run per saved layout (FSDP2 4 ranks: thread executor;
+    FSDP2 x TP 2x2: writer-process executor)."""
+    out = {}
+    for layout, mode in (("fsdp4", "async"), ("fsdp2_tp2", "async_process")):
+        folder = str(tmp_path_factory.mktemp("titan") / "checkpoint")
+        out[layout] = (folder, worlds.run(4, job.train, layout, folder, resume_step=RESUME_STEP, async_mode=mode)[0])
+    return out
+
+
+def assert_resumed(ref: dict, got: dict, *, same_layout: bool) -> None:
+    saved, loaded = ref["saved"], got["loaded"]
+    assert loaded["digests"] == saved["digests"]  # model + optimizer, every tensor bit for bit
+    assert loaded["train_state"] == saved["train_state"] and loaded["train_state"]["step"] == RESUME_STEP
+    assert loaded["last_epoch"] == saved["last_epoch"] == RESUME_STEP
+    steps = list(range(RESUME_STEP + 1, job.STEPS + 1))
+    assert {s: got["samples"][s] for s in steps} == {s: ref["samples"][s] for s in steps}
+    if same_layout:
+        assert loaded["eval"] == saved["eval"]
+        assert {s: got["losses"][s] for s in steps} == {s: ref["losses"][s] for s in steps}
+    else:
+        assert loaded["eval"] == pytest.approx(saved["eval"], rel=1e-6)
+        for s in steps:
+            assert got["losses"][s] == pytest.approx(ref["losses"][s], rel=1e-5), s
+
+
+def test_step_folders_interval_and_keep_latest_k(saved):
+    for folder, ref in saved.values():
+        # interval=2, keep_latest_k=2 over 6 steps: step 2 was saved and then retired
+        assert ref["committed"] == ["step-0000004", "step-0000006"]
+        assert sorted(n for n in os.listdir(folder) if n.startswith("step-")) == ref["committed"]
+
+
+@pytest.mark.parametrize("source", ["fsdp4", "fsdp2_tp2"])
+@pytest.mark.parametrize("target", ["tp2", "single"])
+def test_resume_at_another_layout_and_dp_degree(worlds, saved, source, target):
+    folder, ref = saved[source]
+    got = worlds.run(WORLD[target], job.resume, target, folder, load_step=RESUME_STEP)[0]
+    assert_resumed(ref, got, same_layout=False)
+    remap = got["remap"]  # DP 4 or 2 -> 1: the sampler positions were remapped, exactly
+    assert remap["exact"] and remap["consumed"] == RESUME_STEP * job.GLOBAL_BATCH
+    assert remap["repeated"] == remap["skipped"] == 0
+
+
+def test_resume_at_the_saved_layout_is_bit_exact(worlds, saved):
+    folder, ref = saved["fsdp4"]
+    got = worlds.run(4, job.resume, "fsdp4", folder, load_step=RESUME_STEP)[0]
+    assert_resumed(ref, got, same_layout=True)
+    assert got["remap"] is None  # same DP rank, same degree: the rank's own state, no remap
+
+
+def test_resume_at_the_same_dp_degree_on_another_world(worlds, saved):
+    folder, ref = saved["fsdp2_tp2"]  # DP 2 x TP 2 on 4 ranks -> DP 2 on 2 ranks: each DP rank's own loader state
+    got = worlds.run(2, job.resume, "fsdp2", folder, load_step=RESUME_STEP)[0]
+    assert_resumed(ref, got, same_layout=False)
+    assert got["remap"] is None
+
+
+def test_resume_with_exclusions(worlds, saved):
+    folder, ref = saved["fsdp4"]
+    got = worlds.run(1, job.resume, "single", folder, load_step=RESUME_STEP,
+                     exclude_from_loading=["dataloader", "lr_scheduler"])[0]
+    assert got["loaded"]["digests"] == ref["saved"]["digests"]
+    assert got["loaded"]["last_epoch"] == 0  # not loaded
+    assert got["samples"][RESUME_STEP + 1] == ref["samples"][1]  # a fresh loader starts the epoch over
+
+
+def test_initial_load_path_model_only(worlds, saved, tmp_path):
+    folder, ref = saved["fsdp2_tp2"]
+    got = worlds.run(2, job.load_model, "tp2", str(tmp_path / "fresh"),
+                     initial_load_path=f"{folder}/step-{RESUME_STEP:07d}", initial_load_model_only=True)[0]
+    assert got["model"] == {k: v for k, v in ref["saved"]["digests"].items() if k.startswith("model/")}
+    assert got["optimizer_untouched"] and got["train_state"]["step"] == 0
+
+
+def test_s3_folder_async_resume_and_final_model_only_save(worlds, s3_server):  # noqa: F811
+    bucket = s3_server.new_bucket()
+    folder = f"s3://{bucket}/run/checkpoint"
+    storage = {"endpoint_url": s3_server.endpoint, "key": CREDENTIALS["AWS_ACCESS_KEY_ID"],
+               "secret": CREDENTIALS["AWS_SECRET_ACCESS_KEY"], "client_kwargs": {"region_name": "us-east-1"}}
+    ref = worlds.run(2, job.train, "fsdp2", folder, resume_step=RESUME_STEP, async_mode="async",
+                     storage_options=storage, last_save_model_only=True)[0]
+    assert ref["committed"] == ["step-0000004", "step-0000006"]
+    got = worlds.run(1, job.resume, "single", folder, load_step=RESUME_STEP, storage_options=storage)[0]
+    assert_resumed(ref, got, same_layout=False)
+    # the newest checkpoint is the final model-only one: a resume loads the model and nothing else
+    last = worlds.run(1, job.load_model, "single", folder, storage_options=storage)[0]
+    assert last["model"] == ref["final_model"]
+    assert last["optimizer_untouched"] and last["train_state"]["step"] == 0
+
+
+def test_config_is_torchtitans_contract():
+    from torchtitan.components.checkpointer import BaseCheckpointManager
+
+    from ckptkit.adapters.torchtitan import CkptkitCheckpointManager
+
+    cfg = CkptkitCheckpointManager.Config(async_mode="async_with_pinned_mem", storage_options={"anon": False})
+    assert isinstance(cfg, BaseCheckpointManager.Config) and cfg._owner is CkptkitCheckpointManager
+    assert cfg.async_mode == "async_process"
+    assert cfg.build(dataloader=None, model_parts=[], optimizers=None, lr_schedulers=None, states={},
+                     sd_adapter=None).enable is False  # disabled: nothing is set up, as torchtitan's contract says
+    for bad in (dict(async_mode="sometimes"), dict(last_save_in_hf=True), dict(keep_latest_k=1),
+                dict(dataloader_resize="roughly")):
+        with pytest.raises(ValueError):
+            CkptkitCheckpointManager.Config(**bad)
+
+
+def test_import_ckptkit_does_not_import_torchtitan():
+    code = ("import sys, ckptkit, ckptkit.adapters, ckptkit.adapters.dataloader_remap; "
+            "print(json.dumps(sorted(m for m in ('torchtitan', 'torch') if m in sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", "import json; " + code], capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout) == []
+
+
+# ----------------------------------------------------------- data-loader states, in process
+def test_loader_state_must_be_json():
+    import torch
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from ckptkit.adapters.torchtitan import loader_record
+    from ckptkit.errors import StateMismatchError
+
+    class Counting(torch.utils.data.Dataset):
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            return i
+
+        def state_dict(self):
+            return {"seen": torch.tensor(3)}
+
+        def load_state_dict(self, state):
+            pass
+
+    with pytest.raises(StateMismatchError, match=r"dataloader/dataset_state/seen.*torch\.Tensor"):
+        loader_record(StatefulDataLoader(Counting(), batch_size=2))
+    # torchtitan's own wrapper pickles: exactly what ckptkit refuses to store (it reads the base class's dict)
+    from torchtitan.components.dataloader import ParallelAwareDataloader
+
+    from ckptkit.adapters.torchtitan import check_json
+
+    wrapped = ParallelAwareDataloader(list(range(8)), dp_rank=0, dp_world_size=1, batch_size=2)
+    with pytest.raises(StateMismatchError, match="dp_rank_0.*pickle"):
+        check_json(wrapped.state_dict(), "dataloader")
+    assert loader_record(wrapped)["kind"] == "opaque"
+
+
+N_DOCS = 24
+
+
+@pytest.fixture(scope="module")
+def hf_assets(tmp_path_factory):
+    """A local text dataset (document ``i`` starts with the word ``d{i}``) and a word-level tokenizer."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    root = tmp_path_factory.mktemp("hf")
+    words = ["<|begin_of_text|>", "<|end_of_text|>", "[UNK]"] + [f"d{i}" for i in range(N_DOCS)] + [f"w{i}" for i in range(50)]
+    tok = Tokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = Whitespace()
+    (root / "tok").mkdir()
+    tok.save(str(root / "tok" / "tokenizer.json"))
+    (root / "tok" / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"}))
+    (root / "data").mkdir()
+    with open(root / "data" / "train.jsonl", "w") as f:
+        f.writelines(json.dumps({"text": " ".join([f"d{i}"] + [f"w{(i * 7 + j) % 50}" for j in range(2 + i % 6)])}) + "\n" for i in range(N_DOCS))
+    import datasets.config
+
+    with pytest.MonkeyPatch.context() as mp:  # datasets' cache in the test's directory, not ~/.cache
+        mp.setattr(datasets.config, "HF_DATASETS_CACHE", root / "cache")
+        yield root, words.index("d0")
+
+
+def hf_loader(assets, dp_rank: int, dp_world: int):
+    from torchtitan.components.tokenizer import HuggingFaceTokenizer
+    from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
+
+    root, _ = assets
+    cfg = HuggingFaceTextDataLoader.Config(dataset="c4_test", dataset_path=str(root / "data"), infinite=False)
+    return cfg.build(dp_world_size=dp_world, dp_rank=dp_rank, tokenizer=HuggingFaceTokenizer(tokenizer_path=str(root / "tok")),
+                     seq_len=8, local_batch_size=1)
+
+
+def docs_in(batches, first_doc_token: int) -> list[int]:
+    """Document ids seen in ``batches`` (each document's first word is its id)."""
+    out = []
+    for inputs, _ in batches:
+        out += [t - first_doc_token for t in inputs["input"].flatten().tolist() if first_doc_token <= t < first_doc_token + N_DOCS]
+    return out
+
+
+def consume_documents(loader, count: int) -> list:
+    """Batches until the loader's dataset consumed ``count`` documents of its block."""
+    batches, it = [], iter(loader)
+    while loader.dataset._sample_idx < count:
+        batches.append(next(it))
+    return batches
+
+
+def round_trip(record: dict) -> dict:
+    """Through a real ckptkit checkpoint, as the manager stores it (a PerRank JSON value)."""
+    import tempfile
+
+    import ckptkit
+
+    with tempfile.TemporaryDirectory() as d:
+        ckptkit.save({"dataloader": ckptkit.PerRank(record)}, d + "/c")
+        back = {"dataloader": ckptkit.PerRank(None)}
+        ckptkit.load(back, d + "/c")
+    return back["dataloader"].value
+
+
+def test_hf_text_loader_same_dp_degree_round_trips_exactly(hf_assets):
+    from ckptkit.adapters.torchtitan import apply_loader_state, loader_record
+
+    reference = hf_loader(hf_assets, 1, 2)
+    it = iter(reference)
+    for _ in range(3):
+        next(it)
+    record = round_trip(loader_record(reference))
+    assert record["kind"] == "hf_text_contiguous" and record["info"] == {"chunk_len": N_DOCS // 2}
+    resumed = hf_loader(hf_assets, 1, 2)
+    apply_loader_state(resumed, record["state"], record["info"])
+    pairs = list(zip(it, resumed))
+    assert len(pairs) >= 3
+    for a, b in pairs:
+        assert all(a[0][k].equal(b[0][k]) for k in a[0]) and a[1].equal(b[1])
+
+
+def test_hf_text_loader_dp_change_exact_only_on_block_prefixes(hf_assets):
+    from ckptkit.adapters import dataloader_remap as remap
+    from ckptkit.adapters.torchtitan import apply_loader_state, loader_record
+
+    _, d0 = hf_assets
+    half = N_DOCS // 2
+    old = [hf_loader(hf_assets, r, 2) for r in range(2)]
+    seen = docs_in(consume_documents(old[0], half), d0)  # rank 0 finished its block, rank 1 has not started
+    assert seen and max(seen) < half
+    records = [round_trip(loader_record(dl)) for dl in old]
+    states, report = remap.remap_records(records, 1)
+    assert report.exact and report.carried_tokens == len(records[0]["state"]["dataset_state"]["inputs_buffer"])
+    new = hf_loader(hf_assets, 0, 1)
+    apply_loader_state(new, states[0], {})
+    after = docs_in(list(new), d0)
+    after += [t - d0 for t in new.dataset._inputs_buffer if d0 <= t < d0 + N_DOCS]  # the unfinished last sequence
+    assert sorted(set(seen) | set(after)) == list(range(N_DOCS))
+    assert set(range(half, N_DOCS)) <= set(after)
+    assert not set(seen) & set(after) and len(after) == len(set(after))
+
+    # mid-block on both ranks: the consumed documents of the new single block are not a prefix
+    old = [hf_loader(hf_assets, r, 2) for r in range(2)]
+    for dl in old:
+        consume_documents(dl, 3)
+    records = [round_trip(loader_record(dl)) for dl in old]
+    with pytest.raises(remap.DataLoaderRemapError, match="not a prefix"):
+        remap.remap_records(records, 1)
+    k0, k1 = (r["state"]["dataset_state"]["sample_idx"] for r in records)
+    states, report = remap.remap_records(records, 1, policy="approximate")
+    assert not report.exact and states[0]["dataset_state"]["sample_idx"] == k0 + k1  # same number consumed
+    # the single block resumes after document k0+k1: rank 1's documents 12..12+k1 come again, k0..k0+k1 never
+    assert (report.repeated, report.skipped) == (k1, k1)
+
+
+def test_contiguous_blocks_are_split_dataset_by_node():
+    from datasets import Dataset
+    from datasets.distributed import split_dataset_by_node
+
+    from ckptkit.adapters.dataloader_remap import contiguous_bounds
+
+    for n in (5, 7, 24, 25):
+        ds = Dataset.from_dict({"i": list(range(n))})
+        for w in (1, 2, 3, 5):  # (datasets refuses more shards than rows)
+            got = [split_dataset_by_node(ds, rank=r, world_size=w)["i"] for r in range(w)]
+            assert got == [list(range(a, b)) for a, b in contiguous_bounds(n, w)], (n, w)

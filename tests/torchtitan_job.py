@@ -1,0 +1,259 @@
+"""Rank-side functions of tests/test_torchtitan.py, run in real gloo worlds (tests/worlds.py).
+
+The model is torchtitan's llama3 debug model (dim 256, 16 heads, vocab 2048),
+cut to 2 layers for CPU speed, built by torchtitan's own ``model_registry``
+and parallelized by torchtitan's own ``parallelize_llama`` (FSDP2
+``fully_shard`` over the ``fsdp`` mesh, tensor parallelism through the model's
+sharding config on the ``tp`` mesh), with torchtitan's ``OptimizersContainer``
+(AdamW), ``LRSchedulersContainer`` (warm-up + linear decay), its vocab-parallel
+``cross_entropy_loss`` and ``clip_grad_norm_``. The training step mirrors
+``Trainer.train_step`` for the non-pipelined path: sum loss divided by the
+global token count, FSDP's own gradient division disabled (torchtitan's
+choice). The data loader is torchtitan's ``ParallelAwareDataloader`` over a
+deterministic map-style dataset with torchdata's ``StatefulDistributedSampler``
+(no downloads; every sample carries its id so the test can check exactly which
+samples each step consumed).
+
+CPU shims, test-only (torchtitan 0.3.0 assumes an accelerator; see docs/torchtitan.md):
+
+1. ``torchtitan.distributed.parallel_dims.device_type = "cpu"``: torchtitan picks
+   ``"cuda"`` when no accelerator is present and ``init_device_mesh`` then
+   calls ``torch.cuda.set_device``.
+2. Inner attention ``ScaledDotProductAttention`` (causal) instead of
+   FlexAttention: FlexAttention has no backward on CPU in torch 2.13. Every
+   sample here is one document, so causal SDPA is the attention
+   block-causal flex would compute.
+3. ``FSDPModule.set_force_sum_reduction_for_comms(True)``: with torchtitan's
+   gradient-divide factor 1.0, FSDP2 reduce-scatters with
+   ``ReduceOp.PREMUL_SUM(1.0)``, which gloo lacks; a plain SUM is the same
+   reduction.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torchtitan.distributed.parallel_dims as _parallel_dims
+import torchtitan.distributed.utils as dist_utils
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.fsdp import FSDPModule
+from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
+from torchtitan.components.dataloader import ParallelAwareDataloader
+from torchtitan.components.loss import cross_entropy_loss
+from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
+from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+from torchtitan.distributed import ParallelDims
+from torchtitan.models.common.attention import ScaledDotProductAttention
+from torchtitan.models.llama3 import model_registry
+
+from ckptkit.adapters.torchtitan import CkptkitCheckpointManager
+
+_parallel_dims.device_type = "cpu"  # shim 1
+
+LAYOUTS = {"fsdp4": (4, 1), "fsdp2_tp2": (2, 2), "fsdp2": (2, 1), "tp2": (1, 2), "single": (1, 1)}
+N_LAYERS = 2
+SEQ = 32
+GLOBAL_BATCH = 8
+N_SAMPLES = 96
+VOCAB = 2048
+STEPS = 6
+
+
+class TokenSamples(torch.utils.data.Dataset):
+    """Sample ``i``: SEQ+1 tokens drawn from a generator seeded with ``i``, plus ``i`` itself."""
+
+    def __len__(self) -> int:
+        return N_SAMPLES
+
+    def __getitem__(self, i: int) -> tuple[dict[str, Any], torch.Tensor]:
+        tokens = torch.randint(0, VOCAB, (SEQ + 1,), generator=torch.Generator().manual_seed(1000 + i))
+        return {"input": tokens[:-1], "sample": i}, tokens[1:]
+
+
+class TrainState(Stateful):
+    """What torchtitan's Trainer checkpoints as ``train_state``."""
+
+    def __init__(self) -> None:
+        self.step = 0
+        self.ntokens_seen = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "ntokens_seen": self.ntokens_seen}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.step = state_dict["step"]
+        self.ntokens_seen = state_dict["ntokens_seen"]
+
+
+class Job:
+    """Model, optimizer, scheduler, data loader and the ckptkit checkpointer, as torchtitan's Trainer wires them."""
+
+    def __init__(self, layout: str, checkpoint: CkptkitCheckpointManager.Config, *, seed: int = 0) -> None:
+        dp, tp = LAYOUTS[layout]
+        self.dp, self.tp = dp, tp
+        world = dist.get_world_size()
+        dist_utils.set_spmd_backend("partial_dtensor")
+        spec = model_registry("debugmodel")
+        cfg = spec.model
+        cfg.layers = cfg.layers[:N_LAYERS]
+        for layer in cfg.layers:
+            layer.attention.inner_attention = ScaledDotProductAttention.Config()  # shim 2
+        parallelism = ParallelismConfig(data_parallel_shard_degree=dp, tensor_parallel_degree=tp,
+                                        spmd_backend="partial_dtensor")
+        training = TrainingConfig(local_batch_size=GLOBAL_BATCH // dp, seq_len=SEQ, steps=STEPS,
+                                  mixed_precision_param="float32")
+
+        class _Cfg:  # update_from_config takes any object with these two fields
+            pass
+
+        holder = _Cfg()
+        holder.parallelism, holder.training = parallelism, training  # type: ignore[attr-defined]
+        cfg.update_from_config(config=holder)
+        self.parallel_dims = ParallelDims(dp_replicate=1, dp_shard=dp, cp=1, tp=tp, pp=1, ep=1, world_size=world,
+                                          spmd_backend="partial_dtensor")
+        with torch.device("meta"):
+            model = cfg.build()
+        model = spec.parallelize_fn(model, parallel_dims=self.parallel_dims, training=training,
+                                    parallelism=parallelism, compile_config=CompileConfig(), ac_config=None,
+                                    dump_folder="")
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                m.set_force_sum_reduction_for_comms(True)  # shim 3
+        model.to_empty(device="cpu")
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            model.init_weights(buffer_device=None)
+        model.train()
+        self.model = model
+        optimizer = default_adamw(lr=1e-3)
+        optimizer.implementation = "foreach"  # "fused" is the CUDA default
+        self.optimizers = optimizer.build(model_parts=[model])
+        self.lr_schedulers = LRSchedulersContainer.Config(
+            warmup_steps=2, decay_ratio=0.8, decay_type="linear", min_lr_factor=0.0,
+        ).build(optimizers=self.optimizers, training_steps=STEPS)
+        if self.parallel_dims.dp_enabled:
+            batch = self.parallel_dims.get_mesh("batch")
+            dp_rank = batch.get_local_rank()
+        else:
+            dp_rank = 0
+        data = TokenSamples()
+        sampler = StatefulDistributedSampler(data, num_replicas=dp, rank=dp_rank, shuffle=True, seed=7)
+        self.dataloader = ParallelAwareDataloader(data, dp_rank=dp_rank, dp_world_size=dp, sampler=sampler,
+                                                  batch_size=GLOBAL_BATCH // dp)
+        self.train_state = TrainState()
+        self.checkpointer = checkpoint.build(
+            dataloader=self.dataloader, model_parts=[model], optimizers=self.optimizers,
+            lr_schedulers=self.lr_schedulers, states={"train_state": self.train_state}, sd_adapter=None,
+            base_folder="",
+        )
+        self.iterator = None
+
+    # --------------------------------------------------------------- training
+    def train_step(self) -> tuple[float, list[int]]:
+        if self.iterator is None:
+            self.iterator = iter(self.dataloader)
+        self.optimizers.zero_grad()
+        inputs, labels = next(self.iterator)
+        samples = inputs.pop("sample")
+        global_tokens = labels.numel() * self.dp
+        pred = self.model(inputs["input"])
+        loss = cross_entropy_loss(pred, labels) / global_tokens
+        loss.backward()
+        dist_utils.clip_grad_norm_([p for p in self.model.parameters()], 1.0, foreach=True)
+        self.checkpointer.maybe_wait_for_staging()
+        self.optimizers.step()
+        self.lr_schedulers.step()
+        self.train_state.ntokens_seen += labels.numel()
+        total = loss.detach().clone()
+        dist.all_reduce(total)  # every TP rank of a DP group holds the same local loss
+        return total.item() / self.tp, self.global_samples(samples)
+
+    def global_samples(self, samples: torch.Tensor) -> list[int]:
+        out = [torch.zeros_like(samples) for _ in range(dist.get_world_size())]
+        dist.all_gather(out, samples.contiguous())
+        ids = sorted({int(i) for t in out for i in t.tolist()})
+        assert len(ids) == GLOBAL_BATCH, ids
+        return ids
+
+    def run(self, until: int) -> dict[str, Any]:
+        """torchtitan's ``Trainer.train`` loop: step, then ``checkpointer.save``."""
+        losses, samples = {}, {}
+        while self.train_state.step < until:
+            self.train_state.step += 1
+            step = self.train_state.step
+            losses[step], samples[step] = self.train_step()
+            self.checkpointer.save(step, last_step=step == STEPS)
+        return {"losses": losses, "samples": samples}
+
+    @torch.no_grad()
+    def eval_loss(self) -> float:
+        """Mean loss of four fixed held-out samples, the same full batch on every rank."""
+        rows = [torch.randint(0, VOCAB, (SEQ + 1,), generator=torch.Generator().manual_seed(9000 + i)) for i in range(4)]
+        tokens = torch.stack(rows)
+        loss = cross_entropy_loss(self.model(tokens[:, :-1]), tokens[:, 1:]) / tokens[:, 1:].numel()
+        return float(loss.item())
+
+    def digests(self) -> dict[str, str]:
+        """SHA-1 of every model and optimizer tensor in full (model space), and the optimizer's other values."""
+        out = {}
+        items = [("model/" + k, v) for k, v in self.model.state_dict().items()]
+        items += [("optimizer/" + k, v) for k, v in self.optimizers.state_dict().items()]
+        for key, value in items:
+            if isinstance(value, torch.Tensor):
+                full = value.full_tensor() if hasattr(value, "full_tensor") else value
+                out[key] = hashlib.sha1(full.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+            else:
+                out[key] = repr(value)
+        return out
+
+    def close(self) -> None:
+        self.checkpointer.close()
+
+
+def _config(folder: str, **kw: Any) -> CkptkitCheckpointManager.Config:
+    options: dict[str, Any] = dict(interval=2, keep_latest_k=2, last_save_model_only=False, initial_load_model_only=False)
+    return CkptkitCheckpointManager.Config(enable=True, folder=folder, **{**options, **kw})
+
+
+def train(layout: str, folder: str, *, resume_step: int, **kw: Any) -> dict[str, Any]:
+    """The uninterrupted run (STEPS steps) that also checkpoints every 2 steps: per-step losses and samples,
+    and the state at ``resume_step`` and at the end."""
+    job = Job(layout, _config(folder, **kw))
+    assert job.checkpointer.load(step=-1) is False  # fresh start
+    out = job.run(resume_step)
+    saved = {"eval": job.eval_loss(), "digests": job.digests(), "train_state": job.train_state.state_dict(),
+             "last_epoch": job.lr_schedulers.state_dict()["last_epoch"]}
+    rest = job.run(STEPS)
+    final = {k: v for k, v in job.digests().items() if k.startswith("model/")}
+    job.close()
+    committed = [r.name for r in job.checkpointer.manager.records() if r.committed]
+    return {"losses": {**out["losses"], **rest["losses"]}, "samples": {**out["samples"], **rest["samples"]},
+            "saved": saved, "final_model": final, "committed": committed}
+
+
+def resume(layout: str, folder: str, *, load_step: int, **kw: Any) -> dict[str, Any]:
+    """Load ``load_step`` at ``layout`` (load_only: this run never saves), then train to STEPS."""
+    job = Job(layout, _config(folder, load_step=load_step, load_only=True, **kw), seed=123)
+    assert job.checkpointer.load(step=load_step) is True
+    loaded = {"eval": job.eval_loss(), "digests": job.digests(), "train_state": job.train_state.state_dict(),
+              "last_epoch": job.lr_schedulers.state_dict()["last_epoch"]}
+    report = job.checkpointer.last_remap
+    out = job.run(STEPS)
+    job.close()
+    return {**out, "loaded": loaded, "remap": None if report is None else report.__dict__}
+
+
+def load_model(layout: str, folder: str, **kw: Any) -> dict[str, Any]:
+    """A fresh job at ``layout`` whose load brings back the model only: from the newest checkpoint when that
+    is a final model-only one, or from ``initial_load_path`` with ``initial_load_model_only``."""
+    job = Job(layout, _config(folder, **kw), seed=123)
+    before = {k: v for k, v in job.digests().items() if k.startswith("optimizer/")}
+    assert job.checkpointer.load(step=-1) is True
+    digests = job.digests()
+    job.close()
+    return {"model": {k: v for k, v in digests.items() if k.startswith("model/")},
+            "optimizer_untouched": before == {k: v for k, v in digests.items() if k.startswith("optimizer/")},
+            "train_state": job.train_state.state_dict()}
