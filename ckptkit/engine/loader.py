@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ckptkit.adapters.dtensor import grid_of, is_dtensor, local_of
+from ckptkit.engine.dtensor_grid import grid_of, is_dtensor, local_of
 from ckptkit.engine.collective import Comm
 from ckptkit.engine.metadata_io import read_indexes, read_manifest
 from ckptkit.engine.reader import execute_reads

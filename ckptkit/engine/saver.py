@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from ckptkit.adapters.dtensor import grid_of, is_dtensor, local_of
+from ckptkit.engine.dtensor_grid import grid_of, is_dtensor, local_of
 from ckptkit.engine.checkpoint_dir import remove_uncommitted
 from ckptkit.engine.collective import Comm, Outcome
 from ckptkit.engine.state import FlatState, dtype_name
