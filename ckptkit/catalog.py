@@ -24,6 +24,7 @@ from typing import Any
 
 import crc32c
 
+from ckptkit.options import Progress
 from ckptkit.engine.metadata_io import read_index, read_indexes, read_manifest
 from ckptkit.errors import (
     CheckpointNotFoundError,
@@ -46,7 +47,6 @@ ITEMSIZE = DTYPES
 READ_CHUNK = 64 << 20
 _STEP_NAME = re.compile(r"(?:^|[-_.])step[-_]?(\d+)$")
 
-Progress = Callable[[int, int], None]
 Work = tuple[int, int, IndexEntry]  # (rank, checksum block size, piece): one read job of verify
 
 

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
 from ckptkit.errors import LayoutError
+
+# A long operation's report of how far it is: (units done, units in total). Bytes for
+# copies and conversions, elements for diffs; the CLI draws it as a progress bar.
+Progress = Callable[[int, int], None]
 
 
 @dataclass(frozen=True)

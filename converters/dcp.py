@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from ckptkit.options import Progress
 from ckptkit.engine.offline_writer import OfflineWriteOptions, write_offline
 from ckptkit.errors import (
     CheckpointNotFoundError,
@@ -90,7 +91,6 @@ from converters.dcp_keys import (
 )
 from converters.safe_unpickle import UnsafeCheckpointError, load_dcp_metadata
 
-Progress = Callable[[int, int], None]  # (bytes done, bytes total)
 
 
 @dataclass(frozen=True)

@@ -26,17 +26,16 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from ckptkit.options import Progress
 from ckptkit.errors import CkptkitError, MissingKeysError
 from ckptkit.storage.url import open_store
 
 INDEX_NAME = "model.safetensors.index.json"
-Progress = Callable[[int, int], None]  # (bytes written, bytes total)
 
 
 @dataclass(frozen=True)

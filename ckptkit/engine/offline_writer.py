@@ -31,6 +31,7 @@ from typing import Any, Protocol, cast
 
 import torch
 
+from ckptkit.options import Progress, SaveOptions
 from ckptkit.engine.checkpoint_dir import remove_uncommitted
 from ckptkit.engine.saver import Prepared, check_target, persist, publish
 from ckptkit.errors import CkptkitError, LayoutError, StorageError
@@ -48,7 +49,6 @@ from ckptkit.plan.save_plan import ExplicitDecl, plan_save
 from ckptkit.storage.base import ByteStore
 from ckptkit.version import __version__
 
-Progress = Callable[[int, int], None]  # (bytes done, bytes total)
 RankPieces = Sequence[tuple[str, Region]]  # (tensor key, stored region), in the order they are written
 
 
@@ -92,8 +92,7 @@ class OfflineWriteOptions:
     threads: int = 2
 
     def __post_init__(self) -> None:
-        if self.block_size < 4096 or self.block_size % 4096:
-            raise LayoutError(f"block_size {self.block_size} must be a positive multiple of 4096")
+        SaveOptions(block_size=self.block_size)  # the saver's own validation of the checksum block
         if self.threads < 1:
             raise LayoutError(f"threads {self.threads} must be >= 1")
 

@@ -39,13 +39,14 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 import torch
 
+from ckptkit.options import Progress, SaveOptions
 from ckptkit.engine.offline_writer import OfflineWriteOptions, write_offline
 from ckptkit.errors import (
     CheckpointNotFoundError,
@@ -82,7 +83,6 @@ from ckptkit.modelspace.zarr_layout import (
 from ckptkit.storage.base import ByteStore
 from ckptkit.storage.url import open_store
 
-Progress = Callable[[int, int], None]  # (bytes done, bytes total)
 
 
 @dataclass(frozen=True)
@@ -125,8 +125,7 @@ class ZarrImportOptions:
     read_ahead: int = 2
 
     def __post_init__(self) -> None:
-        if self.block_size < 4096 or self.block_size % 4096:
-            raise LayoutError(f"block_size {self.block_size} must be a positive multiple of 4096")
+        SaveOptions(block_size=self.block_size)  # the saver's own validation of the checksum block
         if self.threads < 1 or self.read_ahead < 0:
             raise LayoutError("threads must be >= 1 and read_ahead >= 0")
 

@@ -306,3 +306,4 @@ class ResilienceController:
         self.log.flush_metrics()
         self.manager.close()
         self.log.progress(self.step, closed=True)
+        self.log.wait()

@@ -12,13 +12,17 @@ skip decided after the newest checkpoint still holds after a crash).
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from ckptkit.errors import CkptkitError
 from ckptkit.storage.base import ByteStore
+
+log = logging.getLogger("ckptkit")
 
 INCIDENTS = ".ckptkit/incidents"  # dot-prefixed: never mistaken for a checkpoint folder
 METRICS = ".ckptkit/metrics"
@@ -50,6 +54,26 @@ class IncidentLog:
         self._seq = 0
         self._pending: list[tuple[int, float | None, float | None]] = []
         self._progress_at = 0.0
+        # The loss history and the progress marker are written on one background thread, in
+        # order: an fsync'd local write or an S3 PUT must not stall the training step that
+        # produced them. Incidents stay synchronous (a skip range must be durable at once).
+        self._io = ThreadPoolExecutor(1, thread_name_prefix="ckptkit-log") if writer else None
+
+    def _put_later(self, key: str, data: bytes) -> None:
+        assert self._io is not None
+        self._io.submit(self._put_quietly, key, data)
+
+    def _put_quietly(self, key: str, data: bytes) -> None:
+        try:
+            self.store.put_bytes(key, data)
+        except (CkptkitError, OSError) as exc:  # the history is advisory: never fail training over it
+            log.warning("ckptkit: could not write %s: %s", key, exc)
+
+    def wait(self) -> None:
+        """Block until every background write issued so far is stored (FIFO, one worker)."""
+        if self._io is not None:
+            done: Future = self._io.submit(lambda: None)
+            done.result()
 
     def record(self, incident: Incident) -> None:
         if not self.writer:
@@ -78,7 +102,7 @@ class IncidentLog:
             return
         first = self._pending[0][0]
         key = f"{METRICS}/{time.time():017.6f}-{first:09d}.json"
-        self.store.put_bytes(key, json.dumps(self._pending, allow_nan=True).encode())
+        self._put_later(key, json.dumps(self._pending, allow_nan=True).encode())
         self._pending = []
 
     def progress(self, step: int, closed: bool = False) -> None:
@@ -93,7 +117,7 @@ class IncidentLog:
         if not self.writer or (not closed and now - self._progress_at < PROGRESS_EVERY_S):
             return
         self._progress_at = now
-        self.store.put_bytes(PROGRESS, json.dumps({"step": step, "closed": closed, "time": time.time()}).encode())
+        self._put_later(PROGRESS, json.dumps({"step": step, "closed": closed, "time": time.time()}).encode())
 
     def read_progress(self) -> tuple[int, bool] | None:
         """(step, closed) of the previous job, or None if it left no marker."""
