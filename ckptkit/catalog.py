@@ -33,7 +33,6 @@ from ckptkit.errors import (
     StorageError,
     UncommittedCheckpointError,
 )
-from ckptkit.layout.box import Region
 from ckptkit.layout.grid import GridLayout, Mesh, On, Placement, Replicate
 from ckptkit.layout.manifest import DTYPES, MANIFEST_NAME, ExplicitLayout, Index, IndexEntry, Manifest, TensorMeta
 from ckptkit.plan.merge import check_coverage
@@ -397,10 +396,8 @@ def _check_layout(url: str, manifest: Manifest, indexes: dict[int, Index]) -> li
                                    f"{e.nbytes} bytes; expected {want} inside shape {list(t.shape)} ({t.dtype})",
                                    ikey, e.tensor, rank))
     for key, t in manifest.tensors.items():
-        if isinstance(t.layout, GridLayout):
-            expected = [(Region(box), t.layout.writer_rank(cell, t.rotation)) for box, cell in t.layout.all_boxes()]
-        else:
-            expected = list(t.layout.pieces)
+        expected = t.stored_pieces()
+        if not isinstance(t.layout, GridLayout):
             try:
                 check_coverage(key, t.shape, t.layout.pieces, f"{url}/{MANIFEST_NAME}")
             except CoverageError as exc:

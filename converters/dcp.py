@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from ckptkit.options import Progress
-from ckptkit.engine.offline_writer import OfflineWriteOptions, write_offline
+from ckptkit.engine.offline_writer import ConvertResult, OfflineWriteOptions, write_offline
 from ckptkit.errors import (
     CheckpointNotFoundError,
     CkptkitError,
@@ -55,12 +55,10 @@ from ckptkit.errors import (
     StorageError,
 )
 from ckptkit.layout.box import Box, Region
-from ckptkit.layout.manifest import DTYPES
+from ckptkit.layout.manifest import DTYPES, pieces_by_writer
 from ckptkit.layout.values import encode_value
 from ckptkit.modelspace.view import CheckpointView, ViewOptions
 from ckptkit.modelspace.view import open as open_view
-from ckptkit.modelspace.zarr_io import ConvertResult
-from ckptkit.modelspace.zarr_layout import pieces_by_writer
 from ckptkit.plan.merge import check_coverage
 from ckptkit.storage.base import ByteStore
 from ckptkit.storage.url import open_store

@@ -26,7 +26,7 @@ import datetime
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Protocol, cast
 
 import torch
@@ -232,3 +232,19 @@ def _numel(shape: Sequence[int]) -> int:
     for s in shape:
         n *= s
     return n
+
+
+@dataclass(frozen=True)
+class ConvertResult:
+    """What a conversion did: logical tensor bytes moved, data bytes read from the source."""
+
+    source: str
+    destination: str
+    format: str
+    tensors: int
+    nbytes: int
+    bytes_read: int
+    seconds: float
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)

@@ -126,6 +126,32 @@ class TensorMeta:
             n *= s
         return n
 
+    def stored_pieces(self) -> list[tuple[Region, int]]:
+        """Every stored piece with the rank that wrote it (a grid's cells by their writer)."""
+        if isinstance(self.layout, GridLayout):
+            return [(Region(b), self.layout.writer_rank(cell, self.rotation)) for b, cell in self.layout.all_boxes()]
+        return list(self.layout.pieces)
+
+    def stored_overlapping(self, box: Box) -> list[tuple[Region, int]]:
+        """The stored pieces (with their writers) that overlap ``box``."""
+        if isinstance(self.layout, GridLayout):
+            return [(Region(b), self.layout.writer_rank(cell, self.rotation)) for b, cell in self.layout.overlapping(box)]
+        return self.layout.overlapping(box)
+
+
+def pieces_by_writer(manifest: Manifest) -> dict[int, list[tuple[str, Region]]]:
+    """Every non-empty stored piece of a checkpoint, grouped by the rank that wrote it.
+
+    What an offline writer needs to rewrite a checkpoint with its original
+    writer ranks (zarr and DCP imports and exports).
+    """
+    out: dict[int, list[tuple[str, Region]]] = {}
+    for key, meta in manifest.tensors.items():
+        for region, writer in meta.stored_pieces():
+            if region.numel:
+                out.setdefault(writer, []).append((key, region))
+    return out
+
 
 @dataclass(frozen=True)
 class IndexRef:

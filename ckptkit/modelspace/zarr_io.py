@@ -41,13 +41,13 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 
 from ckptkit.options import Progress, SaveOptions
-from ckptkit.engine.offline_writer import OfflineWriteOptions, write_offline
+from ckptkit.engine.offline_writer import ConvertResult, OfflineWriteOptions, write_offline
 from ckptkit.errors import (
     CheckpointNotFoundError,
     CkptkitError,
@@ -58,7 +58,7 @@ from ckptkit.errors import (
     StorageError,
 )
 from ckptkit.layout.box import Box, Region
-from ckptkit.layout.manifest import DTYPES, Manifest, TensorMeta
+from ckptkit.layout.manifest import DTYPES, Manifest, TensorMeta, pieces_by_writer
 from ckptkit.modelspace.view import CheckpointView, ViewOptions
 from ckptkit.modelspace.view import open as open_view
 from ckptkit.modelspace.zarr_layout import (
@@ -72,7 +72,6 @@ from ckptkit.modelspace.zarr_layout import (
     from_stored,
     group_json,
     node_path,
-    pieces_by_writer,
     read_export,
     root_attributes,
     shard_boxes,
@@ -128,22 +127,6 @@ class ZarrImportOptions:
         SaveOptions(block_size=self.block_size)  # the saver's own validation of the checksum block
         if self.threads < 1 or self.read_ahead < 0:
             raise LayoutError("threads must be >= 1 and read_ahead >= 0")
-
-
-@dataclass(frozen=True)
-class ConvertResult:
-    """What a conversion did: logical tensor bytes moved, data bytes read from the source."""
-
-    source: str
-    destination: str
-    format: str
-    tensors: int
-    nbytes: int
-    bytes_read: int
-    seconds: float
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 # ---------------------------------------------------------------- tensorstore plumbing

@@ -38,7 +38,7 @@ from ckptkit.errors import (
     ManifestError,
     UnsupportedVersionError,
 )
-from ckptkit.layout.box import Box, Region
+from ckptkit.layout.box import Box
 from ckptkit.layout.grid import GridLayout
 from ckptkit.layout.manifest import DTYPES, Manifest, TensorMeta
 from ckptkit.modelspace.view import to_numpy
@@ -266,17 +266,3 @@ def read_export(store: ByteStore) -> ExportInfo:
         if any(not 0 <= r < manifest.world_size for r in per_rank):
             raise ManifestError(f"{store.url}/{PER_RANK_GROUP}: a rank outside the world of {manifest.world_size}")
     return ExportInfo(manifest, arrays, per_rank)
-
-
-def pieces_by_writer(manifest: Manifest) -> dict[int, list[tuple[str, Region]]]:
-    """Every stored piece of the source checkpoint, by the rank that wrote it (grid cells by their writer)."""
-    out: dict[int, list[tuple[str, Region]]] = {}
-    for key, meta in manifest.tensors.items():
-        if isinstance(meta.layout, GridLayout):
-            items = [(Region(b), meta.layout.writer_rank(cell, meta.rotation)) for b, cell in meta.layout.all_boxes()]
-        else:
-            items = list(meta.layout.pieces)
-        for region, writer in items:
-            if region.numel:
-                out.setdefault(writer, []).append((key, region))
-    return out

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 
 from ckptkit.errors import CoverageError, CorruptCheckpointError
 from ckptkit.layout.box import Box, Region, row_major_strides
-from ckptkit.layout.grid import GridLayout
 from ckptkit.layout.manifest import IndexEntry, TensorMeta
 from ckptkit.layout.pieces import LocalBox, LocalPlace
 
@@ -100,13 +99,6 @@ def _make_op(writer: int, tensor: str, source: Region, target: Target, j: Box) -
     return CopyOp(writer, tensor, source, src_start, src_strides, shape, target.ref, dst_start, dst_strides)
 
 
-def _stored_overlapping(meta: TensorMeta, box: Box) -> list[tuple[Region, int]]:
-    layout = meta.layout
-    if isinstance(layout, GridLayout):
-        return [(Region(b), layout.writer_rank(cell, meta.rotation)) for b, cell in layout.overlapping(box)]
-    return layout.overlapping(box)
-
-
 def match_sources(targets: list[Target], tensors: dict[str, TensorMeta], where: str) -> list[CopyOp]:
     """Copy ops that fill every target from the stored pieces; CoverageError if any element is missing."""
     ops: list[CopyOp] = []
@@ -116,7 +108,7 @@ def match_sources(targets: list[Target], tensors: dict[str, TensorMeta], where: 
         target_boxes = t.region.boxes()
         seen: set[tuple] = set()
         for tb in target_boxes:
-            for source, writer in _stored_overlapping(meta, tb):
+            for source, writer in meta.stored_overlapping(tb):
                 if source.box == t.region.box and (writer, source.key()) not in seen:
                     # Same enclosing box (ZeRO fragments at another DP size, same-layout
                     # loads): intersect as stream ranges, one op per stored piece.
