@@ -8,6 +8,7 @@ TORCH_PIN ?= torch==2.13.0
 # s3fs and fsspec release in lockstep; pinning s3fs keeps pip's resolver from backtracking
 # for many minutes against packages that cap fsspec (shared/ENVIRONMENT.md).
 S3FS_PIN ?= s3fs==2026.2.0
+# DS_BUILD_OPS=0: deepspeed (an sdist) builds as pure Python, no CUDA extensions compiled.
 
 .PHONY: setup demo test bench clean
 
@@ -17,7 +18,7 @@ $(VENV)/.ckptkit-installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_PIN)"
-	$(PY) -m pip install -q -e ".[test]" "$(S3FS_PIN)"
+	DS_BUILD_OPS=0 $(PY) -m pip install -q -e ".[test]" "$(S3FS_PIN)" "$(TORCH_PIN)"
 	touch $@
 
 demo: setup
