@@ -1,0 +1,62 @@
+"""Test-only shims that let Megatron-core 0.16 train on CPU (gloo).
+
+Megatron-core assumes CUDA in a few places that have nothing to do with
+checkpointing: the current device, ``torch.cuda.synchronize``, the CUDA RNG
+tracker, ``device="cuda"`` factory calls in the pipeline schedules, and the
+distributed optimizer's dispatch on ``param.type()`` being a
+``torch.cuda.*Tensor`` name. These shims redirect exactly those to the CPU so
+the tests can run a real Megatron model, optimizer and 1F1B schedule on the
+CPU-only machines CI has. They live in tests/ on purpose: ckptkit's library
+code never patches a framework.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_installed = False
+
+
+class _CudaToCpu(TorchFunctionMode):
+    """Rewrite ``device="cuda"`` (or ``cuda:N``) arguments of tensor factories to the CPU."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = dict(kwargs or {})
+        dev = kwargs.get("device")
+        if dev is not None and ("cuda" in str(dev) or isinstance(dev, int)):
+            kwargs["device"] = "cpu"
+        return func(*args, **kwargs)
+
+
+def _cuda_type_name(orig: Any) -> Any:
+    def type_(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        out = orig(self, *args, **kwargs)
+        if not args and not kwargs and isinstance(out, str) and out.startswith("torch.") and not out.startswith("torch.cuda."):
+            return "torch.cuda." + out.removeprefix("torch.")
+        return out
+
+    return type_
+
+
+def install() -> None:
+    """Install the shims in this process (idempotent)."""
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
+    torch.cuda.empty_cache = lambda: None  # type: ignore[assignment]
+    torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()  # type: ignore[assignment]
+    torch.cuda.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)  # type: ignore[assignment]
+    torch.cuda.manual_seed = lambda seed: None  # type: ignore[assignment]
+    torch.Tensor.type = _cuda_type_name(torch.Tensor.type)  # type: ignore[method-assign]
+
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    _CudaToCpu().__enter__()  # stays active for the life of the process

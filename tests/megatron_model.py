@@ -1,0 +1,171 @@
+"""A tiny Megatron-core GPT trained for real on CPU: the model the Megatron tests checkpoint.
+
+4 layers, hidden 64, 8 heads in 2 query groups (GQA, fused QKV), SwiGLU
+``linear_fc1``, RMSNorm with TE-style names, vocabulary 250 padded by
+Megatron's rule (``make_vocab_size_divisible_by * tp``). Built through
+Megatron's own parallel_state, DDP wrapper, ``get_megatron_optimizer``
+(plain or distributed) and ``get_forward_backward_func`` (1F1B, interleaved
+with virtual pipeline chunks), so the tensors, flat optimizer buffers and
+replica ids the adapter sees are Megatron's own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+
+from tests import megatron_cpu_shims
+
+VOCAB = 250
+SEQ = 16
+MICRO_BATCH = 2
+NUM_MICRO = 4
+LAYERS = 4
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int = 1
+    pp: int = 1
+    vpp: int | None = None
+    dist_opt: bool = True
+    tied: bool = False
+    divisible_by: int = 16
+    pp_layers: tuple[int, ...] | None = None  # uneven first/last stage: (first, last)
+
+
+def padded_vocab(layout: Layout) -> int:
+    multiple = layout.divisible_by * layout.tp
+    return -(-VOCAB // multiple) * multiple
+
+
+@dataclass
+class Trainer:
+    layout: Layout
+    model: list[Any]
+    optimizer: Any
+    scheduler: Any
+    iteration: int = 0
+
+
+def setup(layout: Layout, seed: int = 1234) -> Trainer:
+    """Initialise Megatron's parallel state for ``layout`` in the running gloo world and build the trainer."""
+    megatron_cpu_shims.install()
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    teardown()
+    ps.initialize_model_parallel(layout.tp, layout.pp, virtual_pipeline_model_parallel_size=layout.vpp)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    extra: dict[str, Any] = {}
+    if layout.pp_layers is not None:
+        first, last = layout.pp_layers
+        extra.update(num_layers_in_first_pipeline_stage=first, num_layers_in_last_pipeline_stage=last)
+    config = TransformerConfig(
+        num_layers=LAYERS, hidden_size=64, num_attention_heads=8, num_query_groups=2, ffn_hidden_size=96,
+        gated_linear_unit=True, activation_func=torch.nn.functional.silu, bias_activation_fusion=False,
+        add_bias_linear=False, normalization="RMSNorm", use_cpu_initialization=True,
+        tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp, pipeline_dtype=torch.float32,
+        hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02, **extra,
+    )
+    chunks = []
+    for vp in range(layout.vpp or 1):
+        model = GPTModel(
+            config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=padded_vocab(layout),
+            max_sequence_length=SEQ, pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
+            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
+            share_embeddings_and_output_weights=layout.tied, position_embedding_type="rope", vp_stage=vp,
+        )
+        ddp = DistributedDataParallelConfig(use_distributed_optimizer=layout.dist_opt, bucket_size=4096)
+        chunks.append(DistributedDataParallel(config, ddp, model))
+    opt_config = OptimizerConfig(optimizer="adam", lr=3e-3, weight_decay=0.01, use_distributed_optimizer=layout.dist_opt,
+                                 clip_grad=1.0, bf16=False, fp16=False)
+    optimizer = get_megatron_optimizer(opt_config, chunks)
+    scheduler = OptimizerParamScheduler(optimizer, init_lr=0.0, max_lr=3e-3, min_lr=3e-4, lr_warmup_steps=3,
+                                        lr_decay_steps=20, lr_decay_style="cosine", start_wd=0.01, end_wd=0.01,
+                                        wd_incr_steps=20, wd_incr_style="constant")
+    return Trainer(layout, chunks, optimizer, scheduler)
+
+
+def teardown() -> None:
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+
+
+def batch(step: int, micro: int) -> dict[str, torch.Tensor]:
+    """The same global batch at any layout: every DP rank sees a slice of it (here dp is the data index)."""
+    from megatron.core import parallel_state as ps
+
+    dp, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    g = torch.Generator().manual_seed(10_000 * step + micro)
+    tokens = torch.randint(0, VOCAB, (MICRO_BATCH * 4, SEQ + 1), generator=g)
+    per = tokens.shape[0] // dp_size
+    mine = tokens[dp * per:(dp + 1) * per]
+    return {"tokens": mine[:, :-1], "labels": mine[:, 1:]}
+
+
+def _forward_step(step: int, data_iterator: Any, model: Any) -> Any:
+    micro = next(data_iterator)
+    b = batch(step, micro)
+    positions = torch.arange(SEQ).unsqueeze(0).expand_as(b["tokens"])
+    mask = torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool).tril().logical_not()
+    out = model(b["tokens"], positions, mask, labels=b["labels"])
+
+    def loss_func(per_token: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        loss = per_token.float().mean()
+        return loss, {"loss": loss.detach()}
+
+    return out, loss_func
+
+
+def _run(trainer: Trainer, step: int, forward_only: bool) -> float:
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    fb = get_forward_backward_func()
+    n_chunks = len(trainer.model)
+    iters = [iter(range(NUM_MICRO)) for _ in range(n_chunks)]
+    losses = fb(
+        forward_step_func=partial(_forward_step, step), data_iterator=iters if n_chunks > 1 else iters[0],
+        model=trainer.model if n_chunks > 1 else trainer.model[0], num_microbatches=NUM_MICRO,
+        seq_length=SEQ, micro_batch_size=MICRO_BATCH * 4 // ps.get_data_parallel_world_size(),
+        forward_only=forward_only,
+    )
+    # the loss lives on the last stage; average over DP and share with every rank
+    value = torch.zeros(1, dtype=torch.float64)
+    if ps.is_pipeline_last_stage(ignore_virtual=True):
+        value[0] = sum(float(x["loss"]) for x in losses)
+    torch.distributed.all_reduce(value, group=ps.get_pipeline_model_parallel_group())
+    torch.distributed.all_reduce(value, group=ps.get_data_parallel_group())
+    return float(value[0]) / ps.get_data_parallel_world_size()
+
+
+def train_step(trainer: Trainer) -> float:
+    for chunk in trainer.model:
+        chunk.zero_grad_buffer()
+    trainer.optimizer.zero_grad()
+    loss = _run(trainer, trainer.iteration + 1, forward_only=False)
+    ok, _, _ = trainer.optimizer.step()
+    assert ok, "optimizer step skipped"
+    trainer.scheduler.step(increment=1)
+    trainer.iteration += 1
+    return loss
+
+
+def eval_loss(trainer: Trainer) -> float:
+    """Loss of the current weights on a fixed held-out batch (step 0's data), no update."""
+    with torch.no_grad():
+        return _run(trainer, 0, forward_only=True)
