@@ -1,0 +1,191 @@
+"""Rank-side functions of tests/test_deepspeed*.py, run in real gloo worlds (tests/worlds.py).
+
+A small MLP with odd sizes (so ZeRO's alignment padding and fragments that
+straddle rank boundaries are exercised) and a buffer, trained by a real
+``deepspeed.initialize`` engine on CPU: ZeRO 1, 2 or 3, fp32 or bf16, torch
+AdamW passed in by the caller or DeepSpeed's config Adam with
+``torch_adam: true`` (no JIT-compiled optimizer), DeepSpeed's WarmupLR
+scheduler. The global batch is 8 samples at every DP size (micro batch
+8 / dp), so runs at different DP sizes take the same optimizer steps.
+Reported losses are global means (all-reduced), comparable across DP sizes.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+GLOBAL_BATCH = 8
+IN, HIDDEN, OUT = 7, 13, 5
+
+
+def import_deepspeed() -> Any:
+    """DeepSpeed on CPU without JIT compilation (the shm comm op is not needed over gloo)."""
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    import deepspeed
+    import deepspeed.comm.torch  # noqa: F401 - make sure the module is loaded before patching it
+
+    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+    deepspeed.init_distributed(dist_backend="gloo")
+    return deepspeed
+
+
+class MLP(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(IN, HIDDEN)
+        self.fc2 = torch.nn.Linear(HIDDEN, HIDDEN)
+        self.out = torch.nn.Linear(HIDDEN, OUT)
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, OUT))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.nn.functional.gelu(self.fc2(torch.nn.functional.gelu(self.fc1(x))))) * self.scale
+
+
+def config(stage: int, dtype: str, *, config_optimizer: bool = False, **extra: Any) -> dict[str, Any]:
+    dp = dist.get_world_size()
+    cfg: dict[str, Any] = {
+        "train_batch_size": GLOBAL_BATCH, "train_micro_batch_size_per_gpu": GLOBAL_BATCH // dp,
+        "gradient_accumulation_steps": 1, "zero_optimization": {"stage": stage},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 1e-3, "warmup_max_lr": 1e-2,
+                                                     "warmup_num_steps": 4}},
+        "steps_per_print": 10 ** 9,
+    }
+    if config_optimizer:
+        cfg["optimizer"] = {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True, "weight_decay": 0.01}}
+    if dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    cfg.update(extra)
+    return cfg
+
+
+def build(stage: int, dtype: str, *, config_optimizer: bool = False, model: torch.nn.Module | None = None,
+          **extra: Any) -> Any:
+    deepspeed = import_deepspeed()
+    # A ZeRO-3 engine replaces torch.nn.functional.linear process-wide (memory_efficient_linear; DeepSpeed
+    # says it "will persist unless manually reset"). These worlds run many engines in one process, so
+    # reset it: every engine starts as it would in a fresh process.
+    from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses as _Init
+
+    if hasattr(_Init, "linear_bk"):
+        torch.nn.functional.linear = _Init.linear_bk
+    torch.manual_seed(0)
+    model = model or MLP()
+    cfg = config(stage, dtype, config_optimizer=config_optimizer, **extra)
+    kwargs: dict[str, Any] = {"model": model, "config": cfg, "model_parameters": model.parameters()}
+    if not config_optimizer:
+        kwargs["optimizer"] = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    engine, *_ = deepspeed.initialize(**kwargs)
+    return engine
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(GLOBAL_BATCH, IN, generator=g), torch.randn(GLOBAL_BATCH, OUT, generator=g)
+
+
+def _dtype(engine: Any) -> torch.dtype:
+    return torch.bfloat16 if engine.bfloat16_enabled() else torch.float32
+
+
+def train_step(engine: Any, step: int) -> float:
+    """One optimizer step on this rank's share of the global batch; the global mean loss."""
+    dp, rank = dist.get_world_size(), dist.get_rank()
+    x, y = batch(step)
+    per = GLOBAL_BATCH // dp
+    x, y = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
+    loss = (engine(x.to(_dtype(engine))).float() - y).pow(2).mean()
+    engine.backward(loss)
+    engine.step()
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    return (total / dp).item()
+
+
+@torch.no_grad()
+def eval_loss(engine: Any) -> float:
+    x, y = batch(-1)
+    return (engine(x.to(_dtype(engine))).float() - y).pow(2).mean().item()
+
+
+def train_and_save(stage: int, dtype: str, folder: str, *, save_step: int, steps: int,
+                   config_optimizer: bool = False, native: bool = True) -> dict[str, Any]:
+    """The uninterrupted reference run: saves asynchronously with ckptkit at ``save_step``
+    (and natively with DeepSpeed), keeps training to ``steps``."""
+    from ckptkit.adapters import deepspeed as ds_ckpt
+
+    engine = build(stage, dtype, config_optimizer=config_optimizer)
+    losses, out = {}, {}
+    for step in range(1, steps + 1):
+        losses[step] = train_step(engine, step)
+        if step == save_step:
+            handle = ds_ckpt.save(engine, f"{folder}/ckptkit", client_state={"epoch": 7, "note": "x"},
+                                  asynchronous=True)
+            handle.staged.result()
+            out["eval"] = eval_loss(engine)
+            out["lr"] = engine.get_lr()
+            if native:
+                engine.save_checkpoint(f"{folder}/native", tag=f"global_step{step}")
+            out["committed"] = handle.committed.result() is not None
+    out["losses"] = losses
+    out["final_eval"] = eval_loss(engine)
+    return out
+
+
+def resume(stage: int, dtype: str, path: str, *, from_step: int, steps: int,
+           config_optimizer: bool = False) -> dict[str, Any]:
+    from ckptkit.adapters import deepspeed as ds_ckpt
+
+    engine = build(stage, dtype, config_optimizer=config_optimizer)
+    client = ds_ckpt.load(engine, path)
+    out: dict[str, Any] = {"client": client, "eval": eval_loss(engine), "lr": engine.get_lr(),
+                           "global_steps": engine.global_steps, "global_samples": engine.global_samples}
+    out["losses"] = {step: train_step(engine, step) for step in range(from_step + 1, steps + 1)}
+    out["final_eval"] = eval_loss(engine)
+    return out
+
+
+def layout_facts(stage: int, dtype: str, zero_extra: dict[str, Any]) -> dict[str, Any]:
+    """ckptkit's partition facts next to what the live engine holds (sizes, padding, DeepSpeed's own
+    per-parameter fragment addresses), after one step so the optimizer state exists."""
+    from ckptkit.layout.zero_partition import Zero3SubGroup, Zero12Group, param_alignment, round_robin_order
+
+    cfg_zero = {"stage": stage, **zero_extra}
+    engine = build(stage, dtype, zero_optimization=cfg_zero)
+    train_step(engine, 1)
+    opt, dp, rank = engine.optimizer, dist.get_world_size(), dist.get_rank()
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    out: dict[str, Any] = {"ours": [], "theirs": []}
+    if stage < 3:
+        for g, params in enumerate(opt.bit16_groups):
+            numels = tuple(p.numel() for p in params)
+            order = tuple(round_robin_order(len(numels), dp)) if zero_extra.get("round_robin_gradients") else None
+            align = param_alignment(params[0].element_size(), bool(zero_extra.get("parameter_alignment")))
+            layout = Zero12Group(numels, dp, order, align)
+            ours = {names[id(params[f.param])]: (f.numel, f.local_start) for f in layout.fragments(rank)}
+            fp32 = opt.single_partition_of_fp32_groups[g]
+            # the bytes: each fragment of the fp32 partition is that slice of the parameter (lp = fp32 rounded)
+            data_ok = all(torch.equal(fp32[f.local_start:f.local_start + f.numel].to(params[f.param].dtype),
+                                      params[f.param].detach().flatten()[f.start:f.stop])
+                          for f in layout.fragments(rank))
+            out["ours"].append((layout.partition_numel, layout.padding(rank), True))
+            out["theirs"].append((fp32.numel(), opt.groups_padding[g], data_ok))
+            if order is None:
+                # DeepSpeed's own fragment addresses (param_slice_mappings). With round_robin_gradients they
+                # follow the unordered list while the flat buffer is reordered, so there only the bytes count.
+                theirs = {n: (a.numel, a.start) for n, a in opt._param_slice_mappings[g].items()}
+                out["ours"].append(ours)
+                out["theirs"].append(theirs)
+    else:
+        for j, params in enumerate(opt.fp16_groups):
+            layout = Zero3SubGroup(tuple(p.ds_numel for p in params), dp)
+            fp32 = opt.fp32_partitioned_groups_flat[j]
+            data_ok = all(torch.equal(fp32[f.local_start:f.local_start + f.numel].to(params[f.param].ds_tensor.dtype),
+                                      params[f.param].ds_tensor[:f.numel]) for f in layout.fragments(rank))
+            out["ours"].append((layout.partition_numel, layout.partition_numels, True))
+            out["theirs"].append((fp32.numel(), tuple(p.ds_tensor.ds_numel for p in params), data_ok))
+    return out
