@@ -129,7 +129,8 @@ def train_and_save(stage: int, dtype: str, folder: str, *, save_step: int, steps
             out["eval"] = eval_loss(engine)
             out["lr"] = engine.get_lr()
             if native:
-                engine.save_checkpoint(f"{folder}/native", tag=f"global_step{step}")
+                engine.save_checkpoint(f"{folder}/native", tag=f"global_step{step}",
+                                       client_state={"epoch": 7, "note": "x"})
             out["committed"] = handle.committed.result() is not None
     out["losses"] = losses
     out["final_eval"] = eval_loss(engine)
@@ -188,4 +189,17 @@ def layout_facts(stage: int, dtype: str, zero_extra: dict[str, Any]) -> dict[str
                                       params[f.param].ds_tensor[:f.numel]) for f in layout.fragments(rank))
             out["ours"].append((layout.partition_numel, layout.partition_numels, True))
             out["theirs"].append((fp32.numel(), tuple(p.ds_tensor.ds_numel for p in params), data_ok))
+    return out
+
+
+def resume_native(stage: int, dtype: str, folder: str, *, from_step: int, steps: int,
+                  config_optimizer: bool = False) -> dict[str, Any]:
+    """Resume through DeepSpeed's own ``engine.load_checkpoint`` (e.g. of a folder ckptkit exported)."""
+    engine = build(stage, dtype, config_optimizer=config_optimizer)
+    _, client = engine.load_checkpoint(folder)
+    out: dict[str, Any] = {"client": {k: client[k] for k in ("epoch", "note") if k in client},
+                           "eval": eval_loss(engine), "lr": engine.get_lr(),
+                           "global_steps": engine.global_steps, "global_samples": engine.global_samples}
+    out["losses"] = {step: train_step(engine, step) for step in range(from_step + 1, steps + 1)}
+    out["final_eval"] = eval_loss(engine)
     return out

@@ -232,6 +232,18 @@ def _frozen_and_buffers(engine: Any, layout: EngineLayout) -> dict[str, tuple[to
 
 
 # -------------------------------------------------------------------- save
+def _shared(engine: Any) -> dict[str, str]:
+    """Tied parameters: every alias name -> the name ``named_parameters`` reports (zero_to_fp32 adds aliases)."""
+    first: dict[int, str] = {}
+    out = {}
+    for name, p in engine.module.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            out[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return out
+
+
 def _json_ready(value: Any, what: str) -> Any:
     try:
         return json.loads(json.dumps(value))
@@ -287,6 +299,8 @@ def engine_state(engine: Any, client_state: Mapping[str, Any] | None = None) -> 
         "buffers": [n for n, _ in engine.module.named_buffers()],
         "frozen": [n for n, p in engine.module.named_parameters()
                    if id(p) not in {id(q) for g in layout.groups for q in g.lp_params}],
+        "shared": _shared(engine),
+        "ds_config": _json_ready(engine.config, "the DeepSpeed config") if isinstance(engine.config, dict) else {},
         "optimizer_state_keys": sorted({k for e in state.values() if isinstance(e, dict) for k in e
                                         if not k.startswith("lp") and k != FP32}),
         "lr_scheduler": _json_ready(sched, "the LR scheduler's state_dict"),
