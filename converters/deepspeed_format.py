@@ -135,6 +135,16 @@ def read_tag(folder: str, tag: str | None) -> str:
         return f.read().strip()
 
 
+def is_deepspeed_checkpoint(folder: str) -> bool:
+    """True if ``folder`` is a local native DeepSpeed checkpoint folder (``latest`` naming a ZeRO tag)."""
+    try:
+        tag = read_tag(folder, None)
+    except (CheckpointNotFoundError, OSError):
+        return False
+    where = os.path.join(folder, tag)
+    return os.path.isdir(where) and any(_OPTIM.match(n) for n in os.listdir(where))
+
+
 def find_files(folder: str, tag: str | None = None) -> NativeFiles:
     """Which files make up the checkpoint ``folder``/``tag`` (default: the ``latest`` tag)."""
     tag = read_tag(folder, tag)

@@ -89,3 +89,21 @@ def test_native_checkpoint_at_other_dp_is_refused_by_deepspeed(worlds, saved):
     with pytest.raises(Exception, match="Automatic adjustment"):
         worlds.run(2, job.resume_native, CASES[1][0], CASES[1][1], f"{folder}/native", from_step=SAVE_STEP,
                    steps=STEPS)
+
+
+def test_cli_convert_native_in_and_out(worlds, saved, tmp_path):
+    """``ckptkit convert`` detects a native DeepSpeed folder (import) and writes one (--format deepspeed)."""
+    from click.testing import CliRunner
+
+    from ckptkit.cli.main import cli
+
+    folder, ref = saved[CASES[1]]
+    imported, native = str(tmp_path / "imported"), str(tmp_path / "native_dp2")
+    res = CliRunner().invoke(cli, ["convert", f"{folder}/native", imported], catch_exceptions=False)
+    assert res.exit_code == 0 and "ckptkit" in res.output
+    res = CliRunner().invoke(cli, ["convert", imported, native, "--format", "deepspeed", "--dp", "2"])
+    assert res.exit_code == 0, res.output
+    got = worlds.run(2, job.resume_native, CASES[1][0], CASES[1][1], native, from_step=SAVE_STEP, steps=STEPS)[0]
+    check_resumed(ref, got, CASES[1][1], exact=False)
+    res = CliRunner().invoke(cli, ["convert", imported, str(tmp_path / "x"), "--format", "deepspeed"])
+    assert res.exit_code != 0 and "--dp" in res.output
