@@ -131,7 +131,8 @@ def train_and_save(stage: int, dtype: str, folder: str, *, save_step: int, steps
             if native:
                 engine.save_checkpoint(f"{folder}/native", tag=f"global_step{step}",
                                        client_state={"epoch": 7, "note": "x"})
-            out["committed"] = handle.committed.result() is not None
+    # steps 3 and 4 ran while the checkpoint persisted: the snapshot must not see them
+    out["committed"] = handle.committed.result() is not None
     out["losses"] = losses
     out["final_eval"] = eval_loss(engine)
     return out
@@ -203,3 +204,19 @@ def resume_native(stage: int, dtype: str, folder: str, *, from_step: int, steps:
     out["losses"] = {step: train_step(engine, step) for step in range(from_step + 1, steps + 1)}
     out["final_eval"] = eval_loss(engine)
     return out
+
+
+def checkpointer_run(stage: int, dtype: str, root: str, *, steps: int, resume: bool) -> dict[str, Any]:
+    """Train with DeepSpeedCheckpointer (every 2 steps, keep 2), optionally resuming from ``root`` first."""
+    from ckptkit.adapters.deepspeed import DeepSpeedCheckpointer
+
+    engine = build(stage, dtype)
+    ckpt = DeepSpeedCheckpointer(engine, root, every_steps=2, keep_last=2)
+    client = ckpt.restore_latest() if resume else None
+    start = engine.global_steps
+    losses = {}
+    for step in range(start + 1, steps + 1):
+        losses[step] = train_step(engine, step)
+        ckpt.maybe_save(client_state={"last": step})
+    ckpt.close()
+    return {"client": client, "start": start, "losses": losses, "eval": eval_loss(engine)}

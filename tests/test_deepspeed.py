@@ -91,3 +91,22 @@ def test_partition_facts_match_live_engines(worlds, stage, dtype, extra):
     """ckptkit/layout/zero_partition.py against DeepSpeed's own engines at DP 4, rank by rank."""
     for rank, got in enumerate(worlds.run(4, job.layout_facts, stage, dtype, extra)):
         assert got["ours"] == got["theirs"], rank
+
+
+def test_checkpointer_periodic_saves_retention_and_resize(worlds, tmp_path):
+    """DeepSpeedCheckpointer: async saves every 2 steps, keep 2; a DP-2 ZeRO-3 job resumes the newest and
+    continues as the uninterrupted DP-4 ZeRO-2 run does; a DP-4 job then resumes the DP-2 job's newest."""
+    import os
+
+    ref = worlds.run(4, job.checkpointer_run, 2, "fp32", str(tmp_path / "ref"), steps=8, resume=False)[0]
+    root = str(tmp_path / "run")
+    first = worlds.run(4, job.checkpointer_run, 2, "fp32", root, steps=6, resume=False)[0]
+    assert first["losses"] == {s: ref["losses"][s] for s in range(1, 7)}
+    assert sorted(n for n in os.listdir(root) if n.startswith("step-")) == ["step-0000004", "step-0000006"]
+    got = worlds.run(2, job.checkpointer_run, 3, "fp32", root, steps=8, resume=True)[0]
+    assert got["client"] == {"last": 6} and got["start"] == 6
+    for s in (7, 8):
+        assert got["losses"][s] == pytest.approx(ref["losses"][s], rel=TOL["fp32"]), s
+    assert got["eval"] == pytest.approx(ref["eval"], rel=TOL["fp32"])
+    cont = worlds.run(4, job.checkpointer_run, 2, "fp32", root, steps=8, resume=True)[0]
+    assert cont["start"] == 8 and cont["client"] == {"last": 8} and cont["eval"] == got["eval"]

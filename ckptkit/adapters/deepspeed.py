@@ -57,7 +57,7 @@ from ckptkit.errors import LayoutError, MissingKeysError, StateMismatchError
 from ckptkit.layout.box import Box
 from ckptkit.layout.pieces import Piece, box_piece, flat_piece
 from ckptkit.layout.values import decode_value
-from ckptkit.layout.zero_partition import Fragment, Zero3SubGroup, Zero12Group
+from ckptkit.layout.zero_partition import Fragment, Zero3SubGroup, Zero12Group, param_alignment
 from ckptkit.options import AsyncOptions, LoadOptions
 from ckptkit.storage.url import open_store
 
@@ -164,9 +164,8 @@ def _zero12_group(opt: Any, g: int, params: list, names: dict[int, str], dp: int
     order = tuple(position[id(p)] for p in flat_params)
     offsets_engine = list(opt.round_robin_bit16_offsets[g])
     numels = tuple(p.numel() for p in params)
-    align = 1
-    if any(opt.round_robin_bit16_padding[g]):
-        align = 16 // __import__("math").gcd(16, params[0].element_size())
+    # per-parameter padding shows only where a parameter ends off the alignment; none at all means 1 is exact
+    align = param_alignment(params[0].element_size(), any(opt.round_robin_bit16_padding[g]))
     layout = Zero12Group(numels, dp, order, align)
     ours = [layout.offsets[i] for i in order]
     fp32 = opt.single_partition_of_fp32_groups[g]
@@ -417,9 +416,65 @@ def _restore_training_dtype(engine: Any, layout: EngineLayout) -> None:
         return
     for g in layout.groups:
         at = 0
-        for p in g.lp_params:
+        for p in g.lp_params:  # (fp32 training: ds_tensor may be this very slice; the copy is then a no-op)
             n = p.ds_tensor.ds_numel
-            if p.ds_tensor.data_ptr() != g.fp32.data_ptr() + at * g.fp32.element_size() or p.ds_tensor.dtype != g.fp32.dtype:
-                p.ds_tensor.data.copy_(g.fp32.narrow(0, at, n))
+            p.ds_tensor.data.copy_(g.fp32.narrow(0, at, n))
             at += n
     opt.checkpoint_event_epilogue()  # re-gathers persistent parameters from their partitions
+
+
+# --------------------------------------------------------------- manager
+class DeepSpeedCheckpointer:
+    """Periodic checkpoints of one engine through :class:`ckptkit.CheckpointManager`.
+
+    Step folders (``step-0000100``) named by ``engine.global_steps``, retention
+    (``keep_last``) and asynchronous saves come from the manager; this class
+    supplies the engine's state and restores it at whatever DP size and ZeRO
+    stage the resuming job has::
+
+        ckpt = DeepSpeedCheckpointer(engine, "runs/exp1", every_steps=500, keep_last=3)
+        client_state = ckpt.restore_latest() or {}
+        for batch in loader:
+            ...; engine.step()
+            ckpt.maybe_save(client_state={"epoch": epoch})
+        ckpt.close()
+    """
+
+    def __init__(self, engine: Any, root: str, *, every_steps: int | None = None, keep_last: int | None = None,
+                 asynchronous: bool = True, options: AsyncOptions = AsyncOptions(),
+                 storage_options: dict[str, Any] | None = None) -> None:
+        from ckptkit.engine.collective import resolve_comm
+
+        self.engine = engine
+        self.storage_options = storage_options
+        self.manager = ckptkit.CheckpointManager(root, every_steps=every_steps, keep_last=keep_last,
+                                                 asynchronous=asynchronous, options=options,
+                                                 storage_options=storage_options)
+        self._comm = resolve_comm(None)
+
+    def maybe_save(self, *, client_state: Mapping[str, Any] | None = None) -> Any:
+        """Save if ``every_steps`` says so at ``engine.global_steps``; the handle, or None."""
+        if not self.manager.should_save(self.engine.global_steps):
+            return None
+        return self.save(client_state=client_state)
+
+    def save(self, *, client_state: Mapping[str, Any] | None = None) -> Any:
+        """Save now (blocks only for the snapshot when asynchronous)."""
+        return self.manager.save(self.engine.global_steps, engine_state(self.engine, client_state))
+
+    def restore_latest(self) -> dict[str, Any] | None:
+        """Load the newest step every rank sees committed; its client state, or None if there is none."""
+        from ckptkit.manager import step_dir
+
+        mine = max((r.step for r in self.manager.records() if r.committed), default=-1)
+        step = self._comm.all_min([mine])[0]
+        if step < 0:
+            return None
+        return load(self.engine, f"{self.manager.root.url}/{step_dir(step)}", storage_options=self.storage_options)
+
+    def wait(self) -> None:
+        self.manager.wait()
+
+    def close(self) -> None:
+        """Wait for the last save; raise a background failure."""
+        self.manager.close()
