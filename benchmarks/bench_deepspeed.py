@@ -52,7 +52,7 @@ def setup_deepspeed() -> Any:
     """DeepSpeed on CPU/gloo without JIT-compiled ops (the shm comm op is not needed over gloo)."""
     os.environ["DS_ACCELERATOR"] = "cpu"
     import deepspeed
-    import deepspeed.comm.torch  # noqa: F401
+    import deepspeed.comm.torch  # loaded before it is patched below
 
     sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
     deepspeed.init_distributed(dist_backend="gloo")

@@ -34,7 +34,11 @@ import torch
 
 import ckptkit
 from ckptkit.adapters.deepspeed import FORMAT, FP32, META, model_key, optim_key
-from ckptkit.engine.offline_writer import ConvertResult, OfflineWriteOptions, write_offline
+from ckptkit.engine.offline_writer import (
+    ConvertResult,
+    OfflineWriteOptions,
+    write_offline,
+)
 from ckptkit.engine.state import dtype_name
 from ckptkit.errors import LayoutError, ManifestError, StateMismatchError
 from ckptkit.layout.box import Box, Region

@@ -27,7 +27,7 @@ def import_deepspeed() -> Any:
     """DeepSpeed on CPU without JIT compilation (the shm comm op is not needed over gloo)."""
     os.environ["DS_ACCELERATOR"] = "cpu"
     import deepspeed
-    import deepspeed.comm.torch  # noqa: F401 - make sure the module is loaded before patching it
+    import deepspeed.comm.torch  # loaded before it is patched below
 
     sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
     deepspeed.init_distributed(dist_backend="gloo")
@@ -69,7 +69,9 @@ def build(stage: int, dtype: str, *, config_optimizer: bool = False, model: torc
     # A ZeRO-3 engine replaces torch.nn.functional.linear process-wide (memory_efficient_linear; DeepSpeed
     # says it "will persist unless manually reset"). These worlds run many engines in one process, so
     # reset it: every engine starts as it would in a fresh process.
-    from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses as _Init
+    from deepspeed.runtime.zero.partition_parameters import (
+        InsertPostInitMethodToModuleSubClasses as _Init,
+    )
 
     if hasattr(_Init, "linear_bk"):
         torch.nn.functional.linear = _Init.linear_bk
@@ -154,7 +156,12 @@ def resume(stage: int, dtype: str, path: str, *, from_step: int, steps: int,
 def layout_facts(stage: int, dtype: str, zero_extra: dict[str, Any]) -> dict[str, Any]:
     """ckptkit's partition facts next to what the live engine holds (sizes, padding, DeepSpeed's own
     per-parameter fragment addresses), after one step so the optimizer state exists."""
-    from ckptkit.layout.zero_partition import Zero3SubGroup, Zero12Group, param_alignment, round_robin_order
+    from ckptkit.layout.zero_partition import (
+        Zero3SubGroup,
+        Zero12Group,
+        param_alignment,
+        round_robin_order,
+    )
 
     cfg_zero = {"stage": stage, **zero_extra}
     engine = build(stage, dtype, zero_optimization=cfg_zero)

@@ -57,7 +57,12 @@ from ckptkit.errors import LayoutError, MissingKeysError, StateMismatchError
 from ckptkit.layout.box import Box
 from ckptkit.layout.pieces import Piece, box_piece, flat_piece
 from ckptkit.layout.values import decode_value
-from ckptkit.layout.zero_partition import Fragment, Zero3SubGroup, Zero12Group, param_alignment
+from ckptkit.layout.zero_partition import (
+    Fragment,
+    Zero3SubGroup,
+    Zero12Group,
+    param_alignment,
+)
 from ckptkit.options import AsyncOptions, LoadOptions
 from ckptkit.storage.url import open_store
 
