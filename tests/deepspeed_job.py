@@ -46,11 +46,11 @@ class MLP(torch.nn.Module):
         return self.out(torch.nn.functional.gelu(self.fc2(torch.nn.functional.gelu(self.fc1(x))))) * self.scale
 
 
-def config(stage: int, dtype: str, *, config_optimizer: bool = False, **extra: Any) -> dict[str, Any]:
+def config(stage: int, dtype: str, *, config_optimizer: bool = False, gas: int = 1, **extra: Any) -> dict[str, Any]:
     dp = dist.get_world_size()
     cfg: dict[str, Any] = {
-        "train_batch_size": GLOBAL_BATCH, "train_micro_batch_size_per_gpu": GLOBAL_BATCH // dp,
-        "gradient_accumulation_steps": 1, "zero_optimization": {"stage": stage},
+        "train_batch_size": GLOBAL_BATCH, "train_micro_batch_size_per_gpu": GLOBAL_BATCH // (dp * gas),
+        "gradient_accumulation_steps": gas, "zero_optimization": {"stage": stage},
         "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 1e-3, "warmup_max_lr": 1e-2,
                                                      "warmup_num_steps": 4}},
         "steps_per_print": 10 ** 9,
@@ -95,15 +95,20 @@ def _dtype(engine: Any) -> torch.dtype:
 
 
 def train_step(engine: Any, step: int) -> float:
-    """One optimizer step on this rank's share of the global batch; the global mean loss."""
-    dp, rank = dist.get_world_size(), dist.get_rank()
+    """One optimizer step on this rank's share of the global batch (in ``gradient_accumulation_steps``
+    micro-batches); the global mean loss."""
+    dp, rank, gas = dist.get_world_size(), dist.get_rank(), engine.gradient_accumulation_steps()
     x, y = batch(step)
     per = GLOBAL_BATCH // dp
     x, y = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
-    loss = (engine(x.to(_dtype(engine))).float() - y).pow(2).mean()
-    engine.backward(loss)
-    engine.step()
-    total = loss.detach().clone()
+    micro = per // gas
+    total = torch.zeros(())
+    for i in range(gas):
+        xs, ys = x[i * micro:(i + 1) * micro], y[i * micro:(i + 1) * micro]
+        loss = (engine(xs.to(_dtype(engine))).float() - ys).pow(2).mean()
+        engine.backward(loss)
+        engine.step()  # DeepSpeed steps the optimizer only at the accumulation boundary
+        total += loss.detach() / gas
     dist.all_reduce(total)
     return (total / dp).item()
 
@@ -141,15 +146,16 @@ def train_and_save(stage: int, dtype: str, folder: str, *, save_step: int, steps
 
 
 def resume(stage: int, dtype: str, path: str, *, from_step: int, steps: int,
-           config_optimizer: bool = False) -> dict[str, Any]:
+           config_optimizer: bool = False, gas: int = 1) -> dict[str, Any]:
     from ckptkit.adapters import deepspeed as ds_ckpt
 
-    engine = build(stage, dtype, config_optimizer=config_optimizer)
+    engine = build(stage, dtype, config_optimizer=config_optimizer, gas=gas)
     client = ds_ckpt.load(engine, path)
     out: dict[str, Any] = {"client": client, "eval": eval_loss(engine), "lr": engine.get_lr(),
                            "global_steps": engine.global_steps, "global_samples": engine.global_samples}
     out["losses"] = {step: train_step(engine, step) for step in range(from_step + 1, steps + 1)}
     out["final_eval"] = eval_loss(engine)
+    out["micro_steps"] = engine.micro_steps
     return out
 
 
@@ -227,3 +233,16 @@ def checkpointer_run(stage: int, dtype: str, root: str, *, steps: int, resume: b
         ckpt.maybe_save(client_state={"last": step})
     ckpt.close()
     return {"client": client, "start": start, "losses": losses, "eval": eval_loss(engine)}
+
+
+def refused_bf16_optimizer(folder: str) -> str:
+    """ZeRO-1 + bf16 + fp32 gradient accumulation: DeepSpeed's BF16_Optimizer, which the adapter refuses."""
+    from ckptkit.adapters import deepspeed as ds_ckpt
+    from ckptkit.errors import StateMismatchError
+
+    engine = build(1, "bf16", data_types={"grad_accum_dtype": "fp32"})
+    try:
+        ds_ckpt.save(engine, folder)
+    except StateMismatchError as exc:
+        return str(exc)
+    return "saved"

@@ -110,3 +110,19 @@ def test_checkpointer_periodic_saves_retention_and_resize(worlds, tmp_path):
     assert got["eval"] == pytest.approx(ref["eval"], rel=TOL["fp32"])
     cont = worlds.run(4, job.checkpointer_run, 2, "fp32", root, steps=8, resume=True)[0]
     assert cont["start"] == 8 and cont["client"] == {"last": 8} and cont["eval"] == got["eval"]
+
+
+@pytest.mark.parametrize("case", [(2, "fp32"), (3, "bf16")], ids=["z2-fp32", "z3-bf16"])
+def test_resume_at_dp2_with_gradient_accumulation(worlds, saved, case):
+    """Same global batch at DP 2 through 2 accumulation micro-steps: the accumulation boundary
+    (DeepSpeed's micro-step counter) is consistent after loading."""
+    folder, ref, cfg_opt = saved[case]
+    got = worlds.run(2, job.resume, case[0], case[1], f"{folder}/ckptkit", from_step=SAVE_STEP, steps=STEPS,
+                     config_optimizer=cfg_opt, gas=2)[0]
+    check_resumed(ref, got, case[1], exact=False)
+    assert got["micro_steps"] == STEPS * 2
+
+
+def test_unsupported_optimizer_wrapper_is_refused(worlds, tmp_path):
+    msg = worlds.run(2, job.refused_bf16_optimizer, str(tmp_path / "x"))[0]
+    assert "BF16_Optimizer" in msg

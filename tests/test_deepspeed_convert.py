@@ -80,10 +80,16 @@ def test_native_import_then_resume_at_dp2(worlds, saved, tmp_path, case):
 
 @pytest.mark.parametrize("case,target_stage", [(CASES[0], 2), (CASES[1], 3), (CASES[2], 3)],
                          ids=["z2-bf16-to-z2", "z3-fp32-to-z3", "z1-fp32-to-z3"])
-def test_export_native_at_dp2_loads_in_deepspeed(worlds, saved, tmp_path, case, target_stage):
+@pytest.mark.parametrize("source", ["ckptkit", "native"])
+def test_export_native_at_dp2_loads_in_deepspeed(worlds, saved, tmp_path, case, target_stage, source):
+    """From the adapter's checkpoint, and the full chain native DP 4 -> ckptkit -> native DP 2."""
     folder, ref = saved[case]
+    src = f"{folder}/ckptkit"
+    if source == "native":
+        src = str(tmp_path / "imported")
+        import_deepspeed(f"{folder}/native", src)
     dest = str(tmp_path / "native_dp2")
-    export_deepspeed(f"{folder}/ckptkit", dest, dp=2, stage=target_stage)
+    export_deepspeed(src, dest, dp=2, stage=target_stage)
     got = worlds.run(2, job.resume_native, target_stage, case[1], dest, from_step=SAVE_STEP, steps=STEPS)[0]
     check_resumed(ref, got, case[1], exact=False)
 

@@ -126,6 +126,12 @@ def _check_supported(engine: Any) -> None:
     where = f"DeepSpeed engine (rank {dist.get_rank() if dist.is_initialized() else 0})"
     if stage not in (1, 2, 3):
         raise StateMismatchError(f"{where}: ZeRO stage {stage}; ckptkit's DeepSpeed adapter needs ZeRO stage 1, 2 or 3")
+    kind = type(engine.optimizer).__name__
+    if kind not in ("DeepSpeedZeroOptimizer", "DeepSpeedZeroOptimizer_Stage3"):
+        raise StateMismatchError(
+            f"{where}: optimizer wrapper {kind} (e.g. BF16_Optimizer, which DeepSpeed picks for ZeRO-1 with bf16 "
+            "parameters and fp32 gradient accumulation); ckptkit's DeepSpeed adapter reads DeepSpeedZeroOptimizer "
+            "and DeepSpeedZeroOptimizer_Stage3 partitions")
     if engine.fp16_enabled():
         raise StateMismatchError(f"{where}: fp16 training; the dynamic loss scaler's state is not carried by "
                                  "ckptkit's DeepSpeed adapter (use bf16 or fp32)")
