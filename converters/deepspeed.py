@@ -294,6 +294,12 @@ def _fill(cache: _ParamCache, lay: FlatLayout, rank: int, key: Callable[[str], s
     return out
 
 
+def _add_aliases(module: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+    """Tied parameters appear under every name in ``module.state_dict()``, which DeepSpeed loads strictly."""
+    for alias, name in meta.get("shared", {}).items():
+        module[alias] = module[name]
+
+
 def export_deepspeed(source: str | os.PathLike[str], dest: str | os.PathLike[str], *, dp: int,
                      stage: int | None = None, tag: str | None = None, ds_config: dict[str, Any] | None = None,
                      storage_options: dict[str, Any] | None = None) -> ConvertResult:
@@ -373,6 +379,7 @@ def export_deepspeed(source: str | os.PathLike[str], dest: str | os.PathLike[str
             module = OrderedDict((n, torch.empty(0, dtype=lp_dtype)) for g in groups for n, _ in g)
             for b in meta["buffers"]:
                 module[b] = view[model_key(b)].read()
+            _add_aliases(module, meta)
             torch.save({"module": module, **common},
                        os.path.join(folder, f"zero_pp_rank_{r}_mp_rank_00_model_states.pt"))
         torch.save({"optimizer_state_dict": rec, "ds_version": version},
@@ -382,6 +389,7 @@ def export_deepspeed(source: str | os.PathLike[str], dest: str | os.PathLike[str
         module = OrderedDict((n, view[model_key(n)].read()) for g in groups for n, _ in g)
         for b in meta["buffers"]:
             module[b] = view[model_key(b)].read()
+        _add_aliases(module, meta)
         torch.save({"module": module, **common}, os.path.join(folder, fmt.MODEL_STATES_12))
     with open(os.path.join(os.fspath(dest), fmt.LATEST), "w", encoding="utf-8") as f:
         f.write(tag)

@@ -46,6 +46,50 @@ class MLP(torch.nn.Module):
         return self.out(torch.nn.functional.gelu(self.fc2(torch.nn.functional.gelu(self.fc1(x))))) * self.scale
 
 
+class Block(torch.nn.Module):
+    """A pre-norm causal self-attention + MLP block from plain Linear layers (ZeRO-3 gathers each
+    module's parameters in its own forward, so no functional reuse of another module's weights)."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = torch.nn.LayerNorm(dim), torch.nn.LayerNorm(dim)
+        self.qkv = torch.nn.Linear(dim, 3 * dim)
+        self.proj = torch.nn.Linear(dim, dim)
+        self.up, self.down = torch.nn.Linear(dim, 3 * dim - 1), torch.nn.Linear(3 * dim - 1, dim)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        b, t, d = h.shape
+        q, k, v = self.qkv(self.norm1(h)).view(b, t, 3, self.heads, d // self.heads).unbind(2)
+        a = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                             is_causal=True)
+        h = h + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        return h + self.down(torch.nn.functional.gelu(self.up(self.norm2(h))))
+
+
+class TinyLM(torch.nn.Module):
+    """Two blocks, vocab 37, width 18, with the output head tied to the embedding (a shared parameter)."""
+
+    VOCAB, DIM, SEQ = 37, 18, 6
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(self.VOCAB, self.DIM)
+        self.blocks = torch.nn.ModuleList([Block(self.DIM, 3) for _ in range(2)])
+        self.norm = torch.nn.LayerNorm(self.DIM)
+        self.head = torch.nn.Linear(self.DIM, self.VOCAB, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.emb(tokens)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.norm(h))
+
+
+MODELS = {"mlp": MLP, "lm": TinyLM}
+
+
 def config(stage: int, dtype: str, *, config_optimizer: bool = False, gas: int = 1, **extra: Any) -> dict[str, Any]:
     dp = dist.get_world_size()
     cfg: dict[str, Any] = {
@@ -63,7 +107,7 @@ def config(stage: int, dtype: str, *, config_optimizer: bool = False, gas: int =
     return cfg
 
 
-def build(stage: int, dtype: str, *, config_optimizer: bool = False, model: torch.nn.Module | None = None,
+def build(stage: int, dtype: str, *, config_optimizer: bool = False, model: str = "mlp",
           **extra: Any) -> Any:
     deepspeed = import_deepspeed()
     # A ZeRO-3 engine replaces torch.nn.functional.linear process-wide (memory_efficient_linear; DeepSpeed
@@ -76,7 +120,7 @@ def build(stage: int, dtype: str, *, config_optimizer: bool = False, model: torc
     if hasattr(_Init, "linear_bk"):
         torch.nn.functional.linear = _Init.linear_bk
     torch.manual_seed(0)
-    model = model or MLP()
+    model = MODELS[model]()
     cfg = config(stage, dtype, config_optimizer=config_optimizer, **extra)
     kwargs: dict[str, Any] = {"model": model, "config": cfg, "model_parameters": model.parameters()}
     if not config_optimizer:
@@ -85,9 +129,20 @@ def build(stage: int, dtype: str, *, config_optimizer: bool = False, model: torc
     return engine
 
 
-def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(step: int, engine: Any) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 + step)
-    return torch.randn(GLOBAL_BATCH, IN, generator=g), torch.randn(GLOBAL_BATCH, OUT, generator=g)
+    if isinstance(engine.module, TinyLM):
+        tokens = torch.randint(0, TinyLM.VOCAB, (GLOBAL_BATCH, TinyLM.SEQ + 1), generator=g)
+        return tokens[:, :-1], tokens[:, 1:]
+    x = torch.randn(GLOBAL_BATCH, IN, generator=g).to(_dtype(engine))
+    return x, torch.randn(GLOBAL_BATCH, OUT, generator=g)
+
+
+def loss_of(engine: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    out = engine(x).float()
+    if isinstance(engine.module, TinyLM):
+        return torch.nn.functional.cross_entropy(out.reshape(-1, TinyLM.VOCAB), y.reshape(-1))
+    return (out - y).pow(2).mean()
 
 
 def _dtype(engine: Any) -> torch.dtype:
@@ -98,14 +153,14 @@ def train_step(engine: Any, step: int) -> float:
     """One optimizer step on this rank's share of the global batch (in ``gradient_accumulation_steps``
     micro-batches); the global mean loss."""
     dp, rank, gas = dist.get_world_size(), dist.get_rank(), engine.gradient_accumulation_steps()
-    x, y = batch(step)
+    x, y = batch(step, engine)
     per = GLOBAL_BATCH // dp
     x, y = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
     micro = per // gas
     total = torch.zeros(())
     for i in range(gas):
         xs, ys = x[i * micro:(i + 1) * micro], y[i * micro:(i + 1) * micro]
-        loss = (engine(xs.to(_dtype(engine))).float() - ys).pow(2).mean()
+        loss = loss_of(engine, xs, ys)
         engine.backward(loss)
         engine.step()  # DeepSpeed steps the optimizer only at the accumulation boundary
         total += loss.detach() / gas
@@ -115,17 +170,17 @@ def train_step(engine: Any, step: int) -> float:
 
 @torch.no_grad()
 def eval_loss(engine: Any) -> float:
-    x, y = batch(-1)
-    return (engine(x.to(_dtype(engine))).float() - y).pow(2).mean().item()
+    x, y = batch(-1, engine)
+    return loss_of(engine, x, y).item()
 
 
 def train_and_save(stage: int, dtype: str, folder: str, *, save_step: int, steps: int,
-                   config_optimizer: bool = False, native: bool = True) -> dict[str, Any]:
+                   config_optimizer: bool = False, native: bool = True, model: str = "mlp") -> dict[str, Any]:
     """The uninterrupted reference run: saves asynchronously with ckptkit at ``save_step``
     (and natively with DeepSpeed), keeps training to ``steps``."""
     from ckptkit.adapters import deepspeed as ds_ckpt
 
-    engine = build(stage, dtype, config_optimizer=config_optimizer)
+    engine = build(stage, dtype, config_optimizer=config_optimizer, model=model)
     losses, out = {}, {}
     for step in range(1, steps + 1):
         losses[step] = train_step(engine, step)
@@ -146,11 +201,16 @@ def train_and_save(stage: int, dtype: str, folder: str, *, save_step: int, steps
 
 
 def resume(stage: int, dtype: str, path: str, *, from_step: int, steps: int,
-           config_optimizer: bool = False, gas: int = 1) -> dict[str, Any]:
+           config_optimizer: bool = False, gas: int = 1, model: str = "mlp",
+           resave: str | None = None) -> dict[str, Any]:
+    """Load ``path`` into a fresh engine (``resave``: then save it again right away, so the test can
+    compare the two checkpoints in model space), evaluate, and train on."""
     from ckptkit.adapters import deepspeed as ds_ckpt
 
-    engine = build(stage, dtype, config_optimizer=config_optimizer, gas=gas)
+    engine = build(stage, dtype, config_optimizer=config_optimizer, gas=gas, model=model)
     client = ds_ckpt.load(engine, path)
+    if resave is not None:
+        ds_ckpt.save(engine, resave, client_state=client)
     out: dict[str, Any] = {"client": client, "eval": eval_loss(engine), "lr": engine.get_lr(),
                            "global_steps": engine.global_steps, "global_samples": engine.global_samples}
     out["losses"] = {step: train_step(engine, step) for step in range(from_step + 1, steps + 1)}
@@ -207,9 +267,9 @@ def layout_facts(stage: int, dtype: str, zero_extra: dict[str, Any]) -> dict[str
 
 
 def resume_native(stage: int, dtype: str, folder: str, *, from_step: int, steps: int,
-                  config_optimizer: bool = False) -> dict[str, Any]:
+                  config_optimizer: bool = False, model: str = "mlp") -> dict[str, Any]:
     """Resume through DeepSpeed's own ``engine.load_checkpoint`` (e.g. of a folder ckptkit exported)."""
-    engine = build(stage, dtype, config_optimizer=config_optimizer)
+    engine = build(stage, dtype, config_optimizer=config_optimizer, model=model)
     _, client = engine.load_checkpoint(folder)
     out: dict[str, Any] = {"client": {k: client[k] for k in ("epoch", "note") if k in client},
                            "eval": eval_loss(engine), "lr": engine.get_lr(),

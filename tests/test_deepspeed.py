@@ -18,6 +18,8 @@ import pytest
 
 pytest.importorskip("deepspeed")
 
+import torch
+
 from tests import deepspeed_job as job
 
 SAVE_STEP, STEPS = 2, 4
@@ -39,8 +41,13 @@ def saved(worlds, tmp_path_factory):
     return out
 
 
-def check_resumed(ref: dict, got: dict, dtype: str, *, exact: bool) -> None:
-    assert got["eval"] == ref["eval"]  # the loaded weights are the saved ones, bit for bit
+def check_resumed(ref: dict, got: dict, dtype: str, *, exact: bool, same_kernels: bool = True) -> None:
+    """``same_kernels``: the loaded engine computes its forward like the saving one (ZeRO 1/2 vs 3 differ:
+    ZeRO-3 runs linear layers through its own autograd function), so the same weights give the same loss."""
+    if same_kernels:
+        assert got["eval"] == ref["eval"]  # the loaded weights are the saved ones, bit for bit
+    else:
+        assert got["eval"] == pytest.approx(ref["eval"], rel=TOL[dtype])
     assert got["lr"] == ref["lr"]
     assert got["client"] == {"epoch": 7, "note": "x"}
     assert (got["global_steps"], got["global_samples"]) == (SAVE_STEP, SAVE_STEP * job.GLOBAL_BATCH)
@@ -72,14 +79,29 @@ def test_resume_at_smaller_dp(worlds, saved, case, dp):
     check_resumed(ref, got, case[1], exact=dp == 4)
 
 
+def assert_same_state(saved: str, resaved: str) -> None:
+    """Every model-space tensor (fp32 masters, moments, weights, buffers) of two checkpoints, bit for bit."""
+    import ckptkit
+
+    a, b = ckptkit.open(saved), ckptkit.open(resaved)
+    assert sorted(a.keys()) == sorted(b.keys()) and a.keys()
+    for key in a.keys():
+        x, y = a[key].read(), b[key].read()
+        assert x.dtype == y.dtype and torch.equal(x, y), key
+
+
 @pytest.mark.parametrize("case", CASES, ids=[f"z{s}-{d}" for s, d in CASES])
-def test_resume_at_another_stage_and_dp(worlds, saved, case):
-    """ZeRO 1/2 -> 3 and 3 -> 1 at DP 2: DeepSpeed's universal checkpoints cannot do this."""
+def test_resume_at_another_stage_and_dp(worlds, saved, case, tmp_path):
+    """ZeRO 1/2 -> 3 and 3 -> 1 at DP 2 (DeepSpeed's universal checkpoints cannot do this): the loaded
+    engine's whole state, saved again, equals the checkpoint bit for bit; training continues as the
+    uninterrupted run does."""
     folder, ref, cfg_opt = saved[case]
     stage = OTHER_STAGE[case[0]]
+    resaved = str(tmp_path / "resaved")
     got = worlds.run(2, job.resume, stage, case[1], f"{folder}/ckptkit", from_step=SAVE_STEP, steps=STEPS,
-                     config_optimizer=cfg_opt)[0]
-    check_resumed(ref, got, case[1], exact=False)
+                     config_optimizer=cfg_opt, resave=resaved)[0]
+    assert_same_state(f"{folder}/ckptkit", resaved)
+    check_resumed(ref, got, case[1], exact=False, same_kernels=False)
 
 
 @pytest.mark.parametrize("stage,dtype,extra", [

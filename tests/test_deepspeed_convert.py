@@ -30,7 +30,7 @@ from converters.deepspeed import (
 )
 from converters.deepspeed_format import find_files
 from tests import deepspeed_job as job
-from tests.test_deepspeed import SAVE_STEP, STEPS, check_resumed
+from tests.test_deepspeed import SAVE_STEP, STEPS, assert_same_state, check_resumed
 
 CASES = [(2, "bf16"), (3, "fp32"), (1, "fp32")]
 
@@ -118,3 +118,39 @@ def test_cli_convert_native_in_and_out(worlds, saved, tmp_path):
     check_resumed(ref, got, CASES[1][1], exact=False)
     res = CliRunner().invoke(cli, ["convert", imported, str(tmp_path / "x"), "--format", "deepspeed"])
     assert res.exit_code != 0 and "--dp" in res.output
+
+
+# ---- a tiny transformer LM with its output head tied to the embedding (one parameter, two names)
+LM_CASES = [(2, "bf16"), (3, "fp32")]
+
+
+@pytest.fixture(scope="module")
+def saved_lm(worlds, tmp_path_factory):
+    out = {}
+    for stage, dtype in LM_CASES:
+        folder = str(tmp_path_factory.mktemp(f"dslm_z{stage}_{dtype}"))
+        out[(stage, dtype)] = (folder, worlds.run(4, job.train_and_save, stage, dtype, folder, save_step=SAVE_STEP,
+                                                  steps=STEPS, model="lm")[0])
+    return out
+
+
+@pytest.mark.parametrize("case", LM_CASES, ids=[f"z{s}-{d}" for s, d in LM_CASES])
+def test_tied_lm_fp32_resize_and_native_export(worlds, saved_lm, tmp_path, case):
+    folder, ref = saved_lm[case]
+    theirs = zero_to_fp32(f"{folder}/native")
+    imported = str(tmp_path / "imported")
+    import_deepspeed(f"{folder}/native", imported)
+    assert "head.weight" in theirs
+    for ours in (consolidated_fp32_state_dict(f"{folder}/ckptkit"), consolidated_fp32_state_dict(imported)):
+        assert sorted(ours) == sorted(theirs)
+        assert all(torch.equal(ours[k], v) for k, v in theirs.items())
+    other = 3 if case[0] < 3 else 1
+    resaved = str(tmp_path / "resaved")
+    got = worlds.run(2, job.resume, other, case[1], f"{folder}/ckptkit", from_step=SAVE_STEP, steps=STEPS,
+                     model="lm", resave=resaved)[0]
+    assert_same_state(f"{folder}/ckptkit", resaved)
+    check_resumed(ref, got, case[1], exact=False, same_kernels=False)
+    dest = str(tmp_path / "native_dp2")
+    export_deepspeed(f"{folder}/ckptkit", dest, dp=2)
+    got = worlds.run(2, job.resume_native, case[0], case[1], dest, from_step=SAVE_STEP, steps=STEPS, model="lm")[0]
+    check_resumed(ref, got, case[1], exact=False)
