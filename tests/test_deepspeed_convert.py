@@ -32,7 +32,7 @@ from converters.deepspeed_format import find_files
 from tests import deepspeed_job as job
 from tests.test_deepspeed import SAVE_STEP, STEPS, assert_same_state, check_resumed
 
-CASES = [(2, "bf16"), (3, "fp32"), (1, "fp32")]
+CASES = [(2, "bf16"), (3, "fp32"), (1, "fp32"), (3, "bf16")]
 
 
 @pytest.fixture(scope="module")
@@ -78,8 +78,8 @@ def test_native_import_then_resume_at_dp2(worlds, saved, tmp_path, case):
     check_resumed(ref, got, case[1], exact=False)
 
 
-@pytest.mark.parametrize("case,target_stage", [(CASES[0], 2), (CASES[1], 3), (CASES[2], 3)],
-                         ids=["z2-bf16-to-z2", "z3-fp32-to-z3", "z1-fp32-to-z3"])
+@pytest.mark.parametrize("case,target_stage", [(CASES[0], 2), (CASES[1], 3), (CASES[2], 3), (CASES[3], 1)],
+                         ids=["z2-bf16-to-z2", "z3-fp32-to-z3", "z1-fp32-to-z3", "z3-bf16-to-z1"])
 @pytest.mark.parametrize("source", ["ckptkit", "native"])
 def test_export_native_at_dp2_loads_in_deepspeed(worlds, saved, tmp_path, case, target_stage, source):
     """From the adapter's checkpoint, and the full chain native DP 4 -> ckptkit -> native DP 2."""
