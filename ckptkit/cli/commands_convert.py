@@ -1,4 +1,4 @@
-"""``ckptkit convert``: a checkpoint to a zarr v3 group (through tensorstore) or a DCP checkpoint, and back.
+"""``ckptkit convert``: a checkpoint to a zarr v3 group (through tensorstore), a DCP or a DeepSpeed checkpoint, and back.
 
 The source's kind is detected (a zarr group has ``zarr.json``, a DCP
 checkpoint ``.metadata``, a ckptkit checkpoint ``manifest.json``); ``--format``
@@ -40,11 +40,12 @@ def progress_bar(label: str, enabled: bool, *, data: bool = True) -> Iterator[Ca
         yield lambda done, total: bar.update(task, completed=done, total=total)
 
 
-@click.command("convert", short_help="Checkpoint <-> zarr v3 group or torch.distributed.checkpoint (DCP).")
+@click.command("convert", short_help="Checkpoint <-> zarr v3 group, DCP or DeepSpeed ZeRO.")
 @click.argument("source")
 @click.argument("dest")
-@click.option("--format", "fmt", type=click.Choice(["zarr", "dcp", "hf", "ckptkit"]), default=None,
-              help="Output format. Default: zarr for a checkpoint, ckptkit for a zarr export or a DCP checkpoint.")
+@click.option("--format", "fmt", type=click.Choice(["zarr", "dcp", "hf", "deepspeed", "ckptkit"]), default=None,
+              help="Output format. Default: zarr for a checkpoint, ckptkit for a zarr export, a DCP checkpoint "
+                   "or a native DeepSpeed checkpoint folder.")
 @click.option("--chunk-mib", type=click.FloatRange(min=0.001), default=8.0, show_default=True,
               help="zarr: largest inner (read) chunk.")
 @click.option("--shard-mib", type=click.FloatRange(min=0.001), default=64.0, show_default=True,
@@ -66,10 +67,14 @@ def progress_bar(label: str, enabled: bool, *, data: bool = True) -> Iterator[Ca
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
               help="hf: cast the weights (default: as stored).")
 @click.option("--prefix", default="model/", show_default=True, help="hf: where the model's parameters sit in the state.")
+@click.option("--dp", type=click.IntRange(min=1), default=None, help="deepspeed: DP size of the native export.")
+@click.option("--zero-stage", type=click.IntRange(1, 3), default=None,
+              help="deepspeed: ZeRO stage of the native export (default: the saving job's).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document instead of text.")
 def convert_cmd(source: str, dest: str, fmt: str | None, chunk_mib: float, shard_mib: float, portable: bool,
                 compression: str, skip_unsafe_items: bool, threads: int | None, hf_config: str | None,
-                heads: int | None, kv_heads: int | None, dtype: str | None, prefix: str, as_json: bool) -> None:
+                heads: int | None, kv_heads: int | None, dtype: str | None, prefix: str, dp: int | None,
+                zero_stage: int | None, as_json: bool) -> None:
     """Convert SOURCE into DEST.
 
     A checkpoint becomes a zarr v3 group (--format zarr): every logical tensor
@@ -94,22 +99,31 @@ def convert_cmd(source: str, dest: str, fmt: str | None, chunk_mib: float, shard
       ckptkit convert outputs/checkpoint/step-1000 runs/titan/step-0001000        # DCP -> ckptkit
       ckptkit convert runs/exp1/step-0001000 dcp/step-1000 --format dcp           # ckptkit -> DCP
       ckptkit convert runs/exp1/step-0001000 hf/ --format hf --hf-config config.json  # weights -> HF safetensors
+      ckptkit convert ds_checkpoints/ runs/ds/step-0000200          # native DeepSpeed (latest tag) -> ckptkit
+      ckptkit convert runs/ds/step-0000200 ds_dp8/ --format deepspeed --dp 8 --zero-stage 3
     """
     from ckptkit.modelspace.zarr_io import is_zarr_export
     from converters.dcp import is_dcp_checkpoint
 
     from_zarr = is_zarr_export(source)
     from_dcp = not from_zarr and is_dcp_checkpoint(source)
-    fmt = fmt or ("ckptkit" if from_zarr or from_dcp else "zarr")
+    from_ds = not (from_zarr or from_dcp) and _is_deepspeed(source)
+    fmt = fmt or ("ckptkit" if from_zarr or from_dcp or from_ds else "zarr")
     show = not as_json and sys.stdout.isatty()
-    if fmt != "ckptkit" and (from_zarr or from_dcp):
-        kind = "a zarr group" if from_zarr else "a DCP checkpoint"
+    if fmt != "ckptkit" and (from_zarr or from_dcp or from_ds):
+        kind = "a zarr group" if from_zarr else "a DCP checkpoint" if from_dcp else "a DeepSpeed checkpoint"
         raise CkptkitError(f"{source} is already {kind}; --format ckptkit converts it to a checkpoint "
                            f"(then convert that to --format {fmt})")
-    if fmt == "hf":
+    if fmt == "deepspeed":
+        from converters.deepspeed import export_deepspeed
+
+        if dp is None:
+            raise CkptkitError("--format deepspeed needs --dp N (the DP size the native checkpoint is written for)")
+        result = export_deepspeed(source, dest, dp=dp, stage=zero_stage)
+    elif fmt == "hf":
         _export_hf(source, dest, hf_config, heads, kv_heads, dtype, prefix, show, as_json)
         return
-    if fmt == "zarr":
+    elif fmt == "zarr":
         from ckptkit.modelspace.zarr_io import ZarrExportOptions, export_zarr
 
         options = ZarrExportOptions(chunk_bytes=int(chunk_mib * 2**20), shard_bytes=int(shard_mib * 2**20),
@@ -129,6 +143,10 @@ def convert_cmd(source: str, dest: str, fmt: str | None, chunk_mib: float, shard
         with progress_bar("importing", show) as progress:
             result = import_zarr(source, dest, options=ZarrImportOptions(threads=threads or ZarrImportOptions.threads),
                                  progress=progress)
+    elif from_ds:
+        from converters.deepspeed import import_deepspeed
+
+        result = import_deepspeed(source, dest)
     elif from_dcp:
         from converters.dcp import DcpImportOptions, import_dcp
 
@@ -152,6 +170,12 @@ def convert_cmd(source: str, dest: str, fmt: str | None, chunk_mib: float, shard
     if skipped:
         what = "per-rank values DCP cannot hold" if result.format == "dcp" else "non-tensor items that do not decode safely"
         click.echo(f"skipped {len(skipped)} {what}: {', '.join(skipped)}")
+
+
+def _is_deepspeed(source: str) -> bool:
+    from converters.deepspeed_format import is_deepspeed_checkpoint
+
+    return is_deepspeed_checkpoint(source)
 
 
 def _export_hf(source: str, dest: str, hf_config: str | None, heads: int | None, kv_heads: int | None,

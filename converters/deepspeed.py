@@ -1,0 +1,435 @@
+"""DeepSpeed ZeRO checkpoints into and out of ckptkit, and consolidated fp32 weights.
+
+* :func:`import_deepspeed`: a native ``engine.save_checkpoint`` folder
+  (``latest`` + ``global_stepN/``) -> a committed ckptkit checkpoint in the
+  format of :mod:`ckptkit.adapters.deepspeed`, so
+  ``ckptkit.adapters.deepspeed.load`` resumes it at any DP size and ZeRO
+  stage. Each native DP rank becomes a virtual writer rank that stores the
+  flat fragments of its own optimizer file (no re-partitioning, no gather);
+  files are read one rank at a time (:mod:`ckptkit.engine.offline_writer`),
+  through ``torch.load(weights_only=True)`` only (see
+  :mod:`converters.deepspeed_format` for exactly what is trusted).
+* :func:`export_deepspeed`: a ckptkit DeepSpeed checkpoint -> a native folder
+  for a chosen DP size and ZeRO stage that ``engine.load_checkpoint`` accepts
+  (the files DeepSpeed itself would have written at that size, rank by rank).
+* :func:`consolidated_fp32_state_dict` / :func:`export_fp32`: the fp32 master
+  weights as one state dict, equal to DeepSpeed's ``zero_to_fp32`` output
+  (buffers in fp32, trainable parameters from the fp32 masters, tied aliases),
+  read from a ckptkit checkpoint by model-space views.
+
+Native folders are local paths (DeepSpeed writes them with ``torch.save``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+import ckptkit
+from ckptkit.adapters.deepspeed import FORMAT, FP32, META, model_key, optim_key
+from ckptkit.engine.offline_writer import (
+    ConvertResult,
+    OfflineWriteOptions,
+    write_offline,
+)
+from ckptkit.engine.state import dtype_name
+from ckptkit.errors import LayoutError, ManifestError, StateMismatchError
+from ckptkit.layout.box import Box, Region
+from ckptkit.layout.values import encode_value
+from ckptkit.layout.zero_partition import (
+    Fragment,
+    Zero3SubGroup,
+    Zero12Group,
+    param_alignment,
+    round_robin_order,
+    zero3_sub_groups,
+)
+from ckptkit.storage.url import open_store
+from converters import deepspeed_format as fmt
+
+META_KEY = f"deepspeed_engine/{META}"
+DEFAULT_SUB_GROUP_SIZE = 1_000_000_000  # DeepSpeed's zero_optimization.sub_group_size default
+
+
+@dataclass(frozen=True)
+class _Spec:
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class FlatLayout:
+    """One flat partition (ZeRO-1/2 group or ZeRO-3 sub-group) at one DP size: its members and cut."""
+
+    group: int
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    cut: Zero12Group | Zero3SubGroup
+
+    def fragments(self, rank: int) -> list[Fragment]:
+        return self.cut.fragments(rank)
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def flat_layouts(groups: Sequence[Sequence[tuple[str, tuple[int, ...]]]], stage: int, dp: int, *,
+                 round_robin: bool = False, align: int = 1,
+                 sub_group_size: int = DEFAULT_SUB_GROUP_SIZE) -> list[FlatLayout]:
+    """Every flat partition of a model whose param groups hold ``groups`` (name, shape), at ``dp``."""
+    out = []
+    for g, members in enumerate(groups):
+        names = tuple(n for n, _ in members)
+        shapes = tuple(tuple(s) for _, s in members)
+        numels = tuple(_numel(s) for s in shapes)
+        if stage < 3:
+            order = tuple(round_robin_order(len(numels), dp)) if round_robin else None
+            out.append(FlatLayout(g, names, shapes, Zero12Group(numels, dp, order, align)))
+        else:
+            for sub in zero3_sub_groups(numels, dp, sub_group_size):
+                out.append(FlatLayout(g, tuple(names[i] for i in sub), tuple(shapes[i] for i in sub),
+                                      Zero3SubGroup(tuple(numels[i] for i in sub), dp)))
+    return out
+
+
+def _flat_region(shape: tuple[int, ...], f: Fragment) -> Region:
+    return Region(Box.full(shape), (f.start, f.stop))
+
+
+def _jsonable(value: Any) -> Any:
+    return json.loads(json.dumps(value, default=lambda v: list(v) if isinstance(v, (tuple, set)) else str(v)))
+
+
+# ---------------------------------------------------------------- import
+def import_deepspeed(source: str | os.PathLike[str], dest: str | os.PathLike[str], *, tag: str | None = None,
+                     options: OfflineWriteOptions = OfflineWriteOptions(threads=1),
+                     storage_options: dict[str, Any] | None = None) -> ConvertResult:
+    """Write the native DeepSpeed checkpoint ``source`` (tag ``tag``, default ``latest``) as a ckptkit
+    checkpoint at ``dest``. Memory holds about ``options.threads`` ranks' optimizer files at a time."""
+    t0 = time.perf_counter()
+    files = fmt.find_files(os.fspath(source), tag)
+    model0 = fmt.load_file(files.model[0])
+    where = files.model[0]
+    shapes = fmt.param_shapes(model0, where)
+    ds_config = model0.get("ds_config") or {}
+    zcfg = ds_config.get("zero_optimization") or {}
+    module = model0.get("module") or {}
+    if int(model0.get("dp_world_size", files.dp)) != files.dp:
+        raise ManifestError(f"{where}: dp_world_size {model0.get('dp_world_size')} but {files.dp} optimizer files")
+    if files.stage == 3 and model0.get("frozen_param_shapes"):
+        raise StateMismatchError(f"{where}: frozen parameters in a ZeRO-3 checkpoint are not supported by the import")
+    first = next(n for g in shapes for n in g)
+    if first not in module:
+        raise ManifestError(f"{where}: module state has no entry for parameter {first!r}")
+    lp_dtype = module[first].dtype
+    layouts = flat_layouts([list(g.items()) for g in shapes], files.stage, files.dp,
+                           round_robin=bool(zcfg.get("round_robin_gradients")),
+                           align=param_alignment(torch.tensor([], dtype=lp_dtype).element_size(),
+                                                 bool(zcfg.get("parameter_alignment"))),
+                           sub_group_size=int(zcfg.get("sub_group_size", DEFAULT_SUB_GROUP_SIZE)))
+    rec0 = fmt.optimizer_record(fmt.load_file(files.optim[0]), files.optim[0])
+    base0 = fmt.base_optimizer_state(rec0, files.stage, files.optim[0])
+    if len(base0["state"]) != len(layouts):
+        raise ManifestError(f"{files.optim[0]}: optimizer state for {len(base0['state'])} flat groups, the "
+                            f"parameter groups give {len(layouts)}")
+    state_keys, scalars = [], []
+    for k in range(len(layouts)):
+        st = base0["state"].get(k, {})
+        state_keys.append(sorted(key for key, v in st.items() if isinstance(v, torch.Tensor) and v.dim() == 1))
+        scalars.append({key: ({"dtype": dtype_name(v.dtype), "value": v.item()} if isinstance(v, torch.Tensor)
+                              else {"dtype": None, "value": v})
+                        for key, v in st.items() if not (isinstance(v, torch.Tensor) and v.dim() == 1)})
+    keys = sorted(set(state_keys[0]))
+    if any(sorted(set(s)) != keys for s in state_keys):
+        raise ManifestError(f"{files.optim[0]}: flat groups hold different optimizer state keys {state_keys}")
+
+    buffers = list(model0.get("buffer_names") or [])
+    specs: dict[str, _Spec] = {}
+    for lay in layouts:
+        for n, s in zip(lay.names, lay.shapes):
+            specs[optim_key(FP32, n)] = _Spec("float32", s)
+            for key in keys:
+                specs[optim_key(key, n)] = _Spec("float32", s)
+            specs[model_key(n)] = _Spec(dtype_name(lp_dtype), s)
+    frozen = [n for n in (model0.get("frozen_param_shapes") or {})]
+    for n in [*buffers, *frozen]:
+        if n not in module:
+            raise ManifestError(f"{where}: module state has no entry for {n!r}")
+        specs[model_key(n)] = _Spec(dtype_name(module[n].dtype), tuple(module[n].shape))
+
+    # piece lists: rank r stores its own fragments; rank 0 also the full module tensors (ZeRO 1/2) and buffers
+    pieces: dict[int, list[tuple[str, Region]]] = {}
+    getters: dict[int, list[Callable[[dict], torch.Tensor]]] = {}
+    for r in range(files.dp):
+        items, gets = pieces.setdefault(r, []), getters.setdefault(r, [])
+        for k, lay in enumerate(layouts):
+            for f in lay.fragments(r):
+                name, shape = lay.names[f.param], lay.shapes[f.param]
+                region = _flat_region(shape, f)
+                a, b = f.local_start, f.local_start + f.numel
+                items.append((optim_key(FP32, name), region))
+                gets.append(lambda d, k=k, a=a, b=b: d["fp32"][k][a:b])
+                for key in keys:
+                    items.append((optim_key(key, name), region))
+                    gets.append(lambda d, k=k, a=a, b=b, key=key: d["state"][k][key][a:b])
+                if files.stage == 3:  # native ZeRO-3 stores no training-dtype partitions: derive them as DeepSpeed does
+                    items.append((model_key(name), region))
+                    gets.append(lambda d, k=k, a=a, b=b: d["fp32"][k][a:b].to(lp_dtype))
+    for n in ([] if files.stage == 3 else [n for lay in layouts for n in lay.names]) + buffers + frozen:
+        pieces[0].append((model_key(n), Region(Box.full(specs[model_key(n)].shape))))
+        getters[0].append(lambda d, n=n: module[n].reshape(specs[model_key(n)].shape))
+
+    def check_rank(r: int, rec: dict[str, Any]) -> dict[str, Any]:
+        path = files.optim[r]
+        fp32 = fmt.flat_fp32(rec, files.stage, path)
+        base = fmt.base_optimizer_state(rec, files.stage, path)
+        if len(fp32) != len(layouts):
+            raise ManifestError(f"{path}: {len(fp32)} flat fp32 groups, expected {len(layouts)}")
+        for k, lay in enumerate(layouts):
+            used = max((f.local_start + f.numel for f in lay.fragments(r)), default=0)
+            want = lay.cut.partition_numel
+            if not used <= fp32[k].numel() <= want:
+                raise LayoutError(f"{path}: flat group {k} holds {fp32[k].numel()} fp32 elements; the ZeRO-"
+                                  f"{files.stage} layout at DP {files.dp} gives {want} (at least {used} used)")
+            for key in keys:
+                t = base["state"][k][key]
+                if t.numel() < used:
+                    raise LayoutError(f"{path}: optimizer state {key!r} of flat group {k} has {t.numel()} elements, "
+                                      f"fewer than the {used} the layout needs")
+        return {"fp32": fp32, "state": base["state"]}
+
+    class _Source:
+        def __init__(self, rank: int) -> None:
+            self.rank = rank
+            self.bytes_read = os.path.getsize(files.optim[rank])
+            rec = rec0 if rank == 0 else fmt.optimizer_record(fmt.load_file(files.optim[rank]), files.optim[rank])
+            self.data = check_rank(rank, rec)
+
+        def __len__(self) -> int:
+            return len(getters[self.rank])
+
+        def __getitem__(self, ref: int) -> torch.Tensor:
+            return getters[self.rank][ref](self.data).contiguous()
+
+    gas = int(ds_config.get("gradient_accumulation_steps", 1) or 1)
+    meta = {
+        "format": FORMAT, "stage": files.stage, "dp": files.dp, "lp_dtype": dtype_name(lp_dtype),
+        "global_steps": int(model0.get("global_steps", 0)), "global_samples": int(model0.get("global_samples", 0)),
+        "skipped_steps": int(model0.get("skipped_steps", 0)),
+        "micro_steps": int(model0.get("global_steps", 0)) * gas, "gradient_accumulation_steps": gas,
+        "param_groups": [_jsonable({k: v for k, v in pg.items() if k != "params"}) for pg in base0["param_groups"]],
+        "optimizer_scalars": scalars,
+        "flat_groups": [{"group": lay.group, "names": list(lay.names)} for lay in layouts],
+        "param_shapes": {n: list(s) for lay in layouts for n, s in zip(lay.names, lay.shapes)},
+        "buffers": buffers, "frozen": frozen,
+        "shared": {str(a): str(b) for a, b in (model0.get("shared_params") or {}).items()},
+        "optimizer_state_keys": keys,
+        "lr_scheduler": _jsonable(model0.get("lr_scheduler")),
+        "client_state": {}, "ds_config": _jsonable(ds_config),
+    }
+    skipped = []
+    for k, v in model0.items():
+        if k in fmt.DEEPSPEED_KEYS:
+            continue
+        try:
+            meta["client_state"][k] = json.loads(json.dumps(v))
+        except (TypeError, ValueError):
+            skipped.append(k)
+    out = open_store(dest, storage_options)
+    result = write_offline(
+        out, world_size=files.dp, tensors=specs, pieces=pieces, source=lambda r, _: _Source(r),
+        values={META_KEY: encode_value(json.dumps(meta), META_KEY)},
+        meta={"user": {}, "converted_from": {"url": os.path.join(files.folder, files.tag), "format": "deepspeed",
+                                             "stage": files.stage, "dp": files.dp,
+                                             "skipped_client_state": skipped}},
+        parallel=f"dp{files.dp}", options=options, what=f"importing {files.folder}/{files.tag} into {out.url}")
+    return ConvertResult(os.path.join(files.folder, files.tag), out.url, "ckptkit", len(specs), result.nbytes,
+                         result.bytes_read, time.perf_counter() - t0)
+
+
+# ---------------------------------------------------------------- export
+def read_meta(view: Any) -> dict[str, Any]:
+    values = view.values
+    if META_KEY not in values:
+        raise ManifestError(f"{view.url}: not a checkpoint of ckptkit's DeepSpeed adapter (no {META_KEY!r})")
+    return json.loads(values[META_KEY])
+
+
+def _groups_of(meta: dict[str, Any]) -> list[list[tuple[str, tuple[int, ...]]]]:
+    groups: dict[int, list[tuple[str, tuple[int, ...]]]] = {}
+    for fg in meta["flat_groups"]:
+        groups.setdefault(int(fg["group"]), []).extend((n, tuple(meta["param_shapes"][n])) for n in fg["names"])
+    return [groups[g] for g in sorted(groups)]
+
+
+class _ParamCache:
+    """Whole parameters read from a view, keeping the last few (fragments of neighbouring ranks share them)."""
+
+    def __init__(self, view: Any, keep: int = 4) -> None:
+        self.view, self.keep, self.cache = view, keep, OrderedDict()
+
+    def flat(self, key: str) -> torch.Tensor:
+        if key not in self.cache:
+            self.cache[key] = self.view[key].read().reshape(-1)
+            while len(self.cache) > self.keep:
+                self.cache.popitem(last=False)
+        return self.cache[key]
+
+
+def _fill(cache: _ParamCache, lay: FlatLayout, rank: int, key: Callable[[str], str], n: int) -> torch.Tensor:
+    out = torch.zeros(n, dtype=torch.float32)
+    for f in lay.fragments(rank):
+        out[f.local_start:f.local_start + f.numel] = cache.flat(key(lay.names[f.param]))[f.start:f.stop]
+    return out
+
+
+def _add_aliases(module: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+    """Tied parameters appear under every name in ``module.state_dict()``, which DeepSpeed loads strictly."""
+    for alias, name in meta.get("shared", {}).items():
+        module[alias] = module[name]
+
+
+def export_deepspeed(source: str | os.PathLike[str], dest: str | os.PathLike[str], *, dp: int,
+                     stage: int | None = None, tag: str | None = None, ds_config: dict[str, Any] | None = None,
+                     storage_options: dict[str, Any] | None = None) -> ConvertResult:
+    """Write the ckptkit DeepSpeed checkpoint ``source`` as a native folder ``dest`` (``latest`` +
+    ``tag``, default ``global_step<N>``) for ``dp`` ranks at ZeRO ``stage`` (default: the saving stage),
+    with the default flattening (no round robin, no parameter alignment, one ZeRO-3 sub-group per group)."""
+    t0 = time.perf_counter()
+    import deepspeed
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    view = ckptkit.open(source, storage_options=storage_options)
+    meta = read_meta(view)
+    stage = int(stage or meta["stage"])
+    if stage not in (1, 2, 3) or dp < 1:
+        raise LayoutError(f"export to ZeRO stage {stage} at DP {dp}: stage must be 1, 2 or 3 and dp >= 1")
+    groups = _groups_of(meta)
+    layouts = flat_layouts(groups, stage, dp)
+    if stage == 3 and len(layouts) != len(groups):
+        raise LayoutError("export to ZeRO-3 with several sub-groups per param group is not supported")
+    lp_dtype = getattr(torch, meta["lp_dtype"])
+    keys = list(meta["optimizer_state_keys"])
+    scal = {n: meta["optimizer_scalars"][i] for i, fg in enumerate(meta["flat_groups"]) for n in fg["names"]}
+    ds_config = ds_config if ds_config is not None else meta.get("ds_config", {})
+    tag = tag or f"global_step{meta['global_steps']}"
+    folder = os.path.join(os.fspath(dest), tag)
+    os.makedirs(folder, exist_ok=False)
+    version = deepspeed.__version__
+    nbytes = 0
+    prefix = "bf16_" if lp_dtype == torch.bfloat16 else ""
+
+    def base_state(rank_flat: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
+        state = {}
+        for k, lay in enumerate(layouts):
+            st: dict[str, Any] = {}
+            for key, rec in scal[lay.names[0]].items():
+                st[key] = rec["value"] if rec["dtype"] is None else torch.tensor(rec["value"], dtype=getattr(torch, rec["dtype"]))
+            st.update({key: rank_flat[k][key] for key in keys})
+            state[k] = st
+        pgs = []
+        for g, pg in enumerate(meta["param_groups"]):
+            pg = {k: (tuple(v) if k == "betas" else v) for k, v in pg.items()}
+            pgs.append({**pg, "params": [k for k, lay in enumerate(layouts) if lay.group == g]})
+        return {"state": state, "param_groups": pgs}
+
+    common = {
+        "buffer_names": list(meta["buffers"]), "optimizer": None,
+        "param_shapes": [OrderedDict((n, torch.Size(s)) for n, s in g) for g in groups],
+        "frozen_param_shapes": None, "shared_params": dict(meta.get("shared", {})), "frozen_param_fragments": None,
+        "lr_scheduler": meta["lr_scheduler"], "data_sampler": None, "random_ltd": None,
+        "skipped_steps": meta["skipped_steps"],
+        "global_steps": meta["global_steps"], "global_samples": meta["global_samples"],
+        "dp_world_size": dp, "mp_world_size": 1, "ds_config": ds_config, "ds_version": version,
+        **meta["client_state"],
+    }
+    if meta.get("frozen"):
+        raise StateMismatchError(f"{view.url}: frozen parameters are not supported by the native export")
+    cache = _ParamCache(view)
+    for r in range(dp):
+        flats = [{key: _fill(cache, lay, r, lambda n, key=key: optim_key(key, n), lay.cut.partition_numel)
+                  for key in [FP32, *keys]} for lay in layouts]
+        rec: dict[str, Any] = {"loss_scaler": LossScaler(1.0), "dynamic_loss_scale": False, "overflow": False,
+                               "zero_stage": stage, "ds_version": version}
+        if stage < 3:
+            rec["base_optimizer_state"] = base_state(flats)
+            rec["single_partition_of_fp32_groups"] = [
+                flats[k][FP32][:lay.cut.partition_numel - lay.cut.padding(r)] for k, lay in enumerate(layouts)]
+            rec["group_paddings"] = [lay.cut.padding(r) for lay in layouts]
+            rec["partition_count"] = [dp] * len(layouts)
+            rec["param_slice_mappings"] = [
+                OrderedDict((lay.names[f.param], fragment_address(numel=f.numel, start=f.local_start))
+                            for f in lay.fragments(r)) for lay in layouts]
+        else:
+            rec["optimizer_state_dict"] = base_state(flats)
+            rec["fp32_flat_groups"] = [flats[k][FP32] for k in range(len(layouts))]
+            rec["partition_count"] = dp
+            module = OrderedDict((n, torch.empty(0, dtype=lp_dtype)) for g in groups for n, _ in g)
+            for b in meta["buffers"]:
+                module[b] = view[model_key(b)].read()
+            _add_aliases(module, meta)
+            torch.save({"module": module, **common},
+                       os.path.join(folder, f"zero_pp_rank_{r}_mp_rank_00_model_states.pt"))
+        torch.save({"optimizer_state_dict": rec, "ds_version": version},
+                   os.path.join(folder, f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt"))
+        nbytes += sum(t.numel() * 4 for fl in flats for t in fl.values())
+    if stage < 3:
+        module = OrderedDict((n, view[model_key(n)].read()) for g in groups for n, _ in g)
+        for b in meta["buffers"]:
+            module[b] = view[model_key(b)].read()
+        _add_aliases(module, meta)
+        torch.save({"module": module, **common}, os.path.join(folder, fmt.MODEL_STATES_12))
+    with open(os.path.join(os.fspath(dest), fmt.LATEST), "w", encoding="utf-8") as f:
+        f.write(tag)
+    return ConvertResult(view.url, folder, "deepspeed", len(meta["param_shapes"]), nbytes, view.bytes_read,
+                         time.perf_counter() - t0)
+
+
+# ---------------------------------------------------------------- fp32
+def consolidated_fp32_state_dict(source: str | os.PathLike[str], *,
+                                 storage_options: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
+    """The full fp32 model from a ckptkit DeepSpeed checkpoint, as DeepSpeed's ``zero_to_fp32`` gives it:
+    floating buffers cast to fp32, every trainable parameter from its fp32 master, tied aliases shared."""
+    view = ckptkit.open(source, storage_options=storage_options)
+    meta = read_meta(view)
+    out: dict[str, torch.Tensor] = {}
+    for b in meta["buffers"]:
+        t = view[model_key(b)].read()
+        out[b] = t.float() if t.is_floating_point() else t
+    for n in meta.get("frozen", []):
+        out[n] = view[model_key(n)].read().float()
+    for n in meta["param_shapes"]:
+        out[n] = view[optim_key(FP32, n)].read()
+    for alias, name in meta.get("shared", {}).items():
+        if name in out:
+            out[alias] = out[name]
+    return out
+
+
+def export_fp32(source: str | os.PathLike[str], out_file: str | os.PathLike[str], *,
+                storage_options: dict[str, Any] | None = None) -> ConvertResult:
+    """Write :func:`consolidated_fp32_state_dict` as a safetensors file (tied aliases as copies)."""
+    from safetensors.torch import save_file
+
+    t0 = time.perf_counter()
+    sd = consolidated_fp32_state_dict(source, storage_options=storage_options)
+    seen: set[int] = set()
+    flat = {}
+    for k, v in sd.items():
+        flat[k] = v.clone() if id(v) in seen else v.contiguous()
+        seen.add(id(v))
+    save_file(flat, os.fspath(out_file))
+    return ConvertResult(str(source), os.fspath(out_file), "safetensors", len(flat),
+                         sum(v.numel() * v.element_size() for v in flat.values()), 0, time.perf_counter() - t0)

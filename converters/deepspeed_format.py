@@ -1,0 +1,218 @@
+"""DeepSpeed's native ZeRO checkpoint files: names, safe reading, and what each file holds.
+
+A native checkpoint is ``<dir>/latest`` (the newest tag, e.g. ``global_step200``)
+and ``<dir>/<tag>/``:
+
+* ZeRO 1/2: ``mp_rank_00_model_states.pt`` (the whole module in its training
+  dtype, ``param_shapes`` per param group, ``buffer_names``, counters, the LR
+  scheduler, ``ds_config``, and the client state merged into the same dict) and
+  per DP rank ``[bf16_]zero_pp_rank_{r}_mp_rank_00_optim_states.pt`` holding
+  ``optimizer_state_dict`` with the rank's fp32 flat partition per group
+  (``single_partition_of_fp32_groups``, stored without the trailing padding),
+  the base optimizer's state dict (partition-shaped ``exp_avg`` ...),
+  ``group_paddings``, ``param_slice_mappings``, ``zero_stage``.
+* ZeRO 3: per DP rank ``zero_pp_rank_{r}_mp_rank_00_model_states.pt`` (the
+  module with empty parameter tensors, buffers, the same metadata) and
+  ``[bf16_]zero_pp_rank_{r}_mp_rank_00_optim_states.pt`` with
+  ``fp32_flat_groups`` (one flat fp32 partition per sub-group) and the base
+  optimizer's state dict under ``optimizer_state_dict``.
+
+(Read from ``deepspeed/runtime/engine.py``: ``_save_checkpoint``,
+``_save_zero_checkpoint``, ``_get_rank_zero_ckpt_name``; and the optimizers'
+``state_dict`` methods in ``deepspeed/runtime/zero/stage_1_and_2.py`` and
+``stage3.py``. How partitions are cut: :mod:`ckptkit.layout.zero_partition`.)
+
+What is trusted when reading: every file goes through ``torch.load(...,
+weights_only=True)``, PyTorch's restricted unpickler (tensors, containers,
+numbers, strings, ``torch.Size``, ``OrderedDict``). Optimizer files also name
+three DeepSpeed globals; each is mapped to an inert stand-in defined here, so
+no DeepSpeed code runs and DeepSpeed need not be installed to import:
+
+* ``deepspeed.runtime.fp16.loss_scaler.LossScaler`` -> :class:`LossScalerRecord`
+  (an empty class; the unpickler only sets its ``__dict__``; its content is ignored);
+* ``deepspeed.utils.tensor_fragment.fragment_address`` -> :class:`FragmentAddressRecord`
+  (same; ``numel`` and ``start`` are read as ints);
+* ``deepspeed.runtime.zero.config.ZeroStageEnum`` -> :class:`ZeroStage` (an
+  ``int`` enum of the values 0-3).
+
+Any other global makes ``torch.load`` refuse the file, reported as
+:class:`converters.safe_unpickle.UnsafeCheckpointError` naming it and the file.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import pickle
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ckptkit.errors import CheckpointNotFoundError, ManifestError
+from converters.safe_unpickle import UnsafeCheckpointError
+
+LATEST = "latest"
+MODEL_STATES_12 = "mp_rank_00_model_states.pt"
+_OPTIM = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+_MODEL3 = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
+
+DEEPSPEED_KEYS = frozenset({
+    "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
+    "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
+    "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config",
+    "ds_version", "checkpoint_parallel_dimensions", "ds_zero_partition_groups",
+})
+"""Keys DeepSpeed writes into a model-states file itself; every other key is the client state."""
+
+
+class LossScalerRecord:
+    """Inert stand-in for DeepSpeed's ``LossScaler`` while unpickling (never used)."""
+
+
+class FragmentAddressRecord:
+    """Inert stand-in for DeepSpeed's ``fragment_address`` dataclass: ``numel`` and ``start``."""
+
+    numel: int
+    start: int
+
+
+class ZeroStage(int, enum.Enum):
+    """Stand-in for DeepSpeed's ``ZeroStageEnum`` (same values)."""
+
+    disabled = 0
+    optimizer_states = 1
+    gradients = 2
+    weights = 3
+
+
+_STAND_INS = [
+    (LossScalerRecord, "deepspeed.runtime.fp16.loss_scaler.LossScaler"),
+    (FragmentAddressRecord, "deepspeed.utils.tensor_fragment.fragment_address"),
+    (ZeroStage, "deepspeed.runtime.zero.config.ZeroStageEnum"),
+]
+
+
+def load_file(path: str) -> dict[str, Any]:
+    """One DeepSpeed ``.pt`` file through ``torch.load(weights_only=True)`` with the stand-ins above."""
+    try:
+        with torch.serialization.safe_globals(_STAND_INS):
+            data = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise UnsafeCheckpointError(f"{path}: refused by torch.load(weights_only=True) with ckptkit's DeepSpeed "
+                                    f"stand-ins: {str(exc).splitlines()[-3:]}") from exc
+    except FileNotFoundError as exc:
+        raise CheckpointNotFoundError(f"{path}: missing") from exc
+    if not isinstance(data, dict):
+        raise ManifestError(f"{path}: expected a dict, got {type(data).__name__}")
+    return data
+
+
+@dataclass(frozen=True)
+class NativeFiles:
+    """The files of one native checkpoint tag."""
+
+    folder: str
+    tag: str
+    stage: int
+    dp: int
+    optim: tuple[str, ...]
+    """Optimizer-state file of each DP rank."""
+    model: tuple[str, ...]
+    """Model-states files: one (ZeRO 1/2) or one per DP rank (ZeRO 3)."""
+
+
+def read_tag(folder: str, tag: str | None) -> str:
+    if tag is not None:
+        return tag
+    latest = os.path.join(folder, LATEST)
+    if not os.path.exists(latest):
+        raise CheckpointNotFoundError(f"{folder}: no '{LATEST}' file and no tag given (is this a DeepSpeed "
+                                      "checkpoint directory, the one passed to engine.save_checkpoint?)")
+    with open(latest, encoding="utf-8") as f:
+        return f.read().strip()
+
+
+def is_deepspeed_checkpoint(folder: str) -> bool:
+    """True if ``folder`` is a local native DeepSpeed checkpoint folder (``latest`` naming a ZeRO tag)."""
+    try:
+        tag = read_tag(folder, None)
+    except (CheckpointNotFoundError, OSError):
+        return False
+    where = os.path.join(folder, tag)
+    return os.path.isdir(where) and any(_OPTIM.match(n) for n in os.listdir(where))
+
+
+def find_files(folder: str, tag: str | None = None) -> NativeFiles:
+    """Which files make up the checkpoint ``folder``/``tag`` (default: the ``latest`` tag)."""
+    tag = read_tag(folder, tag)
+    where = os.path.join(folder, tag)
+    if not os.path.isdir(where):
+        raise CheckpointNotFoundError(f"{where}: no such checkpoint tag directory")
+    optim: dict[int, str] = {}
+    model3: dict[int, str] = {}
+    for name in sorted(os.listdir(where)):
+        m = _OPTIM.match(name) or _MODEL3.match(name)
+        if m is None:
+            continue
+        mp = int(m.groups()[-1])
+        if mp != 0:
+            raise ManifestError(f"{where}/{name}: model-parallel rank {mp}; only pure data parallelism "
+                                "(mp_rank_00) is supported")
+        rank = int(m.groups()[-2])
+        target = optim if name.endswith("_optim_states.pt") else model3
+        if rank in target:
+            raise ManifestError(f"{where}: two optimizer files for DP rank {rank} (bf16_ and plain)")
+        target[rank] = os.path.join(where, name)
+    if not optim:
+        raise CheckpointNotFoundError(f"{where}: no *zero_pp_rank_*_optim_states.pt files (not a ZeRO checkpoint)")
+    dp = len(optim)
+    if sorted(optim) != list(range(dp)):
+        raise ManifestError(f"{where}: optimizer files for DP ranks {sorted(optim)}, expected 0..{dp - 1}")
+    if model3:
+        if sorted(model3) != list(range(dp)):
+            raise ManifestError(f"{where}: ZeRO-3 model-states files for DP ranks {sorted(model3)}, expected 0..{dp - 1}")
+        return NativeFiles(folder, tag, 3, dp, tuple(optim[r] for r in range(dp)),
+                           tuple(model3[r] for r in range(dp)))
+    model = os.path.join(where, MODEL_STATES_12)
+    if not os.path.exists(model):
+        raise CheckpointNotFoundError(f"{where}: {MODEL_STATES_12} is missing")
+    # stage 1 and 2 write the same files; the optimizer file records which
+    stage = int(optimizer_record(load_file(optim[0]), optim[0])["zero_stage"])
+    return NativeFiles(folder, tag, stage, dp, tuple(optim[r] for r in range(dp)), (model,))
+
+
+def optimizer_record(data: Mapping[str, Any], where: str) -> dict[str, Any]:
+    rec = data.get("optimizer_state_dict")
+    if not isinstance(rec, dict):
+        raise ManifestError(f"{where}: no 'optimizer_state_dict' dict")
+    return rec
+
+
+def base_optimizer_state(rec: Mapping[str, Any], stage: int, where: str) -> dict[str, Any]:
+    """The base (torch) optimizer's state dict inside a ZeRO optimizer record."""
+    key = "base_optimizer_state" if stage < 3 else "optimizer_state_dict"
+    sd = rec.get(key)
+    if not isinstance(sd, dict) or "state" not in sd or "param_groups" not in sd:
+        raise ManifestError(f"{where}: '{key}' is not an optimizer state dict (a rigid ZeRO checkpoint); "
+                            "elastic or universal checkpoints are not supported here")
+    return sd
+
+
+def flat_fp32(rec: Mapping[str, Any], stage: int, where: str) -> list[torch.Tensor]:
+    key = "single_partition_of_fp32_groups" if stage < 3 else "fp32_flat_groups"
+    groups = rec.get(key)
+    if not isinstance(groups, list) or not all(isinstance(t, torch.Tensor) for t in groups):
+        raise ManifestError(f"{where}: '{key}' is not a list of tensors")
+    return groups
+
+
+def param_shapes(model: Mapping[str, Any], where: str) -> list[dict[str, tuple[int, ...]]]:
+    groups = model.get("param_shapes")
+    if isinstance(groups, dict):
+        groups = [groups]
+    if not isinstance(groups, list):
+        raise ManifestError(f"{where}: 'param_shapes' is not a list of per-group name -> shape maps")
+    return [{str(n): tuple(int(d) for d in s) for n, s in g.items()} for g in groups]

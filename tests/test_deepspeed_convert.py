@@ -1,0 +1,156 @@
+"""Native DeepSpeed checkpoints <-> ckptkit, and consolidated fp32 weights equal to zero_to_fp32's.
+
+A DP-4 run (tests/deepspeed_job.py) saves at step 2 both natively
+(``engine.save_checkpoint``) and with ckptkit, then trains on to step 4 as the
+reference. Checked here:
+
+* native -> ckptkit (``import_deepspeed``, one process) -> ckptkit's adapter
+  loads it at DP 2: same loss right after loading, the reference's next losses;
+* ckptkit -> native at DP 2 (``export_deepspeed``) -> DeepSpeed's own
+  ``engine.load_checkpoint`` at DP 2 (which refuses DeepSpeed's own DP-4
+  checkpoint): same loss, the reference's next losses — also to another stage;
+* ``consolidated_fp32_state_dict`` equals DeepSpeed's
+  ``get_fp32_state_dict_from_zero_checkpoint`` tensor for tensor, bit for bit,
+  from the ckptkit checkpoint and from the imported native one.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("deepspeed")
+
+import torch
+
+from converters.deepspeed import (
+    consolidated_fp32_state_dict,
+    export_deepspeed,
+    export_fp32,
+    import_deepspeed,
+)
+from converters.deepspeed_format import find_files
+from tests import deepspeed_job as job
+from tests.test_deepspeed import SAVE_STEP, STEPS, assert_same_state, check_resumed
+
+CASES = [(2, "bf16"), (3, "fp32"), (1, "fp32"), (3, "bf16")]
+
+
+@pytest.fixture(scope="module")
+def saved(worlds, tmp_path_factory):
+    out = {}
+    for stage, dtype in CASES:
+        folder = str(tmp_path_factory.mktemp(f"dsconv_z{stage}_{dtype}"))
+        out[(stage, dtype)] = (folder, worlds.run(4, job.train_and_save, stage, dtype, folder, save_step=SAVE_STEP,
+                                                  steps=STEPS)[0])
+    return out
+
+
+def zero_to_fp32(folder: str) -> dict[str, torch.Tensor]:
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    return get_fp32_state_dict_from_zero_checkpoint(folder)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"z{s}-{d}" for s, d in CASES])
+def test_consolidated_fp32_equals_zero_to_fp32(saved, tmp_path, case):
+    folder, _ = saved[case]
+    theirs = zero_to_fp32(f"{folder}/native")
+    imported = str(tmp_path / "imported")
+    import_deepspeed(f"{folder}/native", imported)
+    for ours in (consolidated_fp32_state_dict(f"{folder}/ckptkit"), consolidated_fp32_state_dict(imported)):
+        assert list(ours) == list(theirs) or sorted(ours) == sorted(theirs)
+        for k, v in theirs.items():
+            assert ours[k].dtype == v.dtype and torch.equal(ours[k], v), k
+    from safetensors.torch import load_file
+
+    export_fp32(f"{folder}/ckptkit", tmp_path / "model.safetensors")
+    written = load_file(str(tmp_path / "model.safetensors"))
+    assert all(torch.equal(written[k], v) for k, v in theirs.items()) and set(written) == set(theirs)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"z{s}-{d}" for s, d in CASES])
+def test_native_import_then_resume_at_dp2(worlds, saved, tmp_path, case):
+    folder, ref = saved[case]
+    dest = str(tmp_path / "imported")
+    result = import_deepspeed(f"{folder}/native", dest)
+    assert result.tensors > 0 and find_files(f"{folder}/native").dp == 4
+    got = worlds.run(2, job.resume, case[0], case[1], dest, from_step=SAVE_STEP, steps=STEPS)[0]
+    check_resumed(ref, got, case[1], exact=False)
+
+
+@pytest.mark.parametrize("case,target_stage", [(CASES[0], 2), (CASES[1], 3), (CASES[2], 3), (CASES[3], 1)],
+                         ids=["z2-bf16-to-z2", "z3-fp32-to-z3", "z1-fp32-to-z3", "z3-bf16-to-z1"])
+@pytest.mark.parametrize("source", ["ckptkit", "native"])
+def test_export_native_at_dp2_loads_in_deepspeed(worlds, saved, tmp_path, case, target_stage, source):
+    """From the adapter's checkpoint, and the full chain native DP 4 -> ckptkit -> native DP 2."""
+    folder, ref = saved[case]
+    src = f"{folder}/ckptkit"
+    if source == "native":
+        src = str(tmp_path / "imported")
+        import_deepspeed(f"{folder}/native", src)
+    dest = str(tmp_path / "native_dp2")
+    export_deepspeed(src, dest, dp=2, stage=target_stage)
+    got = worlds.run(2, job.resume_native, target_stage, case[1], dest, from_step=SAVE_STEP, steps=STEPS)[0]
+    check_resumed(ref, got, case[1], exact=False)
+
+
+def test_native_checkpoint_at_other_dp_is_refused_by_deepspeed(worlds, saved):
+    """The baseline this replaces: DeepSpeed cannot load its own DP-4 checkpoint at DP 2."""
+    folder, _ = saved[CASES[1]]
+    with pytest.raises(Exception, match="Automatic adjustment"):
+        worlds.run(2, job.resume_native, CASES[1][0], CASES[1][1], f"{folder}/native", from_step=SAVE_STEP,
+                   steps=STEPS)
+
+
+def test_cli_convert_native_in_and_out(worlds, saved, tmp_path):
+    """``ckptkit convert`` detects a native DeepSpeed folder (import) and writes one (--format deepspeed)."""
+    from click.testing import CliRunner
+
+    from ckptkit.cli.main import cli
+
+    folder, ref = saved[CASES[1]]
+    imported, native = str(tmp_path / "imported"), str(tmp_path / "native_dp2")
+    res = CliRunner().invoke(cli, ["convert", f"{folder}/native", imported], catch_exceptions=False)
+    assert res.exit_code == 0 and "ckptkit" in res.output
+    res = CliRunner().invoke(cli, ["convert", imported, native, "--format", "deepspeed", "--dp", "2"])
+    assert res.exit_code == 0, res.output
+    got = worlds.run(2, job.resume_native, CASES[1][0], CASES[1][1], native, from_step=SAVE_STEP, steps=STEPS)[0]
+    check_resumed(ref, got, CASES[1][1], exact=False)
+    res = CliRunner().invoke(cli, ["convert", imported, str(tmp_path / "x"), "--format", "deepspeed"])
+    assert res.exit_code != 0 and "--dp" in res.output
+
+
+# ---- a tiny transformer LM with its output head tied to the embedding (one parameter, two names)
+LM_CASES = [(2, "bf16"), (3, "fp32")]
+
+
+@pytest.fixture(scope="module")
+def saved_lm(worlds, tmp_path_factory):
+    out = {}
+    for stage, dtype in LM_CASES:
+        folder = str(tmp_path_factory.mktemp(f"dslm_z{stage}_{dtype}"))
+        out[(stage, dtype)] = (folder, worlds.run(4, job.train_and_save, stage, dtype, folder, save_step=SAVE_STEP,
+                                                  steps=STEPS, model="lm")[0])
+    return out
+
+
+@pytest.mark.parametrize("case", LM_CASES, ids=[f"z{s}-{d}" for s, d in LM_CASES])
+def test_tied_lm_fp32_resize_and_native_export(worlds, saved_lm, tmp_path, case):
+    folder, ref = saved_lm[case]
+    theirs = zero_to_fp32(f"{folder}/native")
+    imported = str(tmp_path / "imported")
+    import_deepspeed(f"{folder}/native", imported)
+    assert "head.weight" in theirs
+    for ours in (consolidated_fp32_state_dict(f"{folder}/ckptkit"), consolidated_fp32_state_dict(imported)):
+        assert sorted(ours) == sorted(theirs)
+        assert all(torch.equal(ours[k], v) for k, v in theirs.items())
+    other = 3 if case[0] < 3 else 1
+    resaved = str(tmp_path / "resaved")
+    got = worlds.run(2, job.resume, other, case[1], f"{folder}/ckptkit", from_step=SAVE_STEP, steps=STEPS,
+                     model="lm", resave=resaved)[0]
+    assert_same_state(f"{folder}/ckptkit", resaved)
+    check_resumed(ref, got, case[1], exact=False, same_kernels=False)
+    dest = str(tmp_path / "native_dp2")
+    export_deepspeed(f"{folder}/ckptkit", dest, dp=2)
+    got = worlds.run(2, job.resume_native, case[0], case[1], dest, from_step=SAVE_STEP, steps=STEPS, model="lm")[0]
+    check_resumed(ref, got, case[1], exact=False)
