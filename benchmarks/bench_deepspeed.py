@@ -27,10 +27,8 @@ Run: python benchmarks/bench_deepspeed.py [--quick] [--out DIR] [--reps N]
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -43,7 +41,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(1, os.path.dirname(HERE))
 
-from common import GiB, median, spread, table, torchrun_command  # noqa: E402
+from common import GiB, median, spread, table, torchrun_command, write_results  # noqa: E402
 
 TAG = "global_step1"
 
@@ -251,12 +249,8 @@ def report(args: argparse.Namespace, saved: dict[str, Any], resized: dict[str, A
         ["ckptkit: direct load at the new DP size", "-", f"{ck:.3f}", f"{ck:.3f}", f"{ck / ds_total:.2f}x"],
     ]))
     if args.out:
-        path = os.path.join(args.out, "bench_deepspeed.json")
-        with open(path, "w") as f:
-            json.dump({"benchmark": "deepspeed", "when": datetime.datetime.now().isoformat(timespec="seconds"),
-                       "host": platform.node(), "reps": args.reps, "quick": args.quick, "save": saved,
-                       "resize": resized, "ds_to_universal_s": convert}, f, indent=2)
-        print(f"results: {path}")
+        write_results(args.out, "bench_deepspeed", {"reps": args.reps, "quick": args.quick, "save": saved,
+                                                     "resize": resized, "ds_to_universal_s": convert})
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -29,10 +29,7 @@ Run: python benchmarks/bench_torchtitan.py [--quick] [--out DIR] [--reps N]
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -46,7 +43,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(1, os.path.dirname(HERE))
 
-from common import GiB, median, spread, table, torchrun_command  # noqa: E402
+from common import GiB, median, spread, table, torchrun_command, write_results  # noqa: E402
 
 MANAGERS = ("titan sync", "titan async", "titan pinned", "ckptkit async", "ckptkit process")
 
@@ -184,13 +181,8 @@ def report(args: argparse.Namespace, world: int, n_params: int, state_bytes: int
           f"weights + AdamW moments, FSDP2 over {world} ranks, median of {args.reps} saves after a warm-up")
     print(table(["manager", "blocks s", "spread", "total s", "blocks vs titan async", "note"], rows))
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        path = os.path.join(args.out, "bench_torchtitan.json")
-        with open(path, "w") as f:
-            json.dump({"benchmark": "torchtitan", "when": datetime.datetime.now().isoformat(timespec="seconds"),
-                       "host": platform.node(), "world": world, "params": n_params, "state_bytes": state_bytes,
-                       "reps": args.reps, "quick": args.quick, "results": results}, f, indent=2)
-        print(f"results: {path}")
+        write_results(args.out, "bench_torchtitan", {"world": world, "params": n_params, "state_bytes": state_bytes,
+                                                      "reps": args.reps, "quick": args.quick, "results": results})
 
 
 def main(argv: list[str] | None = None) -> int:

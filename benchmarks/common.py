@@ -79,3 +79,19 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[str]], align: str | No
 
     sep = "  ".join("-" * w for w in widths)
     return "\n".join([fmt(headers), sep, *(fmt(r) for r in rows)])
+
+
+def write_results(out_dir: str, name: str, fields: dict) -> str:
+    """Write ``out_dir/<name>.json`` with the benchmark's figures plus when/where it ran; returns the path."""
+    import datetime
+    import json
+    import platform
+
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"{name}.json")
+    record = {"benchmark": name.removeprefix("bench_"), "when": datetime.datetime.now().isoformat(timespec="seconds"),
+              "host": platform.node(), **fields}
+    with open(path, "w") as f:
+        json.dump(record, f, indent=2)
+    print(f"results: {path}")
+    return path
