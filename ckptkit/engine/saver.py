@@ -117,7 +117,8 @@ def classify(flat: FlatState, rank: int) -> tuple[list[GridDecl], list[ExplicitD
         s = leaf.obj
         tensors.append(s.local)
         explicit.append(
-            ExplicitDecl(len(tensors) - 1, dtype_name(s.local.dtype), s.local.dtype.itemsize, tuple(s.local.shape), s.pieces)
+            ExplicitDecl(len(tensors) - 1, dtype_name(s.local.dtype), s.local.dtype.itemsize, tuple(s.local.shape), s.pieces,
+                         s.rule)
         )
     return grid, explicit, tensors
 

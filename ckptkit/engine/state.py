@@ -17,6 +17,7 @@ import torch
 
 from ckptkit.errors import LayoutError
 from ckptkit.layout.pieces import Piece
+from ckptkit.layout.rules import PartitionRule
 from ckptkit.layout.values import join_key
 
 
@@ -27,16 +28,25 @@ class Sharded:
     The mechanism the framework adapters build on: a Megatron shard, a
     fused GLU block, a vocab-padded embedding, a ZeRO flat buffer holding
     fragments of many parameters. See :mod:`ckptkit.layout.pieces`.
+
+    ``rule``, when given, is how every tensor the pieces name is split at
+    *any* parallel layout (:class:`ckptkit.PartitionRule`). It is recorded in
+    the manifest so ``ckptkit reshard --to`` can lay the checkpoint out for a
+    target layout offline; the pieces alone describe only the saving layout.
     """
 
     local: torch.Tensor
     pieces: tuple[Piece, ...]
+    rule: PartitionRule | None = None
 
-    def __init__(self, local: torch.Tensor, pieces: Sequence[Piece]) -> None:
+    def __init__(self, local: torch.Tensor, pieces: Sequence[Piece], rule: PartitionRule | None = None) -> None:
         if not isinstance(local, torch.Tensor):
             raise LayoutError(f"Sharded needs a torch.Tensor, got {type(local).__name__}")
+        if rule is not None and not isinstance(rule, PartitionRule):
+            raise LayoutError(f"Sharded rule must be a PartitionRule, got {type(rule).__name__}")
         object.__setattr__(self, "local", local)
         object.__setattr__(self, "pieces", tuple(pieces))
+        object.__setattr__(self, "rule", rule)
         for p in self.pieces:
             p.check_fits(tuple(local.shape))
 

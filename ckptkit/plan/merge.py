@@ -72,9 +72,14 @@ def merge_reports(
                     f"{where}: tensor {key!r} is {e.dtype}{list(e.shape)} on rank {rank} but "
                     f"{first.dtype}{list(first.shape)} on rank {first_rank}"
                 )
+            if e.rule != first.rule:
+                raise LayoutError(
+                    f"{where}: tensor {key!r} has partition rule {_rule_text(e.rule)} on rank {rank} but "
+                    f"{_rule_text(first.rule)} on rank {first_rank}"
+                )
         pieces = tuple(sorted(((e.region, rank) for e, rank in items), key=lambda p: (p[0].key(), p[1])))
         check_coverage(key, first.shape, pieces, where)
-        tensors[key] = TensorMeta(key, first.dtype, first.shape, ExplicitLayout(pieces))
+        tensors[key] = TensorMeta(key, first.dtype, first.shape, ExplicitLayout(pieces), rule=first.rule)
     per_rank: set[str] = set()
     for rep in reports:
         per_rank.update(rep.per_rank_keys)
@@ -87,6 +92,10 @@ def merge_reports(
         parallel=parallel,
         meta=meta,
     )
+
+
+def _rule_text(rule: Any) -> str:
+    return "none" if rule is None else str(rule.to_json())
 
 
 def check_coverage(key: str, shape: tuple[int, ...], pieces: tuple[tuple[Region, int], ...], where: str) -> None:

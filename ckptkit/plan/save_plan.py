@@ -55,6 +55,7 @@ class ExplicitDecl:
     itemsize: int
     local_shape: tuple[int, ...]
     pieces: tuple[Piece, ...]
+    rule: PartitionRule | None = None
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,7 @@ class ExplicitReport:
     dtype: str
     shape: tuple[int, ...]
     region: Region
+    rule: PartitionRule | None = None
 
 
 @dataclass(frozen=True)
@@ -203,7 +205,7 @@ def plan_save(rank: int, grid: list[GridDecl], explicit: list[ExplicitDecl]) -> 
             if not explicit_writer(p) or p.numel == 0:
                 continue
             add(p.tensor, e.dtype, p.region, e.ref, p.local, p.numel * e.itemsize)
-            explicit_reports.append(ExplicitReport(p.tensor, e.dtype, p.shape, p.region))
+            explicit_reports.append(ExplicitReport(p.tensor, e.dtype, p.shape, p.region, e.rule))
     return SavePlan(rank, tuple(items), {obj: offset}, tuple(grid_reports), tuple(explicit_reports), digest)
 
 
