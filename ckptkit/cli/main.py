@@ -20,6 +20,7 @@ from ckptkit.cli.commands_inspect import inspect_cmd
 from ckptkit.cli.commands_ls import ls_cmd
 from ckptkit.cli.commands_plan import plan_cmd
 from ckptkit.cli.commands_report import report_cmd
+from ckptkit.cli.commands_reshard import reshard_cmd
 from ckptkit.cli.commands_verify import verify_cmd
 from ckptkit.errors import CkptkitError
 
@@ -49,6 +50,7 @@ def cli() -> None:
       ckptkit verify runs/exp1/step-0001000
       ckptkit diff runs/a/step-0001000 runs/b/step-0001000
       ckptkit convert runs/exp1/step-0001000 step-1000.zarr --format zarr
+      ckptkit reshard runs/exp1/step-0001000 runs/exp1-tp4pp2/step-0001000 --to tp4pp2
       ckptkit report runs/exp1
       ckptkit plan --params 70e9 --tp 4 --pp 8 --dp 32 --write-gbps 5 --mtbf-hours 3
     """
@@ -61,6 +63,7 @@ cli.add_command(report_cmd)
 cli.add_command(plan_cmd)
 cli.add_command(diff_cmd)
 cli.add_command(convert_cmd)
+cli.add_command(reshard_cmd)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -1,0 +1,192 @@
+"""``ckptkit reshard``: real checkpoints rewritten at other layouts, read back bit for bit."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner, Result
+
+import ckptkit
+from ckptkit.cli.main import cli
+from ckptkit.engine.metadata_io import read_indexes, read_manifest
+from ckptkit.engine.reshard import ReshardOptions, reshard
+from ckptkit.errors import CheckpointNotFoundError, CorruptCheckpointError, SaveError
+from ckptkit.layout.config import ParallelConfig
+from ckptkit.layout.grid import GridLayout
+from ckptkit.layout.manifest import ExplicitLayout
+from ckptkit.layout.pieces import LocalBox, Piece
+from ckptkit.layout.box import Region
+from ckptkit.plan.reshard_plan import ReshardError, ReshardPlanOptions
+from ckptkit.storage.url import open_store
+from tests.reshard_fixtures import GPT, gpt_tensors, write_at
+
+TENSORS = gpt_tensors()
+
+
+def run(*args: str) -> Result:
+    return CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("reshard") / "src-tp2pp2"
+    write_at(path, TENSORS, ParallelConfig.parse("tp2pp2"), values={"step": 7, "sched": {"lr": 0.5}})
+    return path
+
+
+def tree_digest(path: Path) -> dict[str, str]:
+    return {str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(path.rglob("*"))
+            if p.is_file()}
+
+
+def check_output(path: Path, target: ParallelConfig, *, split_ok: bool = False) -> None:
+    """Bit-identical tensors (model-space view), target grid layouts with rules, values kept,
+    and every target rank loads its own local pieces from its own data object."""
+    manifest = read_manifest(open_store(path))
+    assert manifest.parallel == str(target) and manifest.world_size == target.world_size
+    assert manifest.per_rank_keys == ()
+    view = ckptkit.open(path)
+    assert view.values == {"step": 7, "sched": {"lr": 0.5}}
+    for key, (tensor, rule) in TENSORS.items():
+        got = view[key].read()
+        assert got.dtype == tensor.dtype and torch.equal(got, tensor), key
+        meta = manifest.tensors[key]
+        assert meta.rule == rule
+        if rule is not None and not (split_ok and isinstance(meta.layout, ExplicitLayout)):
+            assert meta.layout == rule.evaluate(tensor.shape, target, GPT().layers), key
+    indexes = read_indexes(open_store(path), manifest, set(range(target.world_size)))
+    own = {r: {(e.tensor, e.region.key()) for e in idx.entries} for r, idx in indexes.items()}
+    for key, (tensor, rule) in TENSORS.items():
+        layout = manifest.tensors[key].layout
+        if rule is None or not isinstance(layout, GridLayout) or layout.num_replicas > 1:  # replicas: one stores
+            continue
+        for rank in range(target.world_size):
+            held = layout.local_pieces(target.mesh().coordinate(rank))  # type: ignore[arg-type]
+            for _, box in (held[1] if held else []):
+                if box.numel:
+                    assert (key, Region(box).key()) in own[rank], (key, rank)
+
+
+@pytest.mark.parametrize("to, pp_layers", [("tp4pp2", None), ("tp1pp1", None), ("tp2pp2vpp2", None),
+                                           ("tp2pp2", (1, 3)), ("tp2pp2dp2", None)])
+def test_reshard_is_bit_identical_at_the_target_layout(src: Path, tmp_path: Path, to: str, pp_layers):
+    target = ParallelConfig.parse(to)
+    if pp_layers:
+        target = ParallelConfig(tp=target.tp, pp=target.pp, pp_layers=pp_layers)
+    before = tree_digest(src)
+    result = reshard(src, tmp_path / "out", target)
+    assert result.dropped_per_rank == ("rng",) and set(result.plan.unruled) == {"extra/scalar", "extra/token_counts"}
+    check_output(tmp_path / "out", target)
+    assert tree_digest(src) == before  # the source is only read
+
+
+def test_a_target_rank_loads_its_shards_with_ckptkit_load(src: Path, tmp_path: Path):
+    target = ParallelConfig.parse("tp4pp2")
+    reshard(src, tmp_path / "out", target)
+    manifest = read_manifest(open_store(tmp_path / "out"))
+    key = "model/decoder.layers.mlp.linear_fc1.weight"
+    layout = manifest.tensors[key].layout
+    assert isinstance(layout, GridLayout)
+    rank = 6  # pp stage 1, tp rank 2
+    local_shape, pieces = layout.local_pieces(target.mesh().coordinate(rank))  # type: ignore[misc]
+    out = torch.zeros(local_shape)
+    decl = [Piece(key, layout.shape, Region(b), LocalBox(o)) for o, b in pieces]
+    ckptkit.load({"w": ckptkit.Sharded(out, decl)}, tmp_path / "out", strict=False)
+    full = TENSORS[key][0]
+    gate, up = full[2:4, 16:24], full[2:4, 48:56]  # layers 2-3, the 3rd of 4 tp slices of each fused part
+    assert torch.equal(out, torch.cat([gate, up], dim=1))
+
+
+def test_resharding_twice_equals_resharding_once(src: Path, tmp_path: Path):
+    reshard(src, tmp_path / "mid", ParallelConfig.parse("tp4pp2"))
+    reshard(tmp_path / "mid", tmp_path / "twice", ParallelConfig.parse("tp1pp4"))
+    reshard(src, tmp_path / "once", ParallelConfig.parse("tp1pp4"))
+    a, b = read_manifest(open_store(tmp_path / "twice")), read_manifest(open_store(tmp_path / "once"))
+    assert a.tensors == b.tensors and a.values == b.values
+    twice, once = tree_digest(tmp_path / "twice"), tree_digest(tmp_path / "once")
+    data = [k for k in once if k.startswith("data")]
+    assert data and all(twice[k] == once[k] for k in data)  # the data objects are byte-identical
+    check_output(tmp_path / "twice", ParallelConfig.parse("tp1pp4"))
+
+
+def test_a_small_budget_splits_regions_and_stays_exact(src: Path, tmp_path: Path):
+    options = ReshardOptions(ReshardPlanOptions(max_memory=8 << 10, source_block=0))
+    result = reshard(src, tmp_path / "out", ParallelConfig.parse("tp2pp1"), options=options)
+    assert result.plan.split and result.plan.peak_memory <= 8 << 10
+    manifest = read_manifest(open_store(tmp_path / "out"))
+    for key in result.plan.split:
+        assert isinstance(manifest.tensors[key].layout, ExplicitLayout) and manifest.tensors[key].rule == TENSORS[key][1]
+    check_output(tmp_path / "out", ParallelConfig.parse("tp2pp1"), split_ok=True)
+
+
+def test_a_budget_below_one_element_fails_naming_the_budget(src: Path, tmp_path: Path):
+    with pytest.raises(ReshardError, match="too small"):
+        reshard(src, tmp_path / "out", ParallelConfig.parse("tp4pp2"),
+                options=ReshardOptions(ReshardPlanOptions(max_memory=64)))
+    assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+def test_dry_run_prints_the_plan_and_writes_nothing(src: Path, tmp_path: Path):
+    result = run("reshard", src, tmp_path / "out", "--to", "tp4pp2", "--dry-run")
+    assert result.exit_code == 0, result.output
+    assert "target tp4pp2dp1 (8 ranks): 38 tensors" in result.output
+    assert "estimated peak" in result.output and "would drop per-rank values" in result.output and "rng" in result.output
+    assert "extra/token_counts" in result.output and "nothing written" in result.output
+    assert not (tmp_path / "out").exists()
+    doc = json.loads(run("reshard", src, "--to", "tp4pp2", "--dry-run", "--json").stdout)
+    assert doc["dry_run"] and len(doc["plan"]["ranks"]) == 8
+    assert sum(r["bytes_written"] for r in doc["plan"]["ranks"]) == doc["plan"]["bytes"]
+
+
+def test_cli_reshards_with_uneven_stages_and_reports(src: Path, tmp_path: Path):
+    result = run("reshard", src, tmp_path / "out", "--to", "tp2pp2", "--vpp", "2", "--pp-layers", "1,1,1,1",
+                 "--max-memory", "64MiB")
+    assert result.exit_code == 0, result.output
+    assert "resharded" in result.output and "dropped per-rank values" in result.output
+    check_output(tmp_path / "out", ParallelConfig(tp=2, pp=2, vpp=2, pp_layers=(1, 1, 1, 1)))
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--to", "tp3pp2"], "linear_fc1.weight' .* fused part of 32 does not split evenly over tp=3"),
+    (["--to", "tp2pp3"], "4 layers do not split evenly over pp=3 x vpp=1; give pp_layers"),
+    (["--to", "tp2pp2", "--strict"], "'extra/scalar' has no partition rule"),
+    (["--to", "tp2pp2", "--pp-layers", "1,2"], "pp_layers \\[1, 2\\] sum to 3, model has 4 layers"),
+    (["--to", "tp2pp2", "--format", "megatron"], "Invalid value for '--format'"),
+])
+def test_impossible_targets_fail_clearly_and_write_nothing(src: Path, tmp_path: Path, args, message):
+    result = CliRunner().invoke(cli, ["reshard", str(src), str(tmp_path / "out"), *args])
+    assert result.exit_code == 2
+    assert re.search(message, " ".join(result.output.split())), result.output
+    assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+def test_existing_destination_and_missing_source_are_refused(src: Path, tmp_path: Path):
+    reshard(src, tmp_path / "out", ParallelConfig.parse("tp1pp1"))
+    with pytest.raises(SaveError, match="already holds a committed checkpoint"):
+        reshard(src, tmp_path / "out", ParallelConfig.parse("tp4pp2"))
+    result = CliRunner().invoke(cli, ["reshard", str(tmp_path / "nope"), str(tmp_path / "o2"), "--to", "tp2pp2"])
+    assert result.exit_code == 2 and "error:" in result.output
+    with pytest.raises(CheckpointNotFoundError):
+        reshard(tmp_path / "nope", tmp_path / "o3", ParallelConfig.parse("tp2pp2"))
+    with pytest.raises(ReshardError, match="overlaps the source"):
+        reshard(src, src / "inside", ParallelConfig.parse("tp2pp2"))
+
+
+def test_a_failed_reshard_commits_nothing_and_leaves_the_source_alone(tmp_path: Path):
+    bad = tmp_path / "bad"
+    write_at(bad, TENSORS, ParallelConfig.parse("tp2pp2"), values={"step": 7, "sched": {"lr": 0.5}})
+    obj = bad / "data" / "rank-00000.bin"
+    raw = bytearray(obj.read_bytes())
+    raw[100] ^= 0xFF
+    obj.write_bytes(bytes(raw))
+    before = tree_digest(bad)
+    with pytest.raises(CorruptCheckpointError, match="checksum mismatch"):
+        reshard(bad, tmp_path / "out", ParallelConfig.parse("tp4pp2"))
+    assert not (tmp_path / "out" / "manifest.json").exists()
+    assert not any(p.is_file() for p in (tmp_path / "out").rglob("*"))
+    assert tree_digest(bad) == before
