@@ -7,6 +7,7 @@
   starts itself: ckptkit's native and tensorstore engines vs raw s3fs vs DCP
   over fsspec, and both engines on local files) as a plain single-process script;
 * ``bench_modelspace.py`` (a lazy slice vs a full load; zarr export/import vs raw writes) as a plain single-process script;
+* ``bench_reshard.py`` (offline ``ckptkit reshard`` tp2pp2 -> tp4pp2 in a subprocess vs a raw copy of the same bytes) as a plain single-process script;
 * every other ``benchmarks/bench_*.py`` that defines ``main()`` (e.g.
   ``bench_plan_scale.py``) as a plain single-process script.
 
@@ -35,7 +36,8 @@ IO_BENCH = "bench_io.py"
 ASYNC_BENCH = "bench_async.py"
 TORCHRUN_BENCHES = (IO_BENCH, ASYNC_BENCH)  # run under torchrun, in this order
 S3_BENCH = "bench_s3.py"  # a plain script that also takes --reps
-SCRATCH_PREFIXES = ("bench_io-scratch-", "bench_async-scratch-", "bench_s3-scratch-", "bench_modelspace-scratch-", "bench_torchtitan-scratch-", "bench_deepspeed-scratch-")
+SCRATCH_PREFIXES = ("bench_io-scratch-", "bench_async-scratch-", "bench_s3-scratch-", "bench_modelspace-scratch-", "bench_torchtitan-scratch-",
+                    "bench_deepspeed-scratch-", "bench_reshard-scratch-")
 
 
 def other_benchmarks() -> list[str]:
