@@ -4,7 +4,7 @@ Megatron-core assumes CUDA in a few places that have nothing to do with
 checkpointing: the current device, ``torch.cuda.synchronize``, the CUDA RNG
 tracker, ``device="cuda"`` factory calls in the pipeline schedules, and the
 distributed optimizer's dispatch on ``param.type()`` being a
-``torch.cuda.*Tensor`` name. These shims redirect exactly those to the CPU so
+``torch.cuda.*Tensor`` name, and ``.cuda()`` on the tied output weight. These shims redirect exactly those to the CPU so
 the tests can run a real Megatron model, optimizer and 1F1B schedule on the
 CPU-only machines CI has. They live in tests/ on purpose: ckptkit's library
 code never patches a framework.
@@ -54,6 +54,7 @@ def install() -> None:
     torch.cuda.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)  # type: ignore[assignment]
     torch.cuda.manual_seed = lambda seed: None  # type: ignore[assignment]
     torch.Tensor.type = _cuda_type_name(torch.Tensor.type)  # type: ignore[method-assign]
+    torch.Tensor.cuda = lambda self, *a, **k: self  # type: ignore[method-assign]  # tied embeddings at pp > 1
 
     from megatron.core.tensor_parallel import random as mrandom
 

@@ -56,7 +56,7 @@ def setup(layout: Layout, seed: int = 1234) -> Trainer:
     megatron_cpu_shims.install()
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -71,13 +71,16 @@ def setup(layout: Layout, seed: int = 1234) -> Trainer:
     if layout.pp_layers is not None:
         first, last = layout.pp_layers
         extra.update(num_layers_in_first_pipeline_stage=first, num_layers_in_last_pipeline_stage=last)
+    # batch_p2p_comm=False: on gloo, batched isend/irecv between the same two stages can pair the
+    # interleaved schedule's messages out of order (training-mode losses then differ from a forward-only
+    # pass on the same weights); Megatron's unbatched p2p path pairs them in order
     config = TransformerConfig(
         num_layers=LAYERS, hidden_size=64, num_attention_heads=8, num_query_groups=2, ffn_hidden_size=96,
         gated_linear_unit=True, activation_func=torch.nn.functional.silu, bias_activation_fusion=False,
         add_bias_linear=False, normalization="RMSNorm", use_cpu_initialization=True,
         tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.vpp, pipeline_dtype=torch.float32,
-        hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02, **extra,
+        hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02, batch_p2p_comm=False, **extra,
     )
     chunks = []
     for vp in range(layout.vpp or 1):
@@ -89,8 +92,11 @@ def setup(layout: Layout, seed: int = 1234) -> Trainer:
         )
         ddp = DistributedDataParallelConfig(use_distributed_optimizer=layout.dist_opt, bucket_size=4096)
         chunks.append(DistributedDataParallel(config, ddp, model))
-    opt_config = OptimizerConfig(optimizer="adam", lr=3e-3, weight_decay=0.01, use_distributed_optimizer=layout.dist_opt,
+    opt_config = OptimizerConfig(optimizer="adam", lr=3e-3, min_lr=3e-4, weight_decay=0.01, use_distributed_optimizer=layout.dist_opt,
                                  clip_grad=1.0, bf16=False, fp16=False)
+    # what Megatron's trainer sets: the schedule then all-reduces (or, for the distributed optimizer,
+    # reduce-scatters) gradients over DP and the tied embedding's across the first and last stage
+    config.finalize_model_grads_func = finalize_model_grads
     optimizer = get_megatron_optimizer(opt_config, chunks)
     scheduler = OptimizerParamScheduler(optimizer, init_lr=0.0, max_lr=3e-3, min_lr=3e-4, lr_warmup_steps=3,
                                         lr_decay_steps=20, lr_decay_style="cosine", start_wd=0.01, end_wd=0.01,

@@ -1,0 +1,298 @@
+"""Megatron-core training on ckptkit: save at one TP/PP/DP/VPP layout, resume at any other.
+
+    from ckptkit.adapters import megatron as mckpt      # also: ckptkit.megatron
+
+    opts = mckpt.MegatronOptions(vocab_size=50257, make_vocab_size_divisible_by=128)
+    handle = mckpt.save(model, "runs/gpt/iter-0001000", optimizer=optimizer, scheduler=scheduler,
+                        iteration=1000, extra={"consumed_samples": n}, options=opts, asynchronous=True)
+    ...
+    info = mckpt.load(model, "runs/gpt/iter-0001000", optimizer=optimizer, scheduler=scheduler)
+    iteration, consumed = info.iteration, info.extra["consumed_samples"]
+
+``model`` is the list of model chunks (one per virtual pipeline stage; DDP
+or Float16Module wrappers are fine). A checkpoint holds, in model space:
+
+* ``model/<key>``: every ShardedTensor of ``model.sharded_state_dict()``
+  under Megatron's own key and global shape (stacked layers with their
+  layer axis; SwiGLU ``linear_fc1`` as ``[gate; up]``), vocabulary padding
+  moved to ``<key>.vocab_padding`` when ``vocab_size`` is given;
+* ``optimizer/<state>/<key>`` (``exp_avg``, ``exp_avg_sq``, ``main`` when
+  main copies are separate): stored from each rank's own optimizer shard,
+  see :mod:`.optimizer_state`;
+* the JSON value ``megatron/meta``: iteration, ``extra``, the scheduler's
+  ``state_dict``, scalar optimizer state, the saving layout;
+* per-rank RNG states (Python, NumPy, torch CPU/CUDA, Megatron's tracker),
+  restored only when the loading layout is the saving one (another layout
+  has other ranks; Megatron then re-seeds, and so does this adapter: the
+  states are left as the job set them).
+
+Every tensor carries a partition rule (:mod:`.model_space`), so ``ckptkit
+reshard --to tp4pp2`` can rewrite the checkpoint for a target layout offline.
+Megatron is imported only inside this package. Not covered (refused with a
+clear error): expert parallelism / MoE layers, non-Adam-like optimizer
+wrappers, Transformer-Engine FP8 ``_extra_state`` payloads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+import ckptkit
+from ckptkit.adapters.megatron import optimizer_state as opt_state
+from ckptkit.adapters.megatron.model_space import (
+    ModelSpaceOptions,
+    ParamSpace,
+    chunk_params,
+    padding_plan,
+)
+from ckptkit.engine.metadata_io import read_manifest
+from ckptkit.engine.state import PerRank, Sharded
+from ckptkit.errors import MissingKeysError, StateMismatchError
+from ckptkit.layout.values import decode_value
+from ckptkit.options import AsyncOptions, LoadOptions
+from ckptkit.storage.url import open_store
+
+FORMAT = 1
+ROOT = "megatron"
+META_KEY = f"{ROOT}/meta"
+
+
+@dataclass(frozen=True)
+class MegatronOptions:
+    """``vocab_size``: the tokenizer's true vocabulary (None: the padded vocabulary is stored as
+    Megatron holds it, and only layouts with the same padding can load it);
+    ``make_vocab_size_divisible_by``: Megatron's argument of that name;
+    ``save_optimizer``: store optimizer state (False: weights, scheduler and counters only)."""
+
+    vocab_size: int | None = None
+    make_vocab_size_divisible_by: int = 128
+    save_optimizer: bool = True
+
+
+@dataclass(frozen=True)
+class MegatronLoadInfo:
+    """What a load restored besides tensors."""
+
+    iteration: int
+    extra: dict[str, Any]
+    saved_layout: dict[str, int]
+    rng_restored: bool
+
+
+def layout() -> dict[str, int]:
+    """This job's parallel degrees, from Megatron's parallel_state."""
+    from megatron.core import parallel_state as ps
+
+    return {
+        "tp": ps.get_tensor_model_parallel_world_size(),
+        "pp": ps.get_pipeline_model_parallel_world_size(),
+        "dp": ps.get_data_parallel_world_size(),
+        "cp": ps.get_context_parallel_world_size(),
+        "ep": ps.get_expert_model_parallel_world_size(),
+        "vpp": ps.get_virtual_pipeline_model_parallel_world_size() or 1,
+    }
+
+
+def _chunks(model: Any) -> list[Any]:
+    return list(model) if isinstance(model, (list, tuple)) else [model]
+
+
+def _spaces(model: Any, vocab: ModelSpaceOptions) -> list[ParamSpace]:
+    from megatron.core import parallel_state as ps
+
+    lay = layout()
+    if lay["ep"] > 1:
+        raise StateMismatchError(f"Megatron expert parallelism (ep={lay['ep']}) is not supported by ckptkit's adapter")
+    dp_size = ps.get_data_parallel_world_size(with_context_parallel=True)
+    spaces, objects = chunk_params(_chunks(model), vocab, dp_size, (True, True))
+    for key, obj in objects:
+        data = getattr(obj, "data", None)
+        if data is not None and not (isinstance(data, torch.Tensor) and data.numel() == 0):
+            raise StateMismatchError(f"Megatron object {key!r} holds {type(data).__name__} state (e.g. Transformer-Engine "
+                                     "FP8 metadata); ckptkit's Megatron adapter carries only empty _extra_state")
+    if any("experts" in s.name for s in spaces):
+        raise StateMismatchError("Megatron MoE expert layers are not supported by ckptkit's adapter yet")
+    return spaces
+
+
+def _num_layers(model: Any) -> int:
+    config = getattr(_chunks(model)[0], "config", None)
+    return int(getattr(config, "num_layers", 0) or 0)
+
+
+# ------------------------------------------------------------------ RNG
+def _rng_state() -> dict[str, Any]:
+    import numpy as np
+    from megatron.core import tensor_parallel
+
+    np_state = np.random.get_state()
+    tracker = tensor_parallel.random.get_cuda_rng_tracker().get_states()
+    return {
+        "layout": layout(),
+        "python": [list(x) if isinstance(x, tuple) else x for x in random.getstate()],
+        "numpy": [np_state[0], np_state[1].tobytes(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+        "torch": torch.get_rng_state().numpy().tobytes(),
+        "cuda": torch.cuda.get_rng_state().numpy().tobytes() if torch.cuda.is_available() else None,
+        "tracker": {k: v.cpu().numpy().tobytes() for k, v in tracker.items()},
+    }
+
+
+def _set_rng_state(state: Mapping[str, Any]) -> None:
+    import numpy as np
+    from megatron.core import tensor_parallel
+
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.frombuffer(keys, dtype=np.uint32).copy(), pos, has_gauss, cached))
+    torch.set_rng_state(torch.frombuffer(bytearray(state["torch"]), dtype=torch.uint8))
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(torch.frombuffer(bytearray(state["cuda"]), dtype=torch.uint8))
+    tensor_parallel.random.get_cuda_rng_tracker().set_states(
+        {k: torch.frombuffer(bytearray(v), dtype=torch.uint8) for k, v in state["tracker"].items()})
+
+
+# ----------------------------------------------------------------- save
+def _json_ready(value: Any, what: str) -> Any:
+    try:
+        return json.loads(json.dumps(value))
+    except (TypeError, ValueError) as exc:
+        raise StateMismatchError(f"{what} is not JSON-representable ({exc}); ckptkit stores it as JSON, never pickle") from exc
+
+
+def megatron_state(model: Any, *, optimizer: Any = None, scheduler: Any = None, iteration: int = 0,
+                   extra: Mapping[str, Any] | None = None, options: MegatronOptions = MegatronOptions()) -> dict[str, Any]:
+    """The ckptkit state of a Megatron job (tensors are the job's own; the saver snapshots them)."""
+    vocab = ModelSpaceOptions(options.vocab_size, options.make_vocab_size_divisible_by)
+    spaces = _spaces(model, vocab)
+    entries: dict[str, Any] = {}
+    for i, s in enumerate(spaces):
+        for j, sh in enumerate(_by_tensor(s.view(), s.box_pieces("model/", for_save=True), s, "model/")):
+            entries[f"p{i}.{j}"] = sh
+    meta: dict[str, Any] = {
+        "format": FORMAT, "iteration": int(iteration), "layout": layout(), "num_layers": _num_layers(model),
+        "vocab_size": options.vocab_size, "make_vocab_size_divisible_by": options.make_vocab_size_divisible_by,
+        "extra": _json_ready(dict(extra or {}), "extra"),
+        "scheduler": _json_ready(scheduler.state_dict(), "the LR scheduler's state_dict") if scheduler is not None else None,
+        "optimizer": None,
+    }
+    if optimizer is not None and options.save_optimizer:
+        states = opt_state.param_states(optimizer, spaces)
+        keys = sorted({k for ps in states for k in opt_state.tensor_state_keys(ps)})
+        has_main = any(ps.main is not None for ps in states)
+        for j, ps in enumerate(states):
+            for name in keys + ([opt_state.MAIN] if has_main else []):
+                sh = opt_state.state_pieces(ps, name, for_save=True)
+                for k, part in enumerate(_by_tensor(sh.local, sh.pieces, ps.space, f"optimizer/{name}/")):
+                    entries[f"o{j}/{name}.{k}"] = part
+        meta["optimizer"] = {"tensor_states": keys, "main": has_main, "scalars": opt_state.scalar_state(states),
+                             "hyper_parameters": opt_state.hyper_parameters(optimizer)}
+    entries["meta"] = json.dumps(meta)
+    entries["rng"] = PerRank(_rng_state())
+    return {ROOT: entries}
+
+
+def _by_tensor(local: torch.Tensor, pieces: Sequence[Any], space: ParamSpace, prefix: str) -> list[Sharded]:
+    """One Sharded per global tensor, each with that tensor's partition rule (a vocabulary's padding
+    side tensor has none). No pieces (a replica that does not write): one Sharded without pieces."""
+    by: dict[str, list[Any]] = {}
+    for p in pieces:
+        by.setdefault(p.tensor, []).append(p)
+    if not by:
+        return [Sharded(local, [])]
+    return [Sharded(local, ps, rule=space.rules[t.removeprefix(prefix)]) for t, ps in by.items()]
+
+
+def save(model: Any, path: str | os.PathLike[str], *, optimizer: Any = None, scheduler: Any = None, iteration: int = 0,
+         extra: Mapping[str, Any] | None = None, options: MegatronOptions = MegatronOptions(),
+         asynchronous: bool = False, async_options: AsyncOptions = AsyncOptions(),
+         storage_options: dict[str, Any] | None = None) -> Any:
+    """Save (collective over the world). Synchronous: the SaveResult; asynchronous: a SaveHandle once
+    the snapshot is taken, training may go on at once."""
+    state = megatron_state(model, optimizer=optimizer, scheduler=scheduler, iteration=iteration, extra=extra,
+                           options=options)
+    if asynchronous:
+        return ckptkit.save_async(state, path, options=async_options, storage_options=storage_options)
+    return ckptkit.save(state, path, storage_options=storage_options)
+
+
+# ----------------------------------------------------------------- load
+def read_meta(path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> tuple[dict[str, Any], dict]:
+    """The ``megatron/meta`` record and the stored tensors' shapes (from the manifest; no tensor read)."""
+    store = open_store(path, storage_options)
+    manifest = read_manifest(store)
+    if META_KEY not in manifest.values:
+        raise MissingKeysError(f"{store.url}: not a checkpoint of ckptkit's Megatron adapter (no {META_KEY!r} value)")
+    meta = json.loads(decode_value(manifest.values[META_KEY], f"{store.url}: {META_KEY}"))
+    if meta.get("format") != FORMAT:
+        raise StateMismatchError(f"{store.url}: Megatron record format {meta.get('format')!r}, expected {FORMAT}")
+    return meta, {k: t.shape for k, t in manifest.tensors.items()}
+
+
+def load(model: Any, path: str | os.PathLike[str], *, optimizer: Any = None, scheduler: Any = None,
+         load_optimizer: bool = True, options: LoadOptions = LoadOptions(),
+         storage_options: dict[str, Any] | None = None) -> MegatronLoadInfo:
+    """Load a checkpoint of this adapter into the model chunks (and optimizer, scheduler) of this job,
+    at this job's TP/PP/DP/VPP, whatever the saving job's were (collective)."""
+    meta, shapes = read_meta(path, storage_options)
+    vocab = ModelSpaceOptions(meta["vocab_size"], meta["make_vocab_size_divisible_by"])
+    spaces, fills = padding_plan(_spaces(model, vocab), shapes, "model/")
+    entries: dict[str, Any] = {}
+    for i, s in enumerate(spaces):
+        entries[f"p{i}"] = Sharded(s.view(), s.box_pieces("model/", for_save=False))
+    for i, f in enumerate(fills):
+        entries[f"fill{i}"] = Sharded(f.source, [f.piece])
+    saved_opt = meta.get("optimizer")
+    states: list[opt_state.ParamState] = []
+    load_main = False
+    if optimizer is not None and load_optimizer:
+        if saved_opt is None:
+            raise MissingKeysError(f"{path}: the checkpoint holds no optimizer state (saved with save_optimizer=False "
+                                   "or without an optimizer); pass load_optimizer=False to load weights only")
+        states = opt_state.param_states(optimizer, spaces)
+        opt_state.prime(states, saved_opt["tensor_states"], saved_opt["scalars"])
+        load_main = saved_opt["main"] and any(ps.main is not None for ps in states)
+        for j, ps in enumerate(states):
+            for name in saved_opt["tensor_states"] + ([opt_state.MAIN] if load_main else []):
+                entries[f"o{j}/{name}"] = opt_state.state_pieces(ps, name, for_save=False)
+    needed = {p.tensor for e in entries.values() for p in e.pieces}
+    missing = sorted(needed - set(shapes))
+    if missing:
+        raise MissingKeysError(f"{path}: {len(missing)} tensor(s) this job needs are not in the checkpoint: "
+                               f"{', '.join(repr(k) for k in missing[:8])}")
+    same_layout = meta["layout"] == layout()
+    if same_layout:
+        entries["rng"] = PerRank(None)
+    ckptkit.load({ROOT: entries}, path, strict=False, options=options, storage_options=storage_options)
+    for f in fills:
+        f.apply()
+    if states:
+        opt_state.sync_model_from_main(optimizer, had_main=load_main, have_main=any(ps.main is not None for ps in states))
+    if scheduler is not None and meta["scheduler"] is not None:
+        scheduler.load_state_dict(meta["scheduler"])
+    rng = entries.get("rng")
+    restored = bool(same_layout and rng is not None and rng.value is not None)
+    if restored:
+        _set_rng_state(rng.value)
+    return MegatronLoadInfo(meta["iteration"], meta["extra"], meta["layout"], restored)
+
+
+__all__ = [
+    "MegatronCheckpointer",
+    "MegatronLoadInfo",
+    "MegatronOptions",
+    "layout",
+    "load",
+    "megatron_state",
+    "read_meta",
+    "save",
+]
+
+from ckptkit.adapters.megatron.checkpointer import MegatronCheckpointer

@@ -1,0 +1,72 @@
+"""Periodic Megatron checkpoints through :class:`ckptkit.CheckpointManager`.
+
+Step folders named by iteration, retention and asynchronous saves come from
+the manager; this class supplies the job's state and restores the newest
+checkpoint every rank sees committed, at whatever layout the resuming job has::
+
+    ckpt = MegatronCheckpointer(model, optimizer, scheduler, "s3://bucket/gpt", every_steps=500, keep_last=3,
+                                options=MegatronOptions(vocab_size=50257))
+    info = ckpt.restore_latest()            # None on a fresh start
+    iteration = info.iteration if info else 0
+    while ...:
+        train_step(); iteration += 1
+        ckpt.maybe_save(iteration, extra={"consumed_samples": consumed})
+    ckpt.close()
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import ckptkit
+from ckptkit.options import AsyncOptions
+
+
+class MegatronCheckpointer:
+    def __init__(self, model: Any, optimizer: Any, scheduler: Any, root: str, *, every_steps: int | None = None,
+                 keep_last: int | None = None, asynchronous: bool = True, options: Any = None,
+                 async_options: AsyncOptions = AsyncOptions(), storage_options: dict[str, Any] | None = None) -> None:
+        from ckptkit.adapters.megatron import MegatronOptions
+        from ckptkit.engine.collective import resolve_comm
+
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.options = options if options is not None else MegatronOptions()
+        self.storage_options = storage_options
+        self.manager = ckptkit.CheckpointManager(root, every_steps=every_steps, keep_last=keep_last,
+                                                 asynchronous=asynchronous, options=async_options,
+                                                 storage_options=storage_options)
+        self._comm = resolve_comm(None)
+
+    def maybe_save(self, iteration: int, *, extra: Mapping[str, Any] | None = None) -> Any:
+        """Save if ``every_steps`` says so at ``iteration``; the handle, or None."""
+        if not self.manager.should_save(iteration):
+            return None
+        return self.save(iteration, extra=extra)
+
+    def save(self, iteration: int, *, extra: Mapping[str, Any] | None = None) -> Any:
+        """Save now (blocks only for the snapshot when asynchronous)."""
+        from ckptkit.adapters.megatron import megatron_state
+
+        state = megatron_state(self.model, optimizer=self.optimizer, scheduler=self.scheduler, iteration=iteration,
+                               extra=extra, options=self.options)
+        return self.manager.save(iteration, state)
+
+    def restore_latest(self) -> Any:
+        """Load the newest step every rank sees committed; its MegatronLoadInfo, or None if there is none."""
+        from ckptkit.adapters.megatron import load
+        from ckptkit.manager import step_dir
+
+        mine = max((r.step for r in self.manager.records() if r.committed), default=-1)
+        step = self._comm.all_min([mine])[0]
+        if step < 0:
+            return None
+        return load(self.model, f"{self.manager.root.url}/{step_dir(step)}", optimizer=self.optimizer,
+                    scheduler=self.scheduler, storage_options=self.storage_options)
+
+    def wait(self) -> None:
+        self.manager.wait()
+
+    def close(self) -> None:
+        """Wait for the last save; raise a background failure."""
+        self.manager.close()

@@ -1,0 +1,337 @@
+"""Megatron-core's own sharding declarations -> ckptkit pieces and partition rules.
+
+Megatron's ``model.sharded_state_dict()`` already speaks model space: each
+``ShardedTensor`` names a global tensor (stacked layers get a prepended layer
+axis, ``prepend_axis_num``), its ``global_shape``, this rank's
+``global_offset`` and a ``replica_id`` of ``(pipeline, tensor, data)``
+replica indices where ``(0, 0, *)`` is the main copy. The SwiGLU ``linear_fc1``
+is a ``ShardedTensorFactory`` whose build function cuts the local ``[gate;
+up]`` block into two ShardedTensors (views of the parameter) at fragments
+``rank`` and ``rank + tp`` of a ``2 * tp`` split. Nothing here guesses from
+parameter names for *where bytes are*: those facts are read off the
+declarations (factories are expanded with their own build function and each
+view is located inside its parameter by storage offset).
+
+What the declarations do not say is how a tensor would split at *another*
+layout (at tp=1 every fragmentation is 1). That comes from the attributes
+Megatron's parallel layers set on every parameter (``tensor_model_parallel``,
+``partition_dim``), the factory kind, and the stacked-layer axis; the result
+is a :class:`ckptkit.PartitionRule` recorded with the tensor so ``ckptkit
+reshard --to`` can lay the checkpoint out for a target layout offline.
+
+Vocabulary padding is not model space: with ``vocab_size`` given, the word
+embedding and output layer are stored with the true vocabulary and the
+padding rows of the saving layout go to a side tensor ``<key>.vocab_padding``
+(restored where the loading layout's padding overlaps it, zero elsewhere).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from math import prod
+from typing import Any
+
+import torch
+
+from ckptkit.errors import LayoutError, StateMismatchError
+from ckptkit.layout.box import Box
+from ckptkit.layout.pieces import Piece, box_piece, flat_piece
+from ckptkit.layout.rules import PartitionRule
+
+VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
+PADDING_SUFFIX = ".vocab_padding"
+
+
+def unwrap(chunk: Any) -> Any:
+    """The model inside Megatron's wrappers (DDP, Float16Module, ...): their ``sharded_state_dict``
+    adds a ``module.`` prefix that Megatron's own checkpoints do not have."""
+    while isinstance(getattr(chunk, "module", None), torch.nn.Module):
+        chunk = chunk.module
+    return chunk
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Rows ``[row, row + rows)`` of a parameter (all other axes whole) are box ``offsets`` of ``tensor``.
+
+    Parameters are only ever cut along their first axis (TP chunks of a fused
+    block, real vs padded vocab rows), so a segment is also a contiguous run
+    ``[row * row_numel, (row + rows) * row_numel)`` of the parameter's
+    flattening, which is what a distributed-optimizer shard is a range of.
+    """
+
+    row: int
+    rows: int
+    tensor: str
+    shape: tuple[int, ...]
+    offsets: tuple[int, ...]  # of the box in the global tensor; box sizes: (1,) * prepend + (rows, *rest)
+
+
+@dataclass(frozen=True)
+class ParamSpace:
+    """Where one parameter's elements live in model space, and how they split at any layout."""
+
+    name: str  # the first ShardedTensor key (for messages)
+    param: torch.Tensor
+    prepend: int
+    segments: tuple[Segment, ...]
+    main: bool  # Megatron's replica_id is (0, 0, *): this rank's copy is the one the TP/PP group writes
+    dp_index: int
+    dp_size: int
+    rules: dict[str, PartitionRule | None]
+
+    @property
+    def row_numel(self) -> int:
+        return prod(self.param.shape[1:]) if self.param.dim() else 1
+
+    def view(self, local: torch.Tensor | None = None) -> torch.Tensor:
+        """``local`` (default: the parameter) with the prepended layer axes the boxes have."""
+        t = self.param if local is None else local
+        return t.view((1,) * self.prepend + tuple(self.param.shape))
+
+    def box_pieces(self, prefix: str, *, for_save: bool) -> list[Piece]:
+        """Pieces of the parameter-shaped tensor under ``prefix``; at save only main copies, balanced over DP."""
+        if for_save and not self.main:
+            return []
+        replica = (self.dp_index, self.dp_size) if for_save and self.dp_size > 1 else None
+        rest = tuple(self.param.shape[1:])
+        out = []
+        for s in self.segments:
+            local = (0,) * self.prepend + (s.row,) + (0,) * len(rest)
+            sizes = (1,) * self.prepend + (s.rows,) + rest
+            out.append(box_piece(prefix + s.tensor, s.shape, s.offsets, sizes, local_offsets=local, replica=replica))
+        return out
+
+    def flat_pieces(self, prefix: str, start: int, stop: int, *, for_save: bool) -> list[Piece]:
+        """Pieces of a 1-D shard holding elements ``[start, stop)`` of the parameter's flattening."""
+        if for_save and not self.main:
+            return []
+        n = self.row_numel
+        rest = tuple(self.param.shape[1:])
+        out = []
+        for s in self.segments:
+            a, b = max(start, s.row * n), min(stop, (s.row + s.rows) * n)
+            if a >= b:
+                continue
+            box = Box(s.offsets, (1,) * self.prepend + (s.rows,) + rest)
+            out.append(flat_piece(prefix + s.tensor, s.shape, box, a - s.row * n, b - s.row * n, local_start=a - start))
+        return out
+
+    def tensors(self) -> list[str]:
+        return sorted({s.tensor for s in self.segments})
+
+
+@dataclass(frozen=True)
+class ModelSpaceOptions:
+    """``vocab_size``: the true vocabulary (None: store Megatron's padded one as is);
+    ``divisible_by``: Megatron's ``make_vocab_size_divisible_by``."""
+
+    vocab_size: int | None
+    divisible_by: int
+
+
+def _expand(sd: Any) -> Iterator[tuple[str, Any]]:
+    """(state key, ShardedTensor | factory | object) leaves of a nested sharded state dict."""
+    if isinstance(sd, dict):
+        for k, v in sd.items():
+            for kk, leaf in _expand(v):
+                yield (f"{k}.{kk}" if kk else str(k)), leaf
+    elif isinstance(sd, (list, tuple)):
+        for i, v in enumerate(sd):
+            for kk, leaf in _expand(v):
+                yield (f"{i}.{kk}" if kk else str(i)), leaf
+    else:
+        yield "", sd
+
+
+def _sharded_tensors(leaf: Any) -> list[Any]:
+    """A ShardedTensor as is; a factory expanded by its own build function into ShardedTensor views."""
+    from megatron.core.dist_checkpointing.mapping import (
+        ShardedTensor,
+        ShardedTensorFactory,
+    )
+
+    if isinstance(leaf, ShardedTensor):
+        return [leaf]
+    if isinstance(leaf, ShardedTensorFactory):
+        built = leaf.build_fn(leaf.key, leaf.data, leaf.replica_id, None)
+        out = [t for _, t in _expand(built)]
+        bad = [type(t).__name__ for t in out if not isinstance(t, ShardedTensor)]
+        if bad:
+            raise StateMismatchError(f"Megatron factory {leaf.key!r} builds {bad}; ckptkit reads factories that build "
+                                     "ShardedTensors (GLU fc1, QKV)")
+        return out
+    return []
+
+
+def _owner(view: torch.Tensor, params: list[tuple[int, int, int, torch.Tensor]]) -> torch.Tensor:
+    ptr = view.untyped_storage().data_ptr()
+    at = view.storage_offset()
+    for p_ptr, start, stop, p in params:
+        if p_ptr == ptr and start <= at and at + view.numel() <= stop:
+            return p
+    raise LayoutError(f"a ShardedTensor of shape {tuple(view.shape)} is not a view of any model parameter")
+
+
+def _rule(param: torch.Tensor, prepend: int, n_parts: int, key: str, vocab: ModelSpaceOptions, global_shape: tuple,
+          stage: int | None) -> PartitionRule:
+    """How the tensor splits at any layout, from Megatron's per-parameter attributes."""
+    tp_axis = None
+    if getattr(param, "tensor_model_parallel", False):
+        tp_axis = prepend + int(getattr(param, "partition_dim", 0))
+    fused = None
+    if n_parts > 1:
+        if tp_axis is None:
+            raise LayoutError(f"{key}: a fused ({n_parts}-part) tensor that is not tensor-parallel")
+        part = global_shape[tp_axis] // n_parts
+        fused = (part,) * n_parts
+    vocab_multiple = vocab.divisible_by if (key in VOCAB_KEYS and vocab.vocab_size is not None) else None
+    layer_axis = 0 if prepend else None
+    return PartitionRule(tp_axis=tp_axis, fused=fused, vocab_multiple=vocab_multiple,
+                         stage=None if prepend else stage, layer_axis=layer_axis)
+
+
+def _replica(st: Any, dp_size: int) -> tuple[bool, int]:
+    rid = st.replica_id if isinstance(st.replica_id, tuple) else (0, 0, st.replica_id)
+    if len(rid) != 3:
+        raise StateMismatchError(f"Megatron tensor {st.key!r}: replica_id {st.replica_id} is not (pp, tp, dp)")
+    main = rid[0] == 0 and rid[1] == 0
+    if not 0 <= rid[2] < dp_size:
+        raise StateMismatchError(f"Megatron tensor {st.key!r}: data-parallel replica {rid[2]} outside a group of {dp_size}")
+    return main, rid[2]
+
+
+def chunk_params(chunks: Iterable[Any], vocab: ModelSpaceOptions, dp_size: int, stages: tuple[bool, bool]) -> tuple[
+        list[ParamSpace], list[tuple[str, Any]]]:
+    """Every parameter of the model chunks with its model space, and the ShardedObjects (``_extra_state``).
+
+    ``stages``: (holds the first stage, holds the last stage) — for the rule of
+    tensors outside the layer stack (embeddings on stage 0, the head on -1).
+    """
+    spaces: list[ParamSpace] = []
+    objects: list[tuple[str, Any]] = []
+    for chunk in chunks:
+        model = unwrap(chunk)
+        params = [(p.untyped_storage().data_ptr(), p.storage_offset(), p.storage_offset() + p.numel(), p)
+                  for p in model.parameters()]
+        grouped: dict[int, list[Any]] = {}
+        for _, leaf in _expand(model.sharded_state_dict()):
+            sts = _sharded_tensors(leaf)
+            if not sts:
+                if leaf is not None and hasattr(leaf, "key"):
+                    objects.append((leaf.key, leaf))
+                continue
+            for st in sts:
+                owner = _owner(st.data, params)
+                grouped.setdefault(id(owner), [owner]).append(st)
+        for owner, *sts in grouped.values():
+            spaces.append(_param_space(owner, sts, vocab, dp_size, stages, n_parts=len(sts)))
+    return spaces, objects
+
+
+def _param_space(param: torch.Tensor, sts: list[Any], vocab: ModelSpaceOptions, dp_size: int,
+                 stages: tuple[bool, bool], n_parts: int) -> ParamSpace:
+    first = sts[0]
+    key = first.key
+    if any(st.key != key for st in sts):
+        raise LayoutError(f"a parameter is declared under several keys: {sorted({st.key for st in sts})}")
+    prepend = first.prepend_axis_num
+    mains = {_replica(st, dp_size) for st in sts}
+    if len(mains) != 1:
+        raise LayoutError(f"{key}: parts of one parameter disagree about their replica ids")
+    main, dp_index = mains.pop()
+    row_numel = prod(param.shape[1:]) if param.dim() else 1
+    if param.dim() == 0 or not param.is_contiguous():
+        raise LayoutError(f"{key}: ckptkit needs a contiguous parameter of rank >= 1, got shape {tuple(param.shape)}")
+    segments = []
+    for st in sts:
+        if tuple(st.data.shape[1:]) != tuple(param.shape[1:]) or (st.data.dim() > 1 and not st.data.is_contiguous()):
+            raise LayoutError(f"{key}: a declared part of shape {tuple(st.data.shape)} is not a block of whole rows "
+                              f"of its parameter {tuple(param.shape)}")
+        rel = st.data.storage_offset() - param.storage_offset()
+        if rel % row_numel:
+            raise LayoutError(f"{key}: a declared part starts inside a row of its parameter")
+        global_shape = tuple(st.global_shape)
+        offsets = tuple(st.global_offset)
+        segments.extend(_vocab_split(key, rel // row_numel, st.data.shape[0], global_shape, offsets, prepend, vocab))
+    stage = 0 if key.startswith("embedding.") else -1
+    if not prepend and key not in VOCAB_KEYS and not key.startswith(("decoder.final", "output_layer")) \
+            and not key.startswith("embedding."):
+        raise LayoutError(f"{key}: a tensor outside the layer stack that ckptkit cannot place on a pipeline stage "
+                          "(expected embedding.*, decoder.final_layernorm.*, output_layer.*)")
+    rule = _rule(param, prepend, n_parts, key, vocab, tuple(sts[0].global_shape), stage)
+    rules: dict[str, PartitionRule | None] = {key: rule}
+    if any(s.tensor.endswith(PADDING_SUFFIX) for s in segments):
+        rules[key + PADDING_SUFFIX] = None
+    return ParamSpace(key, param, prepend, tuple(segments), main, dp_index, dp_size, rules)
+
+
+def _vocab_split(key: str, row: int, rows: int, global_shape: tuple, offsets: tuple, prepend: int,
+                 vocab: ModelSpaceOptions) -> list[Segment]:
+    """One segment, or for a padded vocabulary the real rows and the padding rows apart."""
+    if key not in VOCAB_KEYS or vocab.vocab_size is None:
+        return [Segment(row, rows, key, global_shape, offsets)]
+    v, padded = vocab.vocab_size, global_shape[0]
+    if padded < v:
+        raise StateMismatchError(f"{key}: the model's vocabulary of {padded} rows is smaller than vocab_size={v}")
+    start = offsets[0]
+    out = []
+    real = max(0, min(start + rows, v) - start)
+    rest = global_shape[1:]
+    if real:
+        out.append(Segment(row, real, key, (v, *rest), offsets))
+    if rows - real:
+        pad_at = max(start, v) - v
+        out.append(Segment(row + real, rows - real, key + PADDING_SUFFIX, (padded - v, *rest), (pad_at, *offsets[1:])))
+    return out
+
+
+@dataclass(frozen=True)
+class PaddingFill:
+    """Rows ``[start, stop)`` of ``param`` that the checkpoint has no values for, filled after the load
+    with ``source`` (one row read from the checkpoint through ``piece``)."""
+
+    param: torch.Tensor
+    start: int
+    stop: int
+    source: torch.Tensor
+    piece: Piece
+
+    def apply(self) -> None:
+        with torch.no_grad():
+            self.param[self.start:self.stop].copy_(self.source.expand(self.stop - self.start, *self.source.shape[1:]))
+
+
+def padding_plan(spaces: Iterable[ParamSpace], stored: dict[str, tuple[int, ...]], prefix: str) -> tuple[
+        list[ParamSpace], list[PaddingFill]]:
+    """Clip padding segments to the padding the checkpoint stores; plan the rows it does not have.
+
+    The loading layout may pad the vocabulary more than the saving one did.
+    Rows past the saved padding get a copy of the last saved padding row (the
+    last real row if none was saved), Megatron's own convention when its
+    converter grows a padded vocabulary. The padded logits enter the softmax,
+    so a loss is preserved exactly only where the padding does not grow;
+    choose ``make_vocab_size_divisible_by`` so it does not.
+    """
+    out: list[ParamSpace] = []
+    fills: list[PaddingFill] = []
+    for s in spaces:
+        keep = []
+        for seg in s.segments:
+            if not seg.tensor.endswith(PADDING_SUFFIX):
+                keep.append(seg)
+                continue
+            have = stored.get(prefix + seg.tensor, (0,))[0]
+            usable = max(0, min(seg.rows, have - seg.offsets[0]))
+            if usable:
+                keep.append(Segment(seg.row, usable, seg.tensor, (have, *seg.shape[1:]), seg.offsets))
+            if usable < seg.rows:
+                real = seg.tensor.removesuffix(PADDING_SUFFIX)
+                tensor, shape = (seg.tensor, have) if have else (real, stored[prefix + real][0])
+                rest = tuple(s.param.shape[1:])
+                source = torch.empty((1, *rest), dtype=s.param.dtype)
+                piece = box_piece(prefix + tensor, (shape, *rest), (shape - 1,) + (0,) * len(rest), (1, *rest))
+                fills.append(PaddingFill(s.param, seg.row + usable, seg.row + seg.rows, source, piece))
+        out.append(ParamSpace(s.name, s.param, s.prepend, tuple(keep), s.main, s.dp_index, s.dp_size, s.rules))
+    return out, fills

@@ -1,0 +1,183 @@
+"""Megatron-core optimizer state <-> ckptkit pieces, without gathering anything.
+
+Each optimizer state tensor is stored in model space next to its parameter
+(``optimizer/exp_avg/<key>`` has the shape of ``model/<key>``), whatever
+optimizer held it:
+
+* a plain optimizer (``FP32Optimizer``, ``Float16OptimizerWithFloat16Params``)
+  keeps state shaped like the TP-local parameter: the state tensor gets the
+  parameter's own box pieces;
+* the ``DistributedOptimizer`` keeps, per parameter, a 1-D shard over the
+  range ``[start, end)`` of the TP-local parameter's flattening that this DP
+  rank owns (``gbuf_ranges[...]["param_map"][param]["param"]``). Those shards
+  are stored as they are — flat pieces of the model-space tensor — so saving
+  moves no bytes between ranks, and a load at any other TP/PP/DP reads back
+  exactly the elements each new shard owns.
+
+So one checkpoint serves DP changes and TP/PP changes alike; Megatron's own
+formats make you choose (``dp_reshardable`` cannot change TP/PP).
+
+Main (fp32) parameters are stored as ``optimizer/main/<key>`` only when they
+are separate from the model weights (bf16/fp16 training); with fp32 training
+the distributed optimizer's main shard is a view of the weight itself.
+Scalar state (Adam's ``step``) and hyper-parameters go to JSON.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ckptkit.adapters.megatron.model_space import ParamSpace
+from ckptkit.engine.state import Sharded, dtype_name
+from ckptkit.errors import StateMismatchError
+
+MAIN = "main"
+
+
+@dataclass(frozen=True)
+class ParamState:
+    """One parameter's optimizer tensors on this rank: the main copy (or None when it is the weight)
+    and the state dict entry of the inner optimizer, with the flat range they cover (None: whole param)."""
+
+    space: ParamSpace
+    main: torch.Tensor | None
+    state: dict[str, Any]
+    flat: tuple[int, int] | None
+    inner: Any  # the torch optimizer holding ``state``
+    main_param: torch.Tensor  # the tensor that is the key of ``inner.state``
+
+
+def _optimizers(optimizer: Any) -> list[Any]:
+    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+
+
+def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def param_states(optimizer: Any, spaces: list[ParamSpace]) -> list[ParamState]:
+    """This rank's optimizer tensors for every parameter the optimizer updates."""
+    by_param = {id(s.param): s for s in spaces}
+    out: list[ParamState] = []
+    for opt in _optimizers(optimizer):
+        kind = type(opt).__name__
+        if kind == "DistributedOptimizer":
+            for model_param, _ in opt.model_param_group_index_map.items():
+                space = by_param.get(id(model_param))
+                if space is None:
+                    raise StateMismatchError("a distributed-optimizer parameter is not declared by the model's "
+                                             f"sharded_state_dict (shape {tuple(model_param.shape)})")
+                rng = opt._get_model_param_range_map(model_param)["param"]
+                group_index, order = opt.model_param_group_index_map[model_param]
+                main = opt.optimizer.param_groups[group_index]["params"][order]
+                state = opt.optimizer.state.setdefault(main, {})
+                own = None if _shares_storage(main, model_param) else main
+                out.append(ParamState(space, own, state, (rng.start, rng.end), opt.optimizer, main))
+        elif kind in ("FP32Optimizer", "Float16OptimizerWithFloat16Params"):
+            pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+            if kind == "FP32Optimizer":
+                pairs = [(p, p) for g in opt.optimizer.param_groups for p in g["params"]]
+            else:
+                for model_group, main_group in zip(opt.float16_groups, opt.fp32_from_float16_groups):
+                    pairs.extend(zip(model_group, main_group))
+                pairs.extend((p, p) for g in opt.fp32_from_fp32_groups for p in g)
+            for model_param, main in pairs:
+                space = by_param.get(id(model_param))
+                if space is None:
+                    raise StateMismatchError("an optimizer parameter is not declared by the model's sharded_state_dict "
+                                             f"(shape {tuple(model_param.shape)})")
+                state = opt.optimizer.state.setdefault(main, {})
+                out.append(ParamState(space, None if main is model_param else main, state, None, opt.optimizer, main))
+        else:
+            raise StateMismatchError(f"Megatron optimizer {kind}: ckptkit reads DistributedOptimizer, FP32Optimizer "
+                                     "and Float16OptimizerWithFloat16Params (optionally inside a ChainedOptimizer)")
+    return out
+
+
+def state_pieces(ps: ParamState, name: str, *, for_save: bool) -> Sharded:
+    """The Sharded declaration of one optimizer tensor (``name``: a state key, or ``main``)."""
+    local = ps.main if name == MAIN else ps.state[name]
+    assert local is not None
+    prefix = f"optimizer/{name}/"
+    if ps.flat is None:
+        return Sharded(ps.space.view(local), ps.space.box_pieces(prefix, for_save=for_save))
+    start, stop = ps.flat
+    if local.numel() != stop - start:
+        raise StateMismatchError(f"{ps.space.name}: optimizer {name!r} shard has {local.numel()} elements, its range "
+                                 f"[{start}, {stop}) has {stop - start}")
+    return Sharded(local, ps.space.flat_pieces(prefix, start, stop, for_save=for_save))
+
+
+def tensor_state_keys(ps: ParamState) -> list[str]:
+    """State entries shaped like the parameter (or its shard): stored as tensors."""
+    n = ps.main_param.numel()
+    return sorted(k for k, v in ps.state.items() if isinstance(v, torch.Tensor) and v.numel() == n and v.dim() >= 1)
+
+
+def scalar_state(states: list[ParamState]) -> dict[str, dict[str, Any]]:
+    """Scalar state entries (Adam's ``step``), which must agree across parameters."""
+    out: dict[str, dict[str, Any]] = {}
+    for ps in states:
+        tensor_keys = set(tensor_state_keys(ps))
+        for k, v in ps.state.items():
+            if k in tensor_keys:
+                continue
+            if isinstance(v, torch.Tensor) and v.numel() == 1:
+                rec = {"dtype": dtype_name(v.dtype), "value": v.item()}
+            elif isinstance(v, (int, float)):
+                rec = {"dtype": None, "value": v}
+            else:
+                raise StateMismatchError(f"{ps.space.name}: optimizer state {k!r} is neither a tensor shaped like the "
+                                         "parameter nor a scalar")
+            if k in out and out[k] != rec:
+                raise StateMismatchError(f"optimizer state {k!r} differs between parameters ({out[k]} vs {rec}); "
+                                         "ckptkit stores one value per state key")
+            out[k] = rec
+    return out
+
+
+def prime(states: list[ParamState], tensor_keys: list[str], scalars: dict[str, dict[str, Any]]) -> None:
+    """Create the optimizer state a checkpoint holds when the optimizer has not stepped yet."""
+    for ps in states:
+        for k in tensor_keys:
+            if k not in ps.state:
+                ps.state[k] = torch.zeros_like(ps.main_param, memory_format=torch.preserve_format)
+        for k, rec in scalars.items():
+            if rec["dtype"] is None:
+                ps.state[k] = rec["value"]
+            elif isinstance(ps.state.get(k), torch.Tensor):
+                ps.state[k].fill_(rec["value"])
+            else:
+                ps.state[k] = torch.tensor(rec["value"], dtype=getattr(torch, rec["dtype"]))
+
+
+def hyper_parameters(optimizer: Any) -> list[list[dict[str, Any]]]:
+    """The inner optimizers' param-group hyper-parameters (informational: the scheduler sets lr and wd)."""
+    out = []
+    for opt in _optimizers(optimizer):
+        groups = []
+        for g in opt.optimizer.param_groups:
+            groups.append({k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()
+                           if k != "params" and isinstance(v, (int, float, str, bool, tuple, list, type(None)))})
+        out.append(groups)
+    return out
+
+
+def sync_model_from_main(optimizer: Any, had_main: bool, have_main: bool) -> None:
+    """After a load: make model weights and main copies agree.
+
+    Saved and loading both with separate main copies: the main copies were
+    loaded; copy them into the training-dtype weights. Loading with separate
+    copies from a checkpoint without them (saved in fp32): derive the main
+    copies from the loaded weights. No separate copies here: nothing to do.
+    """
+    if not have_main:
+        return
+    for opt in _optimizers(optimizer):
+        if had_main:
+            opt._copy_main_params_to_model_params()
+        else:
+            opt.reload_model_params()
