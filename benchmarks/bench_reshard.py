@@ -21,8 +21,16 @@ Ratios: reshard wall / raw-copy wall (target <= 1.5x) and peak RSS / (3 x the
 largest tensor + 300 MB) (target <= 1). The result is checked once: every
 tensor read through ``ckptkit.open`` equals the source's.
 
-Baseline (b), Megatron's own dist_checkpointing load + save at the target
-layout, is not implemented yet (see docs/benchmarks.md).
+Baseline (b), Megatron's own path for the same change (megatron-core
+``dist_checkpointing``, torch_dist backend): the same tensors declared as
+Megatron ``ShardedTensor``s (benchmarks/megatron_reshard_worker.py) are saved
+at the source layout by one gloo process per rank (not timed); then one gloo
+process per target rank loads its target-layout ShardedTensors and saves them
+to a new directory: wall time (all processes, interpreter and imports
+included), each rank's in-process seconds, and peak RSS summed over the
+processes (and the largest). ``--megatron-size F`` runs it at a fraction of
+the layers (ckptkit re-timed at that size for the ratio); ``--no-megatron``
+skips it.
 
 Run: .venv/bin/python benchmarks/bench_reshard.py [--quick] [--reps 1] [--out DIR]
 """
@@ -141,19 +149,92 @@ def build_source(path: str, m: Model, config: ParallelConfig) -> tuple[int, int]
     return sum(sizes), max(sizes)
 
 
+# Peak RSS is measured one process removed. Linux keeps ru_maxrss across execve and, at exec,
+# records the high-water mark of the memory the process had before it: a child spawned (vfork or
+# fork) by this benchmark, which holds torch and has built a 2 GiB checkpoint, would report this
+# process's own peak (measured: 1.1 GiB for a command whose own peak is 0.57 GiB). So a small
+# torch-free interpreter starts the command and reports the command's wait4 rusage in a file.
+MEASURE = r"""
+import os, subprocess, sys
+proc = subprocess.Popen(sys.argv[2:])
+_, status, usage = os.wait4(proc.pid, 0)
+with open(sys.argv[1], "w") as f:
+    f.write(str(usage.ru_maxrss * 1024))
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+def measured(cmd: list[str], rss_file: str) -> list[str]:
+    """``cmd`` started through the small measuring interpreter (its peak RSS lands in ``rss_file``)."""
+    return [sys.executable, "-S", "-c", MEASURE, rss_file, *cmd]
+
+
+def read_rss(rss_file: str) -> int:
+    with open(rss_file) as f:
+        return int(f.read())
+
+
 def run_child(cmd: list[str]) -> tuple[float, int, str]:
-    """Run ``cmd``: (wall seconds, peak RSS bytes of that very child from ``wait4``, stdout)."""
+    """Run ``cmd``: (wall seconds, peak RSS bytes of that very command, stdout)."""
     t0 = time.perf_counter()
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err)
-        _, status, usage = os.wait4(proc.pid, 0)
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, \
+            tempfile.NamedTemporaryFile(suffix=".rss") as rss:
+        proc = subprocess.Popen(measured(cmd, rss.name), stdout=out, stderr=err)
+        proc.wait()
         wall = time.perf_counter() - t0
-        proc.returncode = os.waitstatus_to_exitcode(status)
         out.seek(0)
         err.seek(0)
         if proc.returncode:
             raise RuntimeError(f"{' '.join(cmd[:5])} failed ({proc.returncode}): {err.read().decode()[-2000:]}")
-        return wall, usage.ru_maxrss * 1024, out.read().decode()
+        return wall, read_rss(rss.name), out.read().decode()
+
+
+MEGATRON_WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "megatron_reshard_worker.py")
+
+
+def run_ranks(world: int, args: list[str], port: int) -> tuple[float, list[int], list[dict]]:
+    """``world`` gloo processes of the Megatron worker: (wall seconds until all exited, each one's peak
+    RSS from ``wait4`` (its own, or a helper process's if larger), each one's JSON line if it printed one)."""
+    env = dict(os.environ, WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+               PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    rss_dir = tempfile.mkdtemp(prefix="rss-")
+    t0 = time.perf_counter()
+    procs, outs = [], []
+    for rank in range(world):
+        out = tempfile.TemporaryFile()
+        cmd = measured([sys.executable, MEGATRON_WORKER, *args], os.path.join(rss_dir, str(rank)))
+        procs.append(subprocess.Popen(cmd, env=dict(env, RANK=str(rank)), stdout=out, stderr=subprocess.STDOUT,
+                                      start_new_session=True))
+        outs.append(out)
+    failed = None
+    while any(p.returncode is None for p in procs):
+        for proc in procs:
+            if proc.returncode is None and proc.poll() is not None and proc.returncode and failed is None:
+                failed = proc
+                for other in procs:  # one rank failed: the others would wait in a collective forever
+                    if other.poll() is None:
+                        os.killpg(other.pid, signal.SIGKILL)
+        time.sleep(0.05)
+    wall = time.perf_counter() - t0
+    rss = [read_rss(os.path.join(rss_dir, str(r))) if procs[r].returncode == 0 else 0 for r in range(world)]
+    remove_tree(rss_dir)
+    lines = []
+    for proc, out in zip(procs, outs):
+        out.seek(0)
+        text = out.read().decode(errors="replace")
+        out.close()
+        if proc is failed:
+            raise RuntimeError(f"megatron worker {' '.join(args[:1])} rank {procs.index(proc)} failed "
+                               f"({proc.returncode}): {text[-3000:]}")
+        lines += [json.loads(ln) for ln in text.splitlines() if ln.startswith("{")]
+    return wall, rss, lines
+
+
+def megatron_model(m: Model, scale: float) -> Model:
+    """The benchmark's model with its layer count scaled by ``scale`` (>= 4 layers; ``pp`` divides it)."""
+    if scale >= 1:
+        return m
+    return Model(m.hidden, m.ffn, max(4, int(round(m.layers * scale / 4)) * 4), m.vocab, m.vocab_multiple)
 
 
 def check_equal(src: str, dst: str) -> None:
@@ -171,7 +252,54 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--source", default="tp2pp2")
     ap.add_argument("--target", default="tp4pp2")
     ap.add_argument("--max-memory", default="1GiB")
+    ap.add_argument("--no-megatron", action="store_true", help="skip baseline (b), Megatron dist_checkpointing")
+    ap.add_argument("--megatron-size", type=float, default=1.0,
+                    help="baseline (b) at this fraction of the layers (ckptkit re-timed at that size too)")
     return ap.parse_args(argv)
+
+
+def megatron_baseline(args: argparse.Namespace, m: Model, scratch: str, cold: bool) -> dict:
+    """Baseline (b): Megatron's own change of layout, load at the source + save at the target, on
+    gloo processes (one per rank of each layout), against ``ckptkit reshard`` of the same tensors."""
+    sc, tc = ParallelConfig.parse(args.source), ParallelConfig.parse(args.target)
+    mm = megatron_model(m, args.megatron_size)
+    spec = {"hidden": mm.hidden, "ffn": mm.ffn, "layers": mm.layers, "vocab": mm.vocab}
+    msrc, mdst = os.path.join(scratch, "meg-src"), os.path.join(scratch, "meg-dst")
+    t0 = time.perf_counter()
+    os.makedirs(msrc)  # dist_checkpointing.save wants an existing, empty directory
+    run_ranks(sc.world_size, ["save", json.dumps({**spec, "tp": sc.tp, "pp": sc.pp}), msrc], 29500 + os.getpid() % 1000)
+    stored, files = tree_bytes(msrc)
+    print(f"megatron source {args.source}: {stored / GiB:.2f} GiB in {files} files, layers {mm.layers} "
+          f"(saved in {time.perf_counter() - t0:.1f}s)", flush=True)
+    csrc = None
+    if mm != m:
+        csrc = os.path.join(scratch, "ckpt-src-small")
+        build_source(csrc, mm, sc)
+    walls, inner, sums, maxes, ck = [], [], [], [], []
+    for rep in range(args.reps):
+        cold &= drop_page_cache()
+        os.makedirs(mdst)
+        wall, rss, lines = run_ranks(tc.world_size, ["reshard", json.dumps({**spec, "tp": tc.tp, "pp": tc.pp}), msrc,
+                                                      mdst], 29500 + (os.getpid() + rep + 1) % 1000)
+        walls.append(wall)
+        inner.append(max(ln["seconds"] for ln in lines))
+        sums.append(sum(rss))
+        maxes.append(max(rss))
+        print(f"  rep {rep} megatron load+save: {wall:.2f}s (in process {inner[-1]:.2f}s), RSS sum "
+              f"{sums[-1] / MiB:.0f} MiB, max {maxes[-1] / MiB:.0f} MiB", flush=True)
+        remove_tree(mdst)
+        if csrc is not None:
+            dst = os.path.join(scratch, f"ckpt-small-{rep}")
+            cold &= drop_page_cache()
+            w, _, _ = run_child([sys.executable, "-m", "ckptkit.cli.main", "reshard", csrc, dst, "--to", args.target,
+                                 "--max-memory", args.max_memory, "--json"])
+            ck.append(w)
+            print(f"  rep {rep} ckptkit reshard at that size: {w:.2f}s", flush=True)
+            remove_tree(dst)
+    remove_tree(msrc)
+    return {"megatron_layers": mm.layers, "megatron_bytes": stored, "megatron_seconds": median(walls),
+            "megatron_inner_seconds": median(inner), "megatron_rss_sum": max(sums), "megatron_rss_max": max(maxes),
+            "ckptkit_seconds_same_size": median(ck) if ck else None, "cold_cache": cold}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -219,7 +347,17 @@ def run(args: argparse.Namespace) -> int:
         print(f"\nwall vs raw I/O: {median(rs_t) / median(raw_t):.2f}x (target <= 1.5x); "
               f"peak RSS {max(rs_rss) / MiB:.0f} MiB vs 3 x largest tensor + 300 MB = {rss_target / MiB:.0f} MiB: "
               f"{max(rs_rss) / rss_target:.2f}x (target <= 1)")
-        write_results(args.out, "bench_reshard", {
+        meg: dict = {}
+        if not args.no_megatron:
+            meg = megatron_baseline(args, m, scratch, cold)
+            ck = meg["ckptkit_seconds_same_size"] or median(rs_t)
+            print(f"\nbaseline (b), Megatron dist_checkpointing load {args.source} + save {args.target} on "
+                  f"{ParallelConfig.parse(args.target).world_size} gloo processes ({meg['megatron_bytes'] / GiB:.2f} GiB, "
+                  f"{meg['megatron_layers']} layers): {meg['megatron_seconds']:.2f}s wall "
+                  f"({meg['megatron_inner_seconds']:.2f}s in process), peak RSS summed over ranks "
+                  f"{meg['megatron_rss_sum'] / MiB:.0f} MiB (max one rank {meg['megatron_rss_max'] / MiB:.0f} MiB); "
+                  f"ckptkit reshard / Megatron wall: {ck / meg['megatron_seconds']:.2f}x (target < 1)")
+        write_results(args.out, "bench_reshard", {**meg,
             "quick": args.quick, "source": args.source, "target": args.target, "bytes": total,
             "largest_tensor": largest, "cold_cache": cold, "reps": args.reps,
             "raw_seconds": median(raw_t), "reshard_seconds": median(rs_t), "reshard_inner_seconds": median(rs_inner),

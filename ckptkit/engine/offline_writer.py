@@ -69,6 +69,11 @@ class PieceSource(Protocol):
     def __getitem__(self, ref: int) -> torch.Tensor: ...
 
 
+# Optional, looked up on a source: ``release(ref)``, told once piece ``ref``'s bytes are written and
+# checksummed (a source that reuses buffers frees that one then), and ``close()``, called when the
+# rank is done or failed (a source stops its read-ahead).
+
+
 class TensorSpec(Protocol):
     """What the writer needs of a logical tensor (a :class:`TensorMeta` is one)."""
 
@@ -176,8 +181,11 @@ def write_offline(
         rank_values = dict(per_rank_values.get(rank, {}))
         prep = Prepared(plan, cast(list, src), {}, rank_values, tuple(sorted(rank_values)))
         try:
-            report = persist(prep, store, options.block_size, tick)
+            report = persist(prep, store, options.block_size, tick, getattr(src, "release", None))
         finally:
+            close = getattr(src, "close", None)
+            if close is not None:
+                close()
             with lock:
                 read[0] += src.bytes_read
         return report, plan.nbytes, sum(plan.objects.values())

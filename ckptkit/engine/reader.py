@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import crc32c
 import torch
 
+from ckptkit.engine.buffers import BufferPool
 from ckptkit.engine.tensor_bytes import as_bytes, strided, typed_window
 from ckptkit.errors import CorruptCheckpointError
 from ckptkit.plan.load_plan import ReadRequest
@@ -69,22 +70,32 @@ def _execute_direct(req: ReadRequest, store: ByteStore, targets: list[torch.Tens
     return req.length
 
 
-def execute_request(req: ReadRequest, store: ByteStore, targets: list[torch.Tensor], dtypes: dict[str, torch.dtype], where: str) -> int:
+def execute_request(req: ReadRequest, store: ByteStore, targets: list[torch.Tensor], dtypes: dict[str, torch.dtype],
+                    where: str, scratch: BufferPool | None = None) -> int:
     try:
-        return _execute(req, store, targets, dtypes, where)
+        return _execute(req, store, targets, dtypes, where, scratch)
     except CorruptCheckpointError as exc:
         fallback = getattr(store, "fallback", None)
         if fallback is None:
             raise
         # a tiered store: the local copy failed verification, the bucket's copy may not
         log.warning("%s; reading %s from %s instead", exc, req.object, fallback.url)
-        return _execute(req, fallback, targets, dtypes, where)
+        return _execute(req, fallback, targets, dtypes, where, scratch)
 
 
-def _execute(req: ReadRequest, store: ByteStore, targets: list[torch.Tensor], dtypes: dict[str, torch.dtype], where: str) -> int:
+def _execute(req: ReadRequest, store: ByteStore, targets: list[torch.Tensor], dtypes: dict[str, torch.dtype], where: str,
+             scratch: BufferPool | None) -> int:
     if req.direct:
         return _execute_direct(req, store, targets, where)
-    buf = torch.empty(req.length, dtype=torch.uint8)
+    if scratch is None:
+        return _execute_scattered(req, store, targets, dtypes, where, torch.empty(req.length, dtype=torch.uint8))
+    with scratch.take(req.length) as buf:
+        return _execute_scattered(req, store, targets, dtypes, where, buf)
+
+
+def _execute_scattered(req: ReadRequest, store: ByteStore, targets: list[torch.Tensor], dtypes: dict[str, torch.dtype],
+                       where: str, buf: torch.Tensor) -> int:
+    """Read the request's span into ``buf`` (``req.length`` bytes), verify it, copy the ops out of it."""
     view = as_bytes(buf)
     store.read_into(req.object, req.offset, view)
     _verify_view(req, 0, view, list(req.checks), where)
@@ -106,19 +117,25 @@ def execute_reads(
     where: str,
     threads: int,
     progress: Callable[[int], None] | None = None,
+    scratch: BufferPool | None = None,
 ) -> int:
-    """Run ``requests`` with up to ``threads`` in flight; return bytes read."""
+    """Run ``requests`` with up to ``threads`` in flight; return bytes read.
+
+    Requests that are not read straight into their targets go through a
+    scratch buffer of their span: taken from ``scratch`` when given (reused,
+    bounded), else allocated per request.
+    """
     if threads <= 1 or len(requests) <= 1:
         total = 0
         for req in requests:
-            n = execute_request(req, store, targets, dtypes, where)
+            n = execute_request(req, store, targets, dtypes, where, scratch)
             total += n
             if progress is not None:
                 progress(n)
         return total
     total = 0
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ckptkit-read") as pool:
-        futures = [pool.submit(execute_request, r, store, targets, dtypes, where) for r in requests]
+        futures = [pool.submit(execute_request, r, store, targets, dtypes, where, scratch) for r in requests]
         for fut in futures:
             n = fut.result()
             total += n

@@ -37,7 +37,9 @@ from typing import Any, Literal
 
 import torch
 
+from ckptkit.engine.buffers import BufferPool
 from ckptkit.engine.metadata_io import read_manifest
+from ckptkit.engine.state import torch_dtype
 from ckptkit.engine.offline_writer import OfflineWriteOptions, write_offline
 from ckptkit.errors import SaveError
 from ckptkit.layout.box import Box, Region
@@ -141,8 +143,16 @@ def reshard(
                         "(choose another destination, or delete it first)")
     the_plan = plan_reshard(manifest.tensors, target, options.plan)
     check_plan(the_plan)
-    view = CheckpointView(src, manifest, ViewOptions(io_threads=the_plan.io_threads))
     by_rank = the_plan.pieces_by_rank()
+    # Fixed, reused buffers (see ckptkit.engine.buffers): the pieces in flight and the read scratch.
+    # Piece buffers: per rank being written, its read-ahead plus the piece being written, and one
+    # more, so a rank always finds one while a written piece is still being checksummed. Only for a
+    # store that is done with each chunk before taking the next (else a piece is freed per object).
+    largest = max((p.nbytes for items in by_rank.values() for p in items), default=0)
+    pieces_pool = (BufferPool(the_plan.threads * (the_plan.read_ahead + 1) + 1, largest)
+                   if out.streams_writes else None)
+    scratch = BufferPool(the_plan.threads * the_plan.io_threads, the_plan.read_window)
+    view = CheckpointView(src, manifest, ViewOptions(io_threads=the_plan.io_threads, scratch=scratch))
     dropped = tuple(manifest.per_rank_keys)
     orig = manifest.meta
     meta = {
@@ -160,7 +170,7 @@ def reshard(
             world_size=the_plan.world_size,
             tensors=manifest.tensors,
             pieces={r: [(p.tensor, Region(p.box)) for p in items] for r, items in by_rank.items()},
-            source=lambda rank, _: _ViewPieces(view, by_rank.get(rank, []), pool, the_plan.read_ahead),
+            source=lambda rank, _: _ViewPieces(view, by_rank.get(rank, []), pool, the_plan.read_ahead, pieces_pool),
             values=manifest.values,
             meta=meta,
             parallel=str(target),
@@ -187,16 +197,21 @@ class _ViewPieces:
     The :class:`~ckptkit.engine.offline_writer.PieceSource` of a reshard: the
     writer asks for piece ``ref`` just before writing it; at most
     ``read_ahead`` later pieces are being read meanwhile (the plan's memory
-    estimate counts them).
+    estimate counts them). With a ``buffers`` pool each piece is read into a
+    pooled buffer, given back when the writer calls :meth:`release` (written
+    and checksummed); without one, into a new tensor.
     """
 
     def __init__(self, view: CheckpointView, pieces: Sequence[TargetPiece], pool: ThreadPoolExecutor,
-                 read_ahead: int) -> None:
+                 read_ahead: int, buffers: BufferPool | None = None) -> None:
         self._view = view
         self._pieces = pieces
         self._pool = pool
         self._read_ahead = read_ahead
+        self._buffers = buffers
         self._futures: dict[int, Future[torch.Tensor]] = {}
+        self._held: dict[int, torch.Tensor] = {}  # ref -> pooled buffer, until released
+        self._closed = False
         self._lock = threading.Lock()
         self.bytes_read = 0
 
@@ -205,7 +220,17 @@ class _ViewPieces:
 
     def _load(self, ref: int) -> torch.Tensor:
         piece = self._pieces[ref]
-        data = self._view.read_box(piece.tensor, Box(piece.box.offsets, piece.box.sizes))
+        box = Box(piece.box.offsets, piece.box.sizes)
+        out = None
+        if self._buffers is not None:
+            buf = self._buffers.acquire(piece.nbytes)
+            with self._lock:
+                if self._closed:
+                    self._buffers.release(buf)
+                    raise SaveError("the reshard of this rank was abandoned")
+                self._held[ref] = buf
+            out = buf.view(torch_dtype(self._view.meta_of(piece.tensor).dtype)).view(piece.box.sizes)
+        data = self._view.read_box(piece.tensor, box, out)
         with self._lock:
             self.bytes_read += piece.nbytes
         return data
@@ -213,10 +238,34 @@ class _ViewPieces:
     def __getitem__(self, ref: int) -> torch.Tensor:
         with self._lock:
             future = self._futures.pop(ref, None) or self._pool.submit(self._load, ref)
+            for stale in [r for r in self._futures if r < ref]:  # never to be asked for: free their buffers
+                self._futures.pop(stale).add_done_callback(lambda _f, r=stale: self.release(r))
             for nxt in range(ref + 1, min(len(self._pieces), ref + 1 + self._read_ahead)):
                 if nxt not in self._futures:
                     self._futures[nxt] = self._pool.submit(self._load, nxt)
-        return future.result()
+        try:
+            return future.result()
+        except BaseException:
+            self.release(ref)
+            raise
+
+    def release(self, ref: int) -> None:
+        """Piece ``ref`` is written and checksummed: its buffer goes back to the pool."""
+        with self._lock:
+            buf = self._held.pop(ref, None)
+        if buf is not None and self._buffers is not None:
+            self._buffers.release(buf)
+
+    def close(self) -> None:
+        """The rank is done (or failed): read-ahead still running frees its buffers as it finishes."""
+        with self._lock:
+            self._closed = True
+            futures, self._futures = list(self._futures.items()), {}
+        for ref, future in futures:
+            future.add_done_callback(lambda _f, r=ref: self.release(r))
+        for ref in list(self._held):
+            if all(ref != r for r, _ in futures):
+                self.release(ref)
 
 
 def source_manifest(source: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> Manifest:

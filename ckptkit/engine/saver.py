@@ -236,9 +236,14 @@ def persist(
     store: ByteStore,
     block: int,
     progress: Callable[[int], None] | None = None,
+    release: Callable[[int], None] | None = None,
 ) -> RankReport:
-    """Write this rank's data object(s) from the live tensors, then its index, durably. Not collective."""
-    entries = write_pieces(store, prep.plan, lambda item: prep.tensors[item.ref], block, progress)
+    """Write this rank's data object(s) from the live tensors, then its index, durably. Not collective.
+
+    ``release(ref)``, when given, is told that tensor ``ref``'s bytes are written and checksummed
+    (called once per written piece of it)."""
+    entries = write_pieces(store, prep.plan, lambda item: prep.tensors[item.ref], block, progress,
+                           None if release is None else lambda item: release(item.ref))
     return write_index(prep, store, block, entries)
 
 

@@ -25,6 +25,10 @@ _ZEROS = bytes(4096)
 # synchronous save, its staged snapshot for an asynchronous one.
 TensorFor = Callable[[WriteItem], torch.Tensor]
 
+# Told when an item's bytes are no longer needed: written to the store and checksummed (a
+# streaming source then reuses the buffer they were in).
+Release = Callable[[WriteItem], None]
+
 
 def block_crcs(data: memoryview, block: int) -> tuple[int, ...]:
     if len(data) == 0:
@@ -38,13 +42,19 @@ def write_pieces(
     tensor_for: TensorFor,
     block: int,
     progress: Callable[[int], None] | None = None,
+    release: Release | None = None,
 ) -> list[IndexEntry]:
     """Write every object of ``plan`` and return the index entries of its pieces.
 
     Checksums run on a helper thread while the same bytes are being written
     (crc32c releases the GIL), so they cost almost nothing on top of the write.
+    ``release(item)``, when given, is called once the item's bytes are both
+    written and checksummed (from the checksum thread or this one): as soon as
+    the store has asked for the next chunk if it :attr:`~ByteStore.streams_writes`,
+    else once the whole object is written.
     """
     entries: list[IndexEntry] = []
+    streaming = store.streams_writes
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptkit-crc") as crc_pool:
         for obj in plan.objects:
             items = sorted((i for i in plan.items if i.object == obj), key=lambda i: i.offset)
@@ -60,8 +70,11 @@ def write_pieces(
                     data = as_bytes(piece_tensor(tensor_for(item), item.region, item.local))
                     if len(data) != item.nbytes:
                         raise AssertionError(f"tensor {item.tensor!r}: piece has {len(data)} bytes, plan says {item.nbytes}")
-                    pending.append((item, crc_pool.submit(block_crcs, data, block)))
+                    crc = crc_pool.submit(block_crcs, data, block)
+                    pending.append((item, crc))
                     yield data
+                    if release is not None and streaming:  # written (the store asked for the next chunk)
+                        crc.add_done_callback(lambda _f, item=item: release(item))
                     pos += item.nbytes
                     if progress is not None:
                         progress(item.nbytes)
@@ -73,6 +86,8 @@ def write_pieces(
             store.write_object(obj, chunks())
             for item, crcs in pending:
                 entries.append(IndexEntry(item.tensor, item.region, item.object, item.offset, item.nbytes, crcs.result()))
+                if release is not None and not streaming:  # the store may have held every chunk until now
+                    release(item)
     return entries
 
 

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ckptkit.engine.buffers import BufferPool
 from ckptkit.engine.metadata_io import read_indexes, read_manifest
 from ckptkit.engine.reader import execute_reads
 from ckptkit.engine.state import torch_dtype
@@ -56,9 +57,13 @@ class SliceError(CkptkitError, IndexError):
 
 @dataclass(frozen=True)
 class ViewOptions:
-    """How a view reads. ``io_threads``: read requests in flight per box read."""
+    """How a view reads. ``io_threads``: read requests in flight per box read. ``scratch``: where
+    reads that cannot land straight in the result (a box that is not a whole stored piece) stage
+    their bytes; a shared :class:`~ckptkit.engine.buffers.BufferPool` bounds and reuses that memory
+    (``None``: a fresh buffer per read)."""
 
     io_threads: int = 4
+    scratch: BufferPool | None = None
 
     def __post_init__(self) -> None:
         if self.io_threads < 1:
@@ -213,18 +218,25 @@ class CheckpointView:
 
     # ------------------------------------------------------------ reading
 
-    def read_box(self, key: str, box: Box) -> torch.Tensor:
-        """The elements of ``box`` of tensor ``key`` as a new contiguous CPU tensor.
+    def read_box(self, key: str, box: Box, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The elements of ``box`` of tensor ``key`` as a contiguous CPU tensor.
 
         Only the stored bytes the box overlaps are read (widened to whole
-        checksum blocks), and every byte read is verified.
+        checksum blocks), and every byte read is verified. ``out``, when given,
+        receives them (a contiguous CPU tensor of the box's shape and the
+        tensor's dtype, e.g. a reused buffer) and is returned; else a new
+        tensor is.
         """
         meta = self.meta_of(key)
         where = self.url
         if not box.within(meta.shape):
             raise SliceError(f"{where}: box {box.to_json()} is outside tensor {key!r} of shape {list(meta.shape)}")
         dtype = torch_dtype(meta.dtype)
-        out = torch.empty(box.sizes, dtype=dtype)
+        if out is None:
+            out = torch.empty(box.sizes, dtype=dtype)
+        elif out.dtype != dtype or tuple(out.shape) != tuple(box.sizes) or not out.is_contiguous() or out.is_cuda:
+            raise SliceError(f"{where}: read_box out= must be a contiguous CPU {dtype} tensor of shape "
+                             f"{list(box.sizes)}, got {out.dtype} {list(out.shape)}")
         if box.is_empty():
             return out
         target = Target(0, key, Region(box), tuple(box.sizes), LocalBox(tuple(0 for _ in box.sizes)))
@@ -243,7 +255,8 @@ class CheckpointView:
 
         requests = plan_reads(ops, entry_of, itemsize_of=lambda _: dtype.itemsize, block_of=lambda r: indexes[r].block)
         self._check_objects(indexes, {(r.writer, r.object) for r in requests})
-        n = execute_reads(requests, self._store, [out], {key: dtype}, where, self._options.io_threads)
+        n = execute_reads(requests, self._store, [out], {key: dtype}, where, self._options.io_threads,
+                          scratch=self._options.scratch)
         with self._lock:
             self._bytes_read += n
         return out

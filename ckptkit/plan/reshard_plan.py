@@ -151,6 +151,7 @@ class ReshardPlan:
     piece_limit: int
     peak_memory: int
     max_memory: int
+    read_window: int = 0  # the largest scratch buffer one read of a piece needs (see _Window)
 
     @property
     def world_size(self) -> int:
@@ -187,6 +188,7 @@ class ReshardPlan:
             "piece_limit": self.piece_limit,
             "peak_memory": self.peak_memory,
             "max_memory": self.max_memory,
+            "read_window": self.read_window,
             "unruled": list(self.unruled),
             "split": list(self.split),
             "ranks": [{"rank": r.rank, "pieces": r.pieces, "bytes_written": r.bytes_written,
@@ -282,7 +284,7 @@ def plan_reshard(
             counts[p.rank] += 1
     ranks = [RankLoad(r, counts[r], written[r], read[r]) for r in range(world)]
     return ReshardPlan(target, tuple(plans), tuple(ranks), threads, read_ahead, options.io_threads, limit, peak,
-                       options.max_memory)
+                       options.max_memory, window(limit))
 
 
 def _num_layers(tensors: Mapping[str, TensorMeta], given: int | None) -> int | None:

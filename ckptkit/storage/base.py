@@ -23,6 +23,11 @@ class ByteStore(ABC):
 
     url: str
 
+    #: ``write_object`` is done with each chunk (written it, or copied it) before it takes the next
+    #: from the iterator, so a caller may reuse a chunk's buffer from then on. Stores that collect
+    #: the chunks first (to send one request) leave this False.
+    streams_writes: bool = False
+
     @abstractmethod
     def child(self, name: str) -> ByteStore:
         """The store rooted at ``name`` under this one."""

@@ -38,6 +38,8 @@ def _storage_error(exc: OSError, what: str) -> StorageError:
 
 
 class LocalStore(ByteStore):
+    streams_writes = True  # plain write(2) of each chunk, in order
+
     def __init__(self, root: str) -> None:
         self.root = os.path.abspath(root)
         self.url = self.root

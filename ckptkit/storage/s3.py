@@ -84,6 +84,7 @@ class S3Store(ByteStore):
     """Objects under ``s3://bucket/prefix``."""
 
     preferred_threads = 16
+    streams_writes = True  # each chunk is copied into the part buffer before the next is taken
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None, *, _fs: Any = None,
                  part_size: int = PART_SIZE, max_concurrency: int = MAX_CONCURRENCY) -> None:

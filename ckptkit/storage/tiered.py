@@ -30,6 +30,7 @@ class TieredStore(ByteStore):
         self.local = local
         self.remote = remote
         self.url = remote.url
+        self.streams_writes = local.streams_writes  # the caller's chunks go to the local store only
 
     def child(self, name: str) -> TieredStore:
         return TieredStore(self.local.child(name), self.remote.child(name))
