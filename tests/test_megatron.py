@@ -180,3 +180,33 @@ def test_not_a_megatron_checkpoint(tmp_path):
     ckptkit.save({"w": torch.zeros(3)}, tmp_path / "c")
     with pytest.raises(ckptkit.MissingKeysError, match="not a checkpoint of ckptkit's Megatron adapter"):
         mckpt.load([], tmp_path / "c")
+
+
+def test_ckptkit_reshard_cli_then_resume(worlds, saved, tmp_path):
+    """`ckptkit reshard A --to tp4pp1`: the output is stored as tp4pp1's grid (every model-space tensor by its rule),
+    and a tp4pp1 job resumes from it exactly as from the original checkpoint."""
+    from click.testing import CliRunner
+
+    from ckptkit.cli.main import cli
+    from ckptkit.engine.metadata_io import read_manifest
+    from ckptkit.layout.grid import GridLayout
+    from ckptkit.storage.url import open_store
+
+    folder, ref, _ = saved["A"]
+    out = str(tmp_path / "tp4pp1")
+    result = CliRunner().invoke(cli, ["reshard", folder, out, "--to", "tp4pp1"])
+    assert result.exit_code == 0, result.output
+    manifest = read_manifest(open_store(out))
+    assert manifest.parallel == "tp4pp1dp1"
+    assert all(isinstance(t.layout, GridLayout) for k, t in manifest.tensors.items() if t.rule is not None)
+    # only the saving layout's vocabulary padding has no rule (it is not model space): copied as it is
+    assert sorted(k for k, t in manifest.tensors.items() if t.rule is None) == sorted(
+        f"{p}{n}.vocab_padding" for p in ("model/", "optimizer/exp_avg/", "optimizer/exp_avg_sq/")
+        for n in ("embedding.word_embeddings.weight", "output_layer.weight"))
+    assert "megatron/meta" in manifest.values
+    layout = mm.Layout(tp=4, pp=1)
+    direct = worlds.run(4, job.resume, layout, folder, steps=STEPS)[0]
+    via = worlds.run(4, job.resume, layout, out, steps=STEPS)[0]
+    assert via["eval"] == direct["eval"] and via["losses"] == direct["losses"]
+    assert via["final_eval"] == direct["final_eval"]
+    check(ref, via, tol=TOL)
