@@ -2,7 +2,7 @@
 
 Megatron-core assumes CUDA in a few places that have nothing to do with
 checkpointing: the current device, ``torch.cuda.synchronize``, the CUDA RNG
-tracker, ``device="cuda"`` factory calls in the pipeline schedules, and the
+tracker, ``Tensor.cuda()`` (tied embeddings at pp > 1), ``device="cuda"`` factory calls in the pipeline schedules, and the
 distributed optimizer's dispatch on ``param.type()`` being a
 ``torch.cuda.*Tensor`` name. These shims redirect exactly those to the CPU so
 the tests can run a real Megatron model, optimizer and 1F1B schedule on the
@@ -54,6 +54,8 @@ def install() -> None:
     torch.cuda.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)  # type: ignore[assignment]
     torch.cuda.manual_seed = lambda seed: None  # type: ignore[assignment]
     torch.Tensor.type = _cuda_type_name(torch.Tensor.type)  # type: ignore[method-assign]
+    # tied embeddings at pp > 1: the last stage's output weight is moved with .cuda() before its init all-reduce
+    torch.Tensor.cuda = lambda self, *a, **k: self  # type: ignore[method-assign]
 
     from megatron.core.tensor_parallel import random as mrandom
 

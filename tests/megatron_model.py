@@ -79,6 +79,12 @@ def setup(layout: Layout, seed: int = 1234) -> Trainer:
         virtual_pipeline_model_parallel_size=layout.vpp, pipeline_dtype=torch.float32,
         hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02, **extra,
     )
+    # What Megatron-LM's training loop installs: after backward, DP grad reduction (DDP's finish_grad_sync)
+    # and the all-reduce of tied embedding grads between the first and last stage. Without it the
+    # last stage's copy of a tied embedding drifts from the first stage's, and DP ranks do not agree.
+    from megatron.core.distributed import finalize_model_grads
+
+    config.finalize_model_grads_func = finalize_model_grads
     chunks = []
     for vp in range(layout.vpp or 1):
         model = GPTModel(
