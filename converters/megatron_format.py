@@ -35,7 +35,8 @@ import os
 import pickle
 import re
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,9 +100,29 @@ FOREIGN_GLOBALS: tuple[tuple[Any, str], ...] = (
 The list mirrors megatron-core 0.16's own ``megatron/core/safe_globals.py`` (what Megatron
 registers with ``add_safe_globals`` for its own loads), with stand-ins instead of the classes."""
 
-# torch's safe_globals context manager edits one process-wide set and removes its entries on exit:
-# two threads loading at once would pull the stand-ins from under each other.
 _LOAD_LOCK = threading.Lock()
+
+
+@contextmanager
+def _only_stand_ins() -> Iterator[None]:
+    """Exactly :data:`FOREIGN_GLOBALS` on top of torch's own allow-list, for one load.
+
+    torch keeps user-allowed globals in one process-wide set: importing
+    ``megatron.core`` registers the *real* classes under the same names
+    (``megatron/core/safe_globals.py``), and which of two entries for a name
+    wins would depend on set order. So the set is swapped for the stand-ins
+    while the lock is held and restored afterwards (torch's ``safe_globals``
+    context manager would also remove entries another thread still needs).
+    """
+    with _LOAD_LOCK:
+        saved = torch.serialization.get_safe_globals()
+        torch.serialization.clear_safe_globals()
+        torch.serialization.add_safe_globals(list(FOREIGN_GLOBALS))
+        try:
+            yield
+        finally:
+            torch.serialization.clear_safe_globals()
+            torch.serialization.add_safe_globals(saved)
 
 
 def load_pt(path: str, *, mmap: bool = False) -> Any:
@@ -113,7 +134,7 @@ def load_pt(path: str, *, mmap: bool = False) -> Any:
     (a first pass over a legacy checkpoint reads only names and shapes).
     """
     try:
-        with _LOAD_LOCK, torch.serialization.safe_globals(list(FOREIGN_GLOBALS)):
+        with _only_stand_ins():
             return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as exc:
         lines = [ln for ln in str(exc).splitlines() if "GLOBAL" in ln or "Unsupported" in ln] or str(exc).splitlines()[:1]
@@ -121,7 +142,7 @@ def load_pt(path: str, *, mmap: bool = False) -> Any:
                                     f"stand-ins (nothing was executed): {' '.join(lines)[:400]}") from None
     except FileNotFoundError:
         raise CheckpointNotFoundError(f"{path}: missing") from None
-    except (RuntimeError, EOFError, ValueError) as exc:
+    except (RuntimeError, EOFError, ValueError, TypeError, AttributeError) as exc:
         raise ManifestError(f"{path}: not a readable torch.save file ({type(exc).__name__}: {exc})") from None
 
 
@@ -182,8 +203,6 @@ class SavedArgs:
 
     @staticmethod
     def of(args: Any) -> SavedArgs:
-        # a stand-in record, or the real Namespace when megatron.core (imported in this process)
-        # registered argparse.Namespace with add_safe_globals itself
         fields = getattr(args, "__dict__", None) if args is not None else None
         fields = fields if isinstance(fields, dict) else {}
 
