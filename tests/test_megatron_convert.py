@@ -14,7 +14,8 @@ Checked here:
   into models built there, with the same eval loss as Megatron's own
   checkpoint loaded at that layout (and as the trained model);
 * pickles naming anything outside the allow-lists are refused before they run;
-  bad inputs fail naming the file, tensor or rank folder.
+  bad inputs fail naming the file, tensor or rank folder;
+* ``ckptkit convert`` in both directions.
 """
 
 from __future__ import annotations
@@ -28,8 +29,10 @@ import pytest
 pytest.importorskip("megatron.core")
 
 import torch
+from click.testing import CliRunner
 
 import ckptkit
+from ckptkit.cli.main import cli
 from ckptkit.errors import CkptkitError, CorruptCheckpointError, LayoutError
 from converters import megatron_names as names
 from converters.megatron import (
@@ -194,3 +197,25 @@ def test_bad_inputs_name_the_culprit(saved, tmp_path):
         import_torch_dist(src, str(tmp_path / "f"), vocab_size=VOCAB)
     for name in "abcdef":
         assert not os.path.exists(tmp_path / name / "manifest.json")
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def test_cli_convert_megatron(worlds, saved, tmp_path):
+    folder, _ = saved[False]
+    runner = CliRunner()
+    res = runner.invoke(cli, ["convert", f"{folder}/torch_dist", str(tmp_path / "x")])
+    assert res.exit_code != 0 and "--vocab-size" in res.output
+    for src, name in ((f"{folder}/torch_dist", "td"), (f"{folder}/legacy", "legacy")):
+        res = runner.invoke(cli, ["convert", src, str(tmp_path / name), "--vocab-size", str(VOCAB), "--json"])
+        assert res.exit_code == 0, res.output
+        assert json.loads(res.output)["meta"]["source"] == ("torch_dist" if name == "td" else "legacy")
+    res = runner.invoke(cli, ["convert", str(tmp_path / "td"), str(tmp_path / "out"), "--format", "megatron"])
+    assert res.exit_code != 0 and "--to" in res.output
+    res = runner.invoke(cli, ["convert", str(tmp_path / "legacy"), str(tmp_path / "out"), "--format", "megatron",
+                              "--to", "tp2pp2"])
+    assert res.exit_code == 0, res.output
+    loss = worlds.run(4, job.load_and_eval, str(tmp_path / "out"), 2, 2, False)[0]
+    assert loss == pytest.approx(worlds.run(4, job.load_and_eval, f"{folder}/torch_dist", 2, 2, False,
+                                            zero_padding=True)[0], rel=1e-6)
