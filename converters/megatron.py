@@ -16,8 +16,11 @@
   The DCP part is written by DCP's own ``FileSystemWriter`` and planner
   functions, one virtual rank at a time.
 
-Optimizer state is not converted yet (DCP ``optimizer.*`` tensors are listed
-as skipped). Every pickle is opened as :mod:`converters.megatron_format` says.
+Optimizer state: the non-distributed optimizer's model-space state
+(``optimizer.state.{exp_avg,exp_avg_sq,fp32_param}.<key>``) is imported from
+torch_dist as ``optimizer/{exp_avg,exp_avg_sq,main}/<key>``; the distributed
+optimizer's flat buckets, legacy ``optimizer`` dicts and exports are not yet
+(skipped tensors are listed). Every pickle is opened as :mod:`converters.megatron_format` says.
 """
 
 from __future__ import annotations
@@ -121,10 +124,10 @@ def _layouts(specs: Mapping[str, _Spec], pieces: Mapping[int, Sequence[tuple[str
 def _write(dest: str, world: int, specs: dict[str, _Spec], pieces: dict[int, list[tuple[str, Region]]],
            source: Callable[[int, Any], Any], meta: dict[str, Any], source_url: str, threads: int,
            progress: Progress | None, t0: float, skipped: tuple[str, ...]) -> MegatronConvertResult:
-    shapes = {k[len(MODEL):]: s.shape for k, s in specs.items()}
+    shapes = {k[len(MODEL):]: s.shape for k, s in specs.items() if k.startswith(MODEL)}
     ffn = _ffn(shapes)
     d = meta["make_vocab_size_divisible_by"]
-    rules = {k: names.rule_for(k[len(MODEL):], divisible_by=d, ffn=ffn) for k in specs}
+    rules = {k: names.rule_for(_megatron_key(k), divisible_by=d, ffn=ffn) for k in specs}
     out = open_store(dest)
     result = write_offline(
         out, world_size=world, tensors=specs, pieces=pieces, source=source,
@@ -190,8 +193,9 @@ def import_torch_dist(source: str | os.PathLike[str], dest: str | os.PathLike[st
 
     ``vocab_size``: the true vocabulary (Megatron stores only the padded one);
     ``divisible_by``: ``make_vocab_size_divisible_by`` when ``common.pt`` has no
-    ``args`` recording it. Model tensors only: ``optimizer.*`` tensors and
-    non-tensor items (``_extra_state``, RNG) are listed in ``skipped``.
+    ``args`` recording it. Model tensors and the non-distributed optimizer's
+    model-space state; the distributed optimizer's flat buckets and non-tensor
+    items (``_extra_state``, RNG, param groups) are listed in ``skipped``.
     """
     t0 = time.perf_counter()
     folder = os.fspath(source)
@@ -204,7 +208,10 @@ def import_torch_dist(source: str | os.PathLike[str], dest: str | os.PathLike[st
     listed = [r for r in map(_file_rank, src.list_children()) if r is not None]
     world = max([*ranks.values(), *listed], default=0) + 1
     model = {k: t for k, t in ckpt.tensors.items() if not k.startswith("optimizer.")}
-    skipped = tuple(sorted({k for k in ckpt.tensors if k not in model} | {k.split("/")[0] for k in ckpt.items}))
+    stored = {MODEL + k: (k, t) for k, t in model.items()}
+    stored.update(_optimizer_tensors(ckpt, model))
+    taken = {t.fqn for _, t in stored.values()}
+    skipped = tuple(sorted({k for k in ckpt.tensors if k not in taken} | {k.split("/")[0] for k in ckpt.items}))
     if names.EMBEDDING not in model:
         raise ManifestError(f"{folder}: no {names.EMBEDDING!r} tensor (not a Megatron GPT checkpoint?)")
     emb = model[names.EMBEDDING]
@@ -219,9 +226,9 @@ def import_torch_dist(source: str | os.PathLike[str], dest: str | os.PathLike[st
     by_rank: dict[int, list[tuple[Any, Any]]] = {}
     pieces: dict[int, list[tuple[str, Region]]] = {}
     keep: dict[int, dict[int, int]] = {}
-    for key, t in model.items():
+    for out_key, (key, t) in stored.items():
         shape = (vocab_size, *t.shape[1:]) if key in names.VOCAB_TENSORS else t.shape
-        specs[MODEL + key] = _Spec(t.dtype, tuple(shape))
+        specs[out_key] = _Spec(t.dtype, tuple(shape))
         for c in t.chunks:
             box = c.box
             if key in names.VOCAB_TENSORS:
@@ -234,7 +241,7 @@ def import_torch_dist(source: str | os.PathLike[str], dest: str | os.PathLike[st
             if box.numel:
                 r = ranks[c.blob.file]
                 by_rank.setdefault(r, []).append((t, c))
-                pieces.setdefault(r, []).append((MODEL + key, Region(box)))
+                pieces.setdefault(r, []).append((out_key, Region(box)))
     num_layers = model["decoder.layers.self_attention.linear_qkv.weight"].shape[0] \
         if "decoder.layers.self_attention.linear_qkv.weight" in model else (args.num_layers or 0)
     tied = names.OUTPUT not in model
@@ -245,6 +252,32 @@ def import_torch_dist(source: str | os.PathLike[str], dest: str | os.PathLike[st
         return _write(os.fspath(dest), world, specs, pieces,
                       lambda rank, _: _Clipped(_DcpPieces(src, by_rank.get(rank, []), pool, 2), keep.get(rank, {})),
                       meta, src.url, threads, progress, t0, skipped)
+
+
+# Megatron's non-distributed optimizer saves its state in model space as
+# ``optimizer.state.<state>.<model key>`` (megatron/core/dist_checkpointing/optimizer.py);
+# ``fp32_param`` are the fp32 master weights of bf16/fp16 training (ckptkit's ``main``).
+_OPTIMIZER_STATES = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "fp32_param": "main"}
+
+
+def _optimizer_tensors(ckpt: DcpCheckpoint, model: Mapping[str, Any]) -> dict[str, tuple[str, Any]]:
+    """``optimizer/<state>/<model key>`` -> (model key, DCP tensor) for the model-space optimizer
+    state; the distributed optimizer's flat bucket buffers (``optimizer.distributed.*``) are not."""
+    out = {}
+    for fqn, t in ckpt.tensors.items():
+        for state, name in _OPTIMIZER_STATES.items():
+            prefix = f"optimizer.state.{state}."
+            if fqn.startswith(prefix) and fqn[len(prefix):] in model:
+                key = fqn[len(prefix):]
+                if tuple(t.shape) != tuple(model[key].shape):
+                    raise ManifestError(f"{fqn!r} has shape {list(t.shape)}, its parameter {list(model[key].shape)}")
+                out[f"optimizer/{name}/{key}"] = (key, t)
+    return out
+
+
+def _megatron_key(key: str) -> str:
+    """The Megatron model key a ckptkit key stores (``model/<k>`` or ``optimizer/<state>/<k>``)."""
+    return key[len(MODEL):] if key.startswith(MODEL) else key.split("/", 2)[2]
 
 
 def _file_rank(name: str) -> int | None:

@@ -68,7 +68,9 @@ def train_and_save(folder: str, tied: bool) -> dict[str, Any]:
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
 
-    layout = mm.Layout(tp=2, pp=2, tied=tied)
+    # untied: Megatron's plain optimizer (model-space state, imported); tied: the distributed one
+    # (flat dp_reshardable buckets, skipped by the import)
+    layout = mm.Layout(tp=2, pp=2, tied=tied, dist_opt=tied)
     trainer = mm.setup(layout)
     for _ in range(STEPS):
         mm.train_step(trainer)
@@ -79,8 +81,13 @@ def train_and_save(folder: str, tied: bool) -> dict[str, Any]:
     if dist.get_rank() == 0:
         os.makedirs(tdir, exist_ok=True)
     dist.barrier()
-    dist_checkpointing.save({"model": module.sharded_state_dict(), "iteration": it, "checkpoint_version": 3.0,
+    sharded = module.sharded_state_dict()
+    optim = trainer.optimizer.sharded_state_dict(
+        sharded, metadata={"distrib_optim_sharding_type": "dp_reshardable"} if layout.dist_opt else None)
+    dist_checkpointing.save({"model": sharded, "optimizer": optim, "iteration": it, "checkpoint_version": 3.0,
                              "args": _args(layout)}, tdir)
+    plain = dist_checkpointing.load_plain_tensors(tdir)  # Megatron's own full-tensor read: the optimizer reference
+    optimizer = {k: v for k, v in plain.items() if k.startswith("optimizer.state.")}
     # legacy: DP rank 0 of every (tp, pp) writes one file (mp_rank_TT_PPP when pp > 1)
     if ps.get_data_parallel_rank() == 0:
         name = f"mp_rank_{ps.get_tensor_model_parallel_rank():02d}_{ps.get_pipeline_model_parallel_rank():03d}"
@@ -101,7 +108,9 @@ def train_and_save(folder: str, tied: bool) -> dict[str, Any]:
     ref_loss = mm.eval_loss(ref_trainer)
     tensors = _global_tensors([ref])
     mm.teardown()
-    return {"loss": loss, "ref_loss": ref_loss, "iteration": it, "tensors": tensors if dist.get_rank() == 0 else None}
+    first = dist.get_rank() == 0
+    return {"loss": loss, "ref_loss": ref_loss, "iteration": it, "tensors": tensors if first else None,
+            "optimizer": optimizer if first else None}
 
 
 def load_and_eval(path: str, tp: int, pp: int, tied: bool, zero_padding: bool = False) -> float:

@@ -71,13 +71,20 @@ def test_import_equals_megatron_load(saved, tied, kind):
     folder, result = saved[tied]
     assert result["ref_loss"] == pytest.approx(result["loss"], rel=1e-5)  # the reference is the trained model
     expected = _expected(result["tensors"])
+    if kind == "ck_td":  # Megatron's plain optimizer state, model space (the untied run)
+        for k, v in result["optimizer"].items():
+            state, key = k[len("optimizer.state."):].split(".", 1)
+            expected[f"optimizer/{state}/{key}"] = v[:VOCAB] if key in names.VOCAB_TENSORS else v
+        assert (len(result["optimizer"]) == 2 * len(result["tensors"])) == (not tied)
+        assert tied or result["optimizer"]["optimizer.state.exp_avg.output_layer.weight"].abs().sum() > 0
     view = ckptkit.open(f"{folder}/{kind}")
     assert sorted(view.keys()) == sorted(expected)
     assert ("model/output_layer.weight" in expected) == (not tied)
     for key, want in expected.items():
         got = view[key].read()
         assert got.dtype == want.dtype and torch.equal(got, want), key
-        assert view.manifest.tensors[key].rule == names.rule_for(key[len("model/"):], divisible_by=16, ffn=96), key
+        name = key[len("model/"):] if key.startswith("model/") else key.split("/", 2)[2]
+        assert view.manifest.tensors[key].rule == names.rule_for(name, divisible_by=16, ffn=96), key
     meta = json.loads(view.values[META_KEY])
     assert meta == {"format": 1, "iteration": job.STEPS, "num_layers": 4, "vocab_size": VOCAB,
                     "make_vocab_size_divisible_by": 16, "tied": tied,
