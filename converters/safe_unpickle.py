@@ -187,6 +187,11 @@ def dcp_allow_list() -> Mapping[tuple[str, str], Any]:
     return _DCP_ALLOW
 
 
-def load_dcp_metadata(data: bytes, where: str) -> Any:
-    """Unpickle a DCP ``.metadata`` through the allow-list (validate the result before use)."""
-    return restricted_loads(data, dcp_allow_list(), where, (_torch_constant,))
+def load_dcp_metadata(data: bytes, where: str, extra: Mapping[tuple[str, str], Any] | None = None) -> Any:
+    """Unpickle a DCP ``.metadata`` through the allow-list (validate the result before use).
+
+    ``extra`` admits a few more globals for a DCP writer that pickles more than
+    plain DCP does (Megatron's torch_dist: :mod:`converters.megatron_format`).
+    """
+    allow = dcp_allow_list() if not extra else {**dcp_allow_list(), **extra}
+    return restricted_loads(data, allow, where, (_torch_constant,))

@@ -1,7 +1,9 @@
-"""``ckptkit convert``: a checkpoint to a zarr v3 group (through tensorstore), a DCP or a DeepSpeed checkpoint, and back.
+"""``ckptkit convert``: a checkpoint to a zarr v3 group (through tensorstore), a DCP, DeepSpeed or Megatron checkpoint, and back.
 
 The source's kind is detected (a zarr group has ``zarr.json``, a DCP
-checkpoint ``.metadata``, a ckptkit checkpoint ``manifest.json``); ``--format``
+checkpoint ``.metadata``, a Megatron torch_dist directory ``metadata.json`` naming
+torch_dist, a legacy Megatron save ``mp_rank_*`` folders, a ckptkit checkpoint
+``manifest.json``); ``--format``
 names the output. The library functions do the work: this module only picks
 one, draws the progress bar and prints the result.
 """
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Iterator
+from typing import Any
 from contextlib import contextmanager
 
 import click
@@ -40,12 +43,12 @@ def progress_bar(label: str, enabled: bool, *, data: bool = True) -> Iterator[Ca
         yield lambda done, total: bar.update(task, completed=done, total=total)
 
 
-@click.command("convert", short_help="Checkpoint <-> zarr v3 group, DCP or DeepSpeed ZeRO.")
+@click.command("convert", short_help="Checkpoint <-> zarr v3 group, DCP, DeepSpeed ZeRO or Megatron.")
 @click.argument("source")
 @click.argument("dest")
-@click.option("--format", "fmt", type=click.Choice(["zarr", "dcp", "hf", "deepspeed", "ckptkit"]), default=None,
-              help="Output format. Default: zarr for a checkpoint, ckptkit for a zarr export, a DCP checkpoint "
-                   "or a native DeepSpeed checkpoint folder.")
+@click.option("--format", "fmt", type=click.Choice(["zarr", "dcp", "hf", "deepspeed", "megatron", "ckptkit"]), default=None,
+              help="Output format. Default: zarr for a checkpoint, ckptkit for a zarr export, a DCP checkpoint, "
+                   "a native DeepSpeed checkpoint folder or a Megatron (torch_dist or legacy) checkpoint.")
 @click.option("--chunk-mib", type=click.FloatRange(min=0.001), default=8.0, show_default=True,
               help="zarr: largest inner (read) chunk.")
 @click.option("--shard-mib", type=click.FloatRange(min=0.001), default=64.0, show_default=True,
@@ -70,11 +73,18 @@ def progress_bar(label: str, enabled: bool, *, data: bool = True) -> Iterator[Ca
 @click.option("--dp", type=click.IntRange(min=1), default=None, help="deepspeed: DP size of the native export.")
 @click.option("--zero-stage", type=click.IntRange(1, 3), default=None,
               help="deepspeed: ZeRO stage of the native export (default: the saving job's).")
+@click.option("--vocab-size", type=click.IntRange(min=1), default=None,
+              help="megatron import: the true vocabulary size (Megatron stores only the padded one).")
+@click.option("--divisible-by", type=click.IntRange(min=1), default=None,
+              help="megatron: make_vocab_size_divisible_by, when the checkpoint's args do not record it.")
+@click.option("--to", "to_layout", default=None,
+              help="megatron export: the target layout, e.g. tp2pp2 (the torch_dist directory Megatron loads there).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document instead of text.")
 def convert_cmd(source: str, dest: str, fmt: str | None, chunk_mib: float, shard_mib: float, portable: bool,
                 compression: str, skip_unsafe_items: bool, threads: int | None, hf_config: str | None,
                 heads: int | None, kv_heads: int | None, dtype: str | None, prefix: str, dp: int | None,
-                zero_stage: int | None, as_json: bool) -> None:
+                zero_stage: int | None, vocab_size: int | None, divisible_by: int | None, to_layout: str | None,
+                as_json: bool) -> None:
     """Convert SOURCE into DEST.
 
     A checkpoint becomes a zarr v3 group (--format zarr): every logical tensor
@@ -101,20 +111,29 @@ def convert_cmd(source: str, dest: str, fmt: str | None, chunk_mib: float, shard
       ckptkit convert runs/exp1/step-0001000 hf/ --format hf --hf-config config.json  # weights -> HF safetensors
       ckptkit convert ds_checkpoints/ runs/ds/step-0000200          # native DeepSpeed (latest tag) -> ckptkit
       ckptkit convert runs/ds/step-0000200 ds_dp8/ --format deepspeed --dp 8 --zero-stage 3
+      ckptkit convert mlm/iter_0001000 runs/mlm/step-0001000 --vocab-size 50257   # Megatron torch_dist/legacy -> ckptkit
+      ckptkit convert runs/mlm/step-0001000 mlm_tp4/iter_0001000 --format megatron --to tp4pp1
     """
     from ckptkit.modelspace.zarr_io import is_zarr_export
     from converters.dcp import is_dcp_checkpoint
 
     from_zarr = is_zarr_export(source)
-    from_dcp = not from_zarr and is_dcp_checkpoint(source)
-    from_ds = not (from_zarr or from_dcp) and _is_deepspeed(source)
-    fmt = fmt or ("ckptkit" if from_zarr or from_dcp or from_ds else "zarr")
+    from_megatron = not from_zarr and _is_megatron(source)  # before DCP: torch_dist is a DCP directory too
+    from_dcp = not (from_zarr or from_megatron) and is_dcp_checkpoint(source)
+    from_ds = not (from_zarr or from_dcp or from_megatron) and _is_deepspeed(source)
+    foreign = from_zarr or from_dcp or from_ds or from_megatron
+    fmt = fmt or ("ckptkit" if foreign else "zarr")
     show = not as_json and sys.stdout.isatty()
-    if fmt != "ckptkit" and (from_zarr or from_dcp or from_ds):
-        kind = "a zarr group" if from_zarr else "a DCP checkpoint" if from_dcp else "a DeepSpeed checkpoint"
+    if fmt != "ckptkit" and foreign:
+        kind = ("a zarr group" if from_zarr else "a DCP checkpoint" if from_dcp else
+                "a Megatron checkpoint" if from_megatron else "a DeepSpeed checkpoint")
         raise CkptkitError(f"{source} is already {kind}; --format ckptkit converts it to a checkpoint "
                            f"(then convert that to --format {fmt})")
-    if fmt == "deepspeed":
+    if fmt == "megatron":
+        result = _export_megatron(source, dest, to_layout, divisible_by)
+    elif from_megatron:
+        result = _import_megatron(source, dest, vocab_size, divisible_by, threads)
+    elif fmt == "deepspeed":
         from converters.deepspeed import export_deepspeed
 
         if dp is None:
@@ -168,8 +187,40 @@ def convert_cmd(source: str, dest: str, fmt: str | None, chunk_mib: float, shard
     )
     skipped = getattr(result, "skipped", ())
     if skipped:
-        what = "per-rank values DCP cannot hold" if result.format == "dcp" else "non-tensor items that do not decode safely"
+        what = ("per-rank values DCP cannot hold" if result.format == "dcp" else
+                "items not converted (optimizer state, _extra_state, non-model tensors)" if hasattr(result, "meta")
+                else "non-tensor items that do not decode safely")
         click.echo(f"skipped {len(skipped)} {what}: {', '.join(skipped)}")
+
+
+def _is_megatron(source: str) -> bool:
+    from converters.megatron_format import is_legacy, is_torch_dist
+
+    return is_torch_dist(source) or is_legacy(source)
+
+
+def _import_megatron(source: str, dest: str, vocab_size: int | None, divisible_by: int | None,
+                     threads: int | None) -> Any:
+    from converters.megatron import import_legacy, import_torch_dist
+    from converters.megatron_format import is_torch_dist
+
+    if vocab_size is None:
+        raise CkptkitError(f"{source} is a Megatron checkpoint: --vocab-size N is needed (Megatron stores only the "
+                           "padded vocabulary; ckptkit stores the true one)")
+    fn = import_torch_dist if is_torch_dist(source) else import_legacy
+    return fn(source, dest, vocab_size=vocab_size, divisible_by=divisible_by, threads=threads or 2)
+
+
+def _export_megatron(source: str, dest: str, to_layout: str | None, divisible_by: int | None) -> Any:
+    from ckptkit.layout.config import ParallelConfig
+    from converters.megatron import export_torch_dist
+
+    if to_layout is None:
+        raise CkptkitError("--format megatron needs --to LAYOUT (e.g. --to tp2pp2): the layout Megatron will load at")
+    config = ParallelConfig.parse(to_layout)
+    if config.vpp not in (None, 1) or config.ep != 1 or config.cp != 1:
+        raise CkptkitError(f"--to {to_layout}: the Megatron export takes tp and pp only (no vpp, ep, cp yet)")
+    return export_torch_dist(source, dest, tp=config.tp, pp=config.pp, divisible_by=divisible_by)
 
 
 def _is_deepspeed(source: str) -> bool:

@@ -1,0 +1,646 @@
+"""Megatron-core checkpoints into and out of ckptkit (model weights).
+
+* :func:`import_torch_dist`: a ``torch_dist`` directory (DCP + ``metadata.json``
+  + ``common.pt``) -> a committed ckptkit checkpoint in model space: every
+  DCP chunk becomes a piece written by the virtual rank whose ``.distcp`` file
+  held it (no gather), vocab padding rows dropped, a :class:`PartitionRule`
+  per tensor (:mod:`converters.megatron_names`), and ``megatron/meta``.
+* :func:`import_legacy`: a legacy ``iter_XXXXXXX/mp_rank_TT[_PPP]/model_optim_rng.pt``
+  checkpoint -> the same. Each rank file becomes one virtual writer rank whose
+  pieces are its TP-local tensors placed in model space (local layer numbers
+  made global, SwiGLU ``[gate_r; up_r]`` split into its two fused parts), so
+  nothing is stitched in memory: a few files are open at a time.
+* :func:`export_torch_dist`: a ckptkit Megatron checkpoint -> a ``torch_dist``
+  directory for a chosen ``tp``/``pp`` that ``megatron.core.dist_checkpointing.load``
+  accepts for a model built at that layout (vocab re-padded for the target tp).
+  The DCP part is written by DCP's own ``FileSystemWriter`` and planner
+  functions, one virtual rank at a time.
+
+Optimizer state: the non-distributed optimizer's model-space state
+(``optimizer.state.{exp_avg,exp_avg_sq,fp32_param}.<key>``) is imported from
+torch_dist as ``optimizer/{exp_avg,exp_avg_sq,main}/<key>``; the distributed
+optimizer's flat buckets, legacy ``optimizer`` dicts and exports are not yet
+(skipped tensors are listed). Every pickle is opened as :mod:`converters.megatron_format` says.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ckptkit.engine.offline_writer import (
+    ConvertResult,
+    OfflineWriteOptions,
+    write_offline,
+)
+from ckptkit.errors import CkptkitError, LayoutError, ManifestError, SaveError
+from ckptkit.layout.box import Box, Region
+from ckptkit.layout.manifest import ExplicitLayout, TensorMeta
+from ckptkit.layout.values import encode_value
+from ckptkit.modelspace.view import open as open_view
+from ckptkit.options import Progress
+from ckptkit.storage.url import open_store
+from converters import megatron_format as fmt
+from converters import megatron_names as names
+from converters.dcp import _check_files, _DcpPieces
+from converters.dcp_format import (
+    METADATA_NAME,
+    DcpCheckpoint,
+    parse_metadata,
+    writer_ranks,
+)
+
+META_KEY = "megatron/meta"
+MODEL = "model/"
+DEFAULT_DIVISIBLE_BY = 128  # Megatron-LM's --make-vocab-size-divisible-by default
+
+
+@dataclass(frozen=True)
+class MegatronConvertResult(ConvertResult):
+    """A conversion's figures, the ``megatron/meta`` written or read, and what was left out."""
+
+    meta: dict[str, Any] = field(default_factory=dict)
+    skipped: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class _Spec:
+    dtype: str
+    shape: tuple[int, ...]
+
+
+# ---------------------------------------------------------------- shared import helpers
+
+
+def _divisible_by(given: int | None, saved: int | None, where: str) -> int:
+    if given is not None and saved is not None and given != saved:
+        raise LayoutError(f"{where}: --divisible-by {given} disagrees with the checkpoint's "
+                          f"make_vocab_size_divisible_by {saved}")
+    d = given if given is not None else saved
+    if d is None:
+        raise LayoutError(f"{where}: the checkpoint does not record make_vocab_size_divisible_by; "
+                          "pass divisible_by (CLI: --divisible-by)")
+    return d
+
+
+def _check_vocab(key: str, padded: int, vocab: int, d: int, tp: int, where: str) -> None:
+    want = names.padded_vocab(vocab, d, tp)
+    if padded != want:
+        raise LayoutError(f"{where}: {key!r} has {padded} rows, but vocab_size {vocab} padded to a multiple of "
+                          f"divisible_by {d} x tp {tp} is {want}: check --vocab-size / --divisible-by")
+
+
+def _ffn(shapes: Mapping[str, tuple[int, ...]]) -> int | None:
+    """The FFN size when ``linear_fc1`` is gated ([gate; up]: twice fc2's input), else None."""
+    fc1 = shapes.get("decoder.layers.mlp.linear_fc1.weight")
+    fc2 = shapes.get("decoder.layers.mlp.linear_fc2.weight")
+    if fc1 is None or fc2 is None:
+        return None
+    return fc2[-1] if fc1[1] == 2 * fc2[-1] else None
+
+
+def _layouts(specs: Mapping[str, _Spec], pieces: Mapping[int, Sequence[tuple[str, Region]]],
+             rules: Mapping[str, Any]) -> dict[str, TensorMeta]:
+    """Manifest entries carrying the rules: the pieces sorted exactly as the merge sorts them."""
+    by_key: dict[str, list[tuple[Region, int]]] = {k: [] for k in specs}
+    for rank, items in pieces.items():
+        for key, region in items:
+            by_key[key].append((region, rank))
+    return {k: TensorMeta(k, s.dtype, s.shape,
+                          ExplicitLayout(tuple(sorted(by_key[k], key=lambda p: (p[0].key(), p[1])))),
+                          rule=rules[k])
+            for k, s in sorted(specs.items())}
+
+
+def _write(dest: str, world: int, specs: dict[str, _Spec], pieces: dict[int, list[tuple[str, Region]]],
+           source: Callable[[int, Any], Any], meta: dict[str, Any], source_url: str, threads: int,
+           progress: Progress | None, t0: float, skipped: tuple[str, ...]) -> MegatronConvertResult:
+    shapes = {k[len(MODEL):]: s.shape for k, s in specs.items() if k.startswith(MODEL)}
+    ffn = _ffn(shapes)
+    d = meta["make_vocab_size_divisible_by"]
+    rules = {k: names.rule_for(_megatron_key(k), divisible_by=d, ffn=ffn) for k in specs}
+    out = open_store(dest)
+    result = write_offline(
+        out, world_size=world, tensors=specs, pieces=pieces, source=source,
+        values={META_KEY: encode_value(json.dumps(meta, sort_keys=True), META_KEY)},
+        meta={"user": {}, "converted_from": {"url": source_url, "format": f"megatron-{meta['source']}",
+                                            "skipped": list(skipped)}},
+        layouts=_layouts(specs, pieces, rules), options=OfflineWriteOptions(threads=threads), progress=progress,
+        what=f"importing {source_url} into {out.url}")
+    return MegatronConvertResult(source_url, out.url, "ckptkit", len(specs), result.nbytes, result.bytes_read,
+                                 time.perf_counter() - t0, meta, skipped)
+
+
+def _meta(source: str, iteration: int, num_layers: int, vocab: int, d: int, tp: int, pp: int | None,
+          dp: int | None, vpp: int | None, tied: bool) -> dict[str, Any]:
+    return {"format": 1, "iteration": iteration, "num_layers": num_layers, "vocab_size": vocab,
+            "make_vocab_size_divisible_by": d, "tied": tied,
+            "layout": {"tp": tp, "pp": pp, "dp": dp, "vpp": vpp}, "source": source}
+
+
+class _Clipped:
+    """A piece source whose vocab pieces drop padding rows (``keep[ref]`` rows kept, or all)."""
+
+    def __init__(self, inner: Any, keep: Mapping[int, int]) -> None:
+        self._inner = inner
+        self._keep = keep
+
+    @property
+    def bytes_read(self) -> int:
+        return self._inner.bytes_read
+
+    def __len__(self) -> int:
+        return len(self._inner)
+
+    def __getitem__(self, ref: int) -> torch.Tensor:
+        t = self._inner[ref]
+        n = self._keep.get(ref)
+        return t if n is None else t[:n].contiguous()
+
+
+# ---------------------------------------------------------------- torch_dist import
+
+
+def read_torch_dist(folder: str) -> tuple[DcpCheckpoint, dict[str, Any]]:
+    """The validated DCP metadata and the decoded ``common.pt`` of a torch_dist directory."""
+    fmt.read_config(folder)
+    where = os.path.join(folder, METADATA_NAME)
+    try:
+        with open(where, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        raise ManifestError(f"{where}: missing (the torch_dist save did not finish: DCP writes it last)") from None
+    ckpt = parse_metadata(fmt.load_metadata_pickle(data, where), where)
+    common = fmt.load_pt(os.path.join(folder, fmt.COMMON_NAME))
+    if not isinstance(common, dict):
+        raise ManifestError(f"{folder}/{fmt.COMMON_NAME}: expected a dict, got {type(common).__name__}")
+    return ckpt, common
+
+
+def import_torch_dist(source: str | os.PathLike[str], dest: str | os.PathLike[str], *, vocab_size: int,
+                      divisible_by: int | None = None, threads: int = 2,
+                      progress: Progress | None = None) -> MegatronConvertResult:
+    """Write the Megatron torch_dist checkpoint ``source`` (a local directory) as a ckptkit checkpoint.
+
+    ``vocab_size``: the true vocabulary (Megatron stores only the padded one);
+    ``divisible_by``: ``make_vocab_size_divisible_by`` when ``common.pt`` has no
+    ``args`` recording it. Model tensors and the non-distributed optimizer's
+    model-space state; the distributed optimizer's flat buckets and non-tensor
+    items (``_extra_state``, RNG, param groups) are listed in ``skipped``.
+    """
+    t0 = time.perf_counter()
+    folder = os.fspath(source)
+    ckpt, common = read_torch_dist(folder)
+    args = fmt.SavedArgs.of(common.get("args"))
+    src = open_store(folder)
+    files = ckpt.files()
+    _check_files(src, files)
+    ranks = writer_ranks(list(files))
+    listed = [r for r in map(_file_rank, src.list_children()) if r is not None]
+    world = max([*ranks.values(), *listed], default=0) + 1
+    model = {k: t for k, t in ckpt.tensors.items() if not k.startswith("optimizer.")}
+    stored = {MODEL + k: (k, t) for k, t in model.items()}
+    stored.update(_optimizer_tensors(ckpt, model))
+    taken = {t.fqn for _, t in stored.values()}
+    skipped = tuple(sorted({k for k in ckpt.tensors if k not in taken} | {k.split("/")[0] for k in ckpt.items}))
+    if names.EMBEDDING not in model:
+        raise ManifestError(f"{folder}: no {names.EMBEDDING!r} tensor (not a Megatron GPT checkpoint?)")
+    emb = model[names.EMBEDDING]
+    tp = len({c.box.offsets[0] for c in emb.chunks})
+    d = _divisible_by(divisible_by, args.divisible_by, folder)
+    for key in names.VOCAB_TENSORS:
+        if key in model:
+            _check_vocab(key, model[key].shape[0], vocab_size, d, tp, f"{folder}/{METADATA_NAME}")
+    for key in model:
+        names.rule_for(key, divisible_by=d)  # unknown names fail here, before anything is written
+    specs: dict[str, _Spec] = {}
+    by_rank: dict[int, list[tuple[Any, Any]]] = {}
+    pieces: dict[int, list[tuple[str, Region]]] = {}
+    keep: dict[int, dict[int, int]] = {}
+    for out_key, (key, t) in stored.items():
+        shape = (vocab_size, *t.shape[1:]) if key in names.VOCAB_TENSORS else t.shape
+        specs[out_key] = _Spec(t.dtype, tuple(shape))
+        for c in t.chunks:
+            box = c.box
+            if key in names.VOCAB_TENSORS:
+                rows = min(box.offsets[0] + box.sizes[0], vocab_size) - box.offsets[0]
+                if rows <= 0:
+                    continue  # a chunk of padding only
+                if rows < box.sizes[0]:
+                    keep.setdefault(ranks[c.blob.file], {})[len(by_rank.get(ranks[c.blob.file], []))] = rows
+                box = Box(box.offsets, (rows, *box.sizes[1:]))
+            if box.numel:
+                r = ranks[c.blob.file]
+                by_rank.setdefault(r, []).append((t, c))
+                pieces.setdefault(r, []).append((out_key, Region(box)))
+    num_layers = model["decoder.layers.self_attention.linear_qkv.weight"].shape[0] \
+        if "decoder.layers.self_attention.linear_qkv.weight" in model else (args.num_layers or 0)
+    tied = names.OUTPUT not in model
+    pp = args.pp
+    dp = args.world_size // (tp * pp) if args.world_size and pp else None
+    meta = _meta("torch_dist", fmt.iteration_of(common), num_layers, vocab_size, d, tp, pp, dp, args.vpp, tied)
+    with ThreadPoolExecutor(max_workers=threads * 3, thread_name_prefix="ckptkit-megatron-read") as pool:
+        return _write(os.fspath(dest), world, specs, pieces,
+                      lambda rank, _: _Clipped(_DcpPieces(src, by_rank.get(rank, []), pool, 2), keep.get(rank, {})),
+                      meta, src.url, threads, progress, t0, skipped)
+
+
+# Megatron's non-distributed optimizer saves its state in model space as
+# ``optimizer.state.<state>.<model key>`` (megatron/core/dist_checkpointing/optimizer.py);
+# ``fp32_param`` are the fp32 master weights of bf16/fp16 training (ckptkit's ``main``).
+_OPTIMIZER_STATES = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "fp32_param": "main"}
+
+
+def _optimizer_tensors(ckpt: DcpCheckpoint, model: Mapping[str, Any]) -> dict[str, tuple[str, Any]]:
+    """``optimizer/<state>/<model key>`` -> (model key, DCP tensor) for the model-space optimizer
+    state; the distributed optimizer's flat bucket buffers (``optimizer.distributed.*``) are not."""
+    out = {}
+    for fqn, t in ckpt.tensors.items():
+        for state, name in _OPTIMIZER_STATES.items():
+            prefix = f"optimizer.state.{state}."
+            if fqn.startswith(prefix) and fqn[len(prefix):] in model:
+                key = fqn[len(prefix):]
+                if tuple(t.shape) != tuple(model[key].shape):
+                    raise ManifestError(f"{fqn!r} has shape {list(t.shape)}, its parameter {list(model[key].shape)}")
+                out[f"optimizer/{name}/{key}"] = (key, t)
+    return out
+
+
+def _megatron_key(key: str) -> str:
+    """The Megatron model key a ckptkit key stores (``model/<k>`` or ``optimizer/<state>/<k>``)."""
+    return key[len(MODEL):] if key.startswith(MODEL) else key.split("/", 2)[2]
+
+
+def _file_rank(name: str) -> int | None:
+    from converters.dcp_format import file_rank
+
+    return file_rank(name)
+
+
+# ---------------------------------------------------------------- legacy import
+
+
+@dataclass(frozen=True)
+class _LegacyPiece:
+    name: str  # module state-dict name in the file's chunk
+    chunk: str  # "model" or "model<v>"
+    rows: tuple[int, int] | None  # slice of axis 0 of the local tensor (fused part / vocab clip), or all
+    layered: bool  # prepend the layer axis
+
+
+class _LegacySource:
+    """One legacy rank file's pieces, read from the file (memory-mapped) when first asked for."""
+
+    def __init__(self, path: str, refs: Sequence[_LegacyPiece]) -> None:
+        self._path = path
+        self._refs = refs
+        self._state: dict[str, Any] | None = None
+        self._lock = threading.Lock()
+        self.bytes_read = 0
+
+    def __len__(self) -> int:
+        return len(self._refs)
+
+    def __getitem__(self, ref: int) -> torch.Tensor:
+        with self._lock:
+            if self._state is None:
+                self._state = fmt.load_pt(self._path, mmap=True)
+        p = self._refs[ref]
+        t = self._state[p.chunk][p.name]
+        if p.rows is not None:
+            t = t[p.rows[0]:p.rows[1]]
+        if p.layered:
+            t = t.unsqueeze(0)
+        self.bytes_read += t.numel() * t.element_size()
+        return t.contiguous()
+
+
+def _model_chunks(state: Mapping[str, Any], where: str) -> dict[int, dict[str, torch.Tensor]]:
+    if "model" in state:
+        chunks = {0: state["model"]}
+    else:
+        chunks = {int(k[5:]): v for k, v in state.items() if k.startswith("model") and k[5:].isdigit()}
+    if not chunks:
+        raise ManifestError(f"{where}: no 'model' (or 'model0', 'model1' ...) state dict")
+    for v, sd in chunks.items():
+        if not isinstance(sd, Mapping):
+            raise ManifestError(f"{where}: 'model{v if len(chunks) > 1 else ''}' is not a state dict")
+    return chunks
+
+
+def import_legacy(source: str | os.PathLike[str], dest: str | os.PathLike[str], *, vocab_size: int,
+                  divisible_by: int | None = None, tied: bool | None = None, threads: int = 2,
+                  progress: Progress | None = None) -> MegatronConvertResult:
+    """Write a legacy Megatron checkpoint as a ckptkit checkpoint (model weights).
+
+    ``source``: an ``iter_XXXXXXX`` (or ``release``) directory, or the save root
+    (its ``latest_checkpointed_iteration.txt`` picks the iteration). ``tied``:
+    whether the output layer is tied to the embedding, when ``args`` does not say
+    (a tied model's last stage holds a copy of the embedding, dropped here).
+    """
+    t0 = time.perf_counter()
+    folder = fmt.resolve_legacy_dir(os.fspath(source))
+    files = fmt.legacy_files(folder)
+    tp = max(f.tp for f in files) + 1
+    pp = max(f.pp for f in files) + 1
+    # pass 1 (memory-mapped): names, shapes and layer counts of every rank's chunks
+    inventory: dict[tuple[int, int], dict[int, dict[str, tuple[tuple[int, ...], str]]]] = {}
+    first: dict[str, Any] = {}
+    for f in files:
+        state = fmt.load_pt(f.path, mmap=True)
+        if not isinstance(state, dict):
+            raise ManifestError(f"{f.path}: expected a dict, got {type(state).__name__}")
+        if not first:
+            first = state
+        inventory[(f.tp, f.pp)] = {
+            v: {n: (tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in sd.items()
+                if isinstance(t, torch.Tensor)}
+            for v, sd in _model_chunks(state, f.path).items()}
+        del state
+    args = fmt.SavedArgs.of(first.get("args"))
+    d = _divisible_by(divisible_by, args.divisible_by, folder)
+    is_tied = tied if tied is not None else (not args.untied if args.untied is not None else False)
+    vpp = len(inventory[(0, 0)])
+    # global layer offset of each (virtual chunk, stage), in Megatron's order: chunk-major
+    counts: dict[tuple[int, int], int] = {}
+    for (t, p), chunks in inventory.items():
+        if len(chunks) != vpp:
+            raise ManifestError(f"{folder}: mp_rank_{t:02d}_{p:03d} holds {len(chunks)} model chunks, rank 0 {vpp}")
+        for v, tensors in chunks.items():
+            layers = {lk[1] for n in tensors if (lk := names.legacy_key(n)) is not None and lk[1] is not None}
+            n = max(layers) + 1 if layers else 0
+            if counts.setdefault((v, p), n) != n:
+                raise ManifestError(f"{folder}: TP ranks of stage {p} (chunk {v}) hold different layer counts")
+    offset: dict[tuple[int, int], int] = {}
+    total = 0
+    for v in range(vpp):
+        for p in range(pp):
+            offset[(v, p)] = total
+            total += counts[(v, p)]
+    # model-space shapes and every rank's pieces
+    specs: dict[str, _Spec] = {}
+    pieces: dict[int, list[tuple[str, Region]]] = {}
+    refs: dict[int, list[_LegacyPiece]] = {}
+    fc2 = next((s for c in inventory[(0, 0)].values() for n, (s, _) in c.items()
+                if n.endswith("mlp.linear_fc2.weight")), None)
+    ffn_local = fc2[-1] if fc2 is not None else None
+    for f in files:
+        rank = f.pp * tp + f.tp
+        where = f"{f.path}"
+        for v, tensors in inventory[(f.tp, f.pp)].items():
+            chunk = "model" if vpp == 1 and "model" in first else f"model{v}"
+            for name, (shape, dtype) in sorted(tensors.items()):
+                mapped = names.legacy_key(name)
+                if mapped is None:
+                    continue
+                key, layer = mapped
+                if key == names.OUTPUT and is_tied:
+                    continue
+                try:
+                    rule = names.rule_for(key, divisible_by=d)
+                except LayoutError as exc:
+                    raise LayoutError(f"{where}: tensor {name!r}: {exc}") from None
+                layered = layer is not None
+                axis = None if rule.tp_axis is None else rule.tp_axis - (1 if layered else 0)
+                if axis is None and f.tp != 0:
+                    continue  # replicated over TP: TP rank 0's copy is the one stored
+                gshape = list(shape)
+                if axis is not None:
+                    gshape[axis] *= tp
+                if key in names.VOCAB_TENSORS:
+                    _check_vocab(key, gshape[0], vocab_size, d, tp, where)
+                    gshape[0] = vocab_size
+                full = tuple([total, *gshape] if layered else gshape)
+                old = specs.setdefault(MODEL + key, _Spec(dtype, full))
+                if old != _Spec(dtype, full):
+                    raise ManifestError(f"{where}: tensor {name!r} ({dtype}, {list(full)} in model space) disagrees "
+                                        f"with other ranks ({old.dtype}, {list(old.shape)})")
+                glayer = offset[(v, f.pp)] + layer if layered else None
+                parts: list[tuple[int, int, int]] = []  # (local row start, rows, global start along axis)
+                if axis is None:
+                    parts.append((0, shape[0] if shape else 0, 0))
+                elif names.is_fused_glu(key) and ffn_local is not None and axis == 0 and shape[0] == 2 * ffn_local:
+                    parts += [(0, ffn_local, f.tp * ffn_local), (ffn_local, ffn_local, (tp + f.tp) * ffn_local)]
+                else:
+                    parts.append((0, shape[axis], f.tp * shape[axis]))
+                for start, rows, goff in parts:
+                    offs, sizes = [0] * len(shape), list(shape)
+                    clip = None
+                    if axis is not None:
+                        offs[axis] = goff
+                        if axis == 0:
+                            sizes[0] = rows
+                            clip = (start, start + rows) if len(parts) > 1 else None
+                        if key in names.VOCAB_TENSORS:
+                            keep_rows = min(goff + shape[0], vocab_size) - goff
+                            if keep_rows <= 0:
+                                continue
+                            sizes[0] = keep_rows
+                            clip = (0, keep_rows) if keep_rows < shape[0] else None
+                    if layered:
+                        offs, sizes = [glayer, *offs], [1, *sizes]
+                    if 0 in sizes:
+                        continue
+                    pieces.setdefault(rank, []).append((MODEL + key, Region(Box(tuple(offs), tuple(sizes)))))
+                    refs.setdefault(rank, []).append(_LegacyPiece(name, chunk, clip, layered))
+    iteration = fmt.iteration_of(first)
+    dp = args.world_size // (tp * pp) if args.world_size else None
+    meta = _meta("legacy", iteration, total, vocab_size, d, tp, pp, dp, vpp if vpp > 1 else None, is_tied)
+    paths = {f.pp * tp + f.tp: f.path for f in files}
+    return _write(os.fspath(dest), tp * pp, specs, pieces, lambda r, _: _LegacySource(paths[r], refs.get(r, [])),
+                  meta, folder, threads, progress, t0, ())
+
+
+# ---------------------------------------------------------------- export
+
+
+_LINEAR_MODULES = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+_NONE_LIST = b""  # torch.save([None]) bytes, filled on first use
+
+
+def _extra_state_items(keys: Sequence[str], num_layers: int, tp: int, pp: int) -> list[tuple[int, str]]:
+    """The ``_extra_state`` ShardedObjects Megatron's linear layers declare, as ``(writer rank, DCP key)``.
+
+    ``model.sharded_state_dict()`` lists one per linear module and layer
+    (``decoder.layers.<module>._extra_state/shard_<layer>_<L>``), and a load
+    fails on a missing one, so the export writes each holding ``[None]`` (what
+    Megatron saves for modules without FP8 state; Transformer Engine's
+    ``set_extra_state`` accepts None).
+    """
+    out = []
+    for module in _LINEAR_MODULES:
+        if f"{names.LAYER_PREFIX}{module}.weight" in keys:
+            for layer in range(num_layers):
+                stage = layer * pp // num_layers
+                out.append((stage * tp, f"{names.LAYER_PREFIX}{module}._extra_state/shard_{layer}_{num_layers}"))
+    return out
+
+
+class _ViewPlanner:
+    """What DCP's ``FileSystemWriter.write_data`` asks of a planner: each item's tensor, read
+    from the ckptkit checkpoint when the writer reaches it (vocab padding rows zero-filled)."""
+
+    def __init__(self, view: Any, keys: Mapping[str, str], tick: Callable[[int], None]) -> None:
+        self._view = view
+        self._keys = keys
+        self._tick = tick
+
+    def resolve_data(self, item: Any) -> Any:
+        if item.tensor_data is None:  # an _extra_state item
+            return io.BytesIO(_NONE_LIST)
+        key = self._keys[item.index.fqn]
+        chunk = item.tensor_data.chunk
+        offs, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
+        shape = self._view.manifest.tensors[key].shape
+        rows = min(offs[0] + sizes[0], shape[0]) - offs[0] if offs else 0
+        if offs and rows < sizes[0]:  # vocab padding
+            out = torch.zeros(sizes, dtype=self._view[key].dtype)
+            if rows > 0:
+                out[:rows] = self._view.read_box(key, Box(offs, (rows, *sizes[1:])))
+        else:
+            out = self._view.read_box(key, Box(offs, sizes))
+        self._tick(out.numel() * out.element_size())
+        return out
+
+
+def _target_chunks(key: str, shape: tuple[int, ...], rule: Any, tp: int, pp: int, d: int,
+                   num_layers: int) -> tuple[tuple[int, ...], list[tuple[int, tuple[int, ...], tuple[int, ...]]]]:
+    """The padded global shape of ``key`` at ``tp``/``pp`` and its chunks ``(writer rank, offsets, sizes)``:
+    each rank's part as Megatron places it (TP split per fused part, layers split evenly over stages)."""
+    padded = list(shape)
+    if rule.vocab_multiple is not None:
+        padded[rule.tp_axis] = names.padded_vocab(shape[rule.tp_axis], d, tp)
+    if rule.layer_axis is not None:
+        stages = [(p, p * num_layers // pp, num_layers // pp) for p in range(pp)]
+    else:
+        stage = (rule.stage % pp) if rule.stage is not None else 0
+        stages = [(stage, 0, 0)]
+    out = []
+    for p, lo, n in stages:
+        for t in range(tp if rule.tp_axis is not None else 1):
+            parts = rule.fused or (padded[rule.tp_axis],) if rule.tp_axis is not None else ()
+            spans = []
+            base = 0
+            for part in parts:
+                if part % tp:
+                    raise LayoutError(f"{key!r}: axis {rule.tp_axis} part of {part} does not split over tp={tp}")
+                spans.append((base + t * part // tp, part // tp))
+                base += part
+            for start, size in spans or [(None, None)]:
+                offs, sizes = [0] * len(padded), list(padded)
+                if start is not None:
+                    offs[rule.tp_axis], sizes[rule.tp_axis] = start, size
+                if rule.layer_axis is not None:
+                    offs[rule.layer_axis], sizes[rule.layer_axis] = lo, n
+                out.append((p * tp + t, tuple(offs), tuple(sizes)))
+    return tuple(padded), out
+
+
+def export_torch_dist(source: str | os.PathLike[str], dest: str | os.PathLike[str], *, tp: int, pp: int,
+                      divisible_by: int | None = None, progress: Progress | None = None) -> MegatronConvertResult:
+    """Write the ckptkit Megatron checkpoint ``source`` as a torch_dist directory for ``tp``/``pp``.
+
+    ``megatron.core.dist_checkpointing.load(model.sharded_state_dict(), dest)``
+    accepts it for a model built at that layout (any layout, in fact: DCP reads
+    by overlap; ``tp`` fixes the padded vocab). Model weights only; ``common.pt``
+    holds ``iteration`` and ``checkpoint_version`` (no ``args``: Megatron-LM then
+    keeps its command-line arguments). Memory: about one target rank's weights
+    (DCP's writer holds a file's tensors until it is written). Even layer split
+    over ``pp`` only (no virtual pipeline, no uneven first/last stage).
+    """
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.default_planner import (
+        create_default_global_save_plan,
+    )
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        MetadataIndex,
+        TensorProperties,
+    )
+    from torch.distributed.checkpoint.planner import (
+        SavePlan,
+        TensorWriteData,
+        WriteItem,
+        WriteItemType,
+    )
+
+    t0 = time.perf_counter()
+    view = open_view(source)
+    if META_KEY not in view.values:
+        raise ManifestError(f"{view.url}: no {META_KEY!r} value: not a ckptkit Megatron checkpoint")
+    meta = json.loads(view.values[META_KEY])
+    d = divisible_by or meta["make_vocab_size_divisible_by"]
+    num_layers = int(meta["num_layers"])
+    if tp < 1 or pp < 1 or num_layers % pp:
+        raise LayoutError(f"cannot export {num_layers} layers at tp={tp} pp={pp} (layers must split evenly over pp)")
+    out = os.fspath(dest)
+    if os.path.exists(out) and os.listdir(out):
+        raise SaveError(f"{out} is not empty; an export writes a new torch_dist directory")
+    plans: list[list[Any]] = [[] for _ in range(tp * pp)]
+    keys: dict[str, str] = {}
+    total = 0
+    skipped = []
+    for key, tmeta in sorted(view.manifest.tensors.items()):
+        if not key.startswith(MODEL):
+            skipped.append(key)
+            continue
+        mkey = key[len(MODEL):]
+        rule = tmeta.rule or names.rule_for(mkey, divisible_by=d)
+        padded, chunks = _target_chunks(mkey, tmeta.shape, rule, tp, pp, d, num_layers)
+        keys[mkey] = key
+        props = TensorProperties(dtype=view[key].dtype)
+        for rank, offs, sizes in chunks:
+            plans[rank].append(WriteItem(index=MetadataIndex(mkey, offs), type=WriteItemType.SHARD,
+                                         tensor_data=TensorWriteData(ChunkStorageMetadata(torch.Size(offs),
+                                                                                          torch.Size(sizes)),
+                                                                     props, torch.Size(padded))))
+        total += tmeta.numel * view[key].dtype.itemsize
+    global _NONE_LIST
+    if not _NONE_LIST:
+        buf = io.BytesIO()
+        torch.save([None], buf)
+        _NONE_LIST = buf.getvalue()
+    for rank, item_key in _extra_state_items(list(keys), num_layers, tp, pp):
+        plans[rank].append(WriteItem(index=MetadataIndex(item_key), type=WriteItemType.BYTE_IO))
+    done, lock = [0], threading.Lock()
+
+    def tick(n: int) -> None:
+        with lock:
+            done[0] += n
+            if progress is not None:
+                progress(done[0], total)
+
+    try:
+        os.makedirs(out, exist_ok=True)
+        writer = FileSystemWriter(out, single_file_per_rank=True, thread_count=1, overwrite=False)
+        writer.set_up_storage_writer(True)
+        local = [writer.prepare_local_plan(SavePlan(items)) for items in plans]
+        global_plans, metadata = create_default_global_save_plan(local)
+        global_plans = writer.prepare_global_plan(global_plans)
+        planner = _ViewPlanner(view, keys, tick)
+        results = [writer.write_data(plan, planner).wait() for plan in global_plans]  # type: ignore[arg-type]
+        torch.save({"iteration": int(meta.get("iteration", 0)), "checkpoint_version": 3.0},
+                   os.path.join(out, fmt.COMMON_NAME))
+        with open(os.path.join(out, fmt.CONFIG_NAME), "w", encoding="utf-8") as f:
+            json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
+                       "common_backend_version": 1}, f)
+        writer.finish(metadata, results)  # .metadata last: DCP's commit
+    except BaseException as exc:
+        import shutil
+
+        shutil.rmtree(out, ignore_errors=True)
+        if isinstance(exc, CkptkitError) or not isinstance(exc, Exception):
+            raise
+        raise SaveError(f"exporting {view.url} to torch_dist at {out} failed: {exc}") from exc
+    out_meta = {**meta, "layout": {"tp": tp, "pp": pp, "dp": None, "vpp": None}}
+    return MegatronConvertResult(view.url, out, "megatron-torch_dist", len(keys), total, view.bytes_read,
+                                 time.perf_counter() - t0, out_meta, tuple(skipped))

@@ -1,0 +1,138 @@
+"""Rank functions for tests/test_megatron_convert.py (run on every rank of a gloo world).
+
+Megatron's own code writes and reads every foreign checkpoint here:
+``dist_checkpointing.save`` (torch_dist, with a Megatron-LM style common state:
+``args``, ``iteration``, ``checkpoint_version``), the legacy layout of
+``megatron/training/checkpointing.py`` (``megatron.training`` is not installed,
+so its file naming and dict keys are reproduced: ``iter_XXXXXXX/mp_rank_TT_PPP/
+model_optim_rng.pt`` holding ``args``, ``checkpoint_version``, ``iteration``,
+``model`` = ``state_dict_for_save_checkpoint()``, ``rng_state``,
+``opt_param_scheduler``; no optimizer, which the distributed optimizer keeps in
+a separate file), and ``dist_checkpointing.load`` for the references.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from tests import megatron_model as mm
+
+STEPS = 2
+
+
+def _args(layout: mm.Layout) -> argparse.Namespace:
+    from megatron.core.transformer.enums import AttnBackend
+
+    return argparse.Namespace(
+        num_layers=mm.LAYERS, hidden_size=64, num_attention_heads=8, tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp, virtual_pipeline_model_parallel_size=layout.vpp,
+        make_vocab_size_divisible_by=layout.divisible_by, padded_vocab_size=mm.padded_vocab(layout),
+        untie_embeddings_and_output_weights=not layout.tied, world_size=dist.get_world_size(),
+        params_dtype=torch.float32, attention_backend=AttnBackend.auto, ckpt_format="torch")
+
+
+def _rng_state() -> dict[str, Any]:
+    return {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+            "torch_rng_state": torch.get_rng_state(), "cuda_rng_state": torch.get_rng_state(),
+            "rng_tracker_states": {}}
+
+
+def _global_tensors(modules: list[Any]) -> dict[str, torch.Tensor]:
+    """Megatron's global tensors, assembled from ``sharded_state_dict()`` of a tp1 pp1 model."""
+    from megatron.core.dist_checkpointing.mapping import (
+        ShardedTensor,
+        ShardedTensorFactory,
+    )
+
+    out: dict[str, torch.Tensor] = {}
+    for module in modules:
+        for v in module.sharded_state_dict().values():
+            shards = v.build() if isinstance(v, ShardedTensorFactory) else [v] if isinstance(v, ShardedTensor) else []
+            for sh in shards:
+                full = out.setdefault(sh.key, torch.zeros(sh.global_shape, dtype=sh.data.dtype))
+                data = sh.data.reshape((1,) * sh.prepend_axis_num + tuple(sh.local_shape))
+                idx = tuple(slice(o, o + n) for o, n in zip(sh.global_offset, data.shape))
+                full[idx] = data.detach()
+    return out
+
+
+def train_and_save(folder: str, tied: bool) -> dict[str, Any]:
+    """Train at tp2pp2, save torch_dist and legacy; then load torch_dist at tp1pp1 as the reference."""
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+
+    # untied: Megatron's plain optimizer (model-space state, imported); tied: the distributed one
+    # (flat dp_reshardable buckets, skipped by the import)
+    layout = mm.Layout(tp=2, pp=2, tied=tied, dist_opt=tied)
+    trainer = mm.setup(layout)
+    for _ in range(STEPS):
+        mm.train_step(trainer)
+    loss = mm.eval_loss(trainer)
+    module = trainer.model[0].module
+    it = trainer.iteration
+    tdir = os.path.join(folder, "torch_dist")
+    if dist.get_rank() == 0:
+        os.makedirs(tdir, exist_ok=True)
+    dist.barrier()
+    sharded = module.sharded_state_dict()
+    optim = trainer.optimizer.sharded_state_dict(
+        sharded, metadata={"distrib_optim_sharding_type": "dp_reshardable"} if layout.dist_opt else None)
+    dist_checkpointing.save({"model": sharded, "optimizer": optim, "iteration": it, "checkpoint_version": 3.0,
+                             "args": _args(layout)}, tdir)
+    plain = dist_checkpointing.load_plain_tensors(tdir)  # Megatron's own full-tensor read: the optimizer reference
+    optimizer = {k: v for k, v in plain.items() if k.startswith("optimizer.state.")}
+    # legacy: DP rank 0 of every (tp, pp) writes one file (mp_rank_TT_PPP when pp > 1)
+    if ps.get_data_parallel_rank() == 0:
+        name = f"mp_rank_{ps.get_tensor_model_parallel_rank():02d}_{ps.get_pipeline_model_parallel_rank():03d}"
+        path = os.path.join(folder, "legacy", f"iter_{it:07d}", name, "model_optim_rng.pt")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        torch.save({"args": _args(layout), "checkpoint_version": 3.0, "iteration": it,
+                    "model": module.state_dict_for_save_checkpoint(), "rng_state": [_rng_state()],
+                    "opt_param_scheduler": trainer.scheduler.state_dict(),
+                    "num_floating_point_operations_so_far": 0}, path)
+    if dist.get_rank() == 0:
+        with open(os.path.join(folder, "legacy", "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write(str(it))
+    dist.barrier()
+    ref_trainer = mm.setup(mm.Layout(tp=1, pp=1, tied=tied))
+    ref = ref_trainer.model[0].module
+    # load() returns common.pt's items (iteration, args ...) beside the sharded ones: wrap like Megatron-LM
+    ref.load_state_dict(dist_checkpointing.load({"model": ref.sharded_state_dict()}, tdir)["model"])
+    ref_loss = mm.eval_loss(ref_trainer)
+    tensors = _global_tensors([ref])
+    mm.teardown()
+    first = dist.get_rank() == 0
+    return {"loss": loss, "ref_loss": ref_loss, "iteration": it, "tensors": tensors if first else None,
+            "optimizer": optimizer if first else None}
+
+
+def load_and_eval(path: str, tp: int, pp: int, tied: bool, zero_padding: bool = False) -> float:
+    """Megatron's own ``dist_checkpointing.load`` of ``path`` into a model built at tp/pp; its eval loss.
+
+    ``zero_padding``: zero the vocab padding rows after loading, as an export from
+    model space writes them (the padded logits enter Megatron's softmax, so the
+    trained padding rows of Megatron's own checkpoint change the loss a little).
+    """
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+
+    trainer = mm.setup(mm.Layout(tp=tp, pp=pp, tied=tied))
+    for chunk in trainer.model:
+        module = chunk.module
+        module.load_state_dict(dist_checkpointing.load({"model": module.sharded_state_dict()}, path)["model"])
+        if zero_padding:
+            for name, param in module.named_parameters():
+                if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+                    first = ps.get_tensor_model_parallel_rank() * param.shape[0]
+                    with torch.no_grad():
+                        param[max(0, mm.VOCAB - first):].zero_()
+    loss = mm.eval_loss(trainer)
+    mm.teardown()
+    return loss

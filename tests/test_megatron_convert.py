@@ -1,0 +1,228 @@
+"""Megatron torch_dist and legacy checkpoints <-> ckptkit, against real Megatron-core on gloo.
+
+The tiny GPT (tests/megatron_model.py: GQA, SwiGLU, padded vocab) trains two
+steps at tp2pp2 in a 4-rank world, untied and tied, and is saved by Megatron's
+own ``dist_checkpointing.save`` (torch_dist) and in the legacy per-rank layout
+(tests/megatron_convert_job.py). The reference is Megatron's own
+``dist_checkpointing.load`` of the torch_dist checkpoint into a tp1pp1 model.
+Checked here:
+
+* both imports give every model-space tensor equal (bit for bit) to the
+  reference with vocab padding dropped, the name-table partition rules, and
+  ``megatron/meta``;
+* exports at tp1pp4 and tp4pp1 load with Megatron's ``dist_checkpointing.load``
+  into models built there, with the same eval loss as Megatron's own
+  checkpoint loaded at that layout (and as the trained model);
+* pickles naming anything outside the allow-lists are refused before they run;
+  bad inputs fail naming the file, tensor or rank folder;
+* ``ckptkit convert`` in both directions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+
+pytest.importorskip("megatron.core")
+
+import torch
+from click.testing import CliRunner
+
+import ckptkit
+from ckptkit.cli.main import cli
+from ckptkit.errors import CkptkitError, CorruptCheckpointError, LayoutError
+from converters import megatron_names as names
+from converters.megatron import (
+    META_KEY,
+    export_torch_dist,
+    import_legacy,
+    import_torch_dist,
+)
+from converters.safe_unpickle import UnsafeCheckpointError
+from tests import megatron_convert_job as job
+
+VOCAB = 250
+TIED = [False, True]
+
+
+@pytest.fixture(scope="module")
+def saved(worlds, tmp_path_factory):
+    """{tied: (folder, result)}: trained and saved at tp2pp2 by Megatron, imported both ways."""
+    out = {}
+    for tied in TIED:
+        folder = str(tmp_path_factory.mktemp(f"megatron_{'tied' if tied else 'untied'}"))
+        result = worlds.run(4, job.train_and_save, folder, tied)[0]
+        import_torch_dist(f"{folder}/torch_dist", f"{folder}/ck_td", vocab_size=VOCAB)
+        import_legacy(f"{folder}/legacy", f"{folder}/ck_legacy", vocab_size=VOCAB)
+        out[tied] = (folder, result)
+    return out
+
+
+def _expected(ref: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {f"model/{k}": (v[:VOCAB] if k in names.VOCAB_TENSORS else v) for k, v in ref.items()}
+
+
+@pytest.mark.parametrize("kind", ["ck_td", "ck_legacy"])
+@pytest.mark.parametrize("tied", TIED, ids=["untied", "tied"])
+def test_import_equals_megatron_load(saved, tied, kind):
+    folder, result = saved[tied]
+    assert result["ref_loss"] == pytest.approx(result["loss"], rel=1e-5)  # the reference is the trained model
+    expected = _expected(result["tensors"])
+    if kind == "ck_td":  # Megatron's plain optimizer state, model space (the untied run)
+        for k, v in result["optimizer"].items():
+            state, key = k[len("optimizer.state."):].split(".", 1)
+            expected[f"optimizer/{state}/{key}"] = v[:VOCAB] if key in names.VOCAB_TENSORS else v
+        assert (len(result["optimizer"]) == 2 * len(result["tensors"])) == (not tied)
+        assert tied or result["optimizer"]["optimizer.state.exp_avg.output_layer.weight"].abs().sum() > 0
+    view = ckptkit.open(f"{folder}/{kind}")
+    assert sorted(view.keys()) == sorted(expected)
+    assert ("model/output_layer.weight" in expected) == (not tied)
+    for key, want in expected.items():
+        got = view[key].read()
+        assert got.dtype == want.dtype and torch.equal(got, want), key
+        name = key[len("model/"):] if key.startswith("model/") else key.split("/", 2)[2]
+        assert view.manifest.tensors[key].rule == names.rule_for(name, divisible_by=16, ffn=96), key
+    meta = json.loads(view.values[META_KEY])
+    assert meta == {"format": 1, "iteration": job.STEPS, "num_layers": 4, "vocab_size": VOCAB,
+                    "make_vocab_size_divisible_by": 16, "tied": tied,
+                    "layout": {"tp": 2, "pp": 2, "dp": 1, "vpp": None},
+                    "source": "torch_dist" if kind == "ck_td" else "legacy"}
+    rule = view.manifest.tensors["model/decoder.layers.mlp.linear_fc1.weight"].rule
+    assert rule.fused == (96, 96) and rule.tp_axis == 1 and rule.layer_axis == 0
+
+
+@pytest.mark.parametrize("target", [(1, 4), (4, 1)], ids=["tp1pp4", "tp4pp1"])
+@pytest.mark.parametrize("tied", TIED, ids=["untied", "tied"])
+def test_export_loads_in_megatron(worlds, saved, tmp_path, tied, target):
+    folder, result = saved[tied]
+    tp, pp = target
+    dest = str(tmp_path / f"tp{tp}pp{pp}")
+    src = f"{folder}/ck_legacy" if tied else f"{folder}/ck_td"  # both imports feed an export
+    out = export_torch_dist(src, dest, tp=tp, pp=pp)
+    assert out.meta["layout"]["tp"] == tp and os.path.exists(f"{dest}/.metadata")
+    ours = worlds.run(4, job.load_and_eval, dest, tp, pp, tied)[0]
+    # Megatron's own checkpoint at the same layout, its padding rows zeroed as model space re-creates them
+    theirs = worlds.run(4, job.load_and_eval, f"{folder}/torch_dist", tp, pp, tied, zero_padding=True)[0]
+    assert ours == pytest.approx(theirs, rel=1e-6, abs=1e-6)
+    assert ours == pytest.approx(result["loss"], rel=1e-3)  # the padding rows' logits move the softmax a little
+
+
+def test_export_refuses_bad_layouts(saved, tmp_path):
+    folder, _ = saved[False]
+    with pytest.raises(LayoutError, match="layers must split evenly"):
+        export_torch_dist(f"{folder}/ck_td", str(tmp_path / "x"), tp=1, pp=3)
+    with pytest.raises(LayoutError, match="does not split over tp=3"):
+        export_torch_dist(f"{folder}/ck_td", str(tmp_path / "y"), tp=3, pp=1)
+    assert not os.path.exists(tmp_path / "y") or not os.listdir(tmp_path / "y")
+
+
+# ---------------------------------------------------------------- trust
+
+
+class _Evil:
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):  # what a malicious checkpoint would hold: a call to run on load
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_malicious_common_pt_refused(saved, tmp_path):
+    folder, _ = saved[False]
+    src = str(tmp_path / "evil_td")
+    shutil.copytree(f"{folder}/torch_dist", src)
+    marker = str(tmp_path / "pwned")
+    torch.save({"iteration": 2, "args": _Evil(marker)}, f"{src}/common.pt")
+    with pytest.raises(UnsafeCheckpointError, match=r"common\.pt.*system"):
+        import_torch_dist(src, str(tmp_path / "out"), vocab_size=VOCAB)
+    assert not os.path.exists(marker) and not os.path.exists(tmp_path / "out" / "manifest.json")
+
+
+def test_malicious_legacy_file_refused(saved, tmp_path):
+    folder, _ = saved[False]
+    src = str(tmp_path / "evil_legacy")
+    shutil.copytree(f"{folder}/legacy", src)
+    marker = str(tmp_path / "pwned")
+    path = f"{src}/iter_{job.STEPS:07d}/mp_rank_01_001/model_optim_rng.pt"
+    state = torch.load(path, weights_only=False)
+    state["rng_state"] = [_Evil(marker)]
+    torch.save(state, path)
+    with pytest.raises(UnsafeCheckpointError, match=r"mp_rank_01_001/model_optim_rng\.pt.*system"):
+        import_legacy(src, str(tmp_path / "out"), vocab_size=VOCAB)
+    assert not os.path.exists(marker)
+
+
+def test_malicious_metadata_refused(saved, tmp_path):
+    import pickle
+
+    folder, _ = saved[False]
+    src = str(tmp_path / "evil_meta")
+    shutil.copytree(f"{folder}/torch_dist", src)
+    marker = str(tmp_path / "pwned")
+    with open(f"{src}/.metadata", "wb") as f:
+        pickle.dump(_Evil(marker), f)
+    with pytest.raises(UnsafeCheckpointError, match="system"):
+        import_torch_dist(src, str(tmp_path / "out"), vocab_size=VOCAB)
+    assert not os.path.exists(marker)
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def test_bad_inputs_name_the_culprit(saved, tmp_path):
+    folder, _ = saved[False]
+    with pytest.raises(LayoutError, match=r"embedding\.word_embeddings\.weight.*256 rows.*vocab_size 100"):
+        import_torch_dist(f"{folder}/torch_dist", str(tmp_path / "a"), vocab_size=100)
+    with pytest.raises(LayoutError, match=r"embedding\.word_embeddings\.weight.*vocab_size 300"):
+        import_legacy(f"{folder}/legacy", str(tmp_path / "b"), vocab_size=300)
+    with pytest.raises(LayoutError, match="disagrees"):
+        import_torch_dist(f"{folder}/torch_dist", str(tmp_path / "c"), vocab_size=VOCAB, divisible_by=128)
+    # a rank folder missing
+    src = str(tmp_path / "legacy_missing")
+    shutil.copytree(f"{folder}/legacy", src)
+    shutil.rmtree(f"{src}/iter_{job.STEPS:07d}/mp_rank_01_000")
+    with pytest.raises(CkptkitError, match="mp_rank_01_000"):
+        import_legacy(src, str(tmp_path / "d"), vocab_size=VOCAB)
+    # a tensor the name table does not know
+    src = str(tmp_path / "legacy_unknown")
+    shutil.copytree(f"{folder}/legacy", src)
+    path = f"{src}/iter_{job.STEPS:07d}/mp_rank_00_001/model_optim_rng.pt"
+    state = torch.load(path, weights_only=False)
+    state["model"]["decoder.layers.0.mlp.router.weight"] = torch.zeros(4, 64)
+    torch.save(state, path)
+    with pytest.raises(LayoutError, match=r"mp_rank_00_001.*decoder\.layers\.0\.mlp\.router\.weight"):
+        import_legacy(src, str(tmp_path / "e"), vocab_size=VOCAB)
+    # a truncated data file
+    src = str(tmp_path / "td_truncated")
+    shutil.copytree(f"{folder}/torch_dist", src)
+    with open(f"{src}/__1_0.distcp", "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(CorruptCheckpointError, match="__1_0.distcp"):
+        import_torch_dist(src, str(tmp_path / "f"), vocab_size=VOCAB)
+    for name in "abcdef":
+        assert not os.path.exists(tmp_path / name / "manifest.json")
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def test_cli_convert_megatron(worlds, saved, tmp_path):
+    folder, _ = saved[False]
+    runner = CliRunner()
+    res = runner.invoke(cli, ["convert", f"{folder}/torch_dist", str(tmp_path / "x")])
+    assert res.exit_code != 0 and "--vocab-size" in res.output
+    for src, name in ((f"{folder}/torch_dist", "td"), (f"{folder}/legacy", "legacy")):
+        res = runner.invoke(cli, ["convert", src, str(tmp_path / name), "--vocab-size", str(VOCAB), "--json"])
+        assert res.exit_code == 0, res.output
+        assert json.loads(res.output)["meta"]["source"] == ("torch_dist" if name == "td" else "legacy")
+    res = runner.invoke(cli, ["convert", str(tmp_path / "td"), str(tmp_path / "out"), "--format", "megatron"])
+    assert res.exit_code != 0 and "--to" in res.output
+    res = runner.invoke(cli, ["convert", str(tmp_path / "legacy"), str(tmp_path / "out"), "--format", "megatron",
+                              "--to", "tp2pp2"])
+    assert res.exit_code == 0, res.output
+    loss = worlds.run(4, job.load_and_eval, str(tmp_path / "out"), 2, 2, False)[0]
+    assert loss == pytest.approx(worlds.run(4, job.load_and_eval, f"{folder}/torch_dist", 2, 2, False,
+                                            zero_padding=True)[0], rel=1e-6)
