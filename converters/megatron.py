@@ -487,7 +487,7 @@ def _extra_state_items(keys: Sequence[str], num_layers: int, tp: int, pp: int) -
 
 class _ViewPlanner:
     """What DCP's ``FileSystemWriter.write_data`` asks of a planner: each item's tensor, read
-    from the ckptkit checkpoint when the writer reaches it (vocab padding rows zero-filled)."""
+    from the ckptkit checkpoint when the writer reaches it (vocab padding: see ``_fill_padding``)."""
 
     def __init__(self, view: Any, keys: Mapping[str, str], tick: Callable[[int], None]) -> None:
         self._view = view
@@ -506,10 +506,26 @@ class _ViewPlanner:
             out = torch.zeros(sizes, dtype=self._view[key].dtype)
             if rows > 0:
                 out[:rows] = self._view.read_box(key, Box(offs, (rows, *sizes[1:])))
+            self._fill_padding(key, out, offs, rows, shape)
         else:
             out = self._view.read_box(key, Box(offs, sizes))
         self._tick(out.numel() * out.element_size())
         return out
+
+
+    def _fill_padding(self, key: str, out: torch.Tensor, offs: tuple[int, ...], rows: int,
+                      shape: tuple[int, ...]) -> None:
+        """Padding rows as the live adapter re-creates them: the saving job's padding rows where the
+        checkpoint kept them (``<key>.vocab_padding``), zero past them."""
+        pad_key = key + ".vocab_padding"
+        tensors = self._view.manifest.tensors
+        have = tensors[pad_key].shape[0] if pad_key in tensors else 0
+        rows = max(rows, 0)
+        first = max(offs[0], shape[0]) - shape[0]  # padding row index of out[rows]
+        take = max(0, min(out.shape[0] - rows, have - first))
+        rest = out.shape[1:]
+        if take:
+            out[rows:rows + take] = self._view.read_box(pad_key, Box((first, *(0,) * len(rest)), (take, *rest)))
 
 
 def _target_chunks(key: str, shape: tuple[int, ...], rule: Any, tp: int, pp: int, d: int,
@@ -592,6 +608,8 @@ def export_torch_dist(source: str | os.PathLike[str], dest: str | os.PathLike[st
     for key, tmeta in sorted(view.manifest.tensors.items()):
         if not key.startswith(MODEL):
             skipped.append(key)
+            continue
+        if key.endswith(".vocab_padding"):  # the saving job's padding rows: written inside the vocab tensor
             continue
         mkey = key[len(MODEL):]
         rule = tmeta.rule or names.rule_for(mkey, divisible_by=d)

@@ -23,7 +23,7 @@ from ckptkit.plan.reshard_plan import ReshardPlanOptions, plan_summary_lines
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-FORMATS = ["ckptkit"]  # an exporter adds its name here and a branch in reshard_cmd
+FORMATS = ["ckptkit", "megatron"]  # megatron: a torch_dist directory, written by converters/megatron.py
 
 
 def parse_size(text: str) -> int:
@@ -56,7 +56,8 @@ def parse_layers(text: str) -> tuple[int, ...]:
               help="Budget for tensor data held at once (pieces, read-ahead, read buffers).")
 @click.option("--strict", is_flag=True, help="Refuse tensors without a partition rule instead of copying them whole.")
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default="ckptkit", show_default=True,
-              help="Output format.")
+              help="Output format: a ckptkit checkpoint, or a Megatron torch_dist directory that Megatron's "
+                   "dist_checkpointing.load accepts at the target layout (model weights; even pipeline split).")
 @click.option("--dry-run", is_flag=True, help="Print the plan (per tensor and per target rank) and write nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document instead of text.")
 def reshard_cmd(source: str, dest: str | None, to: str, dp: int | None, vpp: int | None, pp_layers: str | None,
@@ -94,6 +95,9 @@ def reshard_cmd(source: str, dest: str | None, to: str, dp: int | None, vpp: int
         changes["pp_layers"] = parse_layers(pp_layers)
     if changes:
         target = dataclasses.replace(target, **changes)  # type: ignore[arg-type]
+    if fmt == "megatron":
+        _to_megatron(source, dest, target, dry_run=dry_run, as_json=as_json)
+        return
     options = ReshardOptions(ReshardPlanOptions(max_memory=parse_size(max_memory), strict=strict,
                                                 num_layers=num_layers), format=fmt)  # type: ignore[arg-type]
     if dry_run:
@@ -126,3 +130,25 @@ def reshard_cmd(source: str, dest: str | None, to: str, dp: int | None, vpp: int
         rate = p.nbytes / 2**20 / max(result.seconds, 1e-9)
         click.echo(f"  {render.human_bytes(p.nbytes)} written, {render.human_bytes(result.bytes_read)} read "
                    f"in {result.seconds:.2f}s ({rate:.0f} MiB/s)")
+
+
+def _to_megatron(source: str, dest: str | None, target: ParallelConfig, *, dry_run: bool, as_json: bool) -> None:
+    """``--format megatron``: the checkpoint (a ckptkit Megatron one) as a ``torch_dist`` directory for
+    the target's tp/pp, through the exporter in converters/ (model weights only, see docs/megatron.md)."""
+    if dry_run:
+        raise CkptkitError("--dry-run plans ckptkit output; the Megatron exporter has no separate plan "
+                           "(run it with --format ckptkit --dry-run to see the layout)")
+    if dest is None:
+        raise CkptkitError("reshard needs DEST (where to write the torch_dist directory)")
+    if target.vpp != 1 or target.pp_layers is not None or target.cp != 1 or target.ep != 1:
+        raise CkptkitError(f"--format megatron writes an even pipeline split without virtual chunks, context or "
+                           f"expert parallelism; target {target} asks for more")
+    from converters.megatron import export_torch_dist
+
+    with progress_bar("exporting", not as_json and sys.stdout.isatty()) as progress:
+        result = export_torch_dist(source, dest, tp=target.tp, pp=target.pp, progress=progress)
+    if as_json:
+        render.print_json(result.to_json())
+        return
+    click.echo(f"exported {source} -> {dest} as Megatron torch_dist for tp{target.tp}pp{target.pp} "
+               "(model weights; load with megatron.core.dist_checkpointing.load)")

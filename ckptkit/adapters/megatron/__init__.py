@@ -243,12 +243,10 @@ def load(model: Any, path: str | os.PathLike[str], *, optimizer: Any = None, sch
     at this job's TP/PP/DP/VPP, whatever the saving job's were (collective)."""
     meta, shapes = read_meta(path, storage_options)
     vocab = ModelSpaceOptions(meta["vocab_size"], meta["make_vocab_size_divisible_by"])
-    spaces, fills = padding_plan(_spaces(model, vocab), shapes, "model/")
+    spaces = padding_plan(_spaces(model, vocab), shapes, "model/")
     entries: dict[str, Any] = {}
     for i, s in enumerate(spaces):
         entries[f"p{i}"] = Sharded(s.view(), s.box_pieces("model/", for_save=False))
-    for i, f in enumerate(fills):
-        entries[f"fill{i}"] = Sharded(f.source, [f.piece])
     saved_opt = meta.get("optimizer")
     states: list[opt_state.ParamState] = []
     load_main = False
@@ -271,8 +269,6 @@ def load(model: Any, path: str | os.PathLike[str], *, optimizer: Any = None, sch
     if same_layout:
         entries["rng"] = PerRank(None)
     ckptkit.load({ROOT: entries}, path, strict=False, options=options, storage_options=storage_options)
-    for f in fills:
-        f.apply()
     if states:
         opt_state.sync_model_from_main(optimizer, had_main=load_main, have_main=any(ps.main is not None for ps in states))
     if scheduler is not None and meta["scheduler"] is not None:

@@ -287,35 +287,16 @@ def _vocab_split(key: str, row: int, rows: int, global_shape: tuple, offsets: tu
     return out
 
 
-@dataclass(frozen=True)
-class PaddingFill:
-    """Rows ``[start, stop)`` of ``param`` that the checkpoint has no values for, filled after the load
-    with ``source`` (one row read from the checkpoint through ``piece``)."""
-
-    param: torch.Tensor
-    start: int
-    stop: int
-    source: torch.Tensor
-    piece: Piece
-
-    def apply(self) -> None:
-        with torch.no_grad():
-            self.param[self.start:self.stop].copy_(self.source.expand(self.stop - self.start, *self.source.shape[1:]))
-
-
-def padding_plan(spaces: Iterable[ParamSpace], stored: dict[str, tuple[int, ...]], prefix: str) -> tuple[
-        list[ParamSpace], list[PaddingFill]]:
-    """Clip padding segments to the padding the checkpoint stores; plan the rows it does not have.
+def padding_plan(spaces: Iterable[ParamSpace], stored: dict[str, tuple[int, ...]], prefix: str) -> list[ParamSpace]:
+    """Clip padding segments to the padding the checkpoint stores; zero the rows it does not have.
 
     The loading layout may pad the vocabulary more than the saving one did.
-    Rows past the saved padding get a copy of the last saved padding row (the
-    last real row if none was saved), Megatron's own convention when its
-    converter grows a padded vocabulary. The padded logits enter the softmax,
-    so a loss is preserved exactly only where the padding does not grow;
-    choose ``make_vocab_size_divisible_by`` so it does not.
+    Rows past the saved padding start at zero (a zero output row gives logit
+    0; the exporter to Megatron's torch_dist does the same). The padded logits
+    enter Megatron's softmax, so a loss is preserved exactly only where the
+    padding does not grow: choose ``make_vocab_size_divisible_by`` so it does not.
     """
     out: list[ParamSpace] = []
-    fills: list[PaddingFill] = []
     for s in spaces:
         keep = []
         for seg in s.segments:
@@ -327,11 +308,7 @@ def padding_plan(spaces: Iterable[ParamSpace], stored: dict[str, tuple[int, ...]
             if usable:
                 keep.append(Segment(seg.row, usable, seg.tensor, (have, *seg.shape[1:]), seg.offsets))
             if usable < seg.rows:
-                real = seg.tensor.removesuffix(PADDING_SUFFIX)
-                tensor, shape = (seg.tensor, have) if have else (real, stored[prefix + real][0])
-                rest = tuple(s.param.shape[1:])
-                source = torch.empty((1, *rest), dtype=s.param.dtype)
-                piece = box_piece(prefix + tensor, (shape, *rest), (shape - 1,) + (0,) * len(rest), (1, *rest))
-                fills.append(PaddingFill(s.param, seg.row + usable, seg.row + seg.rows, source, piece))
+                with torch.no_grad():
+                    s.param[seg.row + usable: seg.row + seg.rows].zero_()
         out.append(ParamSpace(s.name, s.param, s.prepend, tuple(keep), s.main, s.dp_index, s.dp_size, s.rules))
-    return out, fills
+    return out
