@@ -36,6 +36,14 @@ B = mm.Layout(tp=2, pp=1, dist_opt=False, tied=True, divisible_by=128)  # dp 2, 
 C = mm.Layout(tp=2, pp=1, dist_opt=True)  # dp 2: each DP rank saves its own distributed-optimizer shard
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _retire_patched_world(worlds):
+    """The Megatron CPU shims (tests/megatron_cpu_shims.py) stay installed in the world's processes,
+    including a TorchFunctionMode that slows every torch call: no later module may share that world."""
+    yield
+    worlds.retire(4)
+
+
 @pytest.fixture(scope="module")
 def saved(worlds, tmp_path_factory):
     out = {}

@@ -48,6 +48,14 @@ VOCAB = 250
 TIED = [False, True]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _retire_patched_world(worlds):
+    """The Megatron CPU shims (tests/megatron_cpu_shims.py) stay installed in the world's processes,
+    including a TorchFunctionMode that slows every torch call: no later module may share that world."""
+    yield
+    worlds.retire(4)
+
+
 @pytest.fixture(scope="module")
 def saved(worlds, tmp_path_factory):
     """{tied: (folder, result)}: trained and saved at tp2pp2 by Megatron, imported both ways."""

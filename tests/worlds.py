@@ -135,6 +135,13 @@ class Worlds:
             world.close()
             raise
 
+    def retire(self, size: int) -> None:
+        """Close the world of ``size``; the next use starts a fresh one (after a module that patched its
+        processes, e.g. the Megatron CPU shims, so no later test runs under those patches)."""
+        w = self._worlds.pop(size, None)
+        if w is not None:
+            w.close()
+
     def close(self) -> None:
         for w in self._worlds.values():
             w.close()

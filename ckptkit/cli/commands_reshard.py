@@ -23,7 +23,7 @@ from ckptkit.plan.reshard_plan import ReshardPlanOptions, plan_summary_lines
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-FORMATS = ["ckptkit", "megatron"]  # megatron: a torch_dist directory, written by converters/megatron.py
+FORMATS = ["ckptkit", "megatron"]  # megatron: a torch_dist directory, written by converters/megatron_export.py
 
 
 def parse_size(text: str) -> int:

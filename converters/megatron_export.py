@@ -1,0 +1,229 @@
+"""A ckptkit Megatron checkpoint -> a Megatron ``torch_dist`` directory for a chosen ``tp``/``pp``.
+
+``megatron.core.dist_checkpointing.load`` accepts the result for a model built
+at that layout (vocab re-padded for the target tp, padding rows from the
+checkpoint's ``<key>.vocab_padding`` where it has them). The DCP part is
+written by DCP's own ``FileSystemWriter`` and planner functions, one virtual
+rank at a time, streaming boxes from the ckptkit checkpoint. Split from
+:mod:`converters.megatron` (the importers) to keep modules small.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from ckptkit.errors import CkptkitError, LayoutError, ManifestError, SaveError
+from ckptkit.layout.box import Box
+from ckptkit.modelspace.view import open as open_view
+from ckptkit.options import Progress
+from converters import megatron_format as fmt
+from converters import megatron_names as names
+from converters.megatron import META_KEY, MODEL, MegatronConvertResult
+
+_LINEAR_MODULES = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+_NONE_LIST = b""  # torch.save([None]) bytes, filled on first use
+
+
+def _extra_state_items(keys: Sequence[str], num_layers: int, tp: int, pp: int) -> list[tuple[int, str]]:
+    """The ``_extra_state`` ShardedObjects Megatron's linear layers declare, as ``(writer rank, DCP key)``.
+
+    ``model.sharded_state_dict()`` lists one per linear module and layer
+    (``decoder.layers.<module>._extra_state/shard_<layer>_<L>``), and a load
+    fails on a missing one, so the export writes each holding ``[None]`` (what
+    Megatron saves for modules without FP8 state; Transformer Engine's
+    ``set_extra_state`` accepts None).
+    """
+    out = []
+    for module in _LINEAR_MODULES:
+        if f"{names.LAYER_PREFIX}{module}.weight" in keys:
+            for layer in range(num_layers):
+                stage = layer * pp // num_layers
+                out.append((stage * tp, f"{names.LAYER_PREFIX}{module}._extra_state/shard_{layer}_{num_layers}"))
+    return out
+
+
+class _ViewPlanner:
+    """What DCP's ``FileSystemWriter.write_data`` asks of a planner: each item's tensor, read
+    from the ckptkit checkpoint when the writer reaches it (vocab padding: see ``_fill_padding``)."""
+
+    def __init__(self, view: Any, keys: Mapping[str, str], tick: Callable[[int], None]) -> None:
+        self._view = view
+        self._keys = keys
+        self._tick = tick
+
+    def resolve_data(self, item: Any) -> Any:
+        if item.tensor_data is None:  # an _extra_state item
+            return io.BytesIO(_NONE_LIST)
+        key = self._keys[item.index.fqn]
+        chunk = item.tensor_data.chunk
+        offs, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
+        shape = self._view.manifest.tensors[key].shape
+        rows = min(offs[0] + sizes[0], shape[0]) - offs[0] if offs else 0
+        if offs and rows < sizes[0]:  # vocab padding
+            out = torch.zeros(sizes, dtype=self._view[key].dtype)
+            if rows > 0:
+                out[:rows] = self._view.read_box(key, Box(offs, (rows, *sizes[1:])))
+            self._fill_padding(key, out, offs, rows, shape)
+        else:
+            out = self._view.read_box(key, Box(offs, sizes))
+        self._tick(out.numel() * out.element_size())
+        return out
+
+
+    def _fill_padding(self, key: str, out: torch.Tensor, offs: tuple[int, ...], rows: int,
+                      shape: tuple[int, ...]) -> None:
+        """Padding rows as the live adapter re-creates them: the saving job's padding rows where the
+        checkpoint kept them (``<key>.vocab_padding``), zero past them."""
+        pad_key = key + ".vocab_padding"
+        tensors = self._view.manifest.tensors
+        have = tensors[pad_key].shape[0] if pad_key in tensors else 0
+        rows = max(rows, 0)
+        first = max(offs[0], shape[0]) - shape[0]  # padding row index of out[rows]
+        take = max(0, min(out.shape[0] - rows, have - first))
+        rest = out.shape[1:]
+        if take:
+            out[rows:rows + take] = self._view.read_box(pad_key, Box((first, *(0,) * len(rest)), (take, *rest)))
+
+
+def _target_chunks(key: str, shape: tuple[int, ...], rule: Any, tp: int, pp: int, d: int,
+                   num_layers: int) -> tuple[tuple[int, ...], list[tuple[int, tuple[int, ...], tuple[int, ...]]]]:
+    """The padded global shape of ``key`` at ``tp``/``pp`` and its chunks ``(writer rank, offsets, sizes)``:
+    each rank's part as Megatron places it (TP split per fused part, layers split evenly over stages)."""
+    padded = list(shape)
+    if rule.vocab_multiple is not None:
+        padded[rule.tp_axis] = names.padded_vocab(shape[rule.tp_axis], d, tp)
+    if rule.layer_axis is not None:
+        stages = [(p, p * num_layers // pp, num_layers // pp) for p in range(pp)]
+    else:
+        stage = (rule.stage % pp) if rule.stage is not None else 0
+        stages = [(stage, 0, 0)]
+    out = []
+    for p, lo, n in stages:
+        for t in range(tp if rule.tp_axis is not None else 1):
+            parts = rule.fused or (padded[rule.tp_axis],) if rule.tp_axis is not None else ()
+            spans = []
+            base = 0
+            for part in parts:
+                if part % tp:
+                    raise LayoutError(f"{key!r}: axis {rule.tp_axis} part of {part} does not split over tp={tp}")
+                spans.append((base + t * part // tp, part // tp))
+                base += part
+            for start, size in spans or [(None, None)]:
+                offs, sizes = [0] * len(padded), list(padded)
+                if start is not None:
+                    offs[rule.tp_axis], sizes[rule.tp_axis] = start, size
+                if rule.layer_axis is not None:
+                    offs[rule.layer_axis], sizes[rule.layer_axis] = lo, n
+                out.append((p * tp + t, tuple(offs), tuple(sizes)))
+    return tuple(padded), out
+
+
+def export_torch_dist(source: str | os.PathLike[str], dest: str | os.PathLike[str], *, tp: int, pp: int,
+                      divisible_by: int | None = None, progress: Progress | None = None) -> MegatronConvertResult:
+    """Write the ckptkit Megatron checkpoint ``source`` as a torch_dist directory for ``tp``/``pp``.
+
+    ``megatron.core.dist_checkpointing.load(model.sharded_state_dict(), dest)``
+    accepts it for a model built at that layout (any layout, in fact: DCP reads
+    by overlap; ``tp`` fixes the padded vocab). Model weights only; ``common.pt``
+    holds ``iteration`` and ``checkpoint_version`` (no ``args``: Megatron-LM then
+    keeps its command-line arguments). Memory: about one target rank's weights
+    (DCP's writer holds a file's tensors until it is written). Even layer split
+    over ``pp`` only (no virtual pipeline, no uneven first/last stage).
+    """
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.default_planner import (
+        create_default_global_save_plan,
+    )
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        MetadataIndex,
+        TensorProperties,
+    )
+    from torch.distributed.checkpoint.planner import (
+        SavePlan,
+        TensorWriteData,
+        WriteItem,
+        WriteItemType,
+    )
+
+    t0 = time.perf_counter()
+    view = open_view(source)
+    if META_KEY not in view.values:
+        raise ManifestError(f"{view.url}: no {META_KEY!r} value: not a ckptkit Megatron checkpoint")
+    meta = json.loads(view.values[META_KEY])
+    d = divisible_by or meta["make_vocab_size_divisible_by"]
+    num_layers = int(meta["num_layers"])
+    if tp < 1 or pp < 1 or num_layers % pp:
+        raise LayoutError(f"cannot export {num_layers} layers at tp={tp} pp={pp} (layers must split evenly over pp)")
+    out = os.fspath(dest)
+    if os.path.exists(out) and os.listdir(out):
+        raise SaveError(f"{out} is not empty; an export writes a new torch_dist directory")
+    plans: list[list[Any]] = [[] for _ in range(tp * pp)]
+    keys: dict[str, str] = {}
+    total = 0
+    skipped = []
+    for key, tmeta in sorted(view.manifest.tensors.items()):
+        if not key.startswith(MODEL):
+            skipped.append(key)
+            continue
+        if key.endswith(".vocab_padding"):  # the saving job's padding rows: written inside the vocab tensor
+            continue
+        mkey = key[len(MODEL):]
+        rule = tmeta.rule or names.rule_for(mkey, divisible_by=d)
+        padded, chunks = _target_chunks(mkey, tmeta.shape, rule, tp, pp, d, num_layers)
+        keys[mkey] = key
+        props = TensorProperties(dtype=view[key].dtype)
+        for rank, offs, sizes in chunks:
+            plans[rank].append(WriteItem(index=MetadataIndex(mkey, offs), type=WriteItemType.SHARD,
+                                         tensor_data=TensorWriteData(ChunkStorageMetadata(torch.Size(offs),
+                                                                                          torch.Size(sizes)),
+                                                                     props, torch.Size(padded))))
+        total += tmeta.numel * view[key].dtype.itemsize
+    global _NONE_LIST
+    if not _NONE_LIST:
+        buf = io.BytesIO()
+        torch.save([None], buf)
+        _NONE_LIST = buf.getvalue()
+    for rank, item_key in _extra_state_items(list(keys), num_layers, tp, pp):
+        plans[rank].append(WriteItem(index=MetadataIndex(item_key), type=WriteItemType.BYTE_IO))
+    done, lock = [0], threading.Lock()
+
+    def tick(n: int) -> None:
+        with lock:
+            done[0] += n
+            if progress is not None:
+                progress(done[0], total)
+
+    try:
+        os.makedirs(out, exist_ok=True)
+        writer = FileSystemWriter(out, single_file_per_rank=True, thread_count=1, overwrite=False)
+        writer.set_up_storage_writer(True)
+        local = [writer.prepare_local_plan(SavePlan(items)) for items in plans]
+        global_plans, metadata = create_default_global_save_plan(local)
+        global_plans = writer.prepare_global_plan(global_plans)
+        planner = _ViewPlanner(view, keys, tick)
+        results = [writer.write_data(plan, planner).wait() for plan in global_plans]  # type: ignore[arg-type]
+        torch.save({"iteration": int(meta.get("iteration", 0)), "checkpoint_version": 3.0},
+                   os.path.join(out, fmt.COMMON_NAME))
+        with open(os.path.join(out, fmt.CONFIG_NAME), "w", encoding="utf-8") as f:
+            json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
+                       "common_backend_version": 1}, f)
+        writer.finish(metadata, results)  # .metadata last: DCP's commit
+    except BaseException as exc:
+        import shutil
+
+        shutil.rmtree(out, ignore_errors=True)
+        if isinstance(exc, CkptkitError) or not isinstance(exc, Exception):
+            raise
+        raise SaveError(f"exporting {view.url} to torch_dist at {out} failed: {exc}") from exc
+    out_meta = {**meta, "layout": {"tp": tp, "pp": pp, "dp": None, "vpp": None}}
+    return MegatronConvertResult(view.url, out, "megatron-torch_dist", len(keys), total, view.bytes_read,
+                                 time.perf_counter() - t0, out_meta, tuple(skipped))
