@@ -252,8 +252,9 @@ def load(model: Any, path: str | os.PathLike[str], *, optimizer: Any = None, sch
     load_main = False
     if optimizer is not None and load_optimizer:
         if saved_opt is None:
-            raise MissingKeysError(f"{path}: the checkpoint holds no optimizer state (saved with save_optimizer=False "
-                                   "or without an optimizer); pass load_optimizer=False to load weights only")
+            raise MissingKeysError(f"{path}: the checkpoint holds no optimizer state record (saved with "
+                                   "save_optimizer=False or without an optimizer, or imported from a Megatron "
+                                   "checkpoint); pass load_optimizer=False to load weights only")
         states = opt_state.param_states(optimizer, spaces)
         opt_state.prime(states, saved_opt["tensor_states"], saved_opt["scalars"])
         load_main = saved_opt["main"] and any(ps.main is not None for ps in states)
@@ -271,13 +272,13 @@ def load(model: Any, path: str | os.PathLike[str], *, optimizer: Any = None, sch
     ckptkit.load({ROOT: entries}, path, strict=False, options=options, storage_options=storage_options)
     if states:
         opt_state.sync_model_from_main(optimizer, had_main=load_main, have_main=any(ps.main is not None for ps in states))
-    if scheduler is not None and meta["scheduler"] is not None:
+    if scheduler is not None and meta.get("scheduler") is not None:
         scheduler.load_state_dict(meta["scheduler"])
     rng = entries.get("rng")
     restored = bool(same_layout and rng is not None and rng.value is not None)
     if restored:
         _set_rng_state(rng.value)
-    return MegatronLoadInfo(meta["iteration"], meta["extra"], meta["layout"], restored)
+    return MegatronLoadInfo(meta["iteration"], meta.get("extra", {}), meta["layout"], restored)
 
 
 __all__ = [
