@@ -68,14 +68,12 @@ _LAZY = {
 }
 
 
-_SUBMODULES = {"catalog", "resilience", "manager", "storage", "layout", "plan", "engine", "api", "cli", "retention", "modelspace"}
+_SUBMODULES = {"catalog", "resilience", "manager", "reshard", "storage", "layout", "plan", "engine", "api", "cli", "retention", "modelspace"}
 
 
 def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
-        if name == "megatron":  # ckptkit.megatron.save(...): the Megatron-core adapter
-            return importlib.import_module("ckptkit.adapters.megatron")
         if name in _SUBMODULES:  # ckptkit.catalog, ckptkit.resilience, ... without an explicit import
             return importlib.import_module(f"ckptkit.{name}")
         raise AttributeError(f"module 'ckptkit' has no attribute {name!r}")

@@ -10,7 +10,7 @@
   pieces are its TP-local tensors placed in model space (local layer numbers
   made global, SwiGLU ``[gate_r; up_r]`` split into its two fused parts), so
   nothing is stitched in memory: a few files are open at a time.
-* :func:`export_torch_dist`: a ckptkit Megatron checkpoint -> a ``torch_dist``
+* :func:`converters.megatron_export.export_torch_dist`: a ckptkit Megatron checkpoint -> a ``torch_dist``
   directory for a chosen ``tp``/``pp`` that ``megatron.core.dist_checkpointing.load``
   accepts for a model built at that layout (vocab re-padded for the target tp).
   The DCP part is written by DCP's own ``FileSystemWriter`` and planner
@@ -31,13 +31,12 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ckptkit.engine.offline_writer import (
-    ConvertResult,
     OfflineWriteOptions,
     write_offline,
 )
@@ -48,6 +47,7 @@ from ckptkit.layout.values import encode_value
 from ckptkit.options import Progress
 from ckptkit.storage.url import open_store
 from converters import megatron_format as fmt
+from converters.megatron_format import META_KEY, MODEL, MegatronConvertResult
 from converters import megatron_names as names
 from converters.dcp import _check_files, _DcpPieces
 from converters.dcp_format import (
@@ -57,17 +57,7 @@ from converters.dcp_format import (
     writer_ranks,
 )
 
-META_KEY = "megatron/meta"
-MODEL = "model/"
 DEFAULT_DIVISIBLE_BY = 128  # Megatron-LM's --make-vocab-size-divisible-by default
-
-
-@dataclass(frozen=True)
-class MegatronConvertResult(ConvertResult):
-    """A conversion's figures, the ``megatron/meta`` written or read, and what was left out."""
-
-    meta: dict[str, Any] = field(default_factory=dict)
-    skipped: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -459,5 +449,3 @@ def import_legacy(source: str | os.PathLike[str], dest: str | os.PathLike[str], 
 
 
 
-
-from converters.megatron_export import export_torch_dist as export_torch_dist  # noqa: E402, I001  (re-export; it imports this module)

@@ -26,7 +26,7 @@ from ckptkit.modelspace.view import open as open_view
 from ckptkit.options import Progress
 from converters import megatron_format as fmt
 from converters import megatron_names as names
-from converters.megatron import META_KEY, MODEL, MegatronConvertResult
+from converters.megatron_format import META_KEY, MODEL, MegatronConvertResult
 
 _LINEAR_MODULES = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
 _NONE_LIST = b""  # torch.save([None]) bytes, filled on first use

@@ -37,13 +37,25 @@ import re
 import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from ckptkit.engine.offline_writer import ConvertResult
 from ckptkit.errors import CheckpointNotFoundError, ManifestError
 from converters.safe_unpickle import UnsafeCheckpointError, load_dcp_metadata
+
+META_KEY = "megatron/meta"
+MODEL = "model/"
+
+
+@dataclass(frozen=True)
+class MegatronConvertResult(ConvertResult):
+    """A conversion's figures, the ``megatron/meta`` written or read, and what was left out."""
+
+    meta: dict[str, Any] = field(default_factory=dict)
+    skipped: tuple[str, ...] = ()
 
 CONFIG_NAME = "metadata.json"
 COMMON_NAME = "common.pt"

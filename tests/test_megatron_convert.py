@@ -35,12 +35,9 @@ import ckptkit
 from ckptkit.cli.main import cli
 from ckptkit.errors import CkptkitError, CorruptCheckpointError, LayoutError
 from converters import megatron_names as names
-from converters.megatron import (
-    META_KEY,
-    export_torch_dist,
-    import_legacy,
-    import_torch_dist,
-)
+from converters.megatron import import_legacy, import_torch_dist
+from converters.megatron_export import export_torch_dist
+from converters.megatron_format import META_KEY
 from converters.safe_unpickle import UnsafeCheckpointError
 from tests import megatron_convert_job as job
 

@@ -213,7 +213,7 @@ def _import_megatron(source: str, dest: str, vocab_size: int | None, divisible_b
 
 def _export_megatron(source: str, dest: str, to_layout: str | None, divisible_by: int | None) -> Any:
     from ckptkit.layout.config import ParallelConfig
-    from converters.megatron import export_torch_dist
+    from converters.megatron_export import export_torch_dist
 
     if to_layout is None:
         raise CkptkitError("--format megatron needs --to LAYOUT (e.g. --to tp2pp2): the layout Megatron will load at")

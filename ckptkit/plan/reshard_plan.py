@@ -4,7 +4,7 @@
 laid out as a job at the target layout would have saved it. Everything that
 decides *what* is written is here, as pure arithmetic over the manifest
 (no torch, no storage), so it is property-tested and the ``--dry-run`` plan
-is exactly what the engine (:mod:`ckptkit.engine.reshard`) then executes:
+is exactly what the engine (:mod:`ckptkit.reshard`) then executes:
 
 * every tensor with a partition rule is evaluated at the target
   :class:`ParallelConfig` into a :class:`GridLayout`; each of its cells is

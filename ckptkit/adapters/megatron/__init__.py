@@ -1,6 +1,6 @@
 """Megatron-core training on ckptkit: save at one TP/PP/DP/VPP layout, resume at any other.
 
-    from ckptkit.adapters import megatron as mckpt      # also: ckptkit.megatron
+    from ckptkit.adapters import megatron as mckpt
 
     opts = mckpt.MegatronOptions(vocab_size=50257, make_vocab_size_divisible_by=128)
     handle = mckpt.save(model, "runs/gpt/iter-0001000", optimizer=optimizer, scheduler=scheduler,
