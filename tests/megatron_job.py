@@ -13,9 +13,6 @@ import torch
 
 from tests import megatron_model as mm
 
-VOCAB_OPTIONS: dict[str, Any] = {"vocab_size": mm.VOCAB}
-
-
 def _options(divisible_by: int) -> Any:
     from ckptkit.adapters import megatron as mckpt
 

@@ -111,7 +111,7 @@ def _spaces(model: Any, vocab: ModelSpaceOptions) -> list[ParamSpace]:
     if lay["ep"] > 1:
         raise StateMismatchError(f"Megatron expert parallelism (ep={lay['ep']}) is not supported by ckptkit's adapter")
     dp_size = ps.get_data_parallel_world_size(with_context_parallel=True)
-    spaces, objects = chunk_params(_chunks(model), vocab, dp_size, (True, True))
+    spaces, objects = chunk_params(_chunks(model), vocab, dp_size)
     for key, obj in objects:
         data = getattr(obj, "data", None)
         if data is not None and not (isinstance(data, torch.Tensor) and data.numel() == 0):

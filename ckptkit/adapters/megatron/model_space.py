@@ -202,13 +202,9 @@ def _replica(st: Any, dp_size: int) -> tuple[bool, int]:
     return main, rid[2]
 
 
-def chunk_params(chunks: Iterable[Any], vocab: ModelSpaceOptions, dp_size: int, stages: tuple[bool, bool]) -> tuple[
+def chunk_params(chunks: Iterable[Any], vocab: ModelSpaceOptions, dp_size: int) -> tuple[
         list[ParamSpace], list[tuple[str, Any]]]:
-    """Every parameter of the model chunks with its model space, and the ShardedObjects (``_extra_state``).
-
-    ``stages``: (holds the first stage, holds the last stage) — for the rule of
-    tensors outside the layer stack (embeddings on stage 0, the head on -1).
-    """
+    """Every parameter of the model chunks with its model space, and the ShardedObjects (``_extra_state``)."""
     spaces: list[ParamSpace] = []
     objects: list[tuple[str, Any]] = []
     for chunk in chunks:
@@ -226,12 +222,12 @@ def chunk_params(chunks: Iterable[Any], vocab: ModelSpaceOptions, dp_size: int, 
                 owner = _owner(st.data, params)
                 grouped.setdefault(id(owner), [owner]).append(st)
         for owner, *sts in grouped.values():
-            spaces.append(_param_space(owner, sts, vocab, dp_size, stages, n_parts=len(sts)))
+            spaces.append(_param_space(owner, sts, vocab, dp_size, n_parts=len(sts)))
     return spaces, objects
 
 
 def _param_space(param: torch.Tensor, sts: list[Any], vocab: ModelSpaceOptions, dp_size: int,
-                 stages: tuple[bool, bool], n_parts: int) -> ParamSpace:
+                 n_parts: int) -> ParamSpace:
     first = sts[0]
     key = first.key
     if any(st.key != key for st in sts):
