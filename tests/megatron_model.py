@@ -35,6 +35,7 @@ class Layout:
     tied: bool = False
     divisible_by: int = 16
     pp_layers: tuple[int, ...] | None = None  # uneven first/last stage: (first, last)
+    bf16: bool = False  # bf16 weights in Float16Module, fp32 main copies in the optimizer
 
 
 def padded_vocab(layout: Layout) -> int:
@@ -79,7 +80,8 @@ def setup(layout: Layout, seed: int = 1234) -> Trainer:
         gated_linear_unit=True, activation_func=torch.nn.functional.silu, bias_activation_fusion=False,
         add_bias_linear=False, normalization="RMSNorm", use_cpu_initialization=True,
         tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
-        virtual_pipeline_model_parallel_size=layout.vpp, pipeline_dtype=torch.float32,
+        virtual_pipeline_model_parallel_size=layout.vpp, pipeline_dtype=torch.bfloat16 if layout.bf16 else torch.float32,
+        bf16=layout.bf16, params_dtype=torch.bfloat16 if layout.bf16 else torch.float32,
         hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02, batch_p2p_comm=False, **extra,
     )
     chunks = []
@@ -91,9 +93,13 @@ def setup(layout: Layout, seed: int = 1234) -> Trainer:
             share_embeddings_and_output_weights=layout.tied, position_embedding_type="rope", vp_stage=vp,
         )
         ddp = DistributedDataParallelConfig(use_distributed_optimizer=layout.dist_opt, bucket_size=4096)
+        if layout.bf16:
+            from megatron.core.transformer.module import Float16Module
+
+            model = Float16Module(config, model)
         chunks.append(DistributedDataParallel(config, ddp, model))
     opt_config = OptimizerConfig(optimizer="adam", lr=3e-3, min_lr=3e-4, weight_decay=0.01, use_distributed_optimizer=layout.dist_opt,
-                                 clip_grad=1.0, bf16=False, fp16=False)
+                                 clip_grad=1.0, bf16=layout.bf16, fp16=False)
     # what Megatron's trainer sets: the schedule then all-reduces (or, for the distributed optimizer,
     # reduce-scatters) gradients over DP and the tied embedding's across the first and last stage
     config.finalize_model_grads_func = finalize_model_grads
