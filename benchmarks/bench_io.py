@@ -33,7 +33,6 @@ import datetime
 import json
 import os
 import platform
-import signal
 import sys
 import tempfile
 import time
@@ -52,7 +51,7 @@ from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor import DTensor, Shard  # noqa: E402
 
 import ckptkit  # noqa: E402
-from common import GiB, MiB, drop_page_cache, median, remove_tree, spread, table, tree_bytes  # noqa: E402
+from common import exit_on_sigterm, GiB, MiB, drop_page_cache, median, remove_tree, spread, table, tree_bytes  # noqa: E402
 from gpt_shapes import ModelConfig, param_shapes  # noqa: E402
 
 METHODS = ("ckptkit", "dcp", "torch", "raw")
@@ -467,9 +466,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    # torchrun stops the other ranks with SIGTERM when one fails: turn it into an exception so
-    # the `finally` that removes the scratch directory still runs.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    exit_on_sigterm()
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.distributed\.checkpoint.*")
     torch.set_num_threads(1)

@@ -60,7 +60,7 @@ from ckptkit.layout.config import ParallelConfig  # noqa: E402
 from ckptkit.layout.manifest import DTYPES, TensorMeta  # noqa: E402
 from ckptkit.layout.rules import PartitionRule  # noqa: E402
 from ckptkit.storage.url import open_store  # noqa: E402
-from common import GiB, MiB, drop_page_cache, median, remove_tree, spread, table, tree_bytes, write_results  # noqa: E402
+from common import exit_on_sigterm, GiB, MiB, drop_page_cache, median, remove_tree, spread, table, tree_bytes, write_results  # noqa: E402
 
 RAW_COPY = r"""
 import os, sys
@@ -371,7 +371,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run_all stops us: clean the scratch directory
+    exit_on_sigterm()
     return run(args)
 
 

@@ -62,7 +62,6 @@ import json
 import math
 import os
 import platform
-import signal
 import sys
 import tempfile
 import time
@@ -82,7 +81,7 @@ import ckptkit  # noqa: E402
 from ckptkit.options import LoadOptions  # noqa: E402
 from ckptkit.plan.load_plan import MAX_REQUEST  # noqa: E402
 from ckptkit.storage.s3 import MAX_CONCURRENCY, PART_SIZE  # noqa: E402
-from common import MiB, drop_page_cache, median, remove_tree, spread, table, tree_bytes  # noqa: E402
+from common import exit_on_sigterm, MiB, drop_page_cache, median, remove_tree, spread, table, tree_bytes  # noqa: E402
 from gpt_shapes import ModelConfig, param_shapes  # noqa: E402
 from moto_process import CREDENTIALS, MotoProcess  # noqa: E402
 
@@ -522,9 +521,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    # run_all / a terminal stop us with SIGTERM: turn it into an exception so the moto server
-    # is stopped and the scratch directory removed.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    exit_on_sigterm()
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.distributed\.checkpoint.*")
     return run(args)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import shutil
 import statistics
 import sys
@@ -79,6 +80,12 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[str]], align: str | No
 
     sep = "  ".join("-" * w for w in widths)
     return "\n".join([fmt(headers), sep, *(fmt(r) for r in rows)])
+
+
+def exit_on_sigterm() -> None:
+    """run_all, torchrun (when another rank fails) or a terminal stop a benchmark with SIGTERM: turn it
+    into SystemExit so ``finally`` blocks still remove scratch directories and stop servers."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
 
 def write_results(out_dir: str, name: str, fields: dict) -> str:

@@ -277,6 +277,17 @@ class CheckpointManager:
         return removed
 
     # ---------------------------------------------------------------- restore
+    def latest_common_step(self, at_most: int | None = None) -> int | None:
+        """The newest committed step (<= ``at_most``) that every rank sees, or None (collective)."""
+        bound = 2**62 if at_most is None else at_most
+        mine = max((r.step for r in self.records() if r.committed and r.step <= bound), default=-1)
+        step = self._comm.all_min([mine])[0]
+        return None if step < 0 else step
+
+    def step_url(self, step: int) -> str:
+        """The URL of step ``step``'s folder (what the framework adapters load from)."""
+        return f"{self.root.url}/{step_dir(step)}"
+
     def restore_latest(self, state: dict[str, Any], *, strict: bool = True, at_most: int | None = None) -> int | None:
         """Load the newest checkpoint (with step <= ``at_most``, if given) that every rank can see
         and that loads and verifies.
@@ -289,9 +300,8 @@ class CheckpointManager:
         self.wait()
         bound = 2**62 if at_most is None else at_most
         while True:
-            mine = max((r.step for r in self.records() if r.committed and r.step <= bound), default=-1)
-            step = self._comm.all_min([mine])[0]
-            if step < 0:
+            step = self.latest_common_step(bound)
+            if step is None:
                 return None
             name = step_dir(step)
             damaged: BaseException | None = None

@@ -13,6 +13,22 @@ from ckptkit.errors import LayoutError
 Progress = Callable[[int, int], None]
 
 
+def progress_counter(progress: Progress | None, total: int) -> Callable[[int], None]:
+    """A thread-safe ``tick(n)`` that adds ``n`` units and reports the running sum to ``progress``
+    (worker threads of a conversion or export report into one bar)."""
+    import threading
+
+    done, lock = [0], threading.Lock()
+
+    def tick(n: int) -> None:
+        with lock:
+            done[0] += n
+            if progress is not None:
+                progress(done[0], total)
+
+    return tick
+
+
 @dataclass(frozen=True)
 class SaveOptions:
     """How a save writes.

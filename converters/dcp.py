@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from ckptkit.options import Progress
+from ckptkit.options import Progress, progress_counter
 from ckptkit.engine.offline_writer import ConvertResult, OfflineWriteOptions, write_offline
 from ckptkit.errors import (
     CheckpointNotFoundError,
@@ -331,13 +331,7 @@ def export_dcp(
                  where)
     skipped = tuple(manifest.per_rank_keys)
     total = sum(m.numel * DTYPES[m.dtype] for m in manifest.tensors.values())
-    done, lock = [0], threading.Lock()
-
-    def tick(n: int) -> None:
-        with lock:
-            done[0] += n
-            if progress is not None:
-                progress(done[0], total)
+    tick = progress_counter(progress, total)
 
     chunks: dict[str, list[Chunk]] = {key: [] for key in manifest.tensors}
     items: list[OutItem] = []

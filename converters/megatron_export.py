@@ -13,7 +13,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -23,7 +22,7 @@ import torch
 from ckptkit.errors import CkptkitError, LayoutError, ManifestError, SaveError
 from ckptkit.layout.box import Box
 from ckptkit.modelspace.view import open as open_view
-from ckptkit.options import Progress
+from ckptkit.options import Progress, progress_counter
 from converters import megatron_format as fmt
 from converters import megatron_names as names
 from converters.megatron_format import META_KEY, MODEL, MegatronConvertResult
@@ -194,13 +193,7 @@ def export_torch_dist(source: str | os.PathLike[str], dest: str | os.PathLike[st
         _NONE_LIST = buf.getvalue()
     for rank, item_key in _extra_state_items(list(keys), num_layers, tp, pp):
         plans[rank].append(WriteItem(index=MetadataIndex(item_key), type=WriteItemType.BYTE_IO))
-    done, lock = [0], threading.Lock()
-
-    def tick(n: int) -> None:
-        with lock:
-            done[0] += n
-            if progress is not None:
-                progress(done[0], total)
+    tick = progress_counter(progress, total)
 
     try:
         os.makedirs(out, exist_ok=True)

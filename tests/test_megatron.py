@@ -38,12 +38,7 @@ D = mm.Layout(tp=2, pp=2, dist_opt=True, bf16=True)  # bf16 weights, fp32 main c
 BF16_TOL = 1e-4  # bf16 matmuls split differently over TP round differently (observed <= 1e-5)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _retire_patched_world(worlds):
-    """The Megatron CPU shims (tests/megatron_cpu_shims.py) stay installed in the world's processes,
-    including a TorchFunctionMode that slows every torch call: no later module may share that world."""
-    yield
-    worlds.retire(4)
+pytestmark = pytest.mark.usefixtures("retire_megatron_world")
 
 
 @pytest.fixture(scope="module")

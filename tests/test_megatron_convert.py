@@ -45,12 +45,7 @@ VOCAB = 250
 TIED = [False, True]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _retire_patched_world(worlds):
-    """The Megatron CPU shims (tests/megatron_cpu_shims.py) stay installed in the world's processes,
-    including a TorchFunctionMode that slows every torch call: no later module may share that world."""
-    yield
-    worlds.retire(4)
+pytestmark = pytest.mark.usefixtures("retire_megatron_world")
 
 
 @pytest.fixture(scope="module")

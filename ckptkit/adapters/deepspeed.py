@@ -56,7 +56,7 @@ from ckptkit.engine.state import Sharded, dtype_name
 from ckptkit.errors import LayoutError, MissingKeysError, StateMismatchError
 from ckptkit.layout.box import Box
 from ckptkit.layout.pieces import Piece, box_piece, flat_piece
-from ckptkit.layout.values import decode_value
+from ckptkit.layout.values import decode_value, json_ready
 from ckptkit.layout.zero_partition import (
     Fragment,
     Zero3SubGroup,
@@ -254,14 +254,6 @@ def _shared(engine: Any) -> dict[str, str]:
     return out
 
 
-def _json_ready(value: Any, what: str) -> Any:
-    try:
-        return json.loads(json.dumps(value))
-    except (TypeError, ValueError) as exc:
-        raise StateMismatchError(f"{what} is not JSON-representable ({exc}); ckptkit stores it as JSON, never "
-                                 "pickle: keep it to numbers, strings, lists and dicts") from exc
-
-
 def _hyper(group: Mapping[str, Any]) -> dict[str, Any]:
     return {k: (list(v) if isinstance(v, tuple) else v) for k, v in group.items() if k != "params"}
 
@@ -310,11 +302,11 @@ def engine_state(engine: Any, client_state: Mapping[str, Any] | None = None) -> 
         "frozen": [n for n, p in engine.module.named_parameters()
                    if id(p) not in {id(q) for g in layout.groups for q in g.lp_params}],
         "shared": _shared(engine),
-        "ds_config": _json_ready(engine.config, "the DeepSpeed config") if isinstance(engine.config, dict) else {},
+        "ds_config": json_ready(engine.config, "the DeepSpeed config") if isinstance(engine.config, dict) else {},
         "optimizer_state_keys": sorted({k for e in state.values() if isinstance(e, dict) for k in e
                                         if not k.startswith("lp") and k != FP32}),
-        "lr_scheduler": _json_ready(sched, "the LR scheduler's state_dict"),
-        "client_state": _json_ready(dict(client_state or {}), "client_state"),
+        "lr_scheduler": json_ready(sched, "the LR scheduler's state_dict"),
+        "client_state": json_ready(dict(client_state or {}), "client_state"),
     }
     state[META] = json.dumps(meta)
     return {"deepspeed_engine": state}
@@ -454,14 +446,11 @@ class DeepSpeedCheckpointer:
     def __init__(self, engine: Any, root: str, *, every_steps: int | None = None, keep_last: int | None = None,
                  asynchronous: bool = True, options: AsyncOptions = AsyncOptions(),
                  storage_options: dict[str, Any] | None = None) -> None:
-        from ckptkit.engine.collective import resolve_comm
-
         self.engine = engine
         self.storage_options = storage_options
         self.manager = ckptkit.CheckpointManager(root, every_steps=every_steps, keep_last=keep_last,
                                                  asynchronous=asynchronous, options=options,
                                                  storage_options=storage_options)
-        self._comm = resolve_comm(None)
 
     def maybe_save(self, *, client_state: Mapping[str, Any] | None = None) -> Any:
         """Save if ``every_steps`` says so at ``engine.global_steps``; the handle, or None."""
@@ -475,13 +464,10 @@ class DeepSpeedCheckpointer:
 
     def restore_latest(self) -> dict[str, Any] | None:
         """Load the newest step every rank sees committed; its client state, or None if there is none."""
-        from ckptkit.manager import step_dir
-
-        mine = max((r.step for r in self.manager.records() if r.committed), default=-1)
-        step = self._comm.all_min([mine])[0]
-        if step < 0:
+        step = self.manager.latest_common_step()
+        if step is None:
             return None
-        return load(self.engine, f"{self.manager.root.url}/{step_dir(step)}", storage_options=self.storage_options)
+        return load(self.engine, self.manager.step_url(step), storage_options=self.storage_options)
 
     def wait(self) -> None:
         self.manager.wait()

@@ -31,7 +31,7 @@ from typing import Any, Protocol, cast
 
 import torch
 
-from ckptkit.options import Progress, SaveOptions
+from ckptkit.options import Progress, SaveOptions, progress_counter
 from ckptkit.engine.checkpoint_dir import remove_uncommitted
 from ckptkit.engine.saver import Prepared, check_target, persist, publish
 from ckptkit.errors import CkptkitError, LayoutError, StorageError
@@ -160,13 +160,8 @@ def write_offline(
     check_target(store)
     per_rank_values = per_rank_values or {}
     total = sum(_numel(t.shape) * DTYPES[t.dtype] for t in tensors.values())
-    done, lock, read = [0], threading.Lock(), [0]
-
-    def tick(n: int) -> None:
-        with lock:
-            done[0] += n
-            if progress is not None:
-                progress(done[0], total)
+    lock, read = threading.Lock(), [0]
+    tick = progress_counter(progress, total)
 
     def write_rank(rank: int) -> tuple[RankReport, int, int]:
         items = list(pieces.get(rank, ()))

@@ -19,6 +19,18 @@ from typing import Any
 from ckptkit.errors import ManifestError, StateMismatchError
 
 
+def json_ready(value: Any, what: str) -> Any:
+    """``value`` as plain JSON data (tuples become lists), or StateMismatchError naming ``what``:
+    framework records (schedulers, client state) are stored as JSON, never pickle."""
+    import json
+
+    try:
+        return json.loads(json.dumps(value))
+    except (TypeError, ValueError) as exc:
+        raise StateMismatchError(f"{what} is not JSON-representable ({exc}); ckptkit stores it as JSON, never "
+                                 "pickle: keep it to numbers, strings, lists and dicts") from exc
+
+
 def join_key(parts: tuple[str | int, ...]) -> str:
     return "/".join(str(p).replace("%", "%25").replace("/", "%2F") for p in parts)
 

@@ -46,7 +46,7 @@ from typing import Any, Literal
 
 import torch
 
-from ckptkit.options import Progress, SaveOptions
+from ckptkit.options import Progress, SaveOptions, progress_counter
 from ckptkit.engine.offline_writer import ConvertResult, OfflineWriteOptions, write_offline
 from ckptkit.errors import (
     CheckpointNotFoundError,
@@ -225,13 +225,7 @@ def export_zarr(
     try:
         for group in sorted(groups):
             kvs.write(f"{group}/{GROUP_METADATA}", group_json()).result()
-        done, lock = [0], threading.Lock()
-
-        def tick(n: int) -> None:
-            with lock:
-                done[0] += n
-                if progress is not None:
-                    progress(done[0], total)
+        tick = progress_counter(progress, total)
 
         # every array is created first (concurrently), then shards are the units of work:
         # largest first, ``threads`` in flight, each read through the view and written whole

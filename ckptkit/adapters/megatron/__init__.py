@@ -55,7 +55,7 @@ from ckptkit.adapters.megatron.model_space import (
 from ckptkit.engine.metadata_io import read_manifest
 from ckptkit.engine.state import PerRank, Sharded
 from ckptkit.errors import MissingKeysError, StateMismatchError
-from ckptkit.layout.values import decode_value
+from ckptkit.layout.values import decode_value, json_ready
 from ckptkit.options import AsyncOptions, LoadOptions
 from ckptkit.storage.url import open_store
 
@@ -160,13 +160,6 @@ def _set_rng_state(state: Mapping[str, Any]) -> None:
 
 
 # ----------------------------------------------------------------- save
-def _json_ready(value: Any, what: str) -> Any:
-    try:
-        return json.loads(json.dumps(value))
-    except (TypeError, ValueError) as exc:
-        raise StateMismatchError(f"{what} is not JSON-representable ({exc}); ckptkit stores it as JSON, never pickle") from exc
-
-
 def megatron_state(model: Any, *, optimizer: Any = None, scheduler: Any = None, iteration: int = 0,
                    extra: Mapping[str, Any] | None = None, options: MegatronOptions = MegatronOptions()) -> dict[str, Any]:
     """The ckptkit state of a Megatron job (tensors are the job's own; the saver snapshots them)."""
@@ -179,8 +172,8 @@ def megatron_state(model: Any, *, optimizer: Any = None, scheduler: Any = None, 
     meta: dict[str, Any] = {
         "format": FORMAT, "iteration": int(iteration), "layout": layout(), "num_layers": _num_layers(model),
         "vocab_size": options.vocab_size, "make_vocab_size_divisible_by": options.make_vocab_size_divisible_by,
-        "extra": _json_ready(dict(extra or {}), "extra"),
-        "scheduler": _json_ready(scheduler.state_dict(), "the LR scheduler's state_dict") if scheduler is not None else None,
+        "extra": json_ready(dict(extra or {}), "extra"),
+        "scheduler": json_ready(scheduler.state_dict(), "the LR scheduler's state_dict") if scheduler is not None else None,
         "optimizer": None,
     }
     if optimizer is not None and options.save_optimizer:

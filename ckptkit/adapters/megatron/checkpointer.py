@@ -28,15 +28,12 @@ class MegatronCheckpointer:
                  keep_last: int | None = None, asynchronous: bool = True, options: Any = None,
                  async_options: AsyncOptions = AsyncOptions(), storage_options: dict[str, Any] | None = None) -> None:
         from ckptkit.adapters.megatron import MegatronOptions
-        from ckptkit.engine.collective import resolve_comm
-
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.options = options if options is not None else MegatronOptions()
         self.storage_options = storage_options
         self.manager = ckptkit.CheckpointManager(root, every_steps=every_steps, keep_last=keep_last,
                                                  asynchronous=asynchronous, options=async_options,
                                                  storage_options=storage_options)
-        self._comm = resolve_comm(None)
 
     def maybe_save(self, iteration: int, *, extra: Mapping[str, Any] | None = None) -> Any:
         """Save if ``every_steps`` says so at ``iteration``; the handle, or None."""
@@ -55,13 +52,11 @@ class MegatronCheckpointer:
     def restore_latest(self) -> Any:
         """Load the newest step every rank sees committed; its MegatronLoadInfo, or None if there is none."""
         from ckptkit.adapters.megatron import load
-        from ckptkit.manager import step_dir
 
-        mine = max((r.step for r in self.manager.records() if r.committed), default=-1)
-        step = self._comm.all_min([mine])[0]
-        if step < 0:
+        step = self.manager.latest_common_step()
+        if step is None:
             return None
-        return load(self.model, f"{self.manager.root.url}/{step_dir(step)}", optimizer=self.optimizer,
+        return load(self.model, self.manager.step_url(step), optimizer=self.optimizer,
                     scheduler=self.scheduler, storage_options=self.storage_options)
 
     def wait(self) -> None:
