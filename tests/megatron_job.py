@@ -125,3 +125,27 @@ def embedding_after_load(layout: mm.Layout, folder: str) -> dict[str, Any]:
         return {"rows": rows if keep else torch.empty(0, rows.shape[1]), "losses": losses}
     finally:
         mm.teardown()
+
+
+def checkpointer_run(layout: mm.Layout, root: str, *, steps: int) -> dict[str, Any]:
+    """Train with MegatronCheckpointer saving every step (async, keep 2), or resume its newest step."""
+    from ckptkit.adapters.megatron import MegatronCheckpointer
+
+    t = mm.setup(layout, seed=999)
+    try:
+        ckpt = MegatronCheckpointer(t.model, t.optimizer, t.scheduler, root, every_steps=1, keep_last=2,
+                                    options=_options(layout.divisible_by))
+        info = ckpt.restore_latest()
+        if info is not None:
+            t.iteration = info.iteration
+        start = t.iteration
+        losses = {}
+        while t.iteration < steps:
+            step = t.iteration + 1
+            losses[step] = mm.train_step(t)
+            ckpt.maybe_save(t.iteration, extra={"consumed_samples": 8 * t.iteration})
+        ckpt.close()
+        return {"start": start, "extra": None if info is None else info.extra, "losses": losses,
+                "eval": mm.eval_loss(t)}
+    finally:
+        mm.teardown()

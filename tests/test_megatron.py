@@ -297,3 +297,15 @@ def test_torch_dist_import_equals_the_adapter_checkpoint_and_loads(worlds, saved
         assert torch.equal(ours[k], imported[k]), k
     got = worlds.run(4, job.resume, mm.Layout(tp=1, pp=4), out, steps=0, load_optimizer=False)[0]
     assert got["eval"] == pytest.approx(ref["eval"], rel=1e-4)
+
+
+def test_checkpointer_keeps_the_last_two_and_resumes_at_another_layout(worlds, tmp_path):
+    root = str(tmp_path / "run")
+    first = worlds.run(4, job.checkpointer_run, A, root, steps=3)[0]
+    assert first["start"] == 0 and first["extra"] is None
+    import os
+
+    assert sorted(os.listdir(root)) == ["step-0000002", "step-0000003"]
+    resumed = worlds.run(4, job.checkpointer_run, mm.Layout(tp=1, pp=4), root, steps=3)[0]
+    assert resumed["start"] == 3 and resumed["extra"] == {"consumed_samples": 24}
+    assert resumed["eval"] == pytest.approx(first["eval"], rel=1e-6)
