@@ -30,12 +30,12 @@ from ckptkit.errors import (
     CheckpointNotFoundError,
     CkptkitError,
     CoverageError,
+    ManifestError,
     StorageError,
     UncommittedCheckpointError,
 )
 from ckptkit.layout.grid import GridLayout, Mesh, On, Placement, Replicate
 from ckptkit.layout.manifest import DTYPES, MANIFEST_NAME, ExplicitLayout, Index, IndexEntry, Manifest, TensorMeta
-from ckptkit.plan.merge import check_coverage
 from ckptkit.retention import Record, RetentionPolicy, decide
 from ckptkit.storage.base import ByteStore
 from ckptkit.storage.url import open_store
@@ -396,12 +396,11 @@ def _check_layout(url: str, manifest: Manifest, indexes: dict[int, Index]) -> li
                                    f"{e.nbytes} bytes; expected {want} inside shape {list(t.shape)} ({t.dtype})",
                                    ikey, e.tensor, rank))
     for key, t in manifest.tensors.items():
-        expected = t.stored_pieces()
-        if not isinstance(t.layout, GridLayout):
-            try:
-                check_coverage(key, t.shape, t.layout.pieces, f"{url}/{MANIFEST_NAME}")
-            except CoverageError as exc:
-                out.append(Problem("coverage", str(exc), MANIFEST_NAME, key))
+        try:
+            expected = t.stored_pieces()  # an explicit layout is checked for coverage as it is parsed
+        except (CoverageError, ManifestError) as exc:
+            out.append(Problem("coverage" if isinstance(exc, CoverageError) else "manifest", str(exc), MANIFEST_NAME, key))
+            continue
         blind: set[int] = set()  # writers whose index is unreadable: already reported, checked once
         for region, writer in expected:
             ref = manifest.indexes.get(writer)

@@ -49,6 +49,14 @@ class CorruptCheckpointError(CkptkitError):
     """Stored bytes do not match their metadata: truncated object, checksum or digest mismatch."""
 
 
+class TooLargeError(CorruptCheckpointError):
+    """A metadata object (manifest, index) is larger than the reader's safety limit.
+
+    Metadata is parsed whole, so its size is capped before any byte is read
+    (see docs/trust.md): a hostile or damaged folder cannot exhaust memory.
+    """
+
+
 class StateMismatchError(CkptkitError):
     """The caller's state and the checkpoint disagree (keys, dtypes, shapes)."""
 
@@ -82,6 +90,15 @@ class PeerFailureError(CkptkitError):
 
 class StorageError(CkptkitError, OSError):
     """The byte store failed (permission, disk full, network) in a way retries did not fix."""
+
+
+class CheckpointUnreadableError(StorageError):
+    """A checkpoint exists but could not be read (network, permissions), even after retries.
+
+    Raised instead of falling back to an older checkpoint: a restore that silently went back in
+    time (or started from scratch) because a read failed would lose training without a word.
+    Retry once the store answers again, or restore an older step explicitly (``at_most``).
+    """
 
 
 class SaveError(CkptkitError):

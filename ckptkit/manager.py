@@ -40,15 +40,18 @@ from ckptkit.engine.saver import SaveResult, save_state
 from ckptkit.engine.state import flatten_state
 from ckptkit.errors import (
     CheckpointNotFoundError,
+    CheckpointUnreadableError,
     CkptkitError,
     CorruptCheckpointError,
     CoverageError,
     ManifestError,
     PeerFailureError,
+    StorageError,
+    UncommittedCheckpointError,
 )
 from ckptkit.layout.manifest import MANIFEST_NAME
 from ckptkit.options import AsyncOptions, LoadOptions
-from ckptkit.retention import BestK, Record, RetentionPolicy, decide
+from ckptkit.retention import BestK, Record, RetentionPolicy, decide, unknown
 from ckptkit.storage.tiered import TieredStore
 from ckptkit.storage.url import open_store
 
@@ -110,6 +113,8 @@ class CheckpointManager:
         self._records: dict[str, Record] = {}
         self._inflight_name: str | None = None
         self._last_handle: SaveHandle | None = None
+        #: (checkpoint, reason) of every damaged checkpoint the last restore skipped, newest first
+        self.skipped: list[tuple[str, str]] = []
 
     @property
     def rank(self) -> int:
@@ -200,7 +205,13 @@ class CheckpointManager:
         if self.rank != 0 or self.retention.keeps_everything:
             return
         try:
-            decision = decide(self.records(), self.retention)
+            records = self.records()
+            blind = unknown(records)
+            if blind:  # never delete on uncertainty: the unreadable one may be the newest committed
+                log.warning("retention after %s: skipped, %s could not be read (%s)", name, blind[0].name,
+                            blind[0].reason)
+                return
+            decision = decide(records, self.retention)
             for victim in decision.delete:
                 if self._leased(victim):
                     log.info("retention: keeping %s for now, a restore is reading it", victim)
@@ -224,18 +235,24 @@ class CheckpointManager:
 
         After a rollback those belong to an abandoned trajectory: the run will
         save those step numbers again, and a restart must never resume from them.
+        A newer checkpoint that cannot be read right now is uncommitted all the
+        same (its manifest deleted); if even that fails, this raises rather than
+        leave a checkpoint a restart could resume from.
         """
         self.wait()
         removed: list[str] = []
         if self.rank == 0:
             for rec in self.records():
-                if rec.committed and rec.step > step:
+                if rec.status != "uncommitted" and rec.step > step:
                     self._delete(rec.name)
                     removed.append(rec.name)
         return removed
 
     def records(self) -> list[Record]:
-        """Every step folder under the root: step, committed, metrics (manifests are read once)."""
+        """Every step folder under the root with its status, read once per committed manifest.
+
+        Listing failures raise. A folder whose manifest cannot be read because the store failed is
+        ``unreadable`` (with the reason), never mistaken for an uncommitted one."""
         out = []
         for name in self.root.list_children():
             m = STEP_PATTERN.match(name)
@@ -245,28 +262,37 @@ class CheckpointManager:
             if cached is not None:
                 out.append(cached)
                 continue
-            store = self.root.child(name)
-            if not store.exists(MANIFEST_NAME):
-                out.append(Record(name, int(m.group(1)), False))
-                continue
-            try:
-                meta = read_manifest(store).meta.get("user", {})
-            except CkptkitError:
-                out.append(Record(name, int(m.group(1)), False))
-                continue
-            metrics = meta.get("metrics") if isinstance(meta, dict) else None
-            rec = Record(name, int(m.group(1)), True, metrics if isinstance(metrics, dict) else {})
-            self._records[name] = rec
+            rec = self._read_record(name, int(m.group(1)))
+            if rec.committed:
+                self._records[name] = rec
             out.append(rec)
         return sorted(out, key=lambda r: r.step)
 
+    def _read_record(self, name: str, step: int) -> Record:
+        store = self.root.child(name)
+        try:
+            if not store.exists(MANIFEST_NAME):
+                return Record(name, step, False)
+            meta = read_manifest(store).meta.get("user", {})
+        except UncommittedCheckpointError:  # deleted between the two reads
+            return Record(name, step, False)
+        except (StorageError, OSError) as exc:
+            return Record(name, step, False, status="unreadable", reason=str(exc))
+        except CkptkitError as exc:
+            return Record(name, step, False, status="damaged", reason=str(exc))
+        metrics = meta.get("metrics") if isinstance(meta, dict) else None
+        return Record(name, step, True, metrics if isinstance(metrics, dict) else {})
+
     def gc(self) -> list[str]:
-        """Remove uncommitted step folders (leftovers of crashed saves). Rank 0 does the work."""
+        """Remove uncommitted step folders (leftovers of crashed saves). Rank 0 does the work.
+
+        Only folders known to hold no manifest, checked again right before removal; unreadable
+        and damaged ones are left for a human (``ckptkit ls`` says why)."""
         removed: list[str] = []
         if self.rank != 0:
             return removed
         for rec in self.records():
-            if rec.committed or rec.name == self._inflight_name:
+            if rec.status != "uncommitted" or rec.name == self._inflight_name:
                 continue
             try:
                 remove_uncommitted(self.root.child(rec.name))
@@ -278,10 +304,30 @@ class CheckpointManager:
 
     # ---------------------------------------------------------------- restore
     def latest_common_step(self, at_most: int | None = None) -> int | None:
-        """The newest committed step (<= ``at_most``) that every rank sees, or None (collective)."""
+        """The newest committed step (<= ``at_most``) that every rank sees, or None (collective).
+
+        Raises :class:`CheckpointUnreadableError` on every rank when some rank cannot read a
+        checkpoint newer than that (a store failure, after retries): returning the older step
+        would silently resume back in time. Damaged checkpoints (a manifest that fails its checks)
+        are skipped with a warning."""
         bound = 2**62 if at_most is None else at_most
-        mine = max((r.step for r in self.records() if r.committed and r.step <= bound), default=-1)
+        records = [r for r in self.records() if r.step <= bound]
+        mine = max((r.step for r in records if r.committed), default=-1)
+        blind = [r for r in records if r.status == "unreadable" and r.step > mine]
+        problem = f"{blind[-1].name}: {blind[-1].reason}" if blind else None
+        for r in records:
+            if r.status == "damaged" and r.step > mine:
+                log.warning("skipping %s: %s", r.name, r.reason)
         step = self._comm.all_min([mine])[0]
+        problems = self._comm.all_gather(problem)
+        seen = [(rank, p) for rank, p in enumerate(problems) if p is not None]
+        if seen:
+            rank, text = seen[0]
+            raise CheckpointUnreadableError(
+                f"{self.root.url}: cannot tell which checkpoint is the newest: {text} (rank {rank}); "
+                f"not falling back to an older one. Retry when the store answers, or pass at_most= to "
+                "restore an older step on purpose"
+            )
         return None if step < 0 else step
 
     def step_url(self, step: int) -> str:
@@ -299,6 +345,7 @@ class CheckpointManager:
         """
         self.wait()
         bound = 2**62 if at_most is None else at_most
+        self.skipped = []
         while True:
             step = self.latest_common_step(bound)
             if step is None:
@@ -325,7 +372,9 @@ class CheckpointManager:
             if not any_damaged:
                 log.info("restored %s", name)
                 return step
-            log.warning("skipping %s: %s", name, damaged if damaged is not None else "damaged on another rank")
+            reason = str(damaged) if damaged is not None else "damaged on another rank"
+            log.warning("skipping %s: %s", name, reason)
+            self.skipped.append((name, reason))
             bound = step - 1
 
     def _acquire_lease(self, name: str) -> str:

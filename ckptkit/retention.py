@@ -76,20 +76,41 @@ class RetentionPolicy:
             return RetentionPolicy()
 
 
+Status = Literal["committed", "uncommitted", "damaged", "unreadable"]
+
+
 @dataclass(frozen=True)
 class Record:
-    """What retention needs to know about one checkpoint."""
+    """What retention needs to know about one checkpoint.
+
+    ``status`` keeps "absent" and "could not be read" apart: ``uncommitted`` (no manifest: a crashed
+    or running save), ``damaged`` (a manifest that fails its checks), ``unreadable`` (the store
+    failed to answer: nothing is known, so nothing may be decided from it — see
+    :func:`unknown`). ``reason`` says why for the last three."""
 
     name: str
     step: int
     committed: bool
     metrics: dict[str, Any] = field(default_factory=dict)
+    status: Status | None = None
+    reason: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.status is None:
+            object.__setattr__(self, "status", "committed" if self.committed else "uncommitted")
+        elif self.committed != (self.status == "committed"):
+            raise LayoutError(f"record {self.name}: committed={self.committed} contradicts status {self.status!r}")
 
 
 @dataclass(frozen=True)
 class Decision:
     keep: dict[str, tuple[str, ...]]  # name -> reasons ("latest", "last", "milestone", "best")
     delete: tuple[str, ...]
+
+
+def unknown(records: list[Record]) -> list[Record]:
+    """Records whose state could not be read: while any exists, no deletion may be decided."""
+    return [r for r in records if r.status == "unreadable"]
 
 
 def decide(records: list[Record], policy: RetentionPolicy) -> Decision:
@@ -112,7 +133,7 @@ def decide(records: list[Record], policy: RetentionPolicy) -> Decision:
         scored = []
         for r in committed:
             v = r.metrics.get(best.metric)
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+            if isinstance(v, int) and not isinstance(v, bool) or isinstance(v, float) and math.isfinite(v):
                 scored.append(((v if best.mode == "min" else -v), -r.step, r.name))
         for _, _, name in sorted(scored)[: best.k]:
             reasons[name].append("best")

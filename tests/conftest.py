@@ -5,8 +5,20 @@ import pytest
 from tests.worlds import Worlds
 
 
+SLOW = {"on": False}
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--run-slow", action="store_true", help="run the long reliability tests at full count")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    SLOW["on"] = bool(config.getoption("--run-slow"))
+
+
+def trials(default: int, slow: int) -> int:
+    """How many trials a reliability sweep runs: a CI-sized count by default, the full one with --run-slow."""
+    return slow if SLOW["on"] else default
 
 
 @pytest.fixture(scope="session")

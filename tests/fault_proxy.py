@@ -11,7 +11,16 @@ match the current :class:`Faults` policy it can:
   never hears back: the dangerous case for non-idempotent requests);
 * forward, then send the headers and only half the body, then close (a
   truncated response; only for responses with a body of 2 bytes or more);
-* add latency before any of the above.
+* the same, but close with a TCP reset (``SO_LINGER`` 0): the client's read
+  fails with "connection reset" rather than an early end of the stream;
+* forward, then answer a complete but short response: ``Content-Length`` and
+  the body are half the real body, the connection stays open (a lying
+  middlebox; the status and other headers, ``Content-Range`` included, are
+  the server's);
+* add latency before any of the above;
+* hold the body back (``hold`` seconds after the headers): a client that
+  hangs up meanwhile, as one refusing an over-large body should, gets none of
+  it, and the proxy counts an ``abandoned`` response.
 
 Nothing is mocked: real HTTP on both sides. The policy can be swapped at any
 time (thread-safe); a seeded RNG makes sequential requests replay the same
@@ -28,7 +37,9 @@ from __future__ import annotations
 import http.client
 import random
 import re
+import select
 import socket
+import struct
 import threading
 import time
 import uuid
@@ -36,6 +47,7 @@ from collections import Counter
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+_BODY_FAULTS = ("truncate", "reset", "short")
 _HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "expect", "proxy-connection", "te", "upgrade"}
 _ERRORS = {500: ("Internal Server Error", "InternalError", "We encountered an internal error. Please try again."),
            503: ("Slow Down", "SlowDown", "Please reduce your request rate.")}
@@ -49,7 +61,10 @@ class Faults:
     drop_before: float = 0.0  # close the connection without forwarding
     drop_after: float = 0.0  # forward, then close without answering
     truncate: float = 0.0  # forward, answer half the body, close
+    reset: float = 0.0  # forward, answer half the body, reset the connection
+    short: float = 0.0  # forward, answer a consistent response with half the body, keep the connection
     delay: float = 0.0  # seconds of latency added to every affected request
+    hold: float = 0.0  # seconds between an affected response's headers and its body (see `abandoned`)
     statuses: tuple[int, ...] = (500, 503)
     methods: frozenset[str] = frozenset()  # empty: every method
     path: str = ""  # regex searched in the request target (path?query); empty: every target
@@ -96,9 +111,10 @@ class FaultProxy:
                 self._rng = random.Random(seed)
 
     def injected(self) -> int:
-        """Faults injected so far (errors, drops, truncations; not delays)."""
+        """Faults injected so far (errors, drops, truncations, resets, short bodies; not delays or holds)."""
         with self._lock:
-            return sum(n for k, n in self.counts.items() if k not in ("connections", "requests", "forwarded", "delay"))
+            return sum(n for k, n in self.counts.items()
+                       if k not in ("connections", "requests", "forwarded", "delay", "abandoned"))
 
     def close(self) -> None:
         self._closed = True
@@ -132,36 +148,38 @@ class FaultProxy:
             if req is not None:
                 self.events.append((what, req.method, req.target))
 
-    def _decide(self, req: _Request) -> tuple[str, float]:
+    def _decide(self, req: _Request) -> tuple[str, float, float]:
+        """``(action, delay, hold)`` for one request."""
         with self._lock:
             self.counts["requests"] += 1
             f = self._faults
             if not f.matches(req.method, req.target, req.lookup):
-                return "forward", 0.0
+                return "forward", 0.0, 0.0
             self._matched += 1
             if self._matched <= f.skip or (f.limit is not None and self._affected >= f.limit):
-                return "forward", 0.0
+                return "forward", 0.0, 0.0
             r, action = self._rng.random(), "forward"
             for name, p in (("error", f.error), ("drop_before", f.drop_before),
-                            ("drop_after", f.drop_after), ("truncate", f.truncate)):
+                            ("drop_after", f.drop_after), ("truncate", f.truncate),
+                            ("reset", f.reset), ("short", f.short)):
                 if r < p:
                     action = name
                     break
                 r -= p
             if action == "error":
                 action = str(self._rng.choice(f.statuses))
-            self._affected += action != "forward" or f.delay > 0
+            self._affected += action != "forward" or f.delay > 0 or f.hold > 0
         if f.delay:
             self._record("delay", req)
-        if action not in ("forward", "truncate"):  # a truncation is recorded when it happens
+        if action not in ("forward",) + _BODY_FAULTS:  # those are recorded when they happen
             self._record(action, req)
-        return action, f.delay
+        return action, f.delay, f.hold
 
     def _serve(self, client: socket.socket) -> None:
         rfile = client.makefile("rb")
         try:
             while (req := _read_request(rfile, client)) is not None:
-                action, delay = self._decide(req)
+                action, delay, hold = self._decide(req)
                 time.sleep(delay)
                 if action == "drop_before":
                     return
@@ -176,13 +194,27 @@ class FaultProxy:
                     head += "".join(f"{k}: {v}\r\n" for k, v in headers if k.lower() == "content-length")
                     body = b""
                 elif status >= 200 and status not in (204, 304):
+                    if action == "short" and len(body) >= 2:
+                        self._record("short", req)
+                        body = body[: len(body) // 2]
                     head += f"Content-Length: {len(body)}\r\n"
-                    if action == "truncate" and len(body) >= 2:
-                        self._record("truncate", req)
+                    if action in ("truncate", "reset") and len(body) >= 2:
+                        self._record(action, req)
                         client.sendall(head.encode("latin-1") + b"\r\n" + body[: len(body) // 2])
+                        if action == "reset":  # close() then sends RST, not FIN; after the client
+                            time.sleep(0.05)  # has taken the headers, so the reset hits the body
+                            client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                            client.close()
                         return
                 self._record("forwarded")
-                client.sendall(head.encode("latin-1") + b"\r\n" + body)
+                if hold and body:
+                    client.sendall(head.encode("latin-1") + b"\r\n")
+                    if _hangs_up(client, hold):
+                        self._record("abandoned", req)
+                        return
+                    client.sendall(body)
+                else:
+                    client.sendall(head.encode("latin-1") + b"\r\n" + body)
                 if req.lookup.get("connection", "").lower() == "close":
                     return
         except (OSError, ValueError, http.client.HTTPException):
@@ -236,6 +268,18 @@ def _read_request(rfile, client: socket.socket) -> _Request | None:
         if len(body) != n:
             raise ValueError("the client closed its connection mid-body")
     return _Request(method, target, headers, lookup, body)
+
+
+def _hangs_up(client: socket.socket, seconds: float) -> bool:
+    """Whether the client closes its connection within ``seconds`` (it sends nothing meanwhile:
+    HTTP/1.1 clients do not pipeline)."""
+    ready, _, _ = select.select([client], [], [], seconds)
+    if not ready:
+        return False
+    try:
+        return client.recv(1, socket.MSG_PEEK) == b""
+    except OSError:
+        return True
 
 
 def _error_response(status: int, req: _Request) -> bytes:

@@ -61,3 +61,86 @@ def eval_loss(model: nn.Module) -> float:
     xs, ys, _ = get_batch(1_000_000)
     with torch.no_grad():
         return nn.functional.mse_loss(model(xs), ys).item()
+
+
+# ----------------------------------------------------------------------------------------------
+# A training loop under the resilience controller, shared by the in-process tests and the
+# torchrun job (tests/resilience_job.py), so a distributed run can be compared with an
+# uninterrupted one step by step.
+
+def spike_policy():
+    """A policy that rolls back on the poisoned range: 3 spikes -> back >= 30 steps, skip the data
+    from 5 steps before the first spike to 40 after the last, re-warm from 0.1x over 20 steps."""
+    import ckptkit
+    from ckptkit.resilience.detectors import DetectorConfig
+
+    det = DetectorConfig(window=64, warmup=16, k=6.0)
+    return ckptkit.SpikePolicy(loss=det, grad_norm=det, rollback_after=3, rollback_before=30, skip_before=5,
+                               skip_after=40, rewarm_factor=0.1, rewarm_steps=20)
+
+
+def train_step(model: nn.Module, optim: torch.optim.Optimizer, batch: tuple) -> tuple[float, float]:
+    xs, ys, _ = batch
+    optim.zero_grad()
+    loss = nn.functional.mse_loss(model(xs), ys)
+    loss.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
+    return loss.item(), grad_norm.item()
+
+
+KILLED: list = []  # the loops of jobs "killed" in this process
+
+
+def run(ctl, model: nn.Module, optim: torch.optim.Optimizer, sched, *, steps: int, stop=None,
+        on_step=None) -> bool:
+    """Resume under ``ctl`` and train to ``steps``; False if ``stop(ctl, step)`` said so at a step's start
+    (the job is gone as SIGKILL would leave it; an exception from ``stop`` is an error in the step).
+
+    ``on_step(step, first_sample, lr, loss)`` sees every trained step (lr: the one the optimizer
+    step used), in the order they ran; a rollback or restart runs some step numbers again.
+    ``stop`` is where a test ends the job as a crash would (the torchrun job kills itself there).
+    """
+    import ckptkit
+
+    init_optimizer_state(model, optim)
+    lr = ckptkit.ScaledLR(sched, optim, ctl.lr_factor)
+    state = state_of(model, optim, sched)
+    start = ctl.resume(state)
+    if start > 1:
+        optim.load_state_dict(state["optim"])
+        lr.load_state_dict(state["sched"])  # and the controller's factor (a re-warm under way) on top
+    batches = ctl.batches(get_batch, start)
+    for step, batch in batches:
+        if step > steps:
+            break
+        if stop is not None and stop(ctl, step):
+            KILLED.append(batches)  # as after SIGKILL no code runs: not even the generator's cleanup
+            return False
+        loss, grad_norm = train_step(model, optim, batch)
+        action = ctl.observe(step, loss=loss, grad_norm=grad_norm)
+        if action.rollback:
+            action.restore(state)
+            optim.load_state_dict(state["optim"])
+            lr.load_state_dict(state["sched"])
+            continue
+        used = optim.param_groups[0]["lr"]
+        if not action.skip_step:
+            optim.step()
+        lr.step()
+        if on_step is not None:
+            on_step(step, batch[2], used, loss)
+        state = state_of(model, optim, sched)
+        ctl.maybe_save(step, state)
+        if ctl.should_stop:
+            break
+    return True
+
+
+def final(records: list[tuple]) -> list[tuple]:
+    """The steps that shaped the final model: a step number run again replaces what followed it."""
+    out: dict[int, tuple] = {}
+    for rec in records:
+        for s in [s for s in out if s >= rec[0]]:
+            del out[s]
+        out[rec[0]] = rec
+    return [out[s] for s in sorted(out)]

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from ckptkit.errors import CheckpointNotFoundError, CorruptCheckpointError
+from ckptkit.errors import CheckpointNotFoundError, CorruptCheckpointError, TooLargeError
 from ckptkit.storage.base import ByteStore
 
 
@@ -50,6 +50,19 @@ class StoreTests:
         assert not store.exists("a/b")
         with pytest.raises(CheckpointNotFoundError):
             store.read_bytes("a/b")
+
+    def test_read_bytes_limit(self, store):
+        """``limit`` is the largest size accepted; over it, TooLargeError naming the object and both sizes."""
+        data = bytes(range(256)) * 4
+        store.put_bytes("index/rank-00000.json", data)
+        assert store.read_bytes("index/rank-00000.json", limit=len(data)) == data
+        assert store.read_bytes("index/rank-00000.json", limit=None) == data
+        with pytest.raises(TooLargeError, match=r"index/rank-00000\.json is 1024 bytes, over the 1023-byte limit"):
+            store.read_bytes("index/rank-00000.json", limit=len(data) - 1)
+        store.put_bytes("empty", b"")
+        assert store.read_bytes("empty", limit=0) == b""
+        with pytest.raises(CheckpointNotFoundError):
+            store.read_bytes("nope", limit=10)
 
     def test_put_bytes_replaces(self, store):
         store.put_bytes("index/x.json", b"one")

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import ckptkit
-from ckptkit.layout.manifest import sha256_hex
+from tests.ckpt_files import data_object, edit_index, edit_manifest, index_file, reseal_index
 
 
 def make_state() -> dict:
@@ -36,25 +36,6 @@ def ckpt(tmp_path):
 
 def untouched(state: dict) -> bool:
     return all(torch.count_nonzero(v) == 0 for v in state["model"].values()) and state["step"] == 0
-
-
-def edit_json(path, fn) -> None:
-    doc = json.loads(path.read_text())
-    fn(doc)
-    path.write_text(json.dumps(doc))
-
-
-def reseal_index(ckpt_path, rank: int = 0) -> None:
-    """After editing an index, make the manifest's digest match again (to reach deeper checks)."""
-    index = ckpt_path / "index" / f"rank-{rank:05d}.json"
-    data = index.read_bytes()
-
-    def fix(doc):
-        for item in doc["indexes"]:
-            if item[0] == rank:
-                item[2], item[3] = len(data), sha256_hex(data)
-
-    edit_json(ckpt_path / "manifest.json", fix)
 
 
 def test_round_trip_baseline(ckpt):
@@ -84,7 +65,7 @@ def test_uncommitted_checkpoint_is_never_loaded(ckpt):
 
 def test_unknown_manifest_version(ckpt):
     path, state = ckpt
-    edit_json(path / "manifest.json", lambda d: d.update(version=99))
+    edit_manifest(path, lambda d: d.update(version=99))
     with pytest.raises(ckptkit.UnsupportedVersionError, match="version 99 is not supported"):
         ckptkit.load(zeros_like_state(state), path)
 
@@ -94,7 +75,8 @@ def test_malformed_manifest(ckpt):
     (path / "manifest.json").write_text("{not json")
     with pytest.raises(ckptkit.ManifestError, match="manifest.json: not valid JSON"):
         ckptkit.load(zeros_like_state(state), path)
-    edit_json_doc = {"format": "ckptkit", "version": 1, "world_size": 1, "tensors": {"w": {"dtype": "float99"}}}
+    edit_json_doc = {"format": "ckptkit", "version": 1, "world_size": 1, "tensors": {"w": {"dtype": "float99"}},
+                     "indexes": [[0, "index/rank-00000.json", 10, "0" * 64]]}
     (path / "manifest.json").write_text(json.dumps(edit_json_doc))
     with pytest.raises(ckptkit.ManifestError, match="tensor 'w': unknown dtype 'float99'"):
         ckptkit.load(zeros_like_state(state), path)
@@ -102,19 +84,19 @@ def test_malformed_manifest(ckpt):
 
 def test_truncated_data_object_is_caught_before_touching_the_state(ckpt):
     path, state = ckpt
-    data = path / "data" / "rank-00000.bin"
+    data = data_object(path)
     size = data.stat().st_size
     with open(data, "r+b") as f:
         f.truncate(size - 10)
     target = zeros_like_state(state)
-    with pytest.raises(ckptkit.CorruptCheckpointError, match=r"rank-00000.bin \(written by rank 0\) is truncated"):
+    with pytest.raises(ckptkit.CorruptCheckpointError, match=r"rank-00000-[0-9a-f]{12}.bin \(written by rank 0\) is truncated"):
         ckptkit.load(target, path)
     assert untouched(target)
 
 
 def test_corrupt_byte_fails_checksum_and_names_tensor(ckpt):
     path, state = ckpt
-    data = path / "data" / "rank-00000.bin"
+    data = data_object(path)
     raw = bytearray(data.read_bytes())
     raw[100] ^= 0xFF  # inside model/w (the first piece)
     data.write_bytes(bytes(raw))
@@ -125,7 +107,7 @@ def test_corrupt_byte_fails_checksum_and_names_tensor(ckpt):
 @pytest.mark.parametrize("bad", ["../evil.json", "/etc/passwd", "index/../../x.json", "index//x.json"])
 def test_manifest_key_outside_checkpoint_is_refused(ckpt, bad):
     path, state = ckpt
-    edit_json(path / "manifest.json", lambda d: d["indexes"][0].__setitem__(1, bad))
+    edit_manifest(path, lambda d: d["indexes"][0].__setitem__(1, bad))
     with pytest.raises(ckptkit.UnsafePathError, match="not a plain relative path inside the checkpoint"):
         ckptkit.load(zeros_like_state(state), path)
 
@@ -133,15 +115,12 @@ def test_manifest_key_outside_checkpoint_is_refused(ckpt, bad):
 def test_index_object_key_outside_checkpoint_is_refused(ckpt, tmp_path):
     path, state = ckpt
     (tmp_path / "secret.bin").write_bytes(b"x" * 4096)
-    index = path / "index" / "rank-00000.json"
-
     def evil(doc):
         doc["objects"][0][0] = "../secret.bin"
         for p in doc["pieces"]:
             p[4] = "../secret.bin"
 
-    edit_json(index, evil)
-    reseal_index(path)
+    edit_index(path, evil)
     target = zeros_like_state(state)
     with pytest.raises(ckptkit.UnsafePathError, match=r"'\.\./secret\.bin'"):
         ckptkit.load(target, path)
@@ -150,7 +129,7 @@ def test_index_object_key_outside_checkpoint_is_refused(ckpt, tmp_path):
 
 def test_tampered_index_fails_digest(ckpt):
     path, state = ckpt
-    edit_json(path / "index" / "rank-00000.json", lambda d: d["pieces"][0].__setitem__(5, 0))
+    edit_index(path, lambda d: d["pieces"][0].__setitem__(5, 0), reseal=False)
     with pytest.raises(ckptkit.CorruptCheckpointError, match="does not match the manifest's digest"):
         ckptkit.load(zeros_like_state(state), path)
 
@@ -213,9 +192,9 @@ def test_target_not_covered_by_stored_pieces(tmp_path):
     def drop_piece(doc):
         doc["tensors"]["t"]["layout"]["pieces"].pop()
 
-    edit_json(tmp_path / "c" / "manifest.json", drop_piece)
+    edit_manifest(tmp_path / "c", drop_piece)
     target = {"t": torch.zeros(8, 4)}
-    with pytest.raises(ckptkit.CoverageError, match="tensor 't': the stored pieces cover 20 of the 32 elements"):
+    with pytest.raises(ckptkit.CoverageError, match="tensor 't': stored pieces hold 20 elements.*some elements are missing \\(the manifest is damaged\\)"):
         ckptkit.load(target, tmp_path / "c")
     assert torch.count_nonzero(target["t"]) == 0
 
@@ -251,7 +230,7 @@ def test_existing_checkpoint_is_never_overwritten(ckpt):
     assert torch.equal(target["model"]["w"], state["model"]["w"])
 
 
-def test_leftovers_of_a_crashed_save_are_replaced(ckpt, tmp_path):
+def test_leftovers_of_a_crashed_save_are_removed_once_the_new_one_commits(ckpt, tmp_path):
     path, state = ckpt
     crashed = tmp_path / "crashed"
     shutil.copytree(path, crashed)
@@ -260,7 +239,8 @@ def test_leftovers_of_a_crashed_save_are_replaced(ckpt, tmp_path):
     (crashed / "index" / "rank-00007.json.tmp-99-abc").write_bytes(b"{")
     ckptkit.save(state, crashed)
     assert not (crashed / "data" / "rank-00007.bin").exists()
-    assert sorted(p.name for p in (crashed / "index").iterdir()) == ["rank-00000.json"]
+    assert [p.name for p in (crashed / "index").iterdir()] == [index_file(crashed).name]
+    assert [p.name for p in (crashed / "data").iterdir()] == [data_object(crashed).name]
     target = zeros_like_state(state)
     ckptkit.load(target, crashed)
     assert torch.equal(target["model"]["w"], state["model"]["w"])

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import ckptkit
+from tests.ckpt_files import data_object, edit_manifest, index_file, object_key
 from ckptkit import catalog
 from ckptkit.engine.saver import save_state
 from ckptkit.engine.state import flatten_state
@@ -132,7 +133,7 @@ def save_two(path: Path) -> Path:
 
 
 def index_of(path: Path, rank: int = 0) -> dict[str, Any]:
-    return json.loads((path / "index" / f"rank-{rank:05d}.json").read_text())
+    return json.loads(index_file(path, rank).read_text())
 
 
 def piece_of(path: Path, tensor: str, rank: int = 0) -> list[Any]:
@@ -142,7 +143,7 @@ def piece_of(path: Path, tensor: str, rank: int = 0) -> list[Any]:
 def rewrite_index(path: Path, rank: int, doc: dict[str, Any]) -> None:
     """Replace an index and re-sign it in the manifest, as a buggy writer (not storage damage) would."""
     data = json.dumps(doc, separators=(",", ":")).encode()
-    key = f"index/rank-{rank:05d}.json"
+    key = object_key(path, rank, "index")
     (path / key).write_bytes(data)
     manifest = Manifest.from_json_bytes((path / "manifest.json").read_bytes(), "test")
     manifest.indexes[rank] = IndexRef(rank, key, len(data), sha256_hex(data))
@@ -236,7 +237,7 @@ def test_describe_single_rank_both_layout_kinds(single: Path):
     assert t["emb"].mesh is None and t["emb"].stored_pieces == 2
     assert d.world_size == 1 and [(m.name, m.dims, m.ranks) for m in d.meshes] == [("m0", ("rank",), (0,))]
     (r0,) = d.ranks
-    assert (r0.rank, r0.index, r0.pieces) == (0, "index/rank-00000.json", 6)
+    assert (r0.rank, r0.index, r0.pieces) == (0, object_key(single, 0, "index"), 6)
     assert r0.nbytes == 140 + 6 + 12800 + 96 + 8 == d.total_bytes
     assert r0.value_keys == ("rng",) and d.per_rank_keys == ("rng",) and d.values == ("step",)
     assert d.meta["user"] == {"step": 100}
@@ -319,7 +320,7 @@ def test_verify_flipped_byte_names_tensor_file_and_rank(two: Path):
 
 
 def test_verify_truncated_object(single: Path):
-    path = single / "data" / "rank-00000.bin"
+    path = data_object(single)
     entry = piece_of(single, "emb")
     os.truncate(path, entry[5] + 10)
     report = catalog.verify(str(single))
@@ -331,19 +332,19 @@ def test_verify_truncated_object(single: Path):
 
 
 def test_verify_missing_object(two: Path):
-    (two / "data" / "rank-00001.bin").unlink()
+    data_object(two, 1).unlink()
     report = catalog.verify(str(two))
     (problem,) = report.problems
     assert problem.kind == "object" and problem.rank == 1 and "missing" in problem.message and "'e'" in problem.message
 
 
 def test_verify_tampered_index_fails_its_digest(two: Path):
-    path = two / "index" / "rank-00001.json"
+    path = index_file(two, 1)
     path.write_bytes(path.read_bytes().replace(b'"rank":1', b'"rank": 1'))
     report = catalog.verify(str(two))
     assert report.problems[0].kind == "index" and report.problems[0].rank == 1
     assert "does not match the manifest's digest" in report.problems[0].message
-    assert "index/rank-00001.json" in report.problems[0].message
+    assert object_key(two, 1, "index") in report.problems[0].message
     # what rank 1 wrote cannot be vouched for: named per tensor, not silently skipped
     blind = [p for p in report.problems[1:] if p.kind == "coverage"]
     assert {p.tensor for p in blind} >= {"e"} and all(p.rank == 1 and "unreadable" in p.message for p in blind)
@@ -372,9 +373,7 @@ def test_verify_wrong_byte_count_and_explicit_hole(single: Path):
             p[6] -= 4  # claims 34 elements' bytes for a 35-element box
             p[7] = p[7][:1]
     rewrite_index(single, 0, doc)
-    manifest = json.loads((single / "manifest.json").read_text())
-    manifest["tensors"]["emb"]["layout"]["pieces"].pop()  # the manifest forgets the flat piece
-    (single / "manifest.json").write_text(json.dumps(manifest))
+    edit_manifest(single, lambda m: m["tensors"]["emb"]["layout"]["pieces"].pop())  # forgets the flat piece
     report = catalog.verify(str(single))
     piece = [p for p in report.problems if p.kind == "piece"]
     assert len(piece) == 1 and piece[0].tensor == "w" and "expected 140" in piece[0].message

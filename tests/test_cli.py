@@ -16,6 +16,7 @@ from click.testing import CliRunner, Result
 
 from ckptkit.cli.main import cli
 from tests.test_catalog import piece_of, save_single, save_two
+from tests.ckpt_files import data_object, index_file, object_key
 
 
 def run(*args: str) -> Result:
@@ -118,20 +119,20 @@ def test_verify_flipped_byte_exits_1_and_names_tensor(run_dir: Path):
 
 def test_verify_truncated_object(run_dir: Path):
     ckpt = run_dir / "step-0000100"
-    os.truncate(ckpt / "data" / "rank-00000.bin", 100)
+    os.truncate(data_object(ckpt), 100)
     result = run("verify", str(ckpt))
     assert result.exit_code == 1
-    assert "is truncated: 100 bytes" in result.stdout and "rank-00000.bin" in result.stdout
+    assert "is truncated: 100 bytes" in result.stdout and data_object(ckpt).name in result.stdout
 
 
 def test_verify_tampered_index(run_dir: Path):
     ckpt = run_dir / "step-0000100"
-    path = ckpt / "index" / "rank-00000.json"
+    path = index_file(ckpt)
     path.write_bytes(path.read_bytes().replace(b'"block":4096', b'"block":8192'))
     result = run("verify", str(ckpt), "--json")
     assert result.exit_code == 1
     problems = json.loads(result.stdout)["problems"]
-    assert problems[0]["kind"] == "index" and problems[0]["file"] == "index/rank-00000.json"
+    assert problems[0]["kind"] == "index" and problems[0]["file"] == object_key(ckpt, 0, "index")
     assert "does not match the manifest's digest" in problems[0]["message"]
 
 

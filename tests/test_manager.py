@@ -13,6 +13,7 @@ from click.testing import CliRunner
 import ckptkit
 from ckptkit import catalog
 from ckptkit.cli.main import cli
+from tests.ckpt_files import data_object
 
 
 def state_at(step: int) -> dict:
@@ -48,7 +49,7 @@ def test_restore_latest_skips_uncommitted_and_corrupt(tmp_path, caplog):
             mgr.maybe_save(step, state_at(step))
     # newest: a crashed save (no manifest); next: one flipped byte in its data
     (tmp_path / "step-0000003" / "manifest.json").unlink()
-    data = tmp_path / "step-0000002" / "data" / "rank-00000.bin"
+    data = data_object(tmp_path / "step-0000002")
     raw = bytearray(data.read_bytes())
     raw[17] ^= 1
     data.write_bytes(bytes(raw))

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 import ckptkit
 from ckptkit.modelspace.view import SliceError, select, to_numpy
 from tests import modelspace_job as job
+from tests.ckpt_files import data_object
 
 LAYOUTS = ("explicit", "fsdp", "fsdp_tp")
 
@@ -152,7 +153,7 @@ def test_damaged_bytes_are_detected_by_the_slices_that_read_them(tmp_path):
     path = str(tmp_path / "c")
     w = torch.randn(64, 1024)  # 256 KiB: 64 checksum blocks of 4 KiB
     ckptkit.save({"w": w}, path, options=ckptkit.SaveOptions(block_size=4096))
-    obj = os.path.join(path, "data", "rank-00000.bin")
+    obj = data_object(path)
     with open(obj, "r+b") as f:
         f.seek(40 * 4096 + 10)  # inside row 40
         byte = f.read(1)
@@ -160,5 +161,5 @@ def test_damaged_bytes_are_detected_by_the_slices_that_read_them(tmp_path):
         f.write(bytes([byte[0] ^ 0xFF]))
     view = ckptkit.open(path)
     assert torch.equal(view["w"][:39], w[:39])  # other blocks still read fine
-    with pytest.raises(ckptkit.CorruptCheckpointError, match=r"checksum mismatch in data/rank-00000.bin.*'w'"):
+    with pytest.raises(ckptkit.CorruptCheckpointError, match=r"checksum mismatch in data/rank-00000-[0-9a-f]{12}.bin.*'w'"):
         view["w"][40, :5]

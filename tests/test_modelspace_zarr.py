@@ -27,6 +27,7 @@ from ckptkit.modelspace.zarr_layout import (
 from ckptkit.storage import open_store
 from tests import modelspace_job as job
 from tests.s3_server import s3_env, s3_server  # noqa: F401 - fixtures
+from tests.ckpt_files import data_object, edit_manifest
 
 ts = pytest.importorskip("tensorstore")
 KiB = 1024
@@ -152,9 +153,7 @@ def test_special_values_round_trip_native_and_portable(tmp_path):
 def test_partition_rules_round_trip(tmp_path):
     path = tmp_path / "c"
     ckptkit.save({"w": torch.randn(8, 4)}, path)
-    manifest = json.loads((path / "manifest.json").read_text())  # as a rule-aware adapter would write it
-    manifest["tensors"]["w"]["rule"] = {"tp_axis": 0, "layer": 3}
-    (path / "manifest.json").write_text(json.dumps(manifest))
+    edit_manifest(path, lambda m: m["tensors"]["w"].update(rule={"tp_axis": 0, "layer": 3}))  # as a rule-aware adapter would
     export_zarr(path, tmp_path / "z")
     import_zarr(tmp_path / "z", tmp_path / "back")
     assert read_manifest(open_store(str(tmp_path / "back"))).tensors["w"].rule == ckptkit.PartitionRule(tp_axis=0, layer=3)
@@ -252,7 +251,7 @@ def test_s3_view_export_import_and_diff(s3_env, saved):  # noqa: F811
 
 def test_a_damaged_source_fails_the_export_and_leaves_nothing_behind(tmp_path):
     ckptkit.save({"w": torch.randn(64, 1024)}, tmp_path / "c", options=ckptkit.SaveOptions(block_size=4096))
-    with open(tmp_path / "c" / "data" / "rank-00000.bin", "r+b") as f:
+    with open(data_object(tmp_path / "c"), "r+b") as f:
         f.seek(100_000)
         f.write(b"\xff\xfe")
     with pytest.raises(ckptkit.CorruptCheckpointError, match="checksum mismatch"):

@@ -5,9 +5,12 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import shutil
 import sys
+import tempfile
 import time
 
+import pytest
 
 import ckptkit
 from ckptkit.resilience.incidents import IncidentLog
@@ -16,10 +19,11 @@ from tests import resilience_model as rm
 from tests.worlds import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHM = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
 
 
-def launch(run: str, *extra: str, restarts: int = 0) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--max-restarts={restarts}",
+def launch(run: str, *extra: str, restarts: int = 0, nproc: int = 2) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--max-restarts={restarts}",
            "--master-addr=127.0.0.1", f"--master-port={free_port()}", "-m", "tests.resilience_job", run, *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -40,16 +44,15 @@ def wait_for_step(run: str, step: int, job: subprocess.Popen, timeout: float = 1
     raise AssertionError("job did not reach the step in time")
 
 
+def trajectory(run: str) -> list[tuple[int, int, int, float, float]]:
+    """(attempt, step, first sample, lr, loss) of every step rank 0 trained, in order."""
+    with open(os.path.join(run, "trajectory.txt")) as f:
+        return [(int(a), int(s), int(p), float(lr), float(loss)) for a, s, p, lr, loss in map(str.split, f)]
+
+
 def final_trajectory(run: str) -> list[int]:
     """first sample of each step as the final model saw it (later attempts override earlier ones)."""
-    seen: dict[int, int] = {}
-    with open(os.path.join(run, "trajectory.txt")) as f:
-        for line in f:
-            _, step, first = map(int, line.split())
-            for s in [s for s in seen if s > step]:
-                del seen[s]  # a restart rewound past these
-            seen[step] = first
-    return [seen[s] for s in sorted(seen)]
+    return [first for _, first, _, _ in rm.final([r[1:] for r in trajectory(run)])]
 
 
 def committed_steps(run: str) -> list[int]:
@@ -58,8 +61,12 @@ def committed_steps(run: str) -> list[int]:
                   if n.startswith("step-") and os.path.exists(os.path.join(root, n, "manifest.json")))
 
 
+def incidents(run: str) -> list:
+    return IncidentLog(open_store(os.path.join(run, "ckpt")), writer=False).read()
+
+
 def kinds(run: str) -> list[str]:
-    return [i.kind for i in IncidentLog(open_store(os.path.join(run, "ckpt")), writer=False).read()]
+    return [i.kind for i in incidents(run)]
 
 
 def sigterm_workers(run: str) -> None:
@@ -102,12 +109,47 @@ def test_sigterm_with_too_short_a_grace_abandons_cleanly(tmp_path):
 
 def test_kill_minus_nine_mid_step_under_torchrun_restarts_and_completes(tmp_path):
     run = str(tmp_path / "run")
-    job = launch(run, "--steps", "30", "--every", "5", "--crash-at", "13", restarts=2)
+    job = launch(run, "--steps", "30", "--every", "10", "--crash-at", "15", restarts=2)
     out, _ = job.communicate(timeout=300)
     assert job.returncode == 0, out
     assert committed_steps(run)[-1] == 30
-    assert "restart" in kinds(run)
     assert final_trajectory(run) == [rm.BATCH * i for i in range(30)]
     with open(os.path.join(run, "trajectory.txt")) as f:
         attempts = {int(line.split()[0]) for line in f}
     assert attempts == {0, 1}
+    # rank 1 died at the start of step 15, rank 0's agreement of it failed: steps 11-14 are lost, exactly
+    restart = [i for i in incidents(run) if i.kind == "restart"]
+    assert [(i.step, i.data["steps_lost"], i.data["exact"]) for i in restart] == [(10, 4, True)], restart
+    assert "4 steps lost" in restart[0].detail
+
+
+def test_rank_0_killed_in_a_rewarm_window_resumes_at_another_world_size_like_the_uninterrupted_run(tmp_path):
+    """Two ranks spike at 101-103, roll back to step 70 and re-warm; rank 0 (the one that keeps the
+    incident log and the progress marker) is killed at step 78 inside the window; the run comes back
+    on one rank, from the checkpoint at 70 saved before the rollback. Every step's LR (and loss) is
+    the uninterrupted run's, and the restart knows the seven steps 71-77 were lost."""
+    run = os.path.join(tempfile.mkdtemp(prefix="ckptkit-dist-", dir=SHM), "run")  # fast per-step marker writes
+    common = ("--spikes", "--steps", "120", "--every", "10", "--keep", "20", "--step-sleep", "0")
+    job = launch(run, *common, "--crash-at", "78", "--after-rollback", "--crash-rank", "0")
+    out, _ = job.communicate(timeout=300)
+    assert job.returncode != 0 and committed_steps(run)[-1] == 70, out
+    job = launch(run, *common, nproc=1)
+    out, _ = job.communicate(timeout=300)
+    assert job.returncode == 0, out
+
+    reference: list = []
+    ref_run = str(tmp_path / "reference")
+    model, optim, sched = rm.build()
+    ctl = ckptkit.ResilienceController(ckptkit.CheckpointManager(ref_run, every_steps=10, keep_last=20),
+                                       rm.spike_policy(), batch_size=rm.BATCH, signals=())
+    rm.run(ctl, model, optim, sched, steps=120, on_step=lambda *r: reference.append(r))
+    ctl.close()
+
+    got, want = rm.final([r[1:] for r in trajectory(run)]), rm.final(reference)
+    assert [(s, p, lr) for s, p, lr, _ in got] == [(s, p, lr) for s, p, lr, _ in want]  # exactly
+    assert [loss for *_, loss in got] == pytest.approx([loss for *_, loss in want], rel=1e-5)
+    assert [r[2] for r in got[70:90]] != [r[2] for r in got[50:70]]  # (there was a re-warm to repeat)
+    restart = next(i for i in incidents(run) if i.kind == "restart")
+    assert restart.step == 70 and restart.data["steps_lost"] == 7, restart
+    assert restart.data["exact"] or restart.data["steps_lost_max"] == 8
+    shutil.rmtree(os.path.dirname(run), ignore_errors=True)

@@ -14,6 +14,7 @@ import ckptkit
 from ckptkit.cli.main import cli
 from tests.s3_server import CREDENTIALS, s3_env, s3_server  # noqa: F401 - fixtures
 from tests import models
+from tests.ckpt_files import data_object, index_file
 
 
 def state_at(step: int) -> dict:
@@ -114,11 +115,11 @@ def test_local_tier_in_front_of_the_bucket(s3_env, tmp_path):  # noqa: F811
     in_bucket = {o["Key"].split("/")[1] for o in s3.list_objects_v2(Bucket=s3_env, Prefix="tiered/")["Contents"]}
     assert in_bucket == {"step-0000002", "step-0000003"} and sorted(p.name for p in local.iterdir()) == sorted(in_bucket)
     # the local copy of the newest data object is damaged: the bucket's copy is read instead
-    data = local / "step-0000003" / "data" / "rank-00000.bin"
+    data = data_object(local / "step-0000003")
     raw = bytearray(data.read_bytes())
     raw[100] ^= 0xFF
     data.write_bytes(bytes(raw))
-    (local / "step-0000003" / "index" / "rank-00000.json").unlink()  # and its index is gone
+    index_file(local / "step-0000003").unlink()  # and its index is gone
     target = empty()
     with ckptkit.CheckpointManager(root, local_dir=str(local)) as mgr:
         assert mgr.restore_latest(target) == 3

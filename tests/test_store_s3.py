@@ -1,11 +1,20 @@
 from __future__ import annotations
 
+import json
+import random
+import time
+
 import pytest
 
+from ckptkit.errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError, TooLargeError
 from ckptkit.storage import open_store
-from ckptkit.storage.s3 import S3Store
+from ckptkit.storage.s3 import SHORT_READ_RETRIES, S3Store
+from tests.fault_proxy import FaultProxy, Faults
 from tests.s3_server import s3_env, s3_server  # noqa: F401 - fixtures
 from tests.store_conformance import StoreTests
+
+
+pytestmark = pytest.mark.timeout(120)  # a hang fails the test instead of stalling the suite
 
 
 class TestS3Store(StoreTests):
@@ -59,3 +68,126 @@ def test_one_client_per_configuration(s3_env, s3_server, monkeypatch):  # noqa: 
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "someone-else")
     changed = open_store(f"s3://{s3_env}/a")
     assert len({id(a.fs), id(other.fs), id(changed.fs)}) == 3
+
+
+# ------------------------------------------------------------------ broken answers, through the fault proxy
+# A GET whose body breaks off (or comes short) after botocore accepted its headers is retried by the
+# store, and when it keeps breaking is a StorageError: never short data, never "missing" or "truncated"
+# (which would make a restore skip a good checkpoint). The objects are put straight into the server;
+# only the reads under test go through tests/fault_proxy.py.
+
+MANIFEST = json.dumps({"format": 1, "objects": {f"data/rank-{i:05d}.bin": i * 4096 for i in range(4000)}}).encode()
+DATA = random.Random(0).randbytes(3 << 20)
+GETS_OF_MANIFEST = {"methods": frozenset({"GET"}), "path": r"manifest\.json"}
+RANGED_GETS = {"methods": frozenset({"GET"}), "header": "range"}
+
+
+@pytest.fixture
+def proxy(s3_server):  # noqa: F811
+    with FaultProxy(s3_server.endpoint) as p:
+        yield p
+
+
+@pytest.fixture
+def stored(s3_env, s3_server, proxy):  # noqa: F811
+    """A manifest-sized and a data object in the bucket, and a store that reads them through the proxy
+    with botocore's retries lowered (its own backoff would make the persistent cases slow)."""
+    client = s3_server.client()
+    client.put_object(Bucket=s3_env, Key="c/manifest.json", Body=MANIFEST)
+    client.put_object(Bucket=s3_env, Key="c/data/rank-00000.bin", Body=DATA)
+    options = {"endpoint_url": proxy.endpoint, "config_kwargs": {"retries": {"max_attempts": 1, "mode": "standard"}}}
+    return S3Store(f"s3://{s3_env}/c", options)
+
+
+def _first(fault: str, **where) -> Faults:
+    if fault == "503":
+        return Faults(error=1.0, statuses=(503,), limit=1, **where)
+    return Faults(**{fault: 1.0}, limit=1, **where)
+
+
+@pytest.mark.parametrize(("fault", "nth"), [("truncate", 1), ("truncate", 2), ("reset", 1), ("drop_after", 1),
+                                          ("drop_after", 2), ("drop_before", 1), ("503", 1)])
+def test_read_bytes_returns_the_exact_object_after_a_broken_answer(stored, proxy, fault, nth):
+    """The ``nth`` GET of the manifest is broken (cut mid-body, reset, lost, refused): every read
+    still returns the exact bytes."""
+    proxy.set(_first(fault, skip=nth - 1, **GETS_OF_MANIFEST))
+    for _ in range(nth):
+        assert stored.read_bytes("manifest.json", limit=1 << 20) == MANIFEST
+    assert [e[0] for e in proxy.events] == [fault], proxy.events
+
+
+@pytest.mark.parametrize("fault", ["truncate", "reset", "short", "drop_after"])
+def test_ranged_reads_return_the_exact_bytes_after_a_broken_answer(stored, proxy, fault):
+    proxy.set(_first(fault, **RANGED_GETS))
+    out = bytearray(1 << 20)
+    stored.read_into("data/rank-00000.bin", 12345, memoryview(out))
+    assert bytes(out) == DATA[12345:12345 + len(out)]
+    proxy.set(_first(fault, **RANGED_GETS))
+    bufs = [bytearray(1000), bytearray(0), bytearray(70_000)]
+    stored.read_into_vectored("data/rank-00000.bin", 99, [memoryview(b) for b in bufs])
+    assert b"".join(bufs) == DATA[99:99 + 71_000]
+    assert [e[0] for e in proxy.events] == [fault, fault], proxy.events
+
+
+def _fails_as_a_read_error(read, key: str) -> float:
+    t0 = time.monotonic()
+    with pytest.raises(StorageError, match=f"{key}.*could not be read") as info:
+        read()
+    assert not isinstance(info.value, (CorruptCheckpointError, CheckpointNotFoundError)), repr(info.value)
+    return time.monotonic() - t0
+
+
+@pytest.mark.parametrize("fault", ["truncate", "reset"])
+def test_read_bytes_that_keeps_breaking_is_a_storage_error_in_bounded_time(stored, proxy, fault):
+    proxy.set(Faults(**{fault: 1.0}, **GETS_OF_MANIFEST))
+    elapsed = _fails_as_a_read_error(lambda: stored.read_bytes("manifest.json"), "manifest.json")
+    assert elapsed < 5, elapsed
+    assert proxy.counts[fault] == SHORT_READ_RETRIES + 1  # each attempt hit the body fault
+
+
+@pytest.mark.parametrize("fault", ["truncate", "reset", "short"])
+def test_a_ranged_read_that_keeps_breaking_is_a_storage_error_in_bounded_time(stored, proxy, fault):
+    proxy.set(Faults(**{fault: 1.0}, **RANGED_GETS))
+    out = memoryview(bytearray(200_000))
+    elapsed = _fails_as_a_read_error(lambda: stored.read_into("data/rank-00000.bin", 5, out), "data/rank-00000.bin")
+    assert elapsed < 5, elapsed
+    assert proxy.counts[fault] == SHORT_READ_RETRIES + 1
+
+
+def test_only_the_servers_answer_makes_a_ranged_read_truncated(stored, proxy):
+    proxy.set(Faults(truncate=1.0, limit=1, **RANGED_GETS))  # a cut answer first, then the server's own
+    truncated = f"truncated: needed bytes up to {len(DATA) + 10}, it has {len(DATA)}"
+    with pytest.raises(CorruptCheckpointError, match=truncated):
+        stored.read_into("data/rank-00000.bin", len(DATA) - 10, memoryview(bytearray(20)))
+    with pytest.raises(CorruptCheckpointError, match="missing"):
+        stored.read_into("data/gone.bin", 0, memoryview(bytearray(20)))
+
+
+def test_limit_refuses_a_large_object_without_taking_its_body(stored, proxy):
+    """The proxy holds each body back for 1.5 s after the headers: the refusal comes from the
+    declared Content-Length, and the client hangs up instead of waiting for the body."""
+    proxy.set(Faults(hold=1.5, methods=frozenset({"GET"}), path=r"rank-00000\.bin"))
+    t0 = time.monotonic()
+    refusal = rf"{stored.url}/data/rank-00000\.bin is {len(DATA)} bytes, over the 1048576-byte limit"
+    with pytest.raises(TooLargeError, match=refusal):
+        stored.read_bytes("data/rank-00000.bin", limit=1 << 20)
+    assert time.monotonic() - t0 < 1.4
+    deadline = time.monotonic() + 2  # the proxy notices the hang-up a moment after the client moved on
+    while not proxy.counts["abandoned"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert proxy.counts["abandoned"] == 1 and proxy.counts["requests"] == 1, dict(proxy.counts)
+    assert stored.read_bytes("data/rank-00000.bin", limit=len(DATA)) == DATA  # waits for the held body
+    assert proxy.counts["abandoned"] == 1
+
+
+def test_size_errors_other_than_absence_are_storage_errors(stored, proxy):
+    """Only a 404 means absent: a HEAD that fails otherwise must not make a checkpoint look uncommitted."""
+    store = S3Store(stored.url, {"endpoint_url": proxy.endpoint,
+                                 "config_kwargs": {"retries": {"max_attempts": 0, "mode": "standard"}}})
+    proxy.set(Faults(error=1.0, statuses=(503,), methods=frozenset({"HEAD"})))
+    with pytest.raises(StorageError, match="inspecting manifest.json.*503"):
+        store.size("manifest.json")
+    with pytest.raises(StorageError, match="inspecting gone.json"):
+        store.exists("gone.json")
+    proxy.set()
+    assert store.size("manifest.json") == len(MANIFEST) and store.size("gone.json") is None

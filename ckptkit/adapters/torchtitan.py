@@ -311,7 +311,7 @@ class CkptkitCheckpointManager(BaseCheckpointManager):
                                         f"{step_dir(step)} under {self.folder}")
             self._restore(step, explicit=True)
             return True
-        if self._comm.all_min([max(committed, default=-1)])[0] >= 0:
+        if self.manager.latest_common_step() is not None:  # raises if a newer one cannot be read
             return self._restore(None, explicit=False)
         self._warn_foreign_folders()
         path = self.config.initial_load_path
@@ -336,9 +336,8 @@ class CkptkitCheckpointManager(BaseCheckpointManager):
         bound = step
         while True:
             if bound is None:
-                mine = max((r.step for r in self.manager.records() if r.committed), default=-1)
-                bound = self._comm.all_min([mine])[0]
-                if bound < 0:
+                bound = self.manager.latest_common_step()
+                if bound is None:
                     return False
             path = f"{self.manager.root.url}/{step_dir(bound)}"
             meta = self._read_meta(path)

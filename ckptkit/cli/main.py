@@ -8,6 +8,8 @@ is left to mean "ran fine, found problems" (``verify``).
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,8 +29,14 @@ from ckptkit.errors import CkptkitError
 EXIT_ERROR = 2
 
 
+EXIT_BUG = 3
+
+
 class CkptkitGroup(click.Group):
-    """A click group that turns ckptkit (and OS) errors into a one-line message and exit code 2."""
+    """A click group that turns ckptkit (and OS) errors into a one-line message and exit code 2.
+
+    Anything else is a bug in ckptkit, never the user's fault: still one line (exit code 3), with
+    the traceback only when ``CKPTKIT_DEBUG=1`` — a damaged checkpoint must not look like a crash."""
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
@@ -36,6 +44,14 @@ class CkptkitGroup(click.Group):
         except (CkptkitError, OSError) as exc:
             render.error(str(exc) or type(exc).__name__)
             ctx.exit(EXIT_ERROR)
+        except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException, KeyboardInterrupt):
+            raise
+        except Exception as exc:  # noqa: BLE001 - the last boundary before a traceback
+            if os.environ.get("CKPTKIT_DEBUG") == "1":
+                raise
+            render.error(f"internal error ({type(exc).__name__}: {exc}); this is a ckptkit bug, please report it "
+                         "(CKPTKIT_DEBUG=1 shows the traceback)")
+            ctx.exit(EXIT_BUG)
 
 
 @click.group(cls=CkptkitGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -68,6 +84,10 @@ cli.add_command(reshard_cmd)
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Console-script entry point (``ckptkit = "ckptkit.cli.main:main"``); exits the process."""
+    for stream in (sys.stdout, sys.stderr):  # a path with undecodable bytes must not crash the output
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None:
+            reconfigure(errors="backslashreplace")
     cli.main(args=list(argv) if argv is not None else None, prog_name="ckptkit")
 
 

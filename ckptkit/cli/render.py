@@ -40,6 +40,8 @@ def print_json(doc: Any) -> None:
 
 
 def human_bytes(n: int) -> str:
+    if n >= 1 << 60:  # only a damaged or hostile manifest claims this much (and float() may overflow)
+        return f"{n} B" if n < 10**30 else f"an implausible {len(str(n))}-digit byte count"
     value = float(n)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if value < 1024 or unit == "TiB":

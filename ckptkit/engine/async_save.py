@@ -239,7 +239,9 @@ class AsyncSaver:
                 if not handle.staged.done():
                     handle.staged.set_result(None)
             comm = self.commit_comm
-            check_target_collective(store, comm)
+            target = check_target_collective(store, comm)
+            if prep is not None:
+                prep = prep.for_attempt(target.attempt)  # the staged bytes' layout is unchanged
             report = planned
             if prep is not None and staged is not None and planned.ok:
                 try:
@@ -250,7 +252,7 @@ class AsyncSaver:
                     report = Outcome(True, write_index(prep, store, self.options.block_size, entries))
                 except (CkptkitError, OSError) as exc:
                     report = _fail(exc)
-            total = commit(report, prep, store, comm, metadata, deadline)
+            total = commit(report, prep, store, comm, metadata, deadline, target)
             assert prep is not None
             result = SaveResult(store.url, prep.plan.nbytes, total, handle.blocked_seconds + time.perf_counter() - t0)
             log.info(

@@ -132,7 +132,8 @@ def _targets(flat: FlatState, manifest: Manifest, strict: bool, where: str) -> _
                 plan.targets.append(Target(ref, p.tensor, p.region, tuple(s.local.shape), p.local))
     for leaf in (*flat.values, *flat.generators, *flat.per_rank):
         plan.requested.add(leaf.key)
-        if leaf.key not in manifest.values and leaf.key not in manifest.per_rank_keys:
+        if leaf.key not in manifest.values and leaf.key not in manifest.per_rank_keys \
+                and leaf.key not in manifest.rank_values:
             plan.missing.append(leaf.key)
     if plan.missing and strict:
         shown = ", ".join(repr(k) for k in sorted(plan.missing)[:8])
@@ -144,7 +145,7 @@ def _targets(flat: FlatState, manifest: Manifest, strict: bool, where: str) -> _
 
 
 def _all_keys(manifest: Manifest) -> list[str]:
-    return sorted({*manifest.tensors, *manifest.values, *manifest.per_rank_keys})
+    return sorted({*manifest.tensors, *manifest.values, *manifest.per_rank_keys, *manifest.rank_values})
 
 
 def _entry_lookup(indexes: dict[int, Index]) -> dict[int, dict[tuple, IndexEntry]]:
@@ -200,10 +201,11 @@ def load_state(
             f"{' ...' if len(unexpected) > 8 else ''} (pass strict=False to ignore them)"
         )
 
+    split_values = [leaf.key for leaf in flat.values if leaf.key in manifest.rank_values]
     per_rank_needed = bool(flat.generators or flat.per_rank)
     resized = manifest.world_size != comm.world_size
-    if per_rank_needed and resized and options.per_rank_on_resize == "error":
-        keys_pr = [leaf.key for leaf in (*flat.generators, *flat.per_rank)]
+    if (per_rank_needed or split_values) and resized and options.per_rank_on_resize == "error":
+        keys_pr = [leaf.key for leaf in (*flat.generators, *flat.per_rank)] + split_values
         raise StateMismatchError(
             f"{where}: the checkpoint was saved by {manifest.world_size} ranks, this job has {comm.world_size}; "
             f"per-rank values {keys_pr[:4]} cannot be matched to ranks (LoadOptions(per_rank_on_resize='skip') keeps the current ones)"
@@ -238,7 +240,8 @@ def load_state(
         raise CorruptCheckpointError(f"{exc} (the state may be partially overwritten; load another checkpoint)") from None
     for d in plan.dests:
         d.finish()
-    _assign_values(flat, manifest, indexes.get(comm.rank) if not resized else None, where)
+    _assign_values(flat, manifest, indexes.get(comm.rank) if not resized else None, where,
+                   None if resized else comm.rank)
     seconds = time.perf_counter() - t0
     log.info(
         "loaded %s: %.3f GiB on rank %d in %.2fs (%.2f GiB/s)",
@@ -247,19 +250,46 @@ def load_state(
     return LoadResult(where, nbytes, seconds, dict(manifest.meta), tuple(sorted(plan.missing)), tuple(unexpected))
 
 
-def _assign_values(flat: FlatState, manifest: Manifest, own_index: Index | None, where: str) -> None:
+def _assign_values(flat: FlatState, manifest: Manifest, own_index: Index | None, where: str,
+                   rank: int | None) -> None:
+    """Values into the state: agreed ones on every rank; values the saving ranks disagreed about,
+    and per-rank values, only to the same rank of a same-size job (``rank``/``own_index`` None on a
+    resize, where ``per_rank_on_resize`` already refused or chose to keep the state's own)."""
     for leaf in flat.values:
         if leaf.key in manifest.values:
             leaf.assign(decode_value(manifest.values[leaf.key], f"{where}: value {leaf.key!r}"))
+        elif leaf.key in manifest.rank_values and rank is not None:
+            for encoded, ranks in manifest.rank_values[leaf.key]:
+                if rank in ranks:
+                    leaf.assign(decode_value(encoded, f"{where}: value {leaf.key!r} of rank {rank}"))
+                    break
+            else:
+                raise MissingKeysError(f"{where}: value {leaf.key!r} was saved per rank (the saving ranks held "
+                                       f"different values) and rank {rank} held none")
     if own_index is None:
         return
     for leaf in flat.generators:
         if leaf.key in own_index.values:
-            encoded = own_index.values[leaf.key]
-            if not isinstance(encoded, dict) or "__generator__" not in encoded:
-                raise CorruptCheckpointError(f"{where}: per-rank value {leaf.key!r} is not a generator state")
-            raw = base64.b64decode(encoded["__generator__"])
-            leaf.obj.set_state(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+            leaf.obj.set_state(_generator_state(own_index.values[leaf.key], leaf.key, where, rank))
     for leaf in flat.per_rank:
         if leaf.key in own_index.values:
             leaf.obj.value = decode_value(own_index.values[leaf.key], f"{where}: value {leaf.key!r}")
+
+
+def _generator_state(encoded: Any, key: str, where: str, rank: int | None) -> torch.Tensor:
+    """A saved ``torch.Generator`` state, checked before torch sees it (torch raises a bare
+    RuntimeError, or worse, on a malformed state)."""
+    what = f"{where}: per-rank value {key!r} of rank {rank}"
+    if not isinstance(encoded, dict) or set(encoded) != {"__generator__"} or not isinstance(encoded["__generator__"], str):
+        raise CorruptCheckpointError(f"{what} is not a generator state")
+    try:
+        raw = base64.b64decode(encoded["__generator__"], validate=True)
+    except ValueError:
+        raise CorruptCheckpointError(f"{what}: malformed base64") from None
+    state = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+    try:
+        probe = torch.Generator()
+        probe.set_state(state)
+    except (RuntimeError, ValueError, TypeError) as exc:
+        raise CorruptCheckpointError(f"{what}: not a valid generator state ({len(raw)} bytes): {exc}") from None
+    return state

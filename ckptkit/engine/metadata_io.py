@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from ckptkit.errors import CheckpointNotFoundError, CorruptCheckpointError, UncommittedCheckpointError
 from ckptkit.layout.manifest import MANIFEST_NAME, Index, Manifest, sha256_hex
+from ckptkit.layout.strict_json import MAX_METADATA_BYTES
 from ckptkit.storage.base import ByteStore
 
 
@@ -22,7 +23,7 @@ def read_manifest(store: ByteStore) -> Manifest:
 
 def _manifest_bytes(store: ByteStore) -> bytes:
     try:
-        return store.read_bytes(MANIFEST_NAME)
+        return store.read_bytes(MANIFEST_NAME, limit=MAX_METADATA_BYTES)
     except CheckpointNotFoundError:
         pass
     children = store.list_children()
@@ -50,7 +51,9 @@ def _read_index(store: ByteStore, manifest: Manifest, rank: int) -> Index:
     if ref is None:
         raise CorruptCheckpointError(f"{store.url}: the manifest lists no index for rank {rank}")
     try:
-        data = store.read_bytes(ref.key)
+        # the manifest records the index's size: never read much more (a hostile folder may put a
+        # device, a FIFO or a huge file there); a little more still gets the digest's clearer message
+        data = store.read_bytes(ref.key, limit=min(2 * ref.size + 4096, MAX_METADATA_BYTES))
     except CheckpointNotFoundError:
         raise CorruptCheckpointError(f"{where}: index of rank {rank} is missing") from None
     if len(data) != ref.size or sha256_hex(data) != ref.sha256:

@@ -32,13 +32,12 @@ from typing import Any, Protocol, cast
 import torch
 
 from ckptkit.options import Progress, SaveOptions, progress_counter
-from ckptkit.engine.checkpoint_dir import remove_uncommitted
+from ckptkit.engine.checkpoint_dir import remove_attempt, remove_other_attempts
 from ckptkit.engine.saver import Prepared, check_target, persist, publish
 from ckptkit.errors import CkptkitError, LayoutError, StorageError
 from ckptkit.layout.box import Region
 from ckptkit.layout.manifest import (
     DTYPES,
-    MANIFEST_NAME,
     ExplicitLayout,
     Manifest,
     TensorMeta,
@@ -147,8 +146,8 @@ def write_offline(
     caller's own (grid rules, rotations, partition rules), which must describe
     exactly the same pieces and writers. ``what`` names the operation in errors.
 
-    The target must not hold a committed checkpoint; leftovers of an
-    uncommitted save there are removed first.
+    The target must not hold a committed checkpoint; once this write commits,
+    leftovers of other (crashed) attempts there are removed.
     """
     what = what or f"writing {store.url}"
     for rank, items in pieces.items():
@@ -157,7 +156,7 @@ def write_offline(
         for key, _ in items:
             if key not in tensors:
                 raise LayoutError(f"{what}: rank {rank} stores a piece of {key!r}, which is not among the tensors")
-    check_target(store)
+    target = check_target(store)
     per_rank_values = per_rank_values or {}
     total = sum(_numel(t.shape) * DTYPES[t.dtype] for t in tensors.values())
     lock, read = threading.Lock(), [0]
@@ -174,7 +173,7 @@ def write_offline(
                                       (Piece(key, tuple(spec.shape), region, place),)))
         plan = plan_save(rank, [], decls)
         rank_values = dict(per_rank_values.get(rank, {}))
-        prep = Prepared(plan, cast(list, src), {}, rank_values, tuple(sorted(rank_values)))
+        prep = Prepared(plan, cast(list, src), {}, rank_values, tuple(sorted(rank_values))).for_attempt(target.attempt)
         try:
             report = persist(prep, store, options.block_size, tick, getattr(src, "release", None))
         finally:
@@ -197,16 +196,21 @@ def write_offline(
         }
         manifest_meta.update(meta or {})
         merged = merge_reports(reports, world_size=world_size, values=dict(values or {}), meta=manifest_meta,
-                               parallel=parallel, where=store.url)
+                               parallel=parallel, where=store.url, attempt=target.attempt)
         _check_all_stored(merged, tensors, store.url)
         if layouts is not None:
             merged.tensors = dict(layouts)
         publish(store, merged.to_json_bytes())
     except BaseException as exc:
-        _remove_partial(store)
+        _remove_partial(store, target.attempt)
         if isinstance(exc, CkptkitError) or not isinstance(exc, Exception):
             raise
         raise StorageError(f"{what} failed: {exc}") from exc
+    if target.leftovers:
+        try:
+            remove_other_attempts(store, target.attempt)
+        except (CkptkitError, OSError):
+            pass  # garbage, never a damaged checkpoint: gc removes it later
     return OfflineWriteResult(merged, total, read[0])
 
 
@@ -221,11 +225,10 @@ def _check_all_stored(merged: Manifest, tensors: Mapping[str, TensorSpec], where
     merged.tensors = dict(sorted(merged.tensors.items()))
 
 
-def _remove_partial(store: ByteStore) -> None:
-    """Best effort, never raising over the original error: an uncommitted write leaves nothing."""
+def _remove_partial(store: ByteStore, attempt: str) -> None:
+    """Best effort, never raising over the original error: a failed write leaves nothing of its own."""
     try:
-        if not store.exists(MANIFEST_NAME):
-            remove_uncommitted(store)
+        remove_attempt(store, attempt)
     except (CkptkitError, OSError):
         pass
 

@@ -72,15 +72,22 @@ def _execute_direct(req: ReadRequest, store: ByteStore, targets: list[torch.Tens
 
 def execute_request(req: ReadRequest, store: ByteStore, targets: list[torch.Tensor], dtypes: dict[str, torch.dtype],
                     where: str, scratch: BufferPool | None = None) -> int:
+    """Read, verify and place one request. A checksum mismatch is read once more before it counts
+    as damage (bytes can be corrupted in transit or by a flaky device; declaring a good checkpoint
+    damaged would make a restore fall back to an older one), then from the fallback tier if any."""
     try:
         return _execute(req, store, targets, dtypes, where, scratch)
     except CorruptCheckpointError as exc:
-        fallback = getattr(store, "fallback", None)
-        if fallback is None:
-            raise
-        # a tiered store: the local copy failed verification, the bucket's copy may not
-        log.warning("%s; reading %s from %s instead", exc, req.object, fallback.url)
-        return _execute(req, fallback, targets, dtypes, where, scratch)
+        log.warning("%s; reading it again", exc)
+        try:
+            return _execute(req, store, targets, dtypes, where, scratch)
+        except CorruptCheckpointError as again:
+            fallback = getattr(store, "fallback", None)
+            if fallback is None:
+                raise again from None
+            # a tiered store: the local copy failed verification, the bucket's copy may not
+            log.warning("%s; reading %s from %s instead", again, req.object, fallback.url)
+            return _execute(req, fallback, targets, dtypes, where, scratch)
 
 
 def _execute(req: ReadRequest, store: ByteStore, targets: list[torch.Tensor], dtypes: dict[str, torch.dtype], where: str,

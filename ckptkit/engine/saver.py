@@ -6,11 +6,14 @@
 * **plan** (collective: one all-gather of small per-mesh reports): find meshes
   that replicate each other, decide this rank's writes.
 * **check target** (collective: one broadcast): rank 0 refuses a committed
-  checkpoint and clears the leftovers of a crashed save.
+  checkpoint and names this save *attempt*: every object it writes carries
+  the attempt id, so two writers of one step never share an object name.
 * **persist**: write the data object and the index, durably.
-* **commit**: ranks report to rank 0 (one gather), rank 0 merges and
+* **commit**: ranks report to rank 0 (one gather; values are sent once per
+  distinct set, found by an all-gather of digests), rank 0 merges and
   validates the manifest and publishes it atomically (put-if-absent), then
-  tells everyone the outcome (one broadcast).
+  tells everyone the outcome (one broadcast). A failed or losing attempt
+  removes its own objects and nothing else.
 
 Errors travel inside the collectives, so every rank raises the same
 :class:`SaveError` and none is left waiting.
@@ -21,6 +24,7 @@ from __future__ import annotations
 import base64
 import datetime
 import hashlib
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -30,7 +34,7 @@ from typing import Any
 import torch
 
 from ckptkit.engine.dtensor_grid import grid_of, is_dtensor, local_of
-from ckptkit.engine.checkpoint_dir import remove_uncommitted
+from ckptkit.engine.checkpoint_dir import foreign_keys, new_attempt, remove_attempt, remove_other_attempts
 from ckptkit.engine.collective import Comm, Outcome
 from ckptkit.engine.state import FlatState, dtype_name
 from ckptkit.engine.writer import write_pieces
@@ -39,8 +43,8 @@ from ckptkit.version import __version__
 from ckptkit.layout.grid import GridLayout, Mesh, Replicate
 from ckptkit.layout.manifest import MANIFEST_NAME, Index, IndexRef, sha256_hex
 from ckptkit.layout.values import encode_value
-from ckptkit.plan.merge import RankReport, merge_reports
-from ckptkit.plan.mesh_replicas import MeshReport, combine_replica_meshes
+from ckptkit.plan.merge import RankReport, merge_reports, merge_values
+from ckptkit.plan.mesh_replicas import MeshReport, PlainDesc, combine_replica_meshes, plain_group_mesh, plain_replica_groups
 from ckptkit.plan.save_plan import ExplicitDecl, GridDecl, SavePlan, index_object_key, mesh_fingerprint, plan_save
 from ckptkit.storage.base import ByteStore
 
@@ -59,9 +63,13 @@ class SaveResult:
 
 @dataclass
 class Classified:
-    """The state's leaves, sorted for planning, and the structure's fingerprint. Local."""
+    """The state's leaves, sorted for planning, and the structure's fingerprint. Local.
+
+    ``grid`` are DTensors (laid out on their device mesh), ``plain`` the plain tensors (a
+    one-rank mesh each until the ranks holding the same key are found)."""
 
     grid: list[GridDecl]
+    plain: list[GridDecl]
     explicit: list[ExplicitDecl]
     tensors: list[torch.Tensor]
     values: dict[str, Any]
@@ -79,6 +87,11 @@ class Prepared:
     values: dict[str, Any]
     per_rank_values: dict[str, Any]
     per_rank_keys: tuple[str, ...]
+    attempt: str | None = None
+
+    def for_attempt(self, attempt: str) -> Prepared:
+        """Bound to save attempt ``attempt``: its objects named for it (see :func:`data_object_key`)."""
+        return replace(self, plan=self.plan.for_attempt(attempt), attempt=attempt)
 
 
 def _fail(exc: BaseException) -> Outcome:
@@ -94,11 +107,13 @@ def _raise_failures(outcomes: list[Outcome], rank: int, where: str, phase: str) 
     raise SaveError(f"saving {where} failed during {phase}: {lines}{more}")
 
 
-def classify(flat: FlatState, rank: int) -> tuple[list[GridDecl], list[ExplicitDecl], list[torch.Tensor]]:
-    """DTensors -> grid decls on their mesh; plain tensors -> grid decls on a one-rank mesh
-    (replicas across ranks are found by :func:`combine_replica_meshes`); Sharded -> explicit decls."""
+def classify(flat: FlatState, rank: int) -> tuple[list[GridDecl], list[GridDecl], list[ExplicitDecl], list[torch.Tensor]]:
+    """DTensors -> grid decls on their mesh (replica meshes found by :func:`combine_replica_meshes`);
+    plain tensors -> grid decls on a one-rank mesh (replicas found per key by
+    :func:`plain_replica_groups`); Sharded -> explicit decls."""
     tensors: list[torch.Tensor] = []
     grid: list[GridDecl] = []
+    plain: list[GridDecl] = []
     own = Mesh(("rank",), (1,), (rank,))
     for leaf in flat.tensors:
         t = leaf.obj
@@ -109,7 +124,7 @@ def classify(flat: FlatState, rank: int) -> tuple[list[GridDecl], list[ExplicitD
             local = t
             layout, coord = GridLayout(own, (Replicate(),), tuple(t.shape)), (0,)
         tensors.append(local)
-        grid.append(
+        (grid if is_dtensor(t) else plain).append(
             GridDecl(len(tensors) - 1, leaf.key, dtype_name(t.dtype), t.dtype.itemsize, tuple(local.shape), layout, coord)
         )
     explicit: list[ExplicitDecl] = []
@@ -120,7 +135,7 @@ def classify(flat: FlatState, rank: int) -> tuple[list[GridDecl], list[ExplicitD
             ExplicitDecl(len(tensors) - 1, dtype_name(s.local.dtype), s.local.dtype.itemsize, tuple(s.local.shape), s.pieces,
                          s.rule)
         )
-    return grid, explicit, tensors
+    return grid, plain, explicit, tensors
 
 
 def mesh_reports(grid: list[GridDecl]) -> list[MeshReport]:
@@ -154,6 +169,45 @@ def apply_replica_meshes(grid: list[GridDecl], combined: dict[str, tuple[Mesh, i
     return out
 
 
+def plain_descs(plain: list[GridDecl]) -> tuple[PlainDesc, ...]:
+    return tuple(sorted((d.key, d.dtype, tuple(d.layout.shape)) for d in plain))
+
+
+def _plain_hash(plain: list[GridDecl]) -> str | None:
+    return hashlib.sha256(repr(plain_descs(plain)).encode()).hexdigest()[:32] if plain else None
+
+
+def agree_plain_replicas(plain: list[GridDecl], hashes: list[str | None], comm: Comm) -> dict[str, tuple[int, ...]]:
+    """``key -> holder ranks`` of the plain tensors two or more ranks hold. Collective when ranks
+    hold different sets of plain tensors (then every rank enters one more all-gather, in which the
+    first rank holding each distinct set sends it); every rank computes the same answer."""
+    distinct = sorted({h for h in hashes if h is not None})
+    ranks_of = {h: tuple(r for r, x in enumerate(hashes) if x == h) for h in distinct}
+    if len(distinct) <= 1:
+        holders = ranks_of[distinct[0]] if distinct else ()
+        return {d.key: holders for d in plain} if len(holders) > 1 else {}
+    mine = hashes[comm.rank]
+    first = mine is not None and ranks_of[mine][0] == comm.rank
+    sets = comm.all_gather(plain_descs(plain) if first else None)
+    return plain_replica_groups([(sets[ranks_of[h][0]], ranks_of[h]) for h in distinct])
+
+
+def apply_plain_groups(plain: list[GridDecl], groups: dict[str, tuple[int, ...]], rank: int) -> list[GridDecl]:
+    """Move plain tensors held by several ranks onto the mesh of their holders (Replicate)."""
+    out, positions = [], {}
+    for d in plain:
+        holders = groups.get(d.key)
+        if holders is None:
+            out.append(d)
+            continue
+        where = positions.get(holders)
+        if where is None:
+            where = positions[holders] = (plain_group_mesh(holders), holders.index(rank))
+        layout = GridLayout(where[0], (Replicate(), Replicate()), d.layout.shape)
+        out.append(replace(d, layout=layout, coord=(where[1], 0)))
+    return out
+
+
 def encode_values(flat: FlatState) -> tuple[dict[str, Any], dict[str, Any], tuple[str, ...]]:
     values = {leaf.key: encode_value(leaf.obj, leaf.key) for leaf in flat.values}
     per_rank: dict[str, Any] = {}
@@ -165,23 +219,44 @@ def encode_values(flat: FlatState) -> tuple[dict[str, Any], dict[str, Any], tupl
     return values, per_rank, tuple(sorted(per_rank))
 
 
-def check_target(store: ByteStore) -> None:
-    """Rank 0, before anything is written: refuse a committed target, clear a crashed one."""
+@dataclass(frozen=True)
+class Target:
+    """A save attempt's target, as rank 0 found it: the attempt's id, and whether objects of
+    other (crashed or concurrent) attempts were there."""
+
+    attempt: str
+    leftovers: bool
+
+
+def check_target(store: ByteStore) -> Target:
+    """Rank 0, before anything is written: refuse a committed target or a folder that is not a
+    checkpoint's, and name this attempt.
+
+    Leftovers of other attempts are left alone: one may be a crashed save, but one may be another
+    job saving the same step right now, and deleting its objects would corrupt its checkpoint.
+    Whichever attempt commits removes the others' objects (:func:`remove_other_attempts`)."""
     if store.exists(MANIFEST_NAME):
         raise SaveError(
             f"{store.url} already holds a committed checkpoint; ckptkit never overwrites one "
             "(save to a new path, or delete it first)"
         )
-    if store.list_children():
-        removed = remove_uncommitted(store)
-        if removed:
-            log.warning("removed %d leftover objects of an uncommitted save at %s", len(removed), store.url)
+    leftovers = bool(store.list_children())
+    if leftovers:
+        foreign = foreign_keys(store)
+        if foreign:
+            shown = ", ".join(foreign[:5]) + (" ..." if len(foreign) > 5 else "")
+            raise SaveError(
+                f"{store.url} is not empty and holds files ckptkit did not write ({shown}); "
+                "refusing to save there (is it a run directory rather than a checkpoint path?)"
+            )
+    return Target(new_attempt(), leftovers)
 
 
 def classify_state(flat: FlatState, rank: int) -> Classified:
-    grid, explicit, tensors = classify(flat, rank)
+    grid, plain, explicit, tensors = classify(flat, rank)
     values, per_rank_values, per_rank_keys = encode_values(flat)
-    return Classified(grid, explicit, tensors, values, per_rank_values, per_rank_keys, structure_fingerprint(grid, explicit))
+    return Classified(grid, plain, explicit, tensors, values, per_rank_values, per_rank_keys,
+                      structure_fingerprint(grid + plain, explicit))
 
 
 def structure_fingerprint(grid: list[GridDecl], explicit: list[ExplicitDecl]) -> str:
@@ -203,13 +278,16 @@ def plan_collective(cls: Classified | None, failure: Outcome, comm: Comm, where:
     all-gather, so every rank raises it. A planning error after the gather is
     returned, to be carried to the commit gather, so no rank is left waiting.
     """
-    first = Outcome(True, mesh_reports(cls.grid)) if cls is not None and failure.ok else failure
+    first = (Outcome(True, (mesh_reports(cls.grid), _plain_hash(cls.plain)))
+             if cls is not None and failure.ok else failure)
     outcomes = comm.all_gather(first)
     _raise_failures(outcomes, comm.rank, where, "preparation")
     assert cls is not None
     try:
-        combined = combine_replica_meshes([o.payload for o in outcomes])
-        return plan_save(comm.rank, apply_replica_meshes(cls.grid, combined), cls.explicit), Outcome(True)
+        groups = agree_plain_replicas(cls.plain, [o.payload[1] for o in outcomes], comm)
+        combined = combine_replica_meshes([o.payload[0] for o in outcomes])
+        decls = apply_replica_meshes(cls.grid, combined) + apply_plain_groups(cls.plain, groups, comm.rank)
+        return plan_save(comm.rank, decls, cls.explicit), Outcome(True)
     except CkptkitError as exc:
         return None, _fail(exc)
 
@@ -219,16 +297,17 @@ def bind(plan: SavePlan, cls: Classified) -> Prepared:
     return Prepared(plan, cls.tensors, cls.values, cls.per_rank_values, cls.per_rank_keys)
 
 
-def check_target_collective(store: ByteStore, comm: Comm) -> None:
-    """Rank 0 checks the target (refuses a committed one, clears leftovers); all raise on failure."""
+def check_target_collective(store: ByteStore, comm: Comm) -> Target:
+    """Rank 0 checks the target and names the attempt; all raise on failure, all learn the attempt."""
     outcome = Outcome(True)
     if comm.rank == 0:
         try:
-            check_target(store)
+            outcome = Outcome(True, check_target(store))
         except (CkptkitError, OSError) as exc:
             outcome = _fail(exc)
     outcome = comm.broadcast(outcome)
     _raise_failures([outcome], comm.rank, store.url, "preparation")
+    return outcome.payload
 
 
 def persist(
@@ -251,7 +330,7 @@ def write_index(prep: Prepared, store: ByteStore, block: int, entries: list) -> 
     """Write this rank's index (after its data is durable) and the report for the coordinator."""
     index = Index(prep.plan.rank, block, dict(prep.plan.objects), entries, prep.per_rank_values)
     data = index.to_json_bytes()
-    key = index_object_key(prep.plan.rank)
+    key = index_object_key(prep.plan.rank, prep.attempt)
     store.put_bytes(key, data)
     return RankReport(
         prep.plan.rank,
@@ -265,12 +344,17 @@ def write_index(prep: Prepared, store: ByteStore, block: int, entries: list) -> 
 
 def commit(
     report: Outcome, prep: Prepared | None, store: ByteStore, comm: Comm, metadata: dict[str, Any] | None,
-    deadline: float | None = None,
+    deadline: float | None = None, target: Target | None = None,
 ) -> int:
-    """Gather reports, merge, publish the manifest; return the checkpoint's total bytes. Collective."""
+    """Gather reports and values, merge, publish the manifest; return the checkpoint's total bytes.
+    Collective (an all-gather of value digests, a gather, a broadcast)."""
     object_bytes = sum(prep.plan.objects.values()) if prep is not None else 0
-    gathered = comm.gather((report, prep.plan.nbytes if prep is not None else 0, object_bytes))
+    values = prep.values if prep is not None else {}
+    digests = comm.all_gather(_values_digest(values))
+    send = values if digests.index(digests[comm.rank]) == comm.rank else None  # each distinct set once
+    gathered = comm.gather((report, prep.plan.nbytes if prep is not None else 0, object_bytes, send))
     outcome: Outcome
+    attempt = target.attempt if target is not None else None
     if comm.rank == 0:
         assert gathered is not None
         try:
@@ -286,25 +370,50 @@ def commit(
                 "stored_bytes": stored,  # data objects (with alignment) and indexes, without the manifest
                 "user": encode_value(dict(metadata or {}), "metadata"),
             }
+            agreed, rank_values = merge_values(_value_groups(digests, [g[3] for g in gathered]))
             manifest = merge_reports(
                 [g[0].payload for g in gathered],
                 world_size=comm.world_size,
-                values=prep.values if prep is not None else {},
+                values=agreed,
+                rank_values=rank_values,
                 meta=meta,
                 parallel=None,
                 where=store.url,
+                attempt=attempt,
             )
+            if rank_values:
+                log.warning("%s: values %s differ between ranks; each rank's own value is stored and restored to it "
+                            "(wrap such values in ckptkit.PerRank to say so)", store.url, sorted(rank_values)[:5])
             publish(store, manifest.to_json_bytes())
             outcome = Outcome(True, total)
         except (CkptkitError, OSError) as exc:
             outcome = _fail(exc)
-            _clean_up_failed(store)
+            _clean_up_failed(store, attempt)
+        else:
+            if target is not None and target.leftovers:
+                _remove_other_attempts(store, target.attempt)
     else:
         outcome = Outcome(True)
     outcome = comm.broadcast(outcome)
     if not outcome.ok:
         raise SaveError(outcome.error if outcome.error.startswith("saving") else f"saving {store.url} failed: {outcome.error}")
     return int(outcome.payload)
+
+
+def _values_digest(values: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(values, separators=(",", ":"), allow_nan=False).encode()).hexdigest()
+
+
+def _value_groups(digests: list[str], sent: list[dict[str, Any] | None]) -> list[tuple[dict[str, Any], tuple[int, ...]]]:
+    """The distinct value sets of the world and the ranks holding each (one rank sent each)."""
+    groups: dict[str, tuple[dict[str, Any], list[int]]] = {}
+    for rank, digest in enumerate(digests):
+        if digest not in groups:
+            values = sent[rank]
+            assert values is not None  # the first rank with each digest sends its values
+            groups[digest] = (values, [])
+        groups[digest][1].append(rank)
+    return [(v, tuple(r)) for v, r in groups.values()]
 
 
 def publish(store: ByteStore, manifest: bytes) -> None:
@@ -325,13 +434,24 @@ def publish(store: ByteStore, manifest: bytes) -> None:
     raise SaveError(f"{store.url}: another writer committed this checkpoint first")
 
 
-def _clean_up_failed(store: ByteStore) -> None:
-    """Best effort, never raising: the outcome must still reach every rank."""
+def _clean_up_failed(store: ByteStore, attempt: str | None) -> None:
+    """Best effort, never raising: the outcome must still reach every rank. Removes this
+    attempt's objects only — a racing writer's (committed or not) are not ours."""
+    if attempt is None:
+        return
     try:
-        if not store.exists(MANIFEST_NAME):
-            remove_uncommitted(store)  # an uncommitted save leaves nothing behind
+        remove_attempt(store, attempt)
     except (CkptkitError, OSError) as exc:
         log.warning("could not clean up the failed save at %s: %s", store.url, exc)
+
+
+def _remove_other_attempts(store: ByteStore, attempt: str) -> None:
+    try:
+        removed = remove_other_attempts(store, attempt)
+        if removed:
+            log.info("removed %d objects of other save attempts at %s", len(removed), store.url)
+    except (CkptkitError, OSError) as exc:
+        log.warning("could not remove leftovers of other save attempts at %s: %s", store.url, exc)
 
 
 def save_state(
@@ -350,14 +470,14 @@ def save_state(
     except (CkptkitError, OSError) as exc:
         failure = _fail(exc)
     plan, report = plan_collective(cls, failure, comm, store.url)
-    check_target_collective(store, comm)
-    prep = bind(plan, cls) if plan is not None and cls is not None else None
+    target = check_target_collective(store, comm)
+    prep = bind(plan, cls).for_attempt(target.attempt) if plan is not None and cls is not None else None
     if prep is not None:
         try:
             report = Outcome(True, persist(prep, store, block))
         except (CkptkitError, OSError) as exc:
             report = _fail(exc)
-    total = commit(report, prep, store, comm, metadata, deadline)
+    total = commit(report, prep, store, comm, metadata, deadline, target)
     assert prep is not None  # commit raised otherwise
     seconds = time.perf_counter() - t0
     log.info(

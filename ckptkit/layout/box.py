@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from math import prod
 
 from ckptkit.errors import LayoutError
+from ckptkit.layout.strict_json import MAX_LAYOUT_INT
 
 
 def row_major_strides(sizes: tuple[int, ...]) -> tuple[int, ...]:
@@ -96,9 +97,13 @@ class Box:
             not isinstance(value, list)
             or len(value) != 2
             or not all(isinstance(v, list) for v in value)
-            or not all(isinstance(x, int) and not isinstance(x, bool) for v in value for x in v)
+            or not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= MAX_LAYOUT_INT
+                       for v in value for x in v)
+            or len(value[0]) > 64
         ):
-            raise LayoutError(f"expected a box [[offsets...], [sizes...]], got {value!r}")
+            text = repr(value)
+            raise LayoutError(f"expected a box [[offsets...], [sizes...]] of integers in [0, 2**62], got "
+                              f"{text if len(text) < 80 else text[:77] + '...'}")
         return Box(tuple(value[0]), tuple(value[1]))
 
 
@@ -167,9 +172,10 @@ class Region:
             if (
                 not isinstance(flat, list)
                 or len(flat) != 2
-                or not all(isinstance(x, int) and not isinstance(x, bool) for x in flat)
+                or not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= MAX_LAYOUT_INT for x in flat)
             ):
-                raise LayoutError(f"expected a flat range [start, stop], got {flat!r}")
+                text = repr(flat)
+                raise LayoutError(f"expected a flat range [start, stop], got {text if len(text) < 80 else text[:77] + '...'}")
             flat = (flat[0], flat[1])
         return Region(Box.from_json(value["box"]), flat)
 

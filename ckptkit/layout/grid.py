@@ -27,8 +27,9 @@ from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from math import prod
 
-from ckptkit.errors import LayoutError
+from ckptkit.errors import LayoutError, ManifestError
 from ckptkit.layout.box import Box
+from ckptkit.layout.strict_json import MAX_WORLD, as_dict, as_int, as_ints, as_list, as_str
 
 # (global_start, local_start, length): a contiguous stretch of one tensor
 # dimension and where it sits in the local tensor's dimension.
@@ -92,18 +93,24 @@ class Mesh:
         return {"dims": list(self.dims), "shape": list(self.shape), "ranks": ranks}
 
     @staticmethod
-    def from_json(value: object) -> Mesh:
+    def from_json(value: object, max_ranks: int = MAX_WORLD) -> Mesh:
+        """Parse a mesh; ``max_ranks`` (the world size) bounds its size before any rank list is built."""
         try:
-            dims = tuple(str(d) for d in value["dims"])  # type: ignore[index]
-            shape = tuple(int(s) for s in value["shape"])  # type: ignore[index]
-            ranks_v = value["ranks"]  # type: ignore[index]
+            doc = as_dict(value, "mesh")
+            dims = tuple(as_str(d, "mesh dims") for d in as_list(doc.get("dims"), "mesh dims"))
+            shape = as_ints(doc.get("shape"), "mesh shape", minimum=1, maximum=max_ranks, max_len=64)
+            size = prod(shape)
+            if size > max_ranks:
+                raise LayoutError(f"mesh of shape {list(shape)} has {size} ranks, more than the world of {max_ranks}")
+            ranks_v = doc.get("ranks")
             if isinstance(ranks_v, dict):
-                start, step = int(ranks_v["start"]), int(ranks_v["step"])
-                ranks = tuple(start + i * step for i in range(prod(shape)))
+                start = as_int(ranks_v.get("start"), "mesh ranks start", minimum=0, maximum=max_ranks)
+                step = as_int(ranks_v.get("step"), "mesh ranks step", minimum=1, maximum=max_ranks)
+                ranks = tuple(start + i * step for i in range(size))
             else:
-                ranks = tuple(int(r) for r in ranks_v)
-        except (KeyError, TypeError, ValueError) as exc:
-            raise LayoutError(f"malformed mesh {value!r}: {exc}") from None
+                ranks = as_ints(ranks_v, "mesh ranks", minimum=0, maximum=max_ranks, max_len=size)
+        except ManifestError as exc:
+            raise LayoutError(f"malformed mesh: {exc}") from None
         return Mesh(dims, shape, ranks)
 
 
@@ -169,14 +176,16 @@ def placement_from_json(v: object) -> Placement:
     try:
         if v == ["r"]:
             return Replicate()
-        if isinstance(v, list) and v[0] == "on" and len(v) == 2:
-            return On(int(v[1]))
-        if isinstance(v, list) and v[0] == "s" and 2 <= len(v) <= 4:
-            sizes = tuple(int(s) for s in v[3]) if len(v) == 4 else None
-            return Shard(int(v[1]), int(v[2]) if len(v) >= 3 else 1, sizes)
-    except (TypeError, ValueError, IndexError):
+        if isinstance(v, list) and len(v) == 2 and v[0] == "on":
+            return On(as_int(v[1], "placement", minimum=0))
+        if isinstance(v, list) and 2 <= len(v) <= 4 and v[0] == "s":
+            sizes = as_ints(v[3], "shard sizes", minimum=0) if len(v) == 4 else None
+            return Shard(as_int(v[1], "shard axis", minimum=0, maximum=64),
+                         as_int(v[2], "split factor", minimum=1) if len(v) >= 3 else 1, sizes)
+    except ManifestError:
         pass
-    raise LayoutError(f"unknown placement {v!r}")
+    text = repr(v)
+    raise LayoutError(f"unknown placement {text if len(text) < 80 else text[:77] + '...'}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -402,13 +411,15 @@ class GridLayout:
     @staticmethod
     def from_json(value: dict, mesh: Mesh, shape: tuple[int, ...]) -> GridLayout:
         try:
-            placements = tuple(placement_from_json(p) for p in value["placements"])
-            padded = tuple(int(x) for x in value["padded"]) if "padded" in value else None
+            placements = tuple(placement_from_json(p) for p in as_list(value.get("placements"), "placements"))
+            padded = as_ints(value["padded"], "padded shape", minimum=0) if "padded" in value else None
             fused = None
             if "fused" in value:
-                fused = Fused(int(value["fused"]["axis"]), tuple(int(x) for x in value["fused"]["parts"]))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise LayoutError(f"malformed grid layout {value!r}: {exc}") from None
+                fdoc = as_dict(value["fused"], "fused")
+                fused = Fused(as_int(fdoc.get("axis"), "fused axis", minimum=0, maximum=64),
+                              as_ints(fdoc.get("parts"), "fused parts", minimum=0))
+        except ManifestError as exc:
+            raise LayoutError(f"malformed grid layout: {exc}") from None
         return GridLayout(mesh, placements, shape, padded, fused)
 
 

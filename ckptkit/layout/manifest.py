@@ -9,9 +9,16 @@ fails with a message that names the file and the field.
   grid rule for DTensor / rule-based tensors, or the directory of stored
   pieces for explicitly declared ones — the digest of every index file, and
   the replicated non-tensor state.
-* An **index** (``index/rank-00007.json``) lists the pieces one rank wrote:
-  object, byte offset and length, and a CRC32C per block of each piece, plus
-  that rank's per-rank values (RNG states, data-loader positions).
+* An **index** (``index/rank-00007-<attempt>.json``) lists the pieces one
+  rank wrote: object, byte offset and length, and a CRC32C per block of each
+  piece, plus that rank's per-rank values (RNG states, data-loader positions).
+
+Every byte a load can return is covered by a digest or checksum: data by the
+CRC32Cs in the indexes, each index by the SHA-256 the manifest records, and
+the manifest itself (values, layouts, metadata — format version 2) by a
+SHA-256 of its own body, sealed as its last field (:func:`seal`), so a flipped
+bit anywhere is found before anything is trusted. Version-1 manifests (no
+seal) are still read.
 """
 
 from __future__ import annotations
@@ -22,15 +29,37 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptkit.errors import LayoutError, ManifestError, UnsafePathError, UnsupportedVersionError
+from ckptkit.errors import (
+    CorruptCheckpointError,
+    CoverageError,
+    LayoutError,
+    ManifestError,
+    UnsafePathError,
+    UnsupportedVersionError,
+)
 from ckptkit.layout.box import Box, Region
+from ckptkit.layout.coverage import check_coverage
 from ckptkit.layout.grid import GridLayout, Mesh
 from ckptkit.layout.rules import PartitionRule
+from ckptkit.layout.strict_json import (
+    MAX_WORLD,
+    as_dict,
+    as_int,
+    as_list,
+    check_depth,
+    check_text,
+    load_json,
+)
 
 FORMAT = "ckptkit"
 INDEX_FORMAT = "ckptkit-index"
-VERSION = 1
+VERSION = 2  # manifests written now: sealed by their own digest, attempt-named objects, rank_values
+READ_VERSIONS = (1, 2)  # manifests this ckptkit reads
+INDEX_VERSION = 1  # the index format is unchanged since version 1
 MANIFEST_NAME = "manifest.json"
+SEAL_FIELD = "manifest_sha256"
+MAX_NDIM = 64  # dimensions of a tensor (torch supports fewer)
+_SEAL = re.compile(rb',"' + SEAL_FIELD.encode() + rb'":"([0-9a-f]{64})"\}$')
 
 # Every dtype a manifest may name, with its bytes per element (so metadata-only
 # tools never need torch to size a tensor).
@@ -39,6 +68,32 @@ DTYPES: dict[str, int] = {
     "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1, "complex64": 8, "complex128": 16,
 }
 _SAFE_KEY = re.compile(r"^[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*$")
+
+
+def seal(body: bytes) -> bytes:
+    """``body`` (a compact JSON object) with the SHA-256 of its bytes appended as its last field.
+
+    The file stays plain JSON (``jq`` reads it); the digest covers every byte of the body
+    exactly as written, so no re-serialisation is involved in checking it."""
+    if not body.endswith(b"}") or body == b"{}":
+        raise ValueError("seal needs a non-empty compact JSON object")
+    return body[:-1] + b',"' + SEAL_FIELD.encode() + b'":"' + sha256_hex(body).encode() + b'"}'
+
+
+def unseal(data: bytes, where: str) -> tuple[bytes, bool]:
+    """The body of a sealed manifest and True; or ``data`` unchanged and False if it has no seal.
+
+    CorruptCheckpointError when the seal is there but the body does not match it."""
+    m = _SEAL.search(data, max(0, len(data) - 100))
+    if m is None:
+        return data, False
+    body = data[:m.start()] + b"}"
+    if sha256_hex(body) != m.group(1).decode():
+        raise CorruptCheckpointError(
+            f"{where}: the manifest does not match its own digest ({SEAL_FIELD}): it was damaged after it "
+            "was written (a flipped bit, a partial overwrite)"
+        )
+    return body, True
 
 
 def check_object_key(key: object, where: str) -> str:
@@ -60,20 +115,28 @@ class ExplicitLayout:
     """
 
     def __init__(self, pieces: tuple[tuple[Region, int], ...] | None = None, *, raw: Any = None,
-                 shape: tuple[int, ...] = (), world: int = 0, where: str = "") -> None:
+                 shape: tuple[int, ...] = (), world: int = 0, where: str = "", key: str = "") -> None:
         self._pieces = pieces
-        self._raw = (raw, shape, world, where)
+        self._raw = (raw, shape, world, where, key)
 
     @staticmethod
-    def from_json(raw: Any, shape: tuple[int, ...], world: int, where: str) -> ExplicitLayout:
-        _list(raw, f"{where}: pieces")
-        return ExplicitLayout(raw=raw, shape=shape, world=world, where=where)
+    def from_json(raw: Any, shape: tuple[int, ...], world: int, where: str, key: str = "") -> ExplicitLayout:
+        as_list(raw, f"{where}: pieces")
+        return ExplicitLayout(raw=raw, shape=shape, world=world, where=where, key=key)
 
     @property
     def pieces(self) -> tuple[tuple[Region, int], ...]:
+        """The stored pieces; parsed from the manifest on first use and checked to cover the tensor
+        exactly once (so no read path can leave an element unfilled or fill one twice)."""
         if self._pieces is None:
-            self._pieces = _parse_pieces(*self._raw)
-            self._raw = (None, (), 0, "")
+            raw, shape, world, where, key = self._raw
+            pieces = _parse_pieces(raw, shape, world, f"{where}: tensor {key!r}")
+            try:
+                check_coverage(key, shape, pieces, where)
+            except CoverageError as exc:
+                raise CoverageError(f"{exc} (the manifest is damaged)") from None
+            self._pieces = pieces
+            self._raw = (None, (), 0, "", "")
         return self._pieces
 
     def __eq__(self, other: object) -> bool:
@@ -93,13 +156,13 @@ class ExplicitLayout:
 def _parse_pieces(raw: Any, shape: tuple[int, ...], world: int, where: str) -> tuple[tuple[Region, int], ...]:
     pieces = []
     try:
-        for item in _list(raw, f"{where}: pieces"):
+        for item in as_list(raw, f"{where}: pieces"):
             if not isinstance(item, list) or len(item) != 4:
-                raise ManifestError(f"{where}: malformed piece {item!r}")
+                raise ManifestError(f"{where}: malformed piece {_short(item)}")
             region = Region.from_json({"box": [item[0], item[1]], "flat": item[2]})
             if not region.box.within(shape):
                 raise ManifestError(f"{where}: piece {region.to_json()} is outside shape {list(shape)}")
-            writer = _int(item[3], f"{where}: writer rank", minimum=0)
+            writer = as_int(item[3], f"{where}: writer rank", minimum=0)
             if writer >= world:
                 raise ManifestError(f"{where}: piece written by rank {writer} in a world of {world}")
             pieces.append((region, writer))
@@ -163,6 +226,11 @@ class IndexRef:
 
 @dataclass
 class Manifest:
+    """A committed checkpoint's metadata. ``values`` are the non-tensor values every rank that
+    held them agreed on (JSON-encoded); ``rank_values`` are values whose holders disagreed, kept
+    per rank: ``key -> ((encoded value, ranks holding it), ...)``. ``attempt`` names the save
+    attempt whose objects the checkpoint references."""
+
     world_size: int
     tensors: dict[str, TensorMeta]
     indexes: dict[int, IndexRef]
@@ -171,8 +239,11 @@ class Manifest:
     parallel: str | None = None
     meta: dict[str, Any] = field(default_factory=dict)
     version: int = VERSION
+    attempt: str | None = None
+    rank_values: dict[str, tuple[tuple[Any, tuple[int, ...]], ...]] = field(default_factory=dict)
 
-    def to_json_bytes(self) -> bytes:
+    def to_doc(self) -> dict[str, Any]:
+        """The manifest as a JSON document (unsealed; :meth:`to_json_bytes` is what is stored)."""
         meshes: dict[Mesh, str] = {}
         tensors = {}
         for key, t in self.tensors.items():
@@ -194,80 +265,168 @@ class Manifest:
             tensors[key] = entry
         doc = {
             "format": FORMAT,
-            "version": self.version,
+            "version": VERSION,
             "world_size": self.world_size,
             "parallel": self.parallel,
+            "attempt": self.attempt,
             "meta": self.meta,
             "meshes": {mid: m.to_json() for m, mid in meshes.items()},
             "tensors": tensors,
             "indexes": [[r.rank, r.key, r.size, r.sha256] for r in sorted(self.indexes.values(), key=lambda r: r.rank)],
             "values": self.values,
+            "rank_values": {k: [[v, list(ranks)] for v, ranks in groups] for k, groups in self.rank_values.items()},
             "per_rank_keys": list(self.per_rank_keys),
         }
-        return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+        return doc
+
+    def to_json_bytes(self) -> bytes:
+        """The stored form: compact JSON, sealed by the SHA-256 of its body."""
+        return seal(json.dumps(self.to_doc(), separators=(",", ":"), allow_nan=False).encode())
 
     @staticmethod
     def from_json_bytes(data: bytes, where: str) -> Manifest:
-        doc = _load_json(data, where)
-        _check_header(doc, FORMAT, where)
-        world = _int(doc.get("world_size"), f"{where}: world_size", minimum=1)
-        meshes_doc = _dict(doc.get("meshes", {}), f"{where}: meshes")
+        """Parse a stored manifest: check its seal (version 2), then every field."""
+        body, sealed = unseal(data, where)
+        doc = load_json(body, where)
+        if not sealed and doc.get("version") != 1 and doc.get("format") == FORMAT and doc.get("version") in READ_VERSIONS:
+            raise CorruptCheckpointError(f"{where}: a version-{doc.get('version')} manifest without its digest "
+                                         f"({SEAL_FIELD}): it is damaged or was edited")
+        return Manifest._from_checked_doc(doc, where, complete=True)
+
+    @staticmethod
+    def from_doc(doc: dict, where: str) -> Manifest:
+        """Parse a manifest document already loaded from JSON (e.g. embedded, without its index
+        list, in a zarr export)."""
+        check_depth(as_dict(doc, where), where, strings=True)
+        return Manifest._from_checked_doc(doc, where, complete=False)
+
+    @staticmethod
+    def _from_checked_doc(doc: dict, where: str, complete: bool) -> Manifest:
+        _check_header(doc, FORMAT, where, READ_VERSIONS)
+        world = as_int(doc.get("world_size"), f"{where}: world_size", minimum=1, maximum=MAX_WORLD)
+        indexes = _indexes_from_json(doc.get("indexes"), world, where)
+        if complete and len(indexes) != world:
+            raise ManifestError(f"{where}: the manifest lists the indexes of {len(indexes)} ranks; the checkpoint "
+                                f"was saved by {world} ranks and every rank writes one")
+        # Meshes may be written compactly ({"start", "step"}); bound what parsing them materialises
+        # by what the document itself holds (a stored manifest lists an index per rank).
+        budget = 16 * world + 65536 if complete else 1 << 20
         meshes = {}
-        for mid, mdoc in meshes_doc.items():
+        for mid, mdoc in as_dict(doc.get("meshes", {}), f"{where}: meshes").items():
             try:
-                meshes[mid] = Mesh.from_json(mdoc)
+                meshes[mid] = Mesh.from_json(mdoc, max_ranks=min(world, budget))
             except LayoutError as exc:
                 raise ManifestError(f"{where}: mesh {mid!r}: {exc}") from None
+            budget -= meshes[mid].size
             if max(meshes[mid].ranks) >= world:
                 raise ManifestError(f"{where}: mesh {mid!r} has ranks outside the world of {world}")
         tensors = {}
-        for key, tdoc in _dict(doc.get("tensors"), f"{where}: tensors").items():
-            tensors[key] = _tensor_from_json(key, tdoc, meshes, world, f"{where}: tensor {key!r}")
-        indexes = {}
-        for item in _list(doc.get("indexes"), f"{where}: indexes"):
-            if not isinstance(item, list) or len(item) != 4:
-                raise ManifestError(f"{where}: malformed index entry {item!r}")
-            rank = _int(item[0], f"{where}: index rank", minimum=0)
-            if rank >= world:
-                raise ManifestError(f"{where}: index for rank {rank} in a world of {world}")
-            ikey = check_object_key(item[1], f"{where}: index of rank {rank}")
-            size = _int(item[2], f"{where}: index size", minimum=0)
-            if not isinstance(item[3], str) or not re.fullmatch(r"[0-9a-f]{64}", item[3]):
-                raise ManifestError(f"{where}: index of rank {rank} has a malformed sha256")
-            indexes[rank] = IndexRef(rank, ikey, size, item[3])
-        values = _dict(doc.get("values", {}), f"{where}: values")
-        per_rank = tuple(str(k) for k in _list(doc.get("per_rank_keys", []), f"{where}: per_rank_keys"))
+        for key, tdoc in as_dict(doc.get("tensors"), f"{where}: tensors").items():
+            tensors[_state_key(key, f"{where}: tensors")] = _tensor_from_json(key, tdoc, meshes, world, where)
+        values = as_dict(doc.get("values", {}), f"{where}: values")
+        for key in values:
+            _state_key(key, f"{where}: values")
+        rank_values = _rank_values_from_json(doc.get("rank_values", {}), world, f"{where}: rank_values")
+        per_rank = tuple(_state_key(k, f"{where}: per_rank_keys")
+                         for k in as_list(doc.get("per_rank_keys", []), f"{where}: per_rank_keys"))
         parallel = doc.get("parallel")
         if parallel is not None and not isinstance(parallel, str):
             raise ManifestError(f"{where}: parallel must be a string")
-        meta = _dict(doc.get("meta", {}), f"{where}: meta")
-        return Manifest(world, tensors, indexes, values, per_rank, parallel, meta, doc["version"])
+        attempt = doc.get("attempt")
+        if attempt is not None and (not isinstance(attempt, str) or not re.fullmatch(r"[0-9a-f]{12}", attempt)):
+            raise ManifestError(f"{where}: malformed save attempt id {_short(attempt)}")
+        meta = as_dict(doc.get("meta", {}), f"{where}: meta")
+        _check_disjoint_keys(tensors, values, rank_values, per_rank, where)
+        return Manifest(world, tensors, indexes, values, per_rank, parallel, meta, doc["version"], attempt, rank_values)
 
 
-def _tensor_from_json(key: str, tdoc: Any, meshes: dict[str, Mesh], world: int, where: str) -> TensorMeta:
-    tdoc = _dict(tdoc, where)
+def _indexes_from_json(raw: Any, world: int, where: str) -> dict[int, IndexRef]:
+    indexes: dict[int, IndexRef] = {}
+    for item in as_list(raw, f"{where}: indexes"):
+        if not isinstance(item, list) or len(item) != 4:
+            raise ManifestError(f"{where}: malformed index entry {_short(item)}")
+        rank = as_int(item[0], f"{where}: index rank", minimum=0)
+        if rank >= world:
+            raise ManifestError(f"{where}: index for rank {rank} in a world of {world}")
+        if rank in indexes:
+            raise ManifestError(f"{where}: two index entries for rank {rank}")
+        ikey = check_object_key(item[1], f"{where}: index of rank {rank}")
+        size = as_int(item[2], f"{where}: index size", minimum=0)
+        if not isinstance(item[3], str) or not re.fullmatch(r"[0-9a-f]{64}", item[3]):
+            raise ManifestError(f"{where}: index of rank {rank} has a malformed sha256")
+        indexes[rank] = IndexRef(rank, ikey, size, item[3])
+    return indexes
+
+
+def _rank_values_from_json(raw: Any, world: int, where: str) -> dict[str, tuple[tuple[Any, tuple[int, ...]], ...]]:
+    out: dict[str, tuple[tuple[Any, tuple[int, ...]], ...]] = {}
+    for key, groups in as_dict(raw, where).items():
+        _state_key(key, where)
+        seen: set[int] = set()
+        parsed = []
+        for group in as_list(groups, f"{where} {key!r}"):
+            if not isinstance(group, list) or len(group) != 2:
+                raise ManifestError(f"{where} {key!r}: malformed entry {_short(group)}")
+            ranks = tuple(as_int(r, f"{where} {key!r}: rank", minimum=0, maximum=world - 1)
+                          for r in as_list(group[1], f"{where} {key!r}: ranks"))
+            if seen.intersection(ranks) or len(set(ranks)) != len(ranks):
+                raise ManifestError(f"{where} {key!r}: a rank is listed twice")
+            seen.update(ranks)
+            parsed.append((group[0], ranks))
+        out[key] = tuple(parsed)
+    return out
+
+
+def _check_disjoint_keys(tensors: dict, values: dict, rank_values: dict, per_rank: tuple[str, ...], where: str) -> None:
+    """One state key is one kind of thing — a tensor, a value, or a per-rank value — or a load could
+    not say which to return."""
+    owner: dict[str, str] = {}
+    for kind, keys in (("tensor", tensors), ("value", values), ("per-rank value", rank_values)):
+        for k in keys:
+            if owner.setdefault(k, kind) != kind:
+                raise ManifestError(f"{where}: state key {k!r} is recorded as both a {owner[k]} and a {kind}")
+    for k in per_rank:
+        if k in owner:
+            raise ManifestError(f"{where}: state key {k!r} is recorded as both a {owner[k]} and a per-rank value")
+
+
+def _state_key(key: str, where: str) -> str:
+    return check_text(key, where)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _tensor_from_json(key: str, tdoc: Any, meshes: dict[str, Mesh], world: int, file: str) -> TensorMeta:
+    where = f"{file}: tensor {key!r}"
+    tdoc = as_dict(tdoc, where)
     dtype = tdoc.get("dtype")
-    if dtype not in DTYPES:
-        raise ManifestError(f"{where}: unknown dtype {dtype!r}")
-    shape = tuple(_int(s, f"{where}: shape", minimum=0) for s in _list(tdoc.get("shape"), f"{where}: shape"))
-    ldoc = _dict(tdoc.get("layout"), f"{where}: layout")
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise ManifestError(f"{where}: unknown dtype {_short(dtype)}")
+    shape = tuple(as_int(s, f"{where}: shape", minimum=0) for s in as_list(tdoc.get("shape"), f"{where}: shape"))
+    if len(shape) > MAX_NDIM:
+        raise ManifestError(f"{where}: {len(shape)} dimensions, at most {MAX_NDIM} supported")
+    ldoc = as_dict(tdoc.get("layout"), f"{where}: layout")
     rule = None
     try:
         if "rule" in tdoc:
             rule = PartitionRule.from_json(tdoc["rule"])
         if ldoc.get("kind") == "grid":
-            mesh = meshes.get(ldoc.get("mesh"))  # type: ignore[arg-type]
+            mesh_id = ldoc.get("mesh")
+            mesh = meshes.get(mesh_id) if isinstance(mesh_id, str) else None
             if mesh is None:
-                raise ManifestError(f"{where}: layout names unknown mesh {ldoc.get('mesh')!r}")
+                raise ManifestError(f"{where}: layout names unknown mesh {_short(mesh_id)}")
             layout: GridLayout | ExplicitLayout = GridLayout.from_json(ldoc, mesh, shape)
-            rotation = _int(ldoc.get("rotation", 0), f"{where}: rotation", minimum=0)
+            rotation = as_int(ldoc.get("rotation", 0), f"{where}: rotation", minimum=0)
             return TensorMeta(key, dtype, shape, layout, rotation, rule)
         if ldoc.get("kind") == "explicit":
-            layout_e = ExplicitLayout.from_json(ldoc.get("pieces"), shape, world, where)
+            layout_e = ExplicitLayout.from_json(ldoc.get("pieces"), shape, world, file, key)
             return TensorMeta(key, dtype, shape, layout_e, 0, rule)
     except LayoutError as exc:
         raise ManifestError(f"{where}: {exc}") from None
-    raise ManifestError(f"{where}: unknown layout kind {ldoc.get('kind')!r}")
+    raise ManifestError(f"{where}: unknown layout kind {_short(ldoc.get('kind'))}")
 
 
 @dataclass(frozen=True)
@@ -289,7 +448,7 @@ class Index:
     objects: dict[str, int]
     entries: list[IndexEntry]
     values: dict[str, Any] = field(default_factory=dict)
-    version: int = VERSION
+    version: int = INDEX_VERSION
 
     def to_json_bytes(self) -> bytes:
         doc = {
@@ -312,22 +471,26 @@ class Index:
 
     @staticmethod
     def from_json_bytes(data: bytes, where: str) -> Index:
-        doc = _load_json(data, where)
-        _check_header(doc, INDEX_FORMAT, where)
-        rank = _int(doc.get("rank"), f"{where}: rank", minimum=0)
-        block = _int(doc.get("block"), f"{where}: block", minimum=1)
+        doc = load_json(data, where)
+        _check_header(doc, INDEX_FORMAT, where, (INDEX_VERSION,))
+        rank = as_int(doc.get("rank"), f"{where}: rank", minimum=0, maximum=MAX_WORLD)
+        block = as_int(doc.get("block"), f"{where}: block", minimum=1)
         objects: dict[str, int] = {}
-        for item in _list(doc.get("objects"), f"{where}: objects"):
+        for item in as_list(doc.get("objects"), f"{where}: objects"):
             if not isinstance(item, list) or len(item) != 2:
-                raise ManifestError(f"{where}: malformed object entry {item!r}")
-            objects[check_object_key(item[0], where)] = _int(item[1], f"{where}: object size", minimum=0)
+                raise ManifestError(f"{where}: malformed object entry {_short(item)}")
+            obj = check_object_key(item[0], where)
+            if obj in objects:
+                raise ManifestError(f"{where}: object {obj!r} is declared twice")
+            objects[obj] = as_int(item[1], f"{where}: object size", minimum=0)
         entries = []
-        for item in _list(doc.get("pieces"), f"{where}: pieces"):
+        for item in as_list(doc.get("pieces"), f"{where}: pieces"):
             if not isinstance(item, list) or len(item) != 8:
                 raise ManifestError(f"{where}: malformed piece entry")
             tensor = item[0]
             if not isinstance(tensor, str):
                 raise ManifestError(f"{where}: piece tensor key must be a string")
+            check_text(tensor, where)
             try:
                 region = Region.from_json({"box": [item[1], item[2]], "flat": item[3]})
             except LayoutError as exc:
@@ -335,22 +498,28 @@ class Index:
             obj = check_object_key(item[4], f"{where}: tensor {tensor!r}")
             if obj not in objects:
                 raise ManifestError(f"{where}: tensor {tensor!r} points into undeclared object {obj!r}")
-            offset = _int(item[5], f"{where}: offset", minimum=0)
-            nbytes = _int(item[6], f"{where}: nbytes", minimum=0)
+            offset = as_int(item[5], f"{where}: offset", minimum=0)
+            nbytes = as_int(item[6], f"{where}: nbytes", minimum=0)
             if offset + nbytes > objects[obj]:
                 raise ManifestError(
                     f"{where}: tensor {tensor!r} bytes [{offset}, {offset + nbytes}) exceed object {obj!r} "
                     f"of {objects[obj]} bytes"
                 )
-            crcs = tuple(_int(c, f"{where}: crc", minimum=0) for c in _list(item[7], f"{where}: crcs"))
-            if len(crcs) != max(1, -(-nbytes // block)):
-                raise ManifestError(f"{where}: tensor {tensor!r} has {len(crcs)} checksums for {nbytes} bytes")
+            crcs_raw = as_list(item[7], f"{where}: crcs")
+            if len(crcs_raw) != max(1, -(-nbytes // block)):
+                raise ManifestError(f"{where}: tensor {tensor!r} has {len(crcs_raw)} checksums for {nbytes} bytes")
+            crcs = tuple(as_int(c, f"{where}: crc", minimum=0, maximum=0xFFFFFFFF) for c in crcs_raw)
             entries.append(IndexEntry(tensor, region, obj, offset, nbytes, crcs))
+        seen: set[tuple] = set()
+        for e in entries:
+            if (e.tensor, e.region.key()) in seen:
+                raise ManifestError(f"{where}: piece {e.region.to_json()} of tensor {e.tensor!r} is listed twice")
+            seen.add((e.tensor, e.region.key()))
         spans = sorted((e.object, e.offset, e.offset + e.nbytes, e.tensor) for e in entries if e.nbytes)
         for (o1, _, end1, t1), (o2, start2, _, t2) in zip(spans, spans[1:]):
             if o1 == o2 and start2 < end1:
                 raise ManifestError(f"{where}: pieces of {t1!r} and {t2!r} overlap in object {o1!r}")
-        values = _dict(doc.get("values", {}), f"{where}: values")
+        values = as_dict(doc.get("values", {}), f"{where}: values")
         return Index(rank, block, objects, entries, values, doc["version"])
 
 
@@ -358,48 +527,16 @@ def sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _load_json(data: bytes, where: str) -> dict:
-    try:
-        doc = json.loads(data, parse_constant=_reject_constant)
-    except (UnicodeDecodeError, json.JSONDecodeError, ValueError) as exc:
-        raise ManifestError(f"{where}: not valid JSON ({exc})") from None
-    if not isinstance(doc, dict):
-        raise ManifestError(f"{where}: expected a JSON object")
-    return doc
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"non-standard JSON constant {name}")
-
-
-def _check_header(doc: dict, fmt: str, where: str) -> None:
+def _check_header(doc: dict, fmt: str, where: str, versions: tuple[int, ...]) -> None:
     if doc.get("format") != fmt:
-        raise ManifestError(f"{where}: format is {doc.get('format')!r}, expected {fmt!r}")
+        raise ManifestError(f"{where}: format is {_short(doc.get('format'))}, expected {fmt!r}")
     version = doc.get("version")
     if not isinstance(version, int) or isinstance(version, bool):
         raise ManifestError(f"{where}: missing format version")
-    if version != VERSION:
+    if version not in versions:
+        newest = max(versions)
         raise UnsupportedVersionError(
-            f"{where}: format version {version} is not supported by this ckptkit (reads version {VERSION}); "
-            + ("upgrade ckptkit" if version > VERSION else "convert it with an older ckptkit")
+            f"{where}: format version {_short(version)} is not supported by this ckptkit (reads versions "
+            f"{', '.join(map(str, versions))}); "
+            + ("upgrade ckptkit" if version > newest else "convert it with an older ckptkit")
         )
-
-
-def _int(value: Any, where: str, minimum: int | None = None) -> int:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise ManifestError(f"{where}: expected an integer, got {value!r}")
-    if minimum is not None and value < minimum:
-        raise ManifestError(f"{where}: {value} is below {minimum}")
-    return value
-
-
-def _dict(value: Any, where: str) -> dict:
-    if not isinstance(value, dict):
-        raise ManifestError(f"{where}: expected an object, got {type(value).__name__}")
-    return value
-
-
-def _list(value: Any, where: str) -> list:
-    if not isinstance(value, list):
-        raise ManifestError(f"{where}: expected a list, got {type(value).__name__}")
-    return value

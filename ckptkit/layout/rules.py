@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from ckptkit.errors import LayoutError
+from ckptkit.layout.strict_json import MAX_LAYOUT_INT
 from ckptkit.layout.config import ParallelConfig
 from ckptkit.layout.grid import Fused, GridLayout, On, Placement, Replicate, Shard
 
@@ -139,10 +140,13 @@ class PartitionRule:
         kwargs = {}
         for k, v in value.items():
             if k == "fused":
-                kwargs[k] = tuple(int(x) for x in v)
+                if not isinstance(v, list) or not all(isinstance(x, int) and not isinstance(x, bool)
+                                                      and 0 <= x <= MAX_LAYOUT_INT for x in v):
+                    raise LayoutError(f"partition rule field fused must be a list of sizes, got {str(v)[:80]}")
+                kwargs[k] = tuple(v)
             elif v is not None:
-                if not isinstance(v, int) or isinstance(v, bool):
-                    raise LayoutError(f"partition rule field {k}={v!r} must be an integer")
+                if not isinstance(v, int) or isinstance(v, bool) or abs(v) > MAX_LAYOUT_INT:
+                    raise LayoutError(f"partition rule field {k}={str(v)[:80]} must be an integer")
                 kwargs[k] = v
         return PartitionRule(**kwargs)
 

@@ -17,6 +17,13 @@ import math
 from typing import Any
 
 from ckptkit.errors import ManifestError, StateMismatchError
+from ckptkit.layout.strict_json import MAX_DEPTH
+
+# An encoded value sits a few levels deep in a manifest (document -> rank_values -> key -> group ->
+# value); keep the whole document within what a reader accepts (strict_json.MAX_DEPTH).
+MAX_VALUE_DEPTH = MAX_DEPTH - 8
+# JSON integers beyond Python's default conversion limit (4300 digits) cannot be read back.
+MAX_INT_BITS = 14000
 
 
 def json_ready(value: Any, what: str) -> Any:
@@ -42,31 +49,52 @@ def split_key(key: str) -> tuple[str, ...]:
 _TAGS = ("__tuple__", "__bytes__", "__dict__", "__float__")
 
 
-def encode_value(value: Any, key: str) -> Any:
-    """A JSON-safe form of ``value``; raise StateMismatchError for unsupported types."""
-    if value is None or isinstance(value, (bool, str)):
+def encode_value(value: Any, key: str, depth: int = 0) -> Any:
+    """A JSON-safe form of ``value``; raise StateMismatchError for unsupported types.
+
+    Refused here, at save time, is also whatever a reader would refuse (strict_json): nesting
+    deeper than :data:`MAX_VALUE_DEPTH`, integers past Python's 4300-digit conversion limit,
+    strings that are not valid Unicode — so every committed checkpoint can be loaded."""
+    if depth > MAX_VALUE_DEPTH:
+        raise StateMismatchError(f"state key {key!r}: the value nests deeper than {MAX_VALUE_DEPTH} levels")
+    if value is None or isinstance(value, bool):
         return value
+    if isinstance(value, str):
+        return _text(value, key)
     if isinstance(value, int):
+        if value.bit_length() > MAX_INT_BITS:
+            raise StateMismatchError(f"state key {key!r}: an integer of {value.bit_length()} bits is too large to "
+                                     "store as JSON (store it as bytes or a string)")
         return value
     if isinstance(value, float):
         if math.isfinite(value):
             return value
         return {"__float__": repr(value)}  # nan / inf / -inf, without relying on non-standard JSON
+    inner = depth + 2  # a tagged container is two JSON levels
     if isinstance(value, tuple):
-        return {"__tuple__": [encode_value(v, key) for v in value]}
+        return {"__tuple__": [encode_value(v, key, inner) for v in value]}
     if isinstance(value, list):
-        return [encode_value(v, key) for v in value]
+        return [encode_value(v, key, depth + 1) for v in value]
     if isinstance(value, (bytes, bytearray)):
         return {"__bytes__": base64.b64encode(bytes(value)).decode("ascii")}
     if isinstance(value, dict):
         if all(isinstance(k, str) for k in value) and not any(k in _TAGS for k in value):
-            return {k: encode_value(v, key) for k, v in value.items()}
-        return {"__dict__": [[encode_value(k, key), encode_value(v, key)] for k, v in value.items()]}
+            return {_text(k, key): encode_value(v, key, depth + 1) for k, v in value.items()}
+        return {"__dict__": [[encode_value(k, key, inner + 1), encode_value(v, key, inner + 1)] for k, v in value.items()]}
     raise StateMismatchError(
         f"state key {key!r}: cannot store a value of type {type(value).__name__} "
         "(supported: tensors, DTensors, ckptkit.Sharded, torch.Generator, and JSON-like values: "
         "None, bool, int, float, str, bytes, list, tuple, dict)"
     )
+
+
+def _text(s: str, key: str) -> str:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        raise StateMismatchError(f"state key {key!r}: string {s[:40]!a} is not valid Unicode (a lone surrogate, "
+                                 "e.g. from a file name decoded with surrogateescape); store it as bytes") from None
+    return s
 
 
 def decode_value(value: Any, where: str) -> Any:

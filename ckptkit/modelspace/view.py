@@ -232,13 +232,12 @@ class CheckpointView:
         if not box.within(meta.shape):
             raise SliceError(f"{where}: box {box.to_json()} is outside tensor {key!r} of shape {list(meta.shape)}")
         dtype = torch_dtype(meta.dtype)
-        if out is None:
-            out = torch.empty(box.sizes, dtype=dtype)
-        elif out.dtype != dtype or tuple(out.shape) != tuple(box.sizes) or not out.is_contiguous() or out.is_cuda:
+        if out is not None and (out.dtype != dtype or tuple(out.shape) != tuple(box.sizes) or not out.is_contiguous()
+                                or out.is_cuda):
             raise SliceError(f"{where}: read_box out= must be a contiguous CPU {dtype} tensor of shape "
                              f"{list(box.sizes)}, got {out.dtype} {list(out.shape)}")
         if box.is_empty():
-            return out
+            return out if out is not None else torch.empty(box.sizes, dtype=dtype)
         target = Target(0, key, Region(box), tuple(box.sizes), LocalBox(tuple(0 for _ in box.sizes)))
         ops = match_sources([target], self._manifest.tensors, where)
         indexes = self._load_indexes({op.writer for op in ops})
@@ -255,6 +254,11 @@ class CheckpointView:
 
         requests = plan_reads(ops, entry_of, itemsize_of=lambda _: dtype.itemsize, block_of=lambda r: indexes[r].block)
         self._check_objects(indexes, {(r.writer, r.object) for r in requests})
+        if out is None:  # only now: the stored bytes are known to be there (a hostile shape fails before this)
+            try:
+                out = torch.empty(box.sizes, dtype=dtype)
+            except (RuntimeError, MemoryError) as exc:
+                raise CkptkitError(f"{where}: cannot allocate {box.numel} elements of {key!r} ({exc})") from None
         n = execute_reads(requests, self._store, [out], {key: dtype}, where, self._options.io_threads,
                           scratch=self._options.scratch)
         with self._lock:

@@ -36,6 +36,7 @@ from ckptkit.engine.state import torch_dtype
 from ckptkit.errors import (
     CheckpointNotFoundError,
     ManifestError,
+    UnsafePathError,
     UnsupportedVersionError,
 )
 from ckptkit.layout.box import Box
@@ -198,7 +199,7 @@ def group_json(attributes: dict[str, Any] | None = None) -> bytes:
 def root_attributes(source: str, manifest: Manifest, paths: dict[str, str], stored: dict[str, str],
                     per_rank: bool, chunking: dict[str, Any]) -> dict[str, Any]:
     """The ``attributes.ckptkit`` document of an export's root group (versioned JSON)."""
-    doc = json.loads(manifest.to_json_bytes())
+    doc = manifest.to_doc()
     del doc["indexes"]  # they name files of the source checkpoint, which the group does not have
     return {
         "format": FORMAT,
@@ -220,6 +221,11 @@ class ExportInfo:
     manifest: Manifest
     arrays: dict[str, tuple[str, str]]
     per_rank: dict[int, dict[str, Any]]
+
+
+def _inside_group(path: str) -> bool:
+    parts = path.split("/")
+    return bool(path) and "\\" not in path and "\x00" not in path and all(p not in ("", ".", "..") for p in parts)
 
 
 def read_export(store: ByteStore) -> ExportInfo:
@@ -244,13 +250,16 @@ def read_export(store: ByteStore) -> ExportInfo:
     doc = attrs.get("manifest")
     if not isinstance(doc, dict):
         raise ManifestError(f"{where}: attributes.{ATTRIBUTE}.manifest is missing")
-    manifest = Manifest.from_json_bytes(json.dumps({**doc, "indexes": []}).encode(), f"{where} (manifest)")
+    manifest = Manifest.from_doc({**doc, "indexes": []}, f"{where} (manifest)")
     arrays: dict[str, tuple[str, str]] = {}
     raw_arrays = attrs.get("arrays")
     for key, meta in manifest.tensors.items():
         entry = raw_arrays.get(key) if isinstance(raw_arrays, dict) else None
         if not isinstance(entry, dict) or not isinstance(entry.get("path"), str) or entry.get("stored_dtype") not in DTYPES:
             raise ManifestError(f"{where}: no array path / stored dtype for tensor {key!r}")
+        if not _inside_group(entry["path"]):
+            raise UnsafePathError(f"{where}: tensor {key!r}: array path {entry['path'][:80]!r} is not a plain relative "
+                                  "path inside the group (refusing absolute paths, '..' and empty components)")
         if entry["stored_dtype"] != stored_dtype(meta.dtype, entry["stored_dtype"] == "float32"):
             raise ManifestError(f"{where}: tensor {key!r} ({meta.dtype}) cannot be stored as {entry['stored_dtype']}")
         arrays[key] = (entry["path"], entry["stored_dtype"])

@@ -13,11 +13,12 @@ producing a committed but unloadable checkpoint.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptkit.errors import CoverageError, LayoutError
-from ckptkit.layout.box import Box, Region
+from ckptkit.errors import LayoutError
+from ckptkit.layout.coverage import check_coverage
 from ckptkit.layout.manifest import ExplicitLayout, IndexRef, Manifest, TensorMeta
 from ckptkit.plan.save_plan import ExplicitReport
 
@@ -34,6 +35,34 @@ class RankReport:
     per_rank_keys: tuple[str, ...] = ()
 
 
+ValueGroups = list[tuple[dict[str, Any], tuple[int, ...]]]
+
+
+def merge_values(groups: ValueGroups) -> tuple[dict[str, Any], dict[str, tuple[tuple[Any, tuple[int, ...]], ...]]]:
+    """Every rank's (JSON-encoded) values -> the agreed ones and the per-rank ones. Pure.
+
+    ``groups`` are the distinct value dicts with the ranks holding each. A key all of whose
+    holders hold the same value (every rank, or only some: a pipeline stage's own counters) is
+    stored once; a key whose holders disagree is stored per rank, nothing dropped. Values are
+    compared as JSON text, so ``1``, ``1.0`` and ``true`` stay different.
+    """
+    by_key: dict[str, dict[str, tuple[Any, list[int]]]] = {}
+    for values, ranks in groups:
+        for key, value in values.items():
+            text = json.dumps(value, separators=(",", ":"), allow_nan=False)
+            slot = by_key.setdefault(key, {}).setdefault(text, (value, []))
+            slot[1].extend(ranks)
+    agreed: dict[str, Any] = {}
+    per_rank: dict[str, tuple[tuple[Any, tuple[int, ...]], ...]] = {}
+    for key in sorted(by_key):
+        distinct = by_key[key]
+        if len(distinct) == 1:
+            agreed[key] = next(iter(distinct.values()))[0]
+        else:
+            per_rank[key] = tuple(sorted(((v, tuple(sorted(r))) for v, r in distinct.values()), key=lambda g: g[1]))
+    return agreed, per_rank
+
+
 def merge_reports(
     reports: list[RankReport],
     *,
@@ -42,6 +71,8 @@ def merge_reports(
     meta: dict[str, Any],
     parallel: str | None,
     where: str,
+    rank_values: dict[str, tuple[tuple[Any, tuple[int, ...]], ...]] | None = None,
+    attempt: str | None = None,
 ) -> Manifest:
     digests: dict[str, tuple[int, int]] = {}
     for rep in reports:
@@ -83,6 +114,8 @@ def merge_reports(
     per_rank: set[str] = set()
     for rep in reports:
         per_rank.update(rep.per_rank_keys)
+    rank_values = dict(rank_values or {})
+    _check_one_kind_per_key(tensors, values, rank_values, per_rank, where)
     return Manifest(
         world_size=world_size,
         tensors=dict(sorted(tensors.items())),
@@ -91,60 +124,22 @@ def merge_reports(
         per_rank_keys=tuple(sorted(per_rank)),
         parallel=parallel,
         meta=meta,
+        attempt=attempt,
+        rank_values=rank_values,
     )
+
+
+def _check_one_kind_per_key(tensors: dict, values: dict, rank_values: dict, per_rank: set[str], where: str) -> None:
+    """A key held as a tensor by one rank and as a value (or PerRank) by another cannot be saved:
+    a load could not say which to return."""
+    kinds = (("a tensor", set(tensors)), ("a value", set(values) | set(rank_values)),
+             ("a per-rank value (PerRank or generator)", per_rank))
+    for i, (kind_a, keys_a) in enumerate(kinds):
+        for kind_b, keys_b in kinds[i + 1:]:
+            both = sorted(keys_a & keys_b)
+            if both:
+                raise LayoutError(f"{where}: state key {both[0]!r} is {kind_a} on some ranks and {kind_b} on others")
 
 
 def _rule_text(rule: Any) -> str:
     return "none" if rule is None else str(rule.to_json())
-
-
-def check_coverage(key: str, shape: tuple[int, ...], pieces: tuple[tuple[Region, int], ...], where: str) -> None:
-    """Stored pieces of a tensor must be disjoint and cover every element exactly once."""
-    numel = 1
-    for s in shape:
-        numel *= s
-    total = sum(r.numel for r, _ in pieces)
-    by_box: dict[tuple, list[tuple[int, int, int]]] = {}
-    for region, rank in pieces:
-        a = region.stream_start
-        by_box.setdefault((region.box.offsets, region.box.sizes), []).append((a, a + region.numel, rank))
-    for (offs, sizes), ranges in by_box.items():
-        ranges.sort()
-        for (a0, b0, r0), (a1, b1, r1) in zip(ranges, ranges[1:]):
-            if a1 < b0:
-                raise CoverageError(
-                    f"{where}: tensor {key!r}: pieces written by ranks {r0} and {r1} overlap in box "
-                    f"{[list(offs), list(sizes)]} (elements [{a1}, {min(b0, b1)}))"
-                )
-    boxes = sorted(by_box, key=lambda b: b[0][:1])
-    if len(boxes) > 1:
-        _check_boxes_disjoint(key, boxes, by_box, pieces, where)
-    if total != numel:
-        raise CoverageError(
-            f"{where}: tensor {key!r}: stored pieces hold {total} elements, the tensor of shape "
-            f"{list(shape)} has {numel}; some elements are missing"
-        )
-
-
-def _check_boxes_disjoint(key: str, boxes: list[tuple], by_box: dict, pieces: tuple, where: str) -> None:
-    """Sweep along axis 0: enclosing boxes that intersect must not share any stored element."""
-    if not boxes[0][0]:
-        raise CoverageError(f"{where}: tensor {key!r}: a 0-d tensor stored as more than one piece")
-    active: list[tuple[int, Box]] = []
-    for offs, sizes in boxes:
-        box = Box(offs, sizes)
-        active = [(end, b) for end, b in active if end > offs[0]]
-        for _, other in active:
-            if other.intersect(box) is None:
-                continue
-            mine = [Region(box, (a, b)) for a, b, _ in by_box[(offs, sizes)]]
-            theirs = [Region(other, (a, b)) for a, b, _ in by_box[(other.offsets, other.sizes)]]
-            for r1 in mine:
-                for r2 in theirs:
-                    for b1 in r1.boxes():
-                        for b2 in r2.boxes():
-                            if b1.intersect(b2) is not None:
-                                raise CoverageError(
-                                    f"{where}: tensor {key!r}: stored pieces {r1.to_json()} and {r2.to_json()} overlap"
-                                )
-        active.append((offs[0] + sizes[0], box))

@@ -6,6 +6,11 @@ TP rank has its own such sub-mesh holding identical values; a plain tensor
 (an optimizer step count) is a one-rank "mesh" on every rank that has it.
 Left alone, each copy would be written and reported separately.
 
+Plain tensors (and meshes of one rank) are matched per key instead, by
+:func:`plain_replica_groups`: a pipeline-parallel state holds stage-specific
+tensors next to buffers every stage has, so whole key sets do not match while
+single keys do.
+
 Each rank reports, per mesh it holds tensors on, ``(mesh fingerprint, key
 hash, mesh shape, its coordinate)``. Meshes of equal shape holding exactly the
 same tensors (equal key hash) are stacked along a new leading ``replica``
@@ -77,3 +82,32 @@ def combine_replica_meshes(reports: list[list[MeshReport]]) -> dict[str, tuple[M
         for i, (_, fp, _) in enumerate(ordered):
             out[fp] = (combined, i)
     return out
+
+
+PlainDesc = tuple[str, str, tuple[int, ...]]  # (key, dtype, shape) of a plain tensor
+
+
+def plain_replica_groups(descs: list[tuple[tuple[PlainDesc, ...], tuple[int, ...]]]) -> dict[str, tuple[int, ...]]:
+    """``key -> ranks holding it`` for plain tensors held by two or more ranks. Pure.
+
+    ``descs`` are the distinct plain-tensor sets of the world with the ranks holding each. Ranks
+    that hold a key under the same key are its replicas (written once, by one of them); ranks
+    that disagree about its dtype or shape are an error naming the key and the ranks.
+    """
+    holders: dict[str, list[int]] = {}
+    kind: dict[str, tuple[str, tuple[int, ...], int]] = {}
+    for tensors, ranks in descs:
+        for key, dtype, shape in tensors:
+            first = kind.setdefault(key, (dtype, tuple(shape), ranks[0]))
+            if first[:2] != (dtype, tuple(shape)):
+                raise LayoutError(
+                    f"tensor {key!r} is {dtype}{list(shape)} on rank {ranks[0]} but {first[0]}{list(first[1])} on "
+                    f"rank {first[2]}; ranks holding a plain tensor under one key must hold the same tensor"
+                )
+            holders.setdefault(key, []).extend(ranks)
+    return {k: tuple(sorted(r)) for k, r in holders.items() if len(r) > 1}
+
+
+def plain_group_mesh(ranks: tuple[int, ...]) -> Mesh:
+    """The mesh of a plain tensor's replicas: one ``replica`` coordinate per holding rank."""
+    return Mesh(("replica", "rank"), (len(ranks), 1), ranks)

@@ -17,7 +17,7 @@ the persist step is one large sequential write.
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from ckptkit.errors import LayoutError
@@ -92,13 +92,36 @@ class SavePlan:
     def nbytes(self) -> int:
         return sum(i.nbytes for i in self.items)
 
+    def for_attempt(self, attempt: str | None) -> SavePlan:
+        """This plan with its objects named for save attempt ``attempt`` (see :func:`data_object_key`).
 
-def data_object_key(rank: int) -> str:
-    return f"data/rank-{rank:05d}.bin"
+        Plans are cached across saves of one structure; every save is a new attempt, so the names
+        are bound per save, just before persisting."""
+        if attempt is None:
+            return self
+        names = {obj: _with_attempt(obj, attempt) for obj in self.objects}
+        items = tuple(replace(i, object=names[i.object]) for i in self.items)
+        return replace(self, items=items, objects={names[o]: n for o, n in self.objects.items()})
 
 
-def index_object_key(rank: int) -> str:
-    return f"index/rank-{rank:05d}.json"
+def data_object_key(rank: int, attempt: str | None = None) -> str:
+    """``data/rank-00003-<attempt>.bin``: every save attempt names its own objects.
+
+    Two writers of one step (two jobs racing, a retried save) must never share an object name:
+    the loser would overwrite the winner's bytes after its manifest committed them. The attempt
+    id is recorded in the manifest; objects of other attempts are garbage."""
+    return _with_attempt(f"data/rank-{rank:05d}.bin", attempt)
+
+
+def index_object_key(rank: int, attempt: str | None = None) -> str:
+    return _with_attempt(f"index/rank-{rank:05d}.json", attempt)
+
+
+def _with_attempt(key: str, attempt: str | None) -> str:
+    if attempt is None:
+        return key
+    stem, dot, ext = key.rpartition(".")
+    return f"{stem}-{attempt}{dot}{ext}"
 
 
 def grid_rotations(decls: list[GridDecl]) -> dict[str, int]:
@@ -174,7 +197,7 @@ def plan_save(rank: int, grid: list[GridDecl], explicit: list[ExplicitDecl]) -> 
         offset += nbytes
 
     grid_reports: list[TensorMeta] = []
-    digest: dict[str, int] = {}
+    held_on: dict[str, list[str]] = {}  # replica group -> "key:rotation" of what this rank holds there
     for d in grid:
         held = d.layout.local_pieces(d.coord)
         if held is None:
@@ -187,7 +210,7 @@ def plan_save(rank: int, grid: list[GridDecl], explicit: list[ExplicitDecl]) -> 
             )
         rot = rotations[d.key]
         mesh_tag = replica_group_tag(d.layout)
-        digest[mesh_tag] = zlib.crc32(f"{d.key}:{rot}".encode(), digest.get(mesh_tag, 0))
+        held_on.setdefault(mesh_tag, []).append(f"{d.key}:{rot}")
         if not d.layout.is_writer(d.coord, rot):
             continue
         for local_off, box in pieces:
@@ -206,6 +229,8 @@ def plan_save(rank: int, grid: list[GridDecl], explicit: list[ExplicitDecl]) -> 
                 continue
             add(p.tensor, e.dtype, p.region, e.ref, p.local, p.numel * e.itemsize)
             explicit_reports.append(ExplicitReport(p.tensor, e.dtype, p.shape, p.region, e.rule))
+    # what the holders of a replica group compare: independent of the order the state lists tensors in
+    digest = {tag: zlib.crc32("\n".join(sorted(items)).encode()) for tag, items in held_on.items()}
     return SavePlan(rank, tuple(items), {obj: offset}, tuple(grid_reports), tuple(explicit_reports), digest)
 
 

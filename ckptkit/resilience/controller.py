@@ -1,7 +1,9 @@
 """The resilience controller: spikes, preemption and restarts, handled without a human.
 
     ctl = ResilienceController(manager, policy=SpikePolicy(), batch_size=B)
+    lr = ScaledLR(scheduler, optimizer, ctl.lr_factor)
     start = ctl.resume(state)                              # newest valid checkpoint, skip ranges, LR re-warm
+    apply(state); lr.refresh()                             # into the optimizer; the factor on top
     for step, batch in ctl.batches(get_batch, start):      # never yields a recorded bad sample
         loss, grad_norm = forward_backward(batch)
         action = ctl.observe(step, loss=loss, grad_norm=grad_norm)
@@ -16,7 +18,12 @@ Every decision is agreed across ranks (one small all-reduce of flags per
 step), so all ranks skip, roll back, save and stop at the same step. The data
 position is an absolute sample counter kept in ``state["resilience"]``, so a
 rollback or a restart replays exactly the samples the uninterrupted run would
-have seen, minus the skipped ranges.
+have seen, minus the skipped ranges. What a rollback changes (skip range,
+re-warm, the ladder's memory) is in the incident log the moment it is decided,
+with the whole post-rollback state, so a restart from the checkpoint the
+rollback restored (saved before it) continues exactly as the run would have;
+and rank 0 keeps a progress marker, so a restart knows how many steps the
+crash cost.
 """
 
 from __future__ import annotations
@@ -37,6 +44,8 @@ from ckptkit.resilience.incidents import Incident, IncidentLog
 from ckptkit.resilience.ladder import Decision, Flags, Ladder
 from ckptkit.resilience.planner import young_daly_interval
 from ckptkit.resilience.policy import SpikePolicy
+from ckptkit.resilience.progress import Progress, ProgressMarker, steps_lost
+from ckptkit.resilience.recovery import missing_rollbacks
 from ckptkit.resilience.skips import SkipRanges
 from ckptkit.resilience.watchdog import Watchdog
 
@@ -89,8 +98,12 @@ class ResilienceController:
         self.step = 0  # last completed step
         self.sample = 0  # next sample position in the data stream (absolute)
         self.log = IncidentLog(manager.root, writer=manager.rank == 0)
+        self.progress = ProgressMarker(manager.root, writer=manager.rank == 0)
         self.should_stop = False
+        self._closed = False
         self._current: tuple[int, int] | None = None
+        self._entering: tuple[int, int] | None = None  # (step, marker version) of the step under way
+        self._pending: list[tuple[int, dict[str, Any]]] = []  # (restored step, ladder state) to adopt there
         self._preempted_at: float | None = None
         self._preempt_agreed = False
         self._save_costs: list[float] = []
@@ -149,33 +162,79 @@ class ResilienceController:
         """Restore the newest valid checkpoint into ``state`` (if any); return the next step to run.
 
         Adds ``state["resilience"]`` (the data position, skip ranges and ladder
-        state, saved with every checkpoint). Skip ranges recorded in the
-        incident log after the newest checkpoint are honoured too.
+        state, saved with every checkpoint). What the incident log knows and
+        the checkpoint does not is recovered too: skip ranges, and the state of
+        any rollback decided after the checkpoint was saved (its re-warm, the
+        ladder's memory of it, a lowered learning rate). A crash is logged as a
+        ``restart`` incident with the steps it lost.
         """
         self.attach(state)
-        for incident in self.log.read():
+        incidents = self.log.read()  # every rank reads before the collective restore; rank 0 writes after it
+        previous = self.progress.read() if self.log.writer else None  # only rank 0 reports the restart
+        for incident in incidents:
             if incident.kind == "rollback" and incident.data.get("skip"):
                 a, b = incident.data["skip"]
                 self.skips.add(int(a), int(b))
         with Watchdog(self.watchdog_seconds or math.inf, "restoring the newest checkpoint"):
             step = self.manager.restore_latest(state)
+        if step is not None:
+            self._import(self._saved(state))
+            self._recover_rollbacks(step, incidents)
+            self.attach(state)
+        self._note_restart(step, previous)
         if step is None:
             return 1
-        self._import(self._saved(state))
-        self.attach(state)
-        # steps reached after the checkpoint were lost (a lower bound: progress is noted every
-        # PROGRESS_EVERY_S); a previous job that closed cleanly was not a crash
-        progress = self.log.read_progress()
-        reached = max([s for s, _, _ in self.log.read_metrics()] + [progress[0] if progress else step])
-        lost = max(0, reached - step)
-        crashed = progress is None or not progress[1] or lost > 0
-        if crashed:
-            self.log.record(Incident("restart", step, f"resumed from step {step} after a crash at or after step "
-                                     f"{reached} (at least {lost} steps lost)", data={"steps_lost": lost}))
-        else:
-            self.log.record(Incident("resume", step, f"resumed from step {step} (the previous job ended cleanly)"))
         log.info("ckptkit: resumed at step %d, sample %d (%d samples in skip ranges)", step, self.sample, self.skips.skipped)
         return step + 1
+
+    def _recover_rollbacks(self, restored: int, incidents: list[Incident]) -> None:
+        """Adopt the state of rollbacks the restored checkpoint predates (see recovery.py)."""
+        for rb in missing_rollbacks(incidents, self.ladder.rollback_count):
+            self.skips.update(SkipRanges.from_json(rb.state.get("skips")))
+            ladder = rb.state.get("ladder")
+            if not isinstance(ladder, dict):
+                continue
+            if rb.restored <= restored:
+                if rb.restored < restored:
+                    log.warning("ckptkit: checkpoint %d predates the rollback at step %d to step %d but was not "
+                                "discarded by it; taking the rollback's state", restored, rb.at, rb.restored)
+                self.ladder.load_state_dict(ladder)
+            else:  # that rollback's checkpoint is gone: replay to it, then continue as the run did
+                self._pending.append((rb.restored, ladder))
+            log.info("ckptkit: recovered the rollback at step %d to step %d from the incident log", rb.at, rb.restored)
+
+    def _adopt_pending(self) -> None:
+        while self._pending and self._pending[0][0] <= self.step:
+            _, ladder = self._pending.pop(0)
+            self.ladder.load_state_dict(ladder)
+
+    def _note_restart(self, step: int | None, previous: Progress | None) -> None:
+        """Log how the previous job ended and what it cost; reset the marker to the restored step."""
+        if not self.log.writer:
+            return
+        restored = step if step is not None else 0  # no checkpoint: everything since the start was lost
+        metrics = self.log.read_metrics() if previous is None else []
+        newest = metrics[-1][0] if metrics else None  # the newest logged loss: a lower bound without a marker
+        lost = steps_lost(previous, restored, newest)
+        if lost is None:
+            if step is not None:
+                self.log.record(Incident("resume", restored, f"resumed from step {restored} (no progress marker: "
+                                         "how the previous job ended is not known)"))
+            return  # otherwise a fresh run
+        data = {"restored": restored, "steps_lost": lost.at_least, "steps_lost_max": lost.at_most,
+                "exact": lost.exact, "reached": lost.reached}
+        where = f"step {restored}" if step is not None else "the start (no checkpoint yet)"
+        if previous is not None and previous.closed:
+            if lost.at_least == 0:
+                self.log.record(Incident("resume", restored, f"resumed from {where} (the previous job ended cleanly)"))
+            else:
+                self.log.record(Incident("restart", restored, f"resumed from {where}; the previous job ended "
+                                         f"cleanly at step {lost.reached}: {lost.describe()}", data=data))
+        else:
+            at = f"step {lost.reached}" if lost.exact else f"step {lost.reached} or later"
+            self.log.record(Incident("restart", restored, f"resumed from {where} after a crash at {at}: "
+                                     f"{lost.describe()}", data=data))
+        self.progress.write(restored)  # a crash before the next step must not count these steps again
 
     # --------------------------------------------------------------- data
     def batches(self, get_batch: Callable[[int], Any], start: int | None = None) -> Iterator[tuple[int, Any]]:
@@ -188,9 +247,26 @@ class ResilienceController:
         if start is not None and self.step < start - 1:
             self.step = start - 1
         while True:
+            step = self.step + 1
+            self._enter(step)
             first = self.skips.next_batch_start(self.sample, self.batch_size)
             self._current = (first, first + self.batch_size)
-            yield self.step + 1, get_batch(first)
+            try:
+                yield step, get_batch(first)
+            except BaseException:  # GeneratorExit: the loop is gone, by an error in this step or its end
+                self._left(step)
+                raise
+
+    def _enter(self, step: int) -> None:
+        """Note that ``step`` is under way; stored while its forward and backward pass run."""
+        self._entering = (step, self.progress.note(self.step, step))
+
+    def _left(self, step: int) -> None:
+        """The loop ended inside ``step`` before its agreement (a peer's death surfacing in the
+        framework's own collectives, any error): this job reached the step before, exactly."""
+        if self._entering is not None and self._entering[0] == step and not self._closed:
+            self._entering = None
+            self.progress.write(self.step)
 
     def current_samples(self) -> tuple[int, int] | None:
         return self._current
@@ -207,15 +283,25 @@ class ResilienceController:
             self._step_times = self._step_times[-100:]
         self._last_observe = now
         local = self.ladder.detect(loss_v, grad_v)
+        if self._entering is None or self._entering[0] != step:
+            self._enter(step)  # the caller does not use batches()
+        assert self._entering is not None
+        self.progress.wait(self._entering[1])  # no rank can finish this step before the marker says so
         # one all-reduce per step: the detectors' flags and "a preemption signal arrived"
-        *flags, preempt = self.manager._comm.any_flags([*local.as_list(), self._preempted_at is not None])
+        try:
+            *flags, preempt = self.manager._comm.any_flags([*local.as_list(), self._preempted_at is not None])
+        except BaseException:
+            self._entering = None
+            self.progress.write(self.step)  # a peer is gone: this job reached the previous step, exactly
+            raise
+        self._entering = None
+        self.progress.note(step)
         agreed = Flags(*flags)
         if preempt and not self._preempt_agreed:
             self._preempt_agreed = True
             self._preempted_at = self._preempted_at or time.monotonic()
         decision = self.ladder.decide(step, samples, agreed)
         self.log.metric(step, loss_v, grad_v)
-        self.log.progress(step)
         if decision.kind == "stop":
             self.log.record(Incident("stop", step, decision.reason))
             self.log.flush_metrics()
@@ -229,11 +315,13 @@ class ResilienceController:
         self.step = step
         if samples is not None:
             self.sample = samples[1]
+        self._adopt_pending()
         return Action(decision)
 
     def _rollback(self, step: int, decision: Decision, state: dict[str, Any]) -> dict[str, Any]:
         if decision.skip is not None:
             self.skips.add(*decision.skip)
+        self._pending.clear()  # a new trajectory: the replayed one's future is not ours any more
         memory = (self.skips, self.ladder.state_dict())
         self.attach(state)
         with Watchdog(self.watchdog_seconds or math.inf, f"rolling back from step {step}"):
@@ -252,10 +340,13 @@ class ResilienceController:
         self.ladder.rolled_back(step, self.step, decision.lower_lr)
         self.attach(state)
         lost = step - restored
+        # the whole post-rollback state, durable before training goes on: a crash before the next
+        # checkpoint restarts from the restored one, which was saved before this rollback
         self.log.record(Incident("rollback", step, decision.reason, data={
             "restored": restored, "skip": list(decision.skip) if decision.skip else None,
             "lower_lr": decision.lower_lr, "steps_lost": lost, "spikes": list(decision.spike_steps),
-            "discarded": discarded}))
+            "discarded": discarded, "seq": self.ladder.rollback_count, "state": self._export()}))
+        self.progress.write(self.step)  # back at the restored step: a crash now must not count these again
         log.warning("ckptkit: %s -> rolled back to step %d (%d steps lost), skipping samples %s%s", decision.reason,
                     restored, lost, decision.skip, ", learning rate lowered" if decision.lower_lr else "")
         return state
@@ -303,7 +394,9 @@ class ResilienceController:
         return max(1, round(young_daly_interval(cost, self.mtbf_hours * 3600) / max(step_s, 1e-6)))
 
     def close(self) -> None:
+        self._closed = True
         self.log.flush_metrics()
         self.manager.close()
-        self.log.progress(self.step, closed=True)
+        self.progress.write(self.step, closed=True)
+        self.progress.close()
         self.log.wait()

@@ -5,8 +5,9 @@ emergency save) is one small JSON object under ``<run>/.ckptkit/incidents/``,
 and the loss history is flushed in chunks under ``<run>/.ckptkit/metrics/``. Small objects,
 not an appended file, so the same code works on a local disk and in an S3
 bucket (which cannot append). Rank 0 writes; any process can read them back
-(``ckptkit report``, and ``resume`` merges skip ranges from the log, so a
-skip decided after the newest checkpoint still holds after a crash).
+(``ckptkit report``, and ``resume`` takes skip ranges and each rollback's
+state from the log, so what a rollback decided after the newest checkpoint
+still holds after a crash: see recovery.py).
 """
 
 from __future__ import annotations
@@ -26,8 +27,6 @@ log = logging.getLogger("ckptkit")
 
 INCIDENTS = ".ckptkit/incidents"  # dot-prefixed: never mistaken for a checkpoint folder
 METRICS = ".ckptkit/metrics"
-PROGRESS = ".ckptkit/progress.json"  # one object, overwritten: the newest step reached, and a clean exit
-PROGRESS_EVERY_S = 0.5  # how stale the "steps lost in a crash" bound may be, in seconds of training
 
 
 @dataclass
@@ -53,10 +52,10 @@ class IncidentLog:
         self.writer = writer
         self._seq = 0
         self._pending: list[tuple[int, float | None, float | None]] = []
-        self._progress_at = 0.0
-        # The loss history and the progress marker are written on one background thread, in
-        # order: an fsync'd local write or an S3 PUT must not stall the training step that
-        # produced them. Incidents stay synchronous (a skip range must be durable at once).
+        # The loss history is written on one background thread, in order: an fsync'd local write
+        # or an S3 PUT must not stall the training step that produced it. Incidents stay
+        # synchronous (a skip range, a rollback's state must be durable at once). The progress
+        # marker has its own writer (progress.py).
         self._io = ThreadPoolExecutor(1, thread_name_prefix="ckptkit-log") if writer else None
 
     def _put_later(self, key: str, data: bytes) -> None:
@@ -104,28 +103,6 @@ class IncidentLog:
         key = f"{METRICS}/{time.time():017.6f}-{first:09d}.json"
         self._put_later(key, json.dumps(self._pending, allow_nan=True).encode())
         self._pending = []
-
-    def progress(self, step: int, closed: bool = False) -> None:
-        """Note the newest step reached (at most every PROGRESS_EVERY_S, and always on a clean close).
-
-        After a crash, the step here minus the restored checkpoint's step is
-        how much work was lost; an unclosed marker tells a crash from a
-        planned resume. One small object overwritten in place, so a long run
-        leaves no trail of files.
-        """
-        now = time.monotonic()
-        if not self.writer or (not closed and now - self._progress_at < PROGRESS_EVERY_S):
-            return
-        self._progress_at = now
-        self._put_later(PROGRESS, json.dumps({"step": step, "closed": closed, "time": time.time()}).encode())
-
-    def read_progress(self) -> tuple[int, bool] | None:
-        """(step, closed) of the previous job, or None if it left no marker."""
-        try:
-            doc = json.loads(self.store.read_bytes(PROGRESS))
-            return int(doc["step"]), bool(doc.get("closed", False))
-        except (CkptkitError, ValueError, TypeError, KeyError):
-            return None
 
     def read_metrics(self) -> list[tuple[int, float | None, float | None]]:
         rows = []

@@ -158,13 +158,28 @@ class Ladder:
         return factor
 
     # ------------------------------------------------------------- state
+    @property
+    def rollback_count(self) -> int:
+        """Rollbacks in this run's history (what a restart compares with the incident log)."""
+        return len(self.rollbacks)
+
     def state_dict(self) -> dict[str, Any]:
+        """Everything a restarted run needs to take the same decisions from here on.
+
+        The open episode too (spikes within the window, the run of non-finite
+        steps, the sample ranges of recent steps): without them a run restarted
+        between two spikes would need ``rollback_after`` new ones, and would
+        skip a smaller data range than the uninterrupted run.
+        """
         return {
             "loss": self.loss.state_dict() if self.loss is not None else None,
             "grad": self.grad.state_dict() if self.grad is not None else None,
             "rollbacks": list(self.rollbacks),
             "lr_drops": self.lr_drops,
             "rewarm_from": self.rewarm_from,
+            "spikes": list(self.spikes),
+            "nonfinite_run": self.nonfinite_run,
+            "samples": [[s, a, b] for s, (a, b) in self.samples.items()],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -176,5 +191,7 @@ class Ladder:
         self.lr_drops = int(state.get("lr_drops", 0))
         rw = state.get("rewarm_from")
         self.rewarm_from = int(rw) if rw is not None else None
-        self.spikes.clear()
-        self.nonfinite_run = 0
+        self.spikes = deque(int(s) for s in state.get("spikes") or [])
+        self.nonfinite_run = int(state.get("nonfinite_run", 0) or 0)
+        if isinstance(state.get("samples"), list):  # absent in states saved before it was kept
+            self.samples = OrderedDict((int(s), (int(a), int(b))) for s, a, b in state["samples"])

@@ -37,7 +37,8 @@ class ScaledLR:
         self._apply()
 
     def refresh(self) -> None:
-        """Re-apply the factor now (after a rollback restored the scheduler's state)."""
+        """Re-apply the factor now: after a rollback, or after ``ctl.resume`` (which may have taken a
+        re-warm or a lowered LR from the incident log that the optimizer's saved ``lr`` predates)."""
         self._apply()
 
     def state_dict(self) -> dict:

@@ -17,6 +17,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 
+from ckptkit.errors import TooLargeError
+
 
 class ByteStore(ABC):
     """A place to put and get bytes by key (a directory, a bucket prefix)."""
@@ -59,12 +61,18 @@ class ByteStore(ABC):
             pos += len(buf)
 
     @abstractmethod
-    def read_bytes(self, key: str) -> bytes:
-        """The whole object; CheckpointNotFoundError if missing."""
+    def read_bytes(self, key: str, limit: int | None = None) -> bytes:
+        """The whole object; CheckpointNotFoundError if missing.
+
+        ``limit`` caps the object's size for callers that parse it whole (a manifest, an index):
+        a larger object raises :class:`~ckptkit.errors.TooLargeError` before its bytes are read
+        into memory, so a damaged or hostile store cannot exhaust it. A transient failure is a
+        :class:`~ckptkit.errors.StorageError`, never short data and never "missing".
+        """
 
     @abstractmethod
     def size(self, key: str) -> int | None:
-        """Object size, or None if it does not exist."""
+        """Object size, or None if it does not exist (a prefix or directory is not an object)."""
 
     @abstractmethod
     def list_keys(self, prefix: str = "") -> list[str]:
@@ -84,3 +92,15 @@ class ByteStore(ABC):
 
     def exists(self, key: str) -> bool:
         return self.size(key) is not None
+
+    def prune_empty(self) -> None:
+        """Remove directories left empty under the root (and the root, if empty); nothing else.
+
+        For stores with real directories (a filesystem). Never removes an object, so it is safe
+        while another writer is adding objects here — unlike :meth:`delete_all`. Object stores
+        have no directories: nothing to do."""
+
+
+def too_large(what: str, size: int, limit: int) -> TooLargeError:
+    """The error for an object over a reader's size limit, worded the same by every backend."""
+    return TooLargeError(f"{what} is {size} bytes, over the {limit}-byte limit for reading it whole")

@@ -17,14 +17,31 @@ import stat
 import uuid
 from collections.abc import Iterable
 
-from ckptkit.errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
-from ckptkit.storage.base import ByteStore
+from ckptkit.errors import (
+    CheckpointNotFoundError,
+    CkptkitError,
+    CorruptCheckpointError,
+    StorageError,
+    TooLargeError,
+    UnsafePathError,
+)
+from ckptkit.storage.base import ByteStore, too_large
 
 
 _WRITEBACK_EVERY = 64 << 20
 _sync_file_range = getattr(os, "sync_file_range", None)
 _SYNC_FILE_RANGE_WRITE = getattr(os, "SYNC_FILE_RANGE_WRITE", 2)
 _IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX")) if hasattr(os, "sysconf") else 1024
+# reads never block on a FIFO's open, never follow a link put in place of the resolved path
+_READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+_READ_CHUNK = 16 << 20
+_KINDS = (
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISLNK, "a symlink that does not resolve (a loop)"),
+)
 
 
 def _storage_error(exc: OSError, what: str) -> StorageError:
@@ -113,19 +130,73 @@ class LocalStore(ByteStore):
             _remove_quietly(tmp)
             raise _storage_error(exc, f"committing {path}") from exc
 
+    # ----------------------------------------------------------------- reading
+    # Every read path resolves the key, refuses what lies outside the root, and opens only
+    # regular files: the folder may be damaged or hostile (docs/trust.md), and a FIFO, a device
+    # or a symlink to /dev/zero where an object should be must fail clearly, never hang or
+    # stream forever.
+
+    def _resolve(self, key: str) -> str:
+        """The real path of ``key``; UnsafePathError if it resolves outside the store's root.
+
+        Symlinks are followed only while they stay inside ``realpath(root)`` (the root itself may
+        be a link): a checkpoint may link its own objects, but a ``manifest.json`` that points at
+        ``/etc/passwd`` must not be read. The check runs before anything is opened, because
+        opening some devices has side effects.
+        """
+        path = self._path(key)
+        real = os.path.realpath(path)
+        root = os.path.realpath(self.root)
+        if real != root and not real.startswith(root.rstrip(os.sep) + os.sep):
+            raise UnsafePathError(
+                f"{path} (key {key!r}) points to {real}, outside the store's root {root}: refusing to read it"
+            )
+        return real
+
+    def _lstat(self, key: str) -> tuple[str, str, os.stat_result | None]:
+        """``(path, real path, lstat of the real path)``; the stat is None if nothing is there."""
+        path = self._path(key)
+        real = self._resolve(key)
+        try:
+            return path, real, os.lstat(real)
+        except (FileNotFoundError, NotADirectoryError):
+            return path, real, None
+        except OSError as exc:
+            raise _storage_error(exc, f"inspecting {path}") from exc
+
+    def _open_regular(self, key: str, absent: type[CkptkitError]) -> tuple[int, int, str]:
+        """Open ``key`` for reading: ``(fd, size, path)``, the caller closes ``fd``.
+
+        ``absent`` is the error for nothing (or a directory) at ``key``. Anything but a regular
+        file is refused before it is opened, and again after (``fstat`` of the descriptor, in case
+        it was swapped meanwhile); ``O_NONBLOCK`` makes even that open of a FIFO return at once,
+        and ``O_NOFOLLOW`` refuses a symlink put in place of the resolved path.
+        """
+        path, real, st = self._lstat(key)
+        _check_regular(path, st, absent)
+        try:
+            fd = os.open(real, _READ_FLAGS)
+        except (FileNotFoundError, NotADirectoryError):
+            raise absent(_absent_message(path, absent)) from None
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise UnsafePathError(f"{path} (key {key!r}) was replaced by a symlink while being opened") from None
+            raise _storage_error(exc, f"reading {path}") from exc
+        try:
+            st = os.fstat(fd)
+            _check_regular(path, st, absent)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd, st.st_size, path
+
     def read_into(self, key: str, offset: int, out: memoryview) -> None:
         self.read_into_vectored(key, offset, [out])
 
     def read_into_vectored(self, key: str, offset: int, buffers: list[memoryview]) -> None:
-        path = self._path(key)
         views = [memoryview(b).cast("B") for b in buffers if len(b)]
         total = sum(len(v) for v in views)
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            raise CorruptCheckpointError(f"object {path} is missing") from None
-        except OSError as exc:
-            raise _storage_error(exc, f"reading {path}") from exc
+        fd, _, path = self._open_regular(key, CorruptCheckpointError)
         try:
             pos = offset
             while views:
@@ -145,31 +216,65 @@ class LocalStore(ByteStore):
         finally:
             os.close(fd)
 
-    def read_bytes(self, key: str) -> bytes:
-        path = self._path(key)
+    def read_bytes(self, key: str, limit: int | None = None) -> bytes:
+        fd, size, path = self._open_regular(key, CheckpointNotFoundError)
         try:
-            with open(path, "rb") as f:
-                return f.read()
-        except (FileNotFoundError, NotADirectoryError):
-            raise CheckpointNotFoundError(f"{path} does not exist") from None
-        except IsADirectoryError:
-            raise CheckpointNotFoundError(f"{path} is a directory, not a file") from None
+            if limit is None:
+                with open(fd, "rb", buffering=0, closefd=False) as f:
+                    return f.readall()
+            if size > limit:  # fstat, before a byte is read
+                raise too_large(path, size, limit)
+            return _read_capped(fd, path, size, limit)
         except OSError as exc:
             raise _storage_error(exc, f"reading {path}") from exc
+        finally:
+            os.close(fd)
 
     def size(self, key: str) -> int | None:
-        path = self._path(key)
+        """The size of a regular file at ``key``; None if nothing or a directory is there.
+
+        A FIFO, socket or device raises CorruptCheckpointError and a symlink out of the root
+        UnsafePathError, rather than reporting the size of whatever it is. A link out of the root
+        to a directory is None like any directory (nothing of it is read): a run directory whose
+        checkpoints are links to another disk still lists, and its checkpoints open as stores
+        rooted there.
+        """
         try:
-            st = os.stat(path)
-        except (FileNotFoundError, NotADirectoryError):
+            path, _, st = self._lstat(key)
+        except UnsafePathError:
+            if os.path.isdir(self._path(key)):
+                return None
+            raise
+        if st is None or stat.S_ISDIR(st.st_mode):
             return None
-        except OSError as exc:
-            raise _storage_error(exc, f"inspecting {path}") from exc
-        return None if stat.S_ISDIR(st.st_mode) else st.st_size
+        _check_regular(path, st, CorruptCheckpointError)
+        return st.st_size
+
+    def checked_size(self, key: str) -> int:
+        """The size of the regular file at ``key``, for readers that open it by other means.
+
+        A data object read through another engine (tensorstore's file driver) gets the same
+        checks as one read here: CorruptCheckpointError if missing or not a regular file,
+        UnsafePathError if it resolves outside the root.
+        """
+        path, _, st = self._lstat(key)
+        _check_regular(path, st, CorruptCheckpointError)
+        assert st is not None
+        return st.st_size
 
     def list_keys(self, prefix: str = "") -> list[str]:
+        """Every non-directory entry under ``prefix``; symlinked directories are not descended.
+
+        (``os.walk`` does not follow links below its top; a ``prefix`` that is itself a link out
+        of the root lists nothing, as a listing of the whole root would not reach it either.)
+        """
         base = self._path(prefix)
         out = []
+        if prefix:
+            try:
+                self._resolve(prefix)
+            except UnsafePathError:
+                return []
         if os.path.isfile(base):
             return [prefix]
         for dirpath, _, files in os.walk(base):
@@ -189,11 +294,56 @@ class LocalStore(ByteStore):
     def delete(self, key: str) -> None:
         _remove_quietly(self._path(key))
 
+    def prune_empty(self) -> None:
+        for dirpath, _, _ in sorted(os.walk(self.root), key=lambda w: -w[0].count(os.sep)):
+            try:
+                os.rmdir(dirpath)  # only ever succeeds on an empty directory
+            except OSError:
+                pass
+
     def delete_all(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
 
     def is_dir(self) -> bool:
         return os.path.isdir(self.root)
+
+
+def _check_regular(path: str, st: os.stat_result | None, absent: type[CkptkitError]) -> None:
+    """Raise unless ``st`` is a regular file: ``absent`` for nothing or a directory there."""
+    if st is None or stat.S_ISDIR(st.st_mode):
+        raise absent(_absent_message(path, absent, directory=st is not None))
+    if not stat.S_ISREG(st.st_mode):
+        kind = next((name for test, name in _KINDS if test(st.st_mode)), f"not a regular file (mode {st.st_mode:o})")
+        raise CorruptCheckpointError(f"object {path} is {kind}, not a regular file: a checkpoint object must be one")
+
+
+def _absent_message(path: str, absent: type[CkptkitError], directory: bool = False) -> str:
+    """read_bytes says a whole file is not there; ranged reads say an object the index lists is gone."""
+    whole = absent is CheckpointNotFoundError
+    if directory:
+        return f"{path} is a directory, not a file" if whole else f"object {path} is a directory, not a file"
+    return f"{path} does not exist" if whole else f"object {path} is missing"
+
+
+def _read_capped(fd: int, path: str, size: int, limit: int) -> bytes:
+    """At most ``limit`` bytes from ``fd``; TooLargeError if the file holds more.
+
+    ``size`` (from fstat) is only a hint: a file growing while it is read must not slip past the
+    limit, so this reads up to ``limit + 1`` bytes and fails if the extra byte came.
+    """
+    chunks: list[bytes] = []
+    got = 0
+    want = min(size, limit) + 1  # one past the expected end: a file that grew shows at once
+    while got <= limit:
+        chunk = os.read(fd, min(want, limit + 1 - got))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        got += len(chunk)
+        want = _READ_CHUNK
+    if got > limit:
+        raise TooLargeError(f"{path} grew past the {limit}-byte limit while being read (it was {size} bytes)")
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 def _temp_name(path: str) -> str:

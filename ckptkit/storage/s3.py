@@ -12,9 +12,12 @@
   (5xx, throttling, connection resets and timeouts, with exponential backoff
   and jitter; up to ``MAX_ATTEMPTS`` retries after the first attempt, so a
   persistent outage fails a request after about two minutes). s3fs adds its own retry for a
-  few transport errors on the calls it makes itself (listing). Errors that
-  survive the retries become :class:`~ckptkit.errors.StorageError` naming the
-  object.
+  few transport errors on the calls it makes itself (listing). botocore's retry
+  ends when an answer's headers arrive: a GET whose body then breaks off or
+  comes short of its Content-Length is retried here (``SHORT_READ_RETRIES``).
+  Errors that survive the retries become :class:`~ckptkit.errors.StorageError`
+  naming the object — never "missing" or "truncated", which only the server's
+  own answer (404, 416, a Content-Range total) can say.
 
 A multipart upload whose creation answer was lost cannot be aborted by the
 client (it never learned the upload id): give the bucket a lifecycle rule
@@ -31,17 +34,40 @@ import asyncio
 import json
 import os
 import threading
-from collections.abc import Iterable
+import time
+from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import Future
 from typing import Any
 
-from ckptkit.errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
-from ckptkit.storage.base import ByteStore
+from ckptkit.errors import CheckpointNotFoundError, CkptkitError, CorruptCheckpointError, StorageError
+from ckptkit.storage.base import ByteStore, too_large
 
 PART_SIZE = 64 << 20
 MAX_CONCURRENCY = 8
 MAX_ATTEMPTS = 10  # botocore: retries after the first attempt
-SHORT_READ_RETRIES = 3
+SHORT_READ_RETRIES = 3  # retries of a GET whose body broke off, after the first attempt
+SHORT_READ_BACKOFF = 0.05  # seconds before the first such retry; doubled before each next one
+
+
+class _CutResponse(Exception):
+    """A GET's body ended early or failed in transit: retried, never taken for the object's state."""
+
+
+async def _read_body(r: dict[str, Any], expected: int | None, cap: int | None = None) -> bytes:
+    """The body of GET answer ``r``: ``expected`` bytes (its Content-Length) or _CutResponse.
+
+    ``cap`` bounds what is read when the answer declares no length. Any exception while reading
+    (aiohttp's ClientPayloadError, botocore's ResponseStreamingError or IncompleteReadError, a
+    reset, a read timeout) happens after the server answered, so it is a transport failure.
+    """
+    try:
+        async with r["Body"] as body:
+            data = await body.read() if expected is not None or cap is None else await body.read(cap)
+    except Exception as exc:  # noqa: BLE001 - every failure mid-body is one of transport
+        raise _CutResponse(f"the response body broke off ({type(exc).__name__}: {exc})") from exc
+    if expected is not None and len(data) != expected:
+        raise _CutResponse(f"the response body ended after {len(data)} of {expected} bytes")
+    return data
 
 
 def _code(exc: BaseException) -> str:
@@ -225,49 +251,87 @@ class S3Store(ByteStore):
             pos += len(v)
 
     def _get_range(self, key: str, offset: int, length: int) -> bytes:
-        async def get() -> tuple[bytes, str]:
-            r = await self._call("get_object", Key=self._key(key), Range=f"bytes={offset}-{offset + length - 1}")
-            async with r["Body"] as body:
-                return await body.read(), str(r.get("ContentRange", ""))
+        """Bytes ``[offset, offset + length)`` of ``key``, exactly, or a ckptkit error.
 
-        for attempt in range(SHORT_READ_RETRIES + 1):
-            try:
-                data, content_range = self._run(get())
-            except Exception as exc:
-                code = _code(exc)
-                if code in ("NoSuchKey", "404"):
-                    raise CorruptCheckpointError(f"object {self.url}/{key} is missing") from None
-                if code in ("InvalidRange", "416"):
-                    raise CorruptCheckpointError(
-                        f"object {self.url}/{key} is truncated: needed bytes up to {offset + length}"
-                    ) from None
-                raise self._error(exc, f"reading {key}") from exc
-            if len(data) == length:
-                return data
-            # Short: either the object ends early (the server says so in Content-Range) or the
-            # response was cut off in transit (retry; a network failure is not a damaged checkpoint).
+        Only what the server declares is the object's state: 404 is a missing object, 416 or a
+        Content-Range total below the end a truncated one (CorruptCheckpointError). A body that
+        comes short or breaks in transit is retried, then a StorageError.
+        """
+        where = f"object {self.url}/{key}"
+
+        async def get() -> bytes:
+            r = await self._call("get_object", Key=self._key(key), Range=f"bytes={offset}-{offset + length - 1}")
+            content_range = str(r.get("ContentRange", "") or "")
             total = content_range.rsplit("/", 1)[-1]
             if total.isdigit() and int(total) < offset + length:
+                r["Body"].close()
                 raise CorruptCheckpointError(
-                    f"object {self.url}/{key} is truncated: needed bytes up to {offset + length}, it has {total}"
+                    f"{where} is truncated: needed bytes up to {offset + length}, it has {total}"
                 )
-        raise StorageError(
-            f"reading {key} in {self.url}: responses kept ending early ({len(data)} of {length} bytes) "
-            f"after {SHORT_READ_RETRIES + 1} attempts"
-        )
-
-    def read_bytes(self, key: str) -> bytes:
-        async def get() -> bytes:
-            r = await self._call("get_object", Key=self._key(key))
-            async with r["Body"] as body:
-                return await body.read()
+            declared = r.get("ContentLength")
+            if declared is not None and int(declared) != length:
+                r["Body"].close()
+                raise _CutResponse(f"the server answered {declared} bytes ({content_range or 'no Content-Range'}) "
+                                   f"for a range of {length}")
+            return await _read_body(r, length)
 
         try:
-            return self._run(get())
+            return self._get_whole(key, get, f"bytes {offset}-{offset + length - 1}")
+        except CkptkitError:
+            raise
+        except Exception as exc:
+            code = _code(exc)
+            if code in ("NoSuchKey", "404"):
+                raise CorruptCheckpointError(f"{where} is missing") from None
+            if code in ("InvalidRange", "416"):
+                raise CorruptCheckpointError(f"{where} is truncated: needed bytes up to {offset + length}") from None
+            raise self._error(exc, f"reading {key}") from exc
+
+    def read_bytes(self, key: str, limit: int | None = None) -> bytes:
+        """The whole object; over ``limit``, TooLargeError from the response's Content-Length,
+        its body left unread (the connection is closed instead)."""
+
+        async def get() -> bytes:
+            r = await self._call("get_object", Key=self._key(key))
+            declared = r.get("ContentLength")
+            if limit is not None and declared is not None and int(declared) > limit:
+                r["Body"].close()
+                raise too_large(f"{self.url}/{key}", int(declared), limit)
+            data = await _read_body(r, None if declared is None else int(declared),
+                                    None if limit is None else limit + 1)
+            if limit is not None and len(data) > limit:  # no Content-Length to check first
+                raise too_large(f"{self.url}/{key}", len(data), limit)
+            return data
+
+        try:
+            return self._get_whole(key, get, "the whole object")
+        except CkptkitError:
+            raise
         except Exception as exc:
             if _code(exc) in ("NoSuchKey", "404"):
                 raise CheckpointNotFoundError(f"{self.url}/{key} does not exist") from None
             raise self._error(exc, f"reading {key}") from exc
+
+    def _get_whole(self, key: str, get: Callable[[], Awaitable[bytes]], what: str) -> bytes:
+        """Run the GET ``get`` until its body arrives whole.
+
+        botocore retries a request until its answer's headers arrive, but not a body that breaks
+        off afterwards (a connection cut mid-body, a short body): that is retried here, after a
+        short exponential backoff. It is never reported as a missing or truncated object — a
+        restore that took a network failure for a damaged checkpoint would silently go back to an
+        older one. Errors of the request itself propagate to the caller.
+        """
+        reason = ""
+        for attempt in range(SHORT_READ_RETRIES + 1):
+            if attempt:
+                time.sleep(SHORT_READ_BACKOFF * 2 ** (attempt - 1))
+            try:
+                return self._run(get())
+            except _CutResponse as cut:
+                reason = str(cut)
+        raise StorageError(
+            f"{self.url}/{key} could not be read ({what}): {reason}, in each of {SHORT_READ_RETRIES + 1} attempts"
+        )
 
     def size(self, key: str) -> int | None:
         try:

@@ -77,6 +77,10 @@ class TensorstoreStore(ByteStore):
         total = sum(len(v) for v in views)
         if not total:
             return
+        if isinstance(self.base, LocalStore):
+            # tensorstore's file driver would follow any symlink and block opening a FIFO: the
+            # wrapped store's checks (a regular file inside the root) come first
+            self.base.checked_size(key)
         try:
             result = self._kv.read(key, byte_range=slice(offset, offset + total)).result()
         except Exception as exc:
@@ -100,8 +104,8 @@ class TensorstoreStore(ByteStore):
     def put_if_absent(self, key: str, data: bytes) -> bool:
         return self.base.put_if_absent(key, data)
 
-    def read_bytes(self, key: str) -> bytes:
-        return self.base.read_bytes(key)
+    def read_bytes(self, key: str, limit: int | None = None) -> bytes:
+        return self.base.read_bytes(key, limit)
 
     def size(self, key: str) -> int | None:
         return self.base.size(key)
@@ -117,6 +121,9 @@ class TensorstoreStore(ByteStore):
 
     def delete_all(self) -> None:
         self.base.delete_all()
+
+    def prune_empty(self) -> None:
+        self.base.prune_empty()
 
     def is_dir(self) -> bool:
         is_dir = getattr(self.base, "is_dir", None)

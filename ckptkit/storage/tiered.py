@@ -73,22 +73,22 @@ class TieredStore(ByteStore):
 
     def read_into_vectored(self, key: str, offset: int, buffers: list[memoryview]) -> None:
         total = sum(len(memoryview(b).cast("B")) for b in buffers)
-        size = self.local.size(key)
-        if size is not None and size >= offset + total:
-            try:
+        try:  # a local copy that is short, damaged or refused (not a regular file, a link out) is skipped
+            size = self.local.size(key)
+            if size is not None and size >= offset + total:
                 self.local.read_into_vectored(key, offset, buffers)
                 return
-            except (CorruptCheckpointError, OSError, CkptkitError) as exc:
-                log.warning("local copy of %s unreadable (%s); reading it from %s", key, exc, self.remote.url)
+        except (CorruptCheckpointError, OSError, CkptkitError) as exc:
+            log.warning("local copy of %s unreadable (%s); reading it from %s", key, exc, self.remote.url)
         self.remote.read_into_vectored(key, offset, buffers)
 
-    def read_bytes(self, key: str) -> bytes:
+    def read_bytes(self, key: str, limit: int | None = None) -> bytes:
         if key == MANIFEST_NAME:
-            return self.remote.read_bytes(key)  # the commit lives in the bucket only
+            return self.remote.read_bytes(key, limit)  # the commit lives in the bucket only
         try:
-            return self.local.read_bytes(key)
+            return self.local.read_bytes(key, limit)
         except CheckpointNotFoundError:
-            return self.remote.read_bytes(key)
+            return self.remote.read_bytes(key, limit)
 
     def size(self, key: str) -> int | None:
         return self.remote.size(key)
@@ -107,6 +107,10 @@ class TieredStore(ByteStore):
     def delete_all(self) -> None:
         self.remote.delete_all()
         self.local.delete_all()
+
+    def prune_empty(self) -> None:
+        self.remote.prune_empty()
+        self.local.prune_empty()
 
     def is_dir(self) -> bool:
         return bool(self.list_children())

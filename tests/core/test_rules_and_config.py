@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from ckptkit.errors import LayoutError
 from ckptkit.layout.box import Box
 from ckptkit.layout.config import ParallelConfig
-from ckptkit.layout.manifest import Manifest, TensorMeta
+from ckptkit.layout.manifest import IndexRef, Manifest, TensorMeta
 from ckptkit.layout.rules import PartitionRule
 
 
@@ -164,6 +164,7 @@ def test_rules_cover_every_element_once_per_replica_set(cfg, rule, rotation):
     assert set(writes.values()) == {1}  # and written exactly once
     # the rule round-trips through the manifest
     meta = TensorMeta("t", "float32", shape, layout, 0, rule)
-    m = Manifest(world_size=cfg.world_size, tensors={"t": meta}, indexes={})
+    indexes = {r: IndexRef(r, f"index/rank-{r:05d}.json", 0, "0" * 64) for r in range(cfg.world_size)}
+    m = Manifest(world_size=cfg.world_size, tensors={"t": meta}, indexes=indexes)
     back = Manifest.from_json_bytes(m.to_json_bytes(), "test").tensors["t"]
     assert back.rule == rule and back.layout == layout
