@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import (
     CheckpointNotFoundError,
+    CheckpointUnreadableError,
     CkptkitError,
     CorruptCheckpointError,
     CoverageError,
@@ -28,6 +29,7 @@ from ckptkit.errors import (
     ShapeMismatchError,
     StateMismatchError,
     StorageError,
+    TooLargeError,
     UncommittedCheckpointError,
     UnexpectedKeysError,
     UnsafePathError,
@@ -85,7 +87,7 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "save", "load", "save_async", "close_async", "SaveHandle", "AsyncOptions", "SaveResult", "LoadResult", "Sharded", "PerRank", "SaveOptions", "LoadOptions",
     "Box", "Region", "Piece", "box_piece", "flat_piece", "ParallelConfig", "PartitionRule",
-    "CkptkitError", "CheckpointNotFoundError", "UncommittedCheckpointError", "ManifestError",
+    "CkptkitError", "CheckpointNotFoundError", "CheckpointUnreadableError", "TooLargeError", "UncommittedCheckpointError", "ManifestError",
     "UnsupportedVersionError", "UnsafePathError", "CorruptCheckpointError", "StateMismatchError",
     "MissingKeysError", "UnexpectedKeysError", "DTypeMismatchError", "ShapeMismatchError",
     "CoverageError", "LayoutError", "StorageError", "SaveError", "PeerFailureError", "CheckpointManager",

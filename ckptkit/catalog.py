@@ -36,6 +36,7 @@ from ckptkit.errors import (
 )
 from ckptkit.layout.grid import GridLayout, Mesh, On, Placement, Replicate
 from ckptkit.layout.manifest import DTYPES, MANIFEST_NAME, ExplicitLayout, Index, IndexEntry, Manifest, TensorMeta
+from ckptkit.layout.values import decode_value
 from ckptkit.retention import Record, RetentionPolicy, decide
 from ckptkit.storage.base import ByteStore
 from ckptkit.storage.url import open_store
@@ -90,9 +91,17 @@ def list_checkpoints(url: str) -> list[CheckpointInfo]:
         raise CheckpointNotFoundError(f"no checkpoint or run directory at {store.url}")
     infos, policies = [], {}
     for name in children:
-        if name.startswith(".") or store.size(name) is not None:
-            continue  # a plain file next to the checkpoints (notes, a "latest" pointer), or .leases
-        info, policy = _info_and_policy(store.child(name), name)
+        if name.startswith("."):
+            continue  # .leases and other hidden entries
+        try:
+            if store.size(name) is not None:
+                continue  # a plain file next to the checkpoints (notes, a "latest" pointer)
+            info, policy = _info_and_policy(store.child(name), name)
+        except CkptkitError as exc:  # one hostile entry must not hide the other checkpoints
+            match = _STEP_NAME.search(name)
+            info = CheckpointInfo(name, f"{store.url.rstrip('/')}/{name}", int(match.group(1)) if match else None,
+                                  False, 0, None, None, f"unreadable: {exc}")
+            policy = None
         infos.append(info)
         policies[name] = policy
     infos.sort(key=lambda i: (i.step is None, i.step or 0, i.name))
@@ -347,6 +356,7 @@ def verify(url: str, progress: Progress | None = None, *, threads: int = 4) -> V
             else:
                 problems.append(Problem("index", str(got), manifest.indexes[rank].key, rank=rank))
         problems += _check_layout(store.url, manifest, indexes)
+        problems += _check_values(store.url, manifest, indexes)
         work, object_problems, nobjects = _check_objects(store, indexes)
         problems += object_problems
         total, done, lock = sum(e.nbytes for _, _, e in work), [0], threading.Lock()
@@ -419,6 +429,26 @@ def _check_layout(url: str, manifest: Manifest, indexes: dict[int, Index]) -> li
             out.append(Problem("coverage", f"{url}: tensor {key!r}: the indexes hold {elements.get(key, 0)} elements, "
                                f"its shape {list(t.shape)} has {t.numel}", None, key))
     return out
+
+
+def _check_values(url: str, manifest: Manifest, indexes: dict[int, Index]) -> list[Problem]:
+    """Every value a load can return decodes (the digests say the bytes are as written; this says
+    what was written is a value ckptkit can give back)."""
+    out: list[Problem] = []
+    items: list[tuple[str, Any, str, int | None]] = [(k, v, MANIFEST_NAME, None) for k, v in manifest.values.items()]
+    items += [(k, v, MANIFEST_NAME, r) for k, groups in manifest.rank_values.items() for v, ranks in groups for r in ranks[:1]]
+    for rank, idx in sorted(indexes.items()):
+        items += [(k, v, manifest.indexes[rank].key, rank) for k, v in idx.values.items() if not _is_generator(v)]
+    for key, value, file, rank in items:
+        try:
+            decode_value(value, f"{url}/{file}: value {key!r}")
+        except CkptkitError as exc:
+            out.append(Problem("value", str(exc), file, key, rank))
+    return out
+
+
+def _is_generator(value: Any) -> bool:
+    return isinstance(value, dict) and "__generator__" in value
 
 
 def _check_objects(store: ByteStore, indexes: dict[int, Index]) -> tuple[list[Work], list[Problem], int]:

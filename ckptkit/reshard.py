@@ -114,8 +114,8 @@ def plan(
     store = open_store(source, storage_options)
     manifest = read_manifest(store)
     the_plan = plan_reshard(manifest.tensors, target, options.plan)
-    return ReshardResult(store.url, None, manifest.parallel, the_plan, tuple(manifest.per_rank_keys), 0,
-                         time.perf_counter() - t0, True)
+    dropped = tuple(sorted({*manifest.per_rank_keys, *manifest.rank_values}))
+    return ReshardResult(store.url, None, manifest.parallel, the_plan, dropped, 0, time.perf_counter() - t0, True)
 
 
 def reshard(
@@ -153,7 +153,7 @@ def reshard(
                    if out.streams_writes else None)
     scratch = BufferPool(the_plan.threads * the_plan.io_threads, the_plan.read_window)
     view = CheckpointView(src, manifest, ViewOptions(io_threads=the_plan.io_threads, scratch=scratch))
-    dropped = tuple(manifest.per_rank_keys)
+    dropped = tuple(sorted({*manifest.per_rank_keys, *manifest.rank_values}))  # values of source ranks
     orig = manifest.meta
     meta = {
         "user": orig.get("user", {}),

@@ -143,13 +143,21 @@ def eval_loss(model: nn.Module) -> float:
         return loss_on(model, global_batch(10_000_000, None)).item()
 
 
-def state_of(model: nn.Module, optim: torch.optim.Optimizer) -> dict:
-    return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optim)}
+def new_scheduler(optim: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(optim, lambda s: min(1.0, (s + 1) / 5))
 
 
-def apply(model: nn.Module, optim: torch.optim.Optimizer, state: dict) -> None:
+def state_of(model: nn.Module, optim: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.LRScheduler) -> dict:
+    # the scheduler's position is saved too: a resumed run must not restart its warm-up
+    return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optim),
+            "sched": sched.state_dict()}
+
+
+def apply(model: nn.Module, optim: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.LRScheduler,
+          state: dict) -> None:
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, optim, state["optim"])
+    sched.load_state_dict(state["sched"])
 
 
 def controller(run: str, async_save: bool = True) -> ckptkit.ResilienceController:
@@ -175,16 +183,17 @@ def train(args: argparse.Namespace) -> float:
     torch.manual_seed(0)
     model = parallelize(TinyGPT(), args.layout)
     optim = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: min(1.0, (s + 1) / 5))
+    sched = new_scheduler(optim)
     ctl = controller(args.run)
     lr = ckptkit.ScaledLR(sched, optim, ctl.lr_factor)
-    state = state_of(model, optim)
+    state = state_of(model, optim, sched)
     if rank == 0:
         note_time(args, "start", t_process=PROCESS_START)
     t0 = time.time()
     start = ctl.resume(state)
     if start > 1:
-        apply(model, optim, state)
+        apply(model, optim, sched, state)
+        lr.refresh()  # a re-warm or lowered LR the checkpoint predates (from the incident log)
         if rank == 0:
             note_time(args, "restored", load_s=time.time() - t0, step=start - 1)
             print(f"[attempt {attempt}] resumed from step {start - 1} at sample {ctl.sample}", flush=True)
@@ -209,7 +218,8 @@ def train(args: argparse.Namespace) -> float:
         action = ctl.observe(step, loss=mean, grad_norm=grad_norm.item())
         if action.rollback:
             action.restore(state)
-            apply(model, optim, state)
+            apply(model, optim, sched, state)
+            lr.refresh()
             if rank == 0:
                 print(f"[attempt {attempt}] step {step}: {action.decision.reason} -> rolled back to step "
                       f"{ctl.step}, skipping samples {list(action.decision.skip or ())}", flush=True)
@@ -221,7 +231,7 @@ def train(args: argparse.Namespace) -> float:
         lr.step()
         if rank == 0 and step % 10 == 0:
             print(f"[attempt {attempt}] step {step:3d} loss {mean:.4f} lr x{ctl.lr_factor():.2f}", flush=True)
-        ctl.maybe_save(step, state_of(model, optim))
+        ctl.maybe_save(step, state_of(model, optim, sched))
         if step == start and rank == 0:
             note_time(args, "first_step", step=step)
     ctl.close()
@@ -232,10 +242,11 @@ def resume(args: argparse.Namespace) -> float:
     torch.manual_seed(123)  # a different init: everything must come from the checkpoint
     model = parallelize(TinyGPT(), args.layout)
     optim = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    sched = new_scheduler(optim)
     ctl = controller(args.run, async_save=False)
-    state = state_of(model, optim)
+    state = state_of(model, optim, sched)
     start = ctl.resume(state)
-    apply(model, optim, state)
+    apply(model, optim, sched, state)
     loss = eval_loss(model)
     if dist.get_rank() == 0:
         print(f"[resume {args.layout} x{dist.get_world_size()}] loaded step {start - 1}; eval loss {loss:.6f}", flush=True)

@@ -12,7 +12,9 @@ from ckptkit.cli import render
 @click.argument("checkpoint")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document instead of tables.")
 @click.option("--tensor", "pattern", metavar="PATTERN", help="Only tensors whose key matches this shell pattern.")
-def inspect_cmd(checkpoint: str, as_json: bool, pattern: str | None) -> None:
+@click.option("--limit", default=500, show_default=True, metavar="N",
+              help="Show at most N rows per table (0: all); --json always has everything.")
+def inspect_cmd(checkpoint: str, as_json: bool, pattern: str | None, limit: int) -> None:
     """Describe CHECKPOINT: tensors, dtypes, shapes, layouts, and what each rank wrote.
 
     Reads the manifest and the index files only; no data object is read.
@@ -28,4 +30,4 @@ def inspect_cmd(checkpoint: str, as_json: bool, pattern: str | None) -> None:
     if as_json:
         render.print_json(desc.to_json())
     else:
-        render.description(desc, pattern)
+        render.description(desc, pattern, limit=limit or None)

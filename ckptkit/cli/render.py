@@ -78,7 +78,9 @@ def checkpoint_table(infos: list[CheckpointInfo], url: str) -> None:
     out.print(table)
 
 
-def description(d: CheckpointDescription, pattern: str | None = None) -> None:
+def description(d: CheckpointDescription, pattern: str | None = None, limit: int | None = None) -> None:
+    """The tables of ``inspect``; at most ``limit`` rows each (a 300k-tensor checkpoint would take
+    minutes to lay out as a table and nobody reads it: the last row says how many are left)."""
     out = console()
     meta = d.meta
     out.print(f"[bold]checkpoint[/] {escape(d.url)}")
@@ -102,15 +104,19 @@ def description(d: CheckpointDescription, pattern: str | None = None) -> None:
     tensors = Table(title="tensors", title_justify="left")
     for name in ("key", "dtype", "shape", "size", "layout", "pieces"):
         tensors.add_column(name, overflow="fold", justify="right" if name in ("size", "pieces") else "left")
-    for t in d.tensors:
+    for t in d.tensors[:limit]:
         tensors.add_row(escape(t.key), t.dtype, escape(str(list(t.shape))), human_bytes(t.nbytes),
                         escape(t.layout), str(t.stored_pieces))
+    if limit is not None and len(d.tensors) > limit:
+        tensors.add_row(f"... {len(d.tensors) - limit} more (--tensor PATTERN, --limit 0 or --json)", "", "", "", "", "")
     out.print(tensors if d.tensors else "  (no tensors)")
     ranks = Table(title="pieces per rank", title_justify="left")
     for name in ("rank", "pieces", "bytes", "per-rank values"):
         ranks.add_column(name, overflow="fold", justify="left" if name == "per-rank values" else "right")
-    for r in d.ranks:
+    for r in d.ranks[:limit]:
         ranks.add_row(str(r.rank), str(r.pieces), human_bytes(r.nbytes), escape(", ".join(r.value_keys) or "-"))
+    if limit is not None and len(d.ranks) > limit:
+        ranks.add_row(f"... {len(d.ranks) - limit} more", "", "", "")
     out.print(ranks)
 
 

@@ -126,6 +126,7 @@ def write_offline(
     source: SourceFactory,
     values: Mapping[str, Any] | None = None,
     per_rank_values: Mapping[int, Mapping[str, Any]] | None = None,
+    rank_values: Mapping[str, tuple[tuple[Any, tuple[int, ...]], ...]] | None = None,
     meta: Mapping[str, Any] | None = None,
     parallel: str | None = None,
     layouts: Mapping[str, TensorMeta] | None = None,
@@ -139,7 +140,8 @@ def write_offline(
     no tensor bytes but still write an index); every stored region must be of
     a tensor in ``tensors``, and together they must cover each tensor exactly
     once. ``values`` are the replicated values and ``per_rank_values[r]`` rank
-    ``r``'s per-rank values, both already JSON-encoded
+    ``r``'s per-rank values, both already JSON-encoded; ``rank_values`` values the source's ranks
+    disagreed about (kept per rank, as :class:`~ckptkit.layout.manifest.Manifest` records them)
     (:func:`ckptkit.layout.values.encode_value`). ``meta`` adds fields (``user``,
     ``converted_from``) to the manifest's metadata. ``layouts``, when given,
     replaces the manifest entries merged from the explicit pieces with the
@@ -172,8 +174,8 @@ def write_offline(
             decls.append(ExplicitDecl(ref, spec.dtype, DTYPES[spec.dtype], local_shape,
                                       (Piece(key, tuple(spec.shape), region, place),)))
         plan = plan_save(rank, [], decls)
-        rank_values = dict(per_rank_values.get(rank, {}))
-        prep = Prepared(plan, cast(list, src), {}, rank_values, tuple(sorted(rank_values))).for_attempt(target.attempt)
+        own_values = dict(per_rank_values.get(rank, {}))
+        prep = Prepared(plan, cast(list, src), {}, own_values, tuple(sorted(own_values))).for_attempt(target.attempt)
         try:
             report = persist(prep, store, options.block_size, tick, getattr(src, "release", None))
         finally:
@@ -196,7 +198,8 @@ def write_offline(
         }
         manifest_meta.update(meta or {})
         merged = merge_reports(reports, world_size=world_size, values=dict(values or {}), meta=manifest_meta,
-                               parallel=parallel, where=store.url, attempt=target.attempt)
+                               parallel=parallel, where=store.url, attempt=target.attempt,
+                               rank_values=dict(rank_values or {}))
         _check_all_stored(merged, tensors, store.url)
         if layouts is not None:
             merged.tensors = dict(layouts)

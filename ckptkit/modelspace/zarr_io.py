@@ -307,6 +307,7 @@ def import_zarr(
         source=lambda rank, items: _ZarrPieces(arrays, manifest, export.arrays, items, options.read_ahead),
         values=manifest.values,
         per_rank_values=export.per_rank,
+        rank_values=manifest.rank_values,
         meta={"user": orig.get("user", {}),
               "converted_from": {"url": src.url, "format": "zarr", "created": orig.get("created"),
                                  "ckptkit_version": orig.get("ckptkit_version")}},

@@ -333,14 +333,16 @@ def _read_capped(fd: int, path: str, size: int, limit: int) -> bytes:
     """
     chunks: list[bytes] = []
     got = 0
-    want = min(size, limit) + 1  # one past the expected end: a file that grew shows at once
     while got <= limit:
+        # one past the expected end (a file that grew shows at once), never a large buffer for a
+        # small file: os.read allocates what it is asked for
+        expected = min(size, limit)
+        want = min(expected - got + 1, _READ_CHUNK) if got <= expected else _READ_CHUNK
         chunk = os.read(fd, min(want, limit + 1 - got))
         if not chunk:
             break
         chunks.append(chunk)
         got += len(chunk)
-        want = _READ_CHUNK
     if got > limit:
         raise TooLargeError(f"{path} grew past the {limit}-byte limit while being read (it was {size} bytes)")
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)

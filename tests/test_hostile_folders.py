@@ -1,0 +1,361 @@
+"""Damaged and hostile checkpoint folders: every reader fails clearly, fast, in bounded memory.
+
+One test per class of hostile input (docs/trust.md gives the policy for each), each case run
+through every reader — ``load``, ``open(...)[key][...]``, ``verify``, ``describe`` (``inspect``),
+``list_checkpoints`` (``ls``) — and through the CLI, which must answer with exit code 1 or 2 and
+one error line, never a traceback. ``test_hostile_counts`` prints the tally the issue note quotes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import tempfile
+import time
+import tracemalloc
+from collections import Counter
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import ckptkit
+import ckptkit.catalog
+from ckptkit.cli.main import cli
+from tests.ckpt_files import data_object, edit_index, edit_manifest, index_file, manifest_doc, write_manifest_doc
+
+pytestmark = pytest.mark.timeout(120)
+TALLY: Counter[str] = Counter()
+
+
+def make_state(blank: bool = False) -> dict:
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(16, 8, generator=g)
+    return {"model": {"w": torch.zeros_like(w) if blank else w}, "train": {"step": 0 if blank else 9},
+            "rng": torch.Generator().manual_seed(1)}
+
+
+@pytest.fixture
+def ckpt(tmp_path: Path) -> Path:
+    path = tmp_path / "run" / "step-0000009"
+    ckptkit.save(make_state(), path, metadata={"step": 9, "metrics": {"loss": 1.5}})
+    return path
+
+
+Reader = Callable[[Path], Any]
+
+
+def _load(p: Path) -> Any:
+    return ckptkit.load(make_state(blank=True), p)
+
+
+def _view(p: Path) -> Any:
+    view = ckptkit.open(p)
+    return [view[k][...] for k in view.keys()], view.values, view.all_per_rank_values()
+
+
+def _verify(p: Path) -> Any:
+    report = ckptkit.catalog.verify(str(p))
+    if not report.ok:
+        raise ckptkit.CorruptCheckpointError(f"verify: {report.problems[0].message}")
+    return report
+
+
+READERS: dict[str, Reader] = {
+    "load": _load,
+    "open": _view,
+    "verify": _verify,
+    "describe": lambda p: ckptkit.catalog.describe(str(p)),
+    "ls": lambda p: ckptkit.catalog.list_checkpoints(str(p.parent)),
+}
+
+
+def refused_by_every_reader(path: Path, case: str, allow: frozenset[str] = frozenset({"ls"}),
+                            limit_s: float = 10.0, memory: int = 256 << 20) -> None:
+    """Every reader raises a CkptkitError (``allow``: readers for which a clean answer is also
+    right, e.g. ``ls`` listing a damaged checkpoint as not committed), in bounded time and memory;
+    the CLI exits 1 or 2 with no traceback."""
+    for name, reader in READERS.items():
+        tracemalloc.start()
+        t0 = time.monotonic()
+        try:
+            reader(path)
+            outcome = "ok"
+        except ckptkit.CkptkitError:
+            outcome = "error"
+        except Exception as exc:  # noqa: BLE001 - what the test is here to find
+            outcome = f"crash: {type(exc).__name__}: {exc}"
+        finally:
+            _, peak = tracemalloc.get_traced_memory()
+            tracemalloc.stop()
+        elapsed = time.monotonic() - t0
+        TALLY["tried"] += 1
+        TALLY["clear errors" if outcome == "error" else "crashes" if outcome.startswith("crash") else "answered"] += 1
+        TALLY["hangs"] += elapsed > limit_s
+        assert not outcome.startswith("crash"), f"{case}: {name}: {outcome}"
+        assert outcome == "error" or name in allow, f"{case}: {name} accepted a damaged checkpoint"
+        assert elapsed < limit_s, f"{case}: {name} took {elapsed:.1f}s"
+        assert peak < memory, f"{case}: {name} allocated {peak >> 20} MiB"
+    for args in (["inspect", str(path)], ["verify", str(path)], ["ls", str(path.parent)], ["inspect", str(path), "--json"]):
+        result = CliRunner().invoke(cli, args)
+        TALLY["cli runs"] += 1
+        text = result.output + (result.stderr if result.stderr_bytes is not None else "")
+        assert "Traceback" not in text and (result.exception is None or isinstance(result.exception, SystemExit)), \
+            f"{case}: ckptkit {' '.join(args[:1])} crashed: {result.exception!r}\n{text}"
+        assert result.exit_code in (0, 1, 2), f"{case}: exit code {result.exit_code}"
+        if {"inspect": "describe"}.get(args[0], args[0]) not in allow:
+            assert result.exit_code in (1, 2), f"{case}: ckptkit {args[0]} accepted it"
+
+
+# ---------------------------------------------------------------- numbers
+
+def int_positions(doc: Any, path: tuple = ()) -> list[tuple]:
+    if isinstance(doc, bool):
+        return []
+    if isinstance(doc, int):
+        return [path]
+    if isinstance(doc, dict):
+        return [p for k, v in doc.items() for p in int_positions(v, (*path, k))]
+    if isinstance(doc, list):
+        return [p for i, v in enumerate(doc) for p in int_positions(v, (*path, i))]
+    return []
+
+
+def set_raw(doc: Any, path: tuple, marker: str) -> str:
+    node = doc
+    for p in path[:-1]:
+        node = node[p]
+    node[path[-1]] = marker
+    return json.dumps(doc, separators=(",", ":"))
+
+
+@pytest.mark.parametrize("number", ["1e999", "1" + "0" * 400, "-1", "1.5"])
+def test_every_integer_field_of_the_manifest_and_index(ckpt, number):
+    """Each integer of the manifest (outside user values) and of the index, replaced by a number that
+    overflows a float, a 400-digit integer, a negative or a fraction."""
+    from ckptkit.layout.manifest import seal
+
+    pristine = {p: p.read_bytes() for p in (ckpt / "manifest.json", index_file(ckpt))}
+    doc = manifest_doc(ckpt)
+    skip = ("values", "meta")  # user data: any number is a legal value there (covered below)
+    for pos in [p for p in int_positions(doc) if p[0] not in skip]:
+        text = set_raw(json.loads(json.dumps(doc)), pos, "__N__").replace('"__N__"', number)
+        (ckpt / "manifest.json").write_bytes(seal(text.encode()))
+        refused_by_every_reader(ckpt, f"manifest{list(pos)}={number[:8]}")
+    for path, data in pristine.items():
+        path.write_bytes(data)
+    idoc = json.loads(index_file(ckpt).read_text())
+    for pos in [p for p in int_positions(idoc) if p[0] != "values"]:
+        text = set_raw(json.loads(json.dumps(idoc)), pos, "__N__").replace('"__N__"', number)
+        _reseal_raw(ckpt, text)
+        refused_by_every_reader(ckpt, f"index{list(pos)}={number[:8]}")
+    for path, data in pristine.items():
+        path.write_bytes(data)
+
+
+def _reseal_raw(ckpt: Path, index_text: str) -> None:
+    from ckptkit.layout.manifest import sha256_hex
+
+    data = index_text.encode()
+    index_file(ckpt).write_bytes(data)
+
+    def fix(doc: dict) -> None:
+        for item in doc["indexes"]:
+            item[2], item[3] = len(data), sha256_hex(data)
+
+    edit_manifest(ckpt, fix)
+
+
+def test_huge_numbers_in_user_values_and_metrics_are_values(ckpt):
+    """In values and metadata a 400-digit integer is a legal value: stored, listed, loaded exactly."""
+    edit_manifest(ckpt, lambda d: d["meta"]["user"]["metrics"].update(loss=10**400))
+    infos = ckptkit.catalog.list_checkpoints(str(ckpt.parent))
+    assert infos[0].metrics["loss"] == 10**400
+    for args in (["ls", str(ckpt.parent)], ["ls", str(ckpt.parent), "--json"], ["inspect", str(ckpt)]):
+        result = CliRunner().invoke(cli, args)
+        assert result.exit_code == 0, result.output
+    state = make_state()
+    state["train"]["big"] = 10**400
+    ckptkit.save(state, ckpt.parent / "step-0000010")
+    target = make_state(blank=True)
+    target["train"]["big"] = 0
+    ckptkit.load(target, ckpt.parent / "step-0000010")
+    assert target["train"]["big"] == 10**400
+
+
+# ---------------------------------------------------------------- nesting, encodings, duplicates
+
+@pytest.mark.parametrize("where", ["values", "meta", "tensors", "top"])
+def test_deeply_nested_json(ckpt, where):
+    deep = "[" * 100_000 + "]" * 100_000
+    doc = manifest_doc(ckpt)
+    doc[where if where != "top" else "extra"] = "__DEEP__"
+    text = json.dumps(doc, separators=(",", ":")).replace('"__DEEP__"', deep)
+    from ckptkit.layout.manifest import seal
+
+    (ckpt / "manifest.json").write_bytes(seal(text.encode()))
+    refused_by_every_reader(ckpt, f"deep {where}")
+
+
+def test_values_nested_deeper_than_a_reader_accepts_are_refused_at_save(tmp_path):
+    value: Any = 1
+    for _ in range(200):
+        value = [value]
+    with pytest.raises(ckptkit.SaveError, match="nests deeper than"):
+        ckptkit.save({"v": value, "w": torch.zeros(2)}, tmp_path / "c")
+
+
+@pytest.mark.parametrize("target", ["tensor key", "value key", "value string", "mesh dim", "index tensor"])
+def test_lone_surrogates(ckpt, target):
+    if target == "tensor key":
+        edit_manifest(ckpt, lambda d: d["tensors"].update({"model/\ud800": d["tensors"].pop("model/w")}))
+    elif target == "value key":
+        edit_manifest(ckpt, lambda d: d["values"].update({"\udfff": 1}))
+    elif target == "value string":
+        edit_manifest(ckpt, lambda d: d["values"].update({"train/step": "x\ud800"}))
+    elif target == "mesh dim":
+        edit_manifest(ckpt, lambda d: d["meshes"]["m0"].update(dims=["\ud801"]))
+    else:
+        edit_index(ckpt, lambda d: d["pieces"][0].__setitem__(0, "model/\ud800"))
+    refused_by_every_reader(ckpt, f"surrogate in {target}")
+
+
+def test_saving_a_lone_surrogate_is_refused_with_its_key(tmp_path):
+    with pytest.raises(ckptkit.SaveError, match="'path'.*not valid Unicode"):
+        ckptkit.save({"path": "/data/\udcff.bin", "w": torch.zeros(2)}, tmp_path / "c")
+
+
+@pytest.mark.parametrize("where", ["top", "tensor", "values", "index"])
+def test_duplicate_json_keys(ckpt, where):
+    from ckptkit.layout.manifest import seal
+
+    if where == "index":
+        text = index_file(ckpt).read_text().replace('"rank":0', '"rank":0,"rank":0', 1)
+        _reseal_raw(ckpt, text)
+    else:
+        text = json.dumps(manifest_doc(ckpt), separators=(",", ":"))
+        text = {"top": text.replace('"world_size":1', '"world_size":1,"world_size":2', 1),
+                "tensor": text.replace('"dtype":"float32"', '"dtype":"float32","dtype":"float32"', 1),
+                "values": text.replace('"train/step":9', '"train/step":9,"train/step":10', 1)}[where]
+        (ckpt / "manifest.json").write_bytes(seal(text.encode()))
+    refused_by_every_reader(ckpt, f"duplicate key in {where}")
+
+
+# ---------------------------------------------------------------- sizes
+
+def test_a_mesh_of_2_to_the_40_ranks_is_refused_before_it_is_built(ckpt):
+    edit_manifest(ckpt, lambda d: d["meshes"]["m0"].update(shape=[2**40], ranks={"start": 0, "step": 1}))
+    refused_by_every_reader(ckpt, "2**40 mesh", limit_s=2.0, memory=16 << 20)
+
+
+def test_a_world_of_a_million_ranks_with_one_index_is_refused(ckpt):
+    edit_manifest(ckpt, lambda d: d.update(world_size=1 << 20))
+    refused_by_every_reader(ckpt, "claimed world", limit_s=2.0, memory=16 << 20)
+
+
+def test_a_tensor_of_2_to_the_80_elements_is_refused_without_allocating(ckpt):
+    edit_manifest(ckpt, lambda d: d["tensors"]["model/w"].update(shape=[2**40, 2**40]))
+    # describe reports what the manifest says (a 2**80-element tensor); the readers of data refuse it
+    refused_by_every_reader(ckpt, "huge tensor", allow=frozenset({"ls", "describe"}), memory=16 << 20)
+
+
+@pytest.mark.parametrize("name", ["manifest", "index"])
+def test_oversized_metadata_files_are_refused_unread(ckpt, name):
+    path = ckpt / "manifest.json" if name == "manifest" else index_file(ckpt)
+    with open(path, "r+b") as f:
+        f.truncate(600 << 20)  # a sparse 600 MB file
+    refused_by_every_reader(ckpt, f"600 MB {name}", limit_s=3.0, memory=16 << 20)
+
+
+# ---------------------------------------------------------------- files that are not files
+
+def _fifo(path: Path) -> None:
+    path.unlink()
+    os.mkfifo(path)
+
+
+def _dev_zero(path: Path) -> None:
+    path.unlink()
+    path.symlink_to("/dev/zero")
+
+
+def _outside(path: Path) -> None:
+    secret = path.parent.parent.parent / f"secret-{path.name}"
+    secret.write_bytes(path.read_bytes())
+    path.unlink()
+    path.symlink_to(secret)
+
+
+def _socket(path: Path) -> None:
+    path.unlink()
+    short = Path(tempfile.mkdtemp(dir="/tmp")) / "s"  # AF_UNIX paths are limited to ~108 bytes
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(str(short))
+    s.close()
+    os.rename(short, path)
+
+
+def _directory(path: Path) -> None:
+    path.unlink()
+    path.mkdir()
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev-zero", "outside", "socket", "directory"])
+@pytest.mark.parametrize("which", ["manifest", "index", "data"])
+def test_non_files_and_escaping_symlinks(ckpt, kind, which):
+    path = {"manifest": ckpt / "manifest.json", "index": index_file(ckpt), "data": data_object(ckpt)}[which]
+    {"fifo": _fifo, "dev-zero": _dev_zero, "outside": _outside, "socket": _socket, "directory": _directory}[kind](path)
+    # describe reads metadata only: a bad data object is for the readers that read it
+    allow = frozenset({"ls", "describe"}) if which == "data" else frozenset({"ls"})
+    refused_by_every_reader(ckpt, f"{kind} as {which}", allow=allow, limit_s=5.0)
+
+
+# ---------------------------------------------------------------- state that torch would choke on
+
+@pytest.mark.parametrize("garbage", ["AAAA", "not base64!", "", "x" * 40])
+def test_garbage_generator_state(ckpt, garbage):
+    edit_index(ckpt, lambda d: d["values"].update(rng={"__generator__": garbage}))
+    with pytest.raises(ckptkit.CorruptCheckpointError, match="'rng'"):
+        ckptkit.load(make_state(blank=True), ckpt)
+
+
+def test_zarr_array_paths_leaving_the_group(tmp_path):
+    from ckptkit.modelspace.zarr_io import export_zarr, import_zarr
+
+    ckptkit.save({"w": torch.randn(4, 4)}, tmp_path / "c")
+    export_zarr(tmp_path / "c", tmp_path / "z")
+    meta = tmp_path / "z" / "zarr.json"
+    doc = json.loads(meta.read_text())
+    doc["attributes"]["ckptkit"]["arrays"]["w"]["path"] = "../../outside"
+    meta.write_text(json.dumps(doc))
+    with pytest.raises(ckptkit.UnsafePathError, match="not a plain relative path inside the group"):
+        import_zarr(tmp_path / "z", tmp_path / "back")
+    result = CliRunner().invoke(cli, ["convert", str(tmp_path / "z"), str(tmp_path / "back2"), "--format", "ckptkit"])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+
+
+def test_inspect_of_a_manifest_with_many_tensors_finishes(tmp_path):
+    """A 50k-tensor manifest (6 MB): inspect answers in seconds, its table capped, --json whole."""
+    path = tmp_path / "c"
+    ckptkit.save({"w": torch.zeros(4, 4)}, path)
+    doc = manifest_doc(path)
+    for i in range(50_000):
+        doc["tensors"][f"layers.{i}.w"] = doc["tensors"]["w"]
+    write_manifest_doc(path, doc)
+    t0 = time.monotonic()
+    result = CliRunner().invoke(cli, ["inspect", str(path)])
+    assert result.exit_code == 0 and "... 49501 more" in result.output
+    assert time.monotonic() - t0 < 30
+    result = CliRunner().invoke(cli, ["inspect", str(path), "--json"])
+    assert len(json.loads(result.output)["tensors"]) == 50_001
+
+
+def test_hostile_counts():
+    """Runs last in this module: the tally of every hostile case above."""
+    print(f"\nhostile cases: {TALLY['tried']} reader runs, {TALLY['clear errors']} clear errors, "
+          f"{TALLY['answered']} clean answers (ls or inspect reporting what damaged metadata says), {TALLY['crashes']} crashes, "
+          f"{TALLY['hangs']} hangs; {TALLY['cli runs']} CLI runs without a traceback")
+    assert TALLY["crashes"] == 0 and TALLY["hangs"] == 0
