@@ -49,7 +49,17 @@ if TYPE_CHECKING:
     from ckptkit.engine.loader import LoadResult
     from ckptkit.engine.saver import SaveResult
     from ckptkit.engine.state import PerRank, Sharded
-    from ckptkit.modelspace.view import CheckpointView, open
+    from ckptkit.offline import (
+        CheckpointView,
+        ReshardOptions,
+        describe,
+        diff,
+        list_checkpoints,
+        open,
+        plan_reshard,
+        reshard,
+        verify,
+    )
 
 _LAZY = {
     "save": "ckptkit.api",
@@ -65,18 +75,25 @@ _LAZY = {
     "LoadResult": "ckptkit.engine.loader",
     "Sharded": "ckptkit.engine.state",
     "PerRank": "ckptkit.engine.state",
-    "open": "ckptkit.modelspace.view",  # not in __all__: a star import must not shadow builtins.open
-    "CheckpointView": "ckptkit.modelspace.view",
+    "open": "ckptkit.offline",  # not in __all__: a star import must not shadow builtins.open
+    "CheckpointView": "ckptkit.offline",
+    "list_checkpoints": "ckptkit.offline",
+    "describe": "ckptkit.offline",
+    "verify": "ckptkit.offline",
+    "diff": "ckptkit.offline",
+    "reshard": "ckptkit.offline",
+    "plan_reshard": "ckptkit.offline",
+    "ReshardOptions": "ckptkit.offline",
 }
 
 
-_SUBMODULES = {"catalog", "resilience", "manager", "reshard", "storage", "layout", "plan", "engine", "api", "cli", "retention", "modelspace"}
+_SUBMODULES = {"offline", "resilience", "manager", "storage", "layout", "plan", "engine", "api", "cli", "retention"}
 
 
 def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
-        if name in _SUBMODULES:  # ckptkit.catalog, ckptkit.resilience, ... without an explicit import
+        if name in _SUBMODULES:  # ckptkit.offline, ckptkit.resilience, ... without an explicit import
             return importlib.import_module(f"ckptkit.{name}")
         raise AttributeError(f"module 'ckptkit' has no attribute {name!r}")
     value = getattr(importlib.import_module(module), name)
@@ -92,5 +109,6 @@ __all__ = [
     "MissingKeysError", "UnexpectedKeysError", "DTypeMismatchError", "ShapeMismatchError",
     "CoverageError", "LayoutError", "StorageError", "SaveError", "PeerFailureError", "CheckpointManager",
     "ResilienceController", "TrainingStopped", "ScaledLR", "SpikePolicy", "CheckpointView",
+    "list_checkpoints", "describe", "verify", "diff", "reshard", "plan_reshard", "ReshardOptions",
     "__version__",
 ]

@@ -103,3 +103,35 @@ class CheckpointUnreadableError(StorageError):
 
 class SaveError(CkptkitError):
     """A save failed; the previous committed checkpoint is untouched."""
+
+
+class OptionsError(CkptkitError, ValueError):
+    """An options or policy object was given a value it cannot take (every options dataclass raises this)."""
+
+
+class SliceError(CkptkitError, IndexError):
+    """An index does not fit the tensor (too many indices, an int out of range, an unsupported kind)."""
+
+
+class ReshardError(LayoutError):
+    """The target layout cannot be planned (an impossible split, a strict-mode tensor without a rule, ...)."""
+
+
+class PoolClosedError(CkptkitError):
+    """The pool was closed (its user failed) while a caller waited for a buffer."""
+
+
+class TrainingStopped(CkptkitError):
+    """The ladder ran out of rungs: repeated spikes even after lowering the learning rate."""
+
+
+class DataLoaderRemapError(StateMismatchError):
+    """The data-loader positions cannot be carried to the new DP degree as asked."""
+
+
+class UnsafeCheckpointError(CkptkitError):
+    """A foreign checkpoint asked to run or build something the converters do not trust.
+
+    Raised before anything it names is called: a refused ``.metadata`` global,
+    or a ``.distcp`` blob that ``torch.load(weights_only=True)`` refuses.
+    """

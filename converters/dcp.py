@@ -57,12 +57,12 @@ from ckptkit.errors import (
 from ckptkit.layout.box import Box, Region
 from ckptkit.layout.manifest import DTYPES, pieces_by_writer
 from ckptkit.layout.values import encode_value
-from ckptkit.modelspace.view import CheckpointView, ViewOptions
-from ckptkit.modelspace.view import open as open_view
+from ckptkit.offline.view import CheckpointView, ViewOptions
+from ckptkit.offline.view import open as open_view
 from ckptkit.plan.merge import check_coverage
 from ckptkit.storage.base import ByteStore
 from ckptkit.storage.url import open_store
-from converters.dcp_format import (
+from ckptkit_converters.dcp_format import (
     METADATA_NAME,
     Blob,
     Chunk,
@@ -79,7 +79,7 @@ from converters.dcp_format import (
     save_blob,
     writer_ranks,
 )
-from converters.dcp_keys import (
+from ckptkit_converters.dcp_keys import (
     ObjPath,
     check_unique,
     dcp_key,
@@ -87,7 +87,7 @@ from converters.dcp_keys import (
     import_keys,
     value_leaves,
 )
-from converters.safe_unpickle import UnsafeCheckpointError, load_dcp_metadata
+from ckptkit_converters.safe_unpickle import UnsafeCheckpointError, load_dcp_metadata
 
 
 

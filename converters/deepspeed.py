@@ -52,7 +52,7 @@ from ckptkit.layout.zero_partition import (
     zero3_sub_groups,
 )
 from ckptkit.storage.url import open_store
-from converters import deepspeed_format as fmt
+from ckptkit_converters import deepspeed_format as fmt
 
 META_KEY = f"deepspeed_engine/{META}"
 DEFAULT_SUB_GROUP_SIZE = 1_000_000_000  # DeepSpeed's zero_optimization.sub_group_size default

@@ -52,7 +52,7 @@ from typing import Any
 import torch
 
 from ckptkit.errors import CheckpointNotFoundError, ManifestError
-from converters.safe_unpickle import UnsafeCheckpointError
+from ckptkit_converters.safe_unpickle import UnsafeCheckpointError
 
 LATEST = "latest"
 MODEL_STATES_12 = "mp_rank_00_model_states.pt"

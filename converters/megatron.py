@@ -46,11 +46,11 @@ from ckptkit.layout.manifest import ExplicitLayout, TensorMeta
 from ckptkit.layout.values import encode_value
 from ckptkit.options import Progress
 from ckptkit.storage.url import open_store
-from converters import megatron_format as fmt
-from converters.megatron_format import META_KEY, MODEL, MegatronConvertResult
-from converters import megatron_names as names
-from converters.dcp import _check_files, _DcpPieces
-from converters.dcp_format import (
+from ckptkit_converters import megatron_format as fmt
+from ckptkit_converters.megatron_format import META_KEY, MODEL, MegatronConvertResult
+from ckptkit_converters import megatron_names as names
+from ckptkit_converters.dcp import _check_files, _DcpPieces
+from ckptkit_converters.dcp_format import (
     METADATA_NAME,
     DcpCheckpoint,
     parse_metadata,
@@ -269,7 +269,7 @@ def _megatron_key(key: str) -> str:
 
 
 def _file_rank(name: str) -> int | None:
-    from converters.dcp_format import file_rank
+    from ckptkit_converters.dcp_format import file_rank
 
     return file_rank(name)
 

@@ -21,11 +21,11 @@ import torch
 
 from ckptkit.errors import CkptkitError, LayoutError, ManifestError, SaveError
 from ckptkit.layout.box import Box
-from ckptkit.modelspace.view import open as open_view
+from ckptkit.offline.view import open as open_view
 from ckptkit.options import Progress, progress_counter
-from converters import megatron_format as fmt
-from converters import megatron_names as names
-from converters.megatron_format import META_KEY, MODEL, MegatronConvertResult
+from ckptkit_converters import megatron_format as fmt
+from ckptkit_converters import megatron_names as names
+from ckptkit_converters.megatron_format import META_KEY, MODEL, MegatronConvertResult
 
 _LINEAR_MODULES = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
 _NONE_LIST = b""  # torch.save([None]) bytes, filled on first use

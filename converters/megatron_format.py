@@ -44,7 +44,7 @@ import torch
 
 from ckptkit.engine.offline_writer import ConvertResult
 from ckptkit.errors import CheckpointNotFoundError, ManifestError
-from converters.safe_unpickle import UnsafeCheckpointError, load_dcp_metadata
+from ckptkit_converters.safe_unpickle import UnsafeCheckpointError, load_dcp_metadata
 
 META_KEY = "megatron/meta"
 MODEL = "model/"

@@ -46,15 +46,7 @@ import pickle
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
-from ckptkit.errors import CkptkitError, ManifestError
-
-
-class UnsafeCheckpointError(CkptkitError):
-    """A foreign checkpoint asked to run or build something the converters do not trust.
-
-    Raised before anything it names is called: a refused ``.metadata`` global,
-    or a ``.distcp`` blob that ``torch.load(weights_only=True)`` refuses.
-    """
+from ckptkit.errors import CkptkitError, UnsafeCheckpointError, ManifestError
 
 
 # A resolver returns the object a (module, name) global stands for, or None to refuse it.

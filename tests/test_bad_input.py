@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import ckptkit
-from tests.ckpt_files import data_object, edit_index, edit_manifest, index_file, reseal_index
+from tests.ckpt_files import data_object, edit_index, edit_manifest, index_file
 
 
 def make_state() -> dict:

@@ -22,16 +22,16 @@ import torch.distributed.checkpoint as dcp
 from click.testing import CliRunner
 
 import ckptkit
-from ckptkit.catalog import verify
+from ckptkit.offline import verify
 from ckptkit.cli.main import cli
 from ckptkit.engine.metadata_io import read_index, read_manifest
 from ckptkit.layout.manifest import ExplicitLayout
 from ckptkit.layout.values import join_key
-from ckptkit.modelspace import diff
+from ckptkit.offline import diff
 from ckptkit.storage import open_store
-from converters.dcp import DcpImportOptions, export_dcp, import_dcp, read_dcp_metadata
-from converters.dcp_keys import import_keys, value_leaves
-from converters.safe_unpickle import UnsafeCheckpointError, load_dcp_metadata
+from ckptkit_converters.dcp import DcpImportOptions, export_dcp, import_dcp, read_dcp_metadata
+from ckptkit_converters.dcp_keys import import_keys, value_leaves
+from ckptkit_converters.safe_unpickle import UnsafeCheckpointError, load_dcp_metadata
 from tests import dcp_job
 from tests import modelspace_job as msjob
 from tests.s3_server import s3_env, s3_server  # noqa: F401 - fixtures

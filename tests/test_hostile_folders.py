@@ -23,7 +23,6 @@ import torch
 from click.testing import CliRunner
 
 import ckptkit
-import ckptkit.catalog
 from ckptkit.cli.main import cli
 from tests.ckpt_files import data_object, edit_index, edit_manifest, index_file, manifest_doc, write_manifest_doc
 
@@ -58,7 +57,7 @@ def _view(p: Path) -> Any:
 
 
 def _verify(p: Path) -> Any:
-    report = ckptkit.catalog.verify(str(p))
+    report = ckptkit.verify(str(p))
     if not report.ok:
         raise ckptkit.CorruptCheckpointError(f"verify: {report.problems[0].message}")
     return report
@@ -68,8 +67,8 @@ READERS: dict[str, Reader] = {
     "load": _load,
     "open": _view,
     "verify": _verify,
-    "describe": lambda p: ckptkit.catalog.describe(str(p)),
-    "ls": lambda p: ckptkit.catalog.list_checkpoints(str(p.parent)),
+    "describe": lambda p: ckptkit.describe(str(p)),
+    "ls": lambda p: ckptkit.list_checkpoints(str(p.parent)),
 }
 
 
@@ -172,7 +171,7 @@ def _reseal_raw(ckpt: Path, index_text: str) -> None:
 def test_huge_numbers_in_user_values_and_metrics_are_values(ckpt):
     """In values and metadata a 400-digit integer is a legal value: stored, listed, loaded exactly."""
     edit_manifest(ckpt, lambda d: d["meta"]["user"]["metrics"].update(loss=10**400))
-    infos = ckptkit.catalog.list_checkpoints(str(ckpt.parent))
+    infos = ckptkit.list_checkpoints(str(ckpt.parent))
     assert infos[0].metrics["loss"] == 10**400
     for args in (["ls", str(ckpt.parent)], ["ls", str(ckpt.parent), "--json"], ["inspect", str(ckpt)]):
         result = CliRunner().invoke(cli, args)
@@ -323,7 +322,7 @@ def test_garbage_generator_state(ckpt, garbage):
 
 
 def test_zarr_array_paths_leaving_the_group(tmp_path):
-    from ckptkit.modelspace.zarr_io import export_zarr, import_zarr
+    from ckptkit_converters.zarr_io import export_zarr, import_zarr
 
     ckptkit.save({"w": torch.randn(4, 4)}, tmp_path / "c")
     export_zarr(tmp_path / "c", tmp_path / "z")

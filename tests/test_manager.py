@@ -11,7 +11,7 @@ import torch
 from click.testing import CliRunner
 
 import ckptkit
-from ckptkit import catalog
+from ckptkit import offline as catalog
 from ckptkit.cli.main import cli
 from tests.ckpt_files import data_object
 

@@ -251,7 +251,7 @@ def test_ckptkit_reshard_cli_then_resume(worlds, saved, tmp_path):
 def test_converter_name_table_agrees_with_the_live_rules(saved):
     """converters/megatron_names.py (offline imports, by name) and the adapter (live, from parameter
     attributes) must give every tensor the same rule, or an import would reshard differently."""
-    from converters.megatron_names import rule_for
+    from ckptkit_converters.megatron_names import rule_for
 
     from ckptkit.engine.metadata_io import read_manifest
     from ckptkit.storage.url import open_store
@@ -285,7 +285,7 @@ def test_torch_dist_import_equals_the_adapter_checkpoint_and_loads(worlds, saved
     model-space tensors equal the adapter's bit for bit, and the adapter loads the import at tp1pp4
     (weights only: Megatron's checkpoint carried no optimizer here). The import drops Megatron's trained
     padding rows (zeros on load), which moves the loss by ~1e-5 relative."""
-    from converters.megatron import import_torch_dist
+    from ckptkit_converters.megatron import import_torch_dist
 
     folder, ref, mfolder = saved["A"]
     out = str(tmp_path / "imported")

@@ -34,11 +34,11 @@ from click.testing import CliRunner
 import ckptkit
 from ckptkit.cli.main import cli
 from ckptkit.errors import CkptkitError, CorruptCheckpointError, LayoutError
-from converters import megatron_names as names
-from converters.megatron import import_legacy, import_torch_dist
-from converters.megatron_export import export_torch_dist
-from converters.megatron_format import META_KEY
-from converters.safe_unpickle import UnsafeCheckpointError
+from ckptkit_converters import megatron_names as names
+from ckptkit_converters.megatron import import_legacy, import_torch_dist
+from ckptkit_converters.megatron_export import export_torch_dist
+from ckptkit_converters.megatron_format import META_KEY
+from ckptkit_converters.safe_unpickle import UnsafeCheckpointError
 from tests import megatron_convert_job as job
 
 VOCAB = 250

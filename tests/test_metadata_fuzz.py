@@ -23,12 +23,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ckptkit
-import ckptkit.catalog
 from ckptkit.layout.manifest import seal, sha256_hex, unseal
 from tests.conftest import trials
 from tests.test_bitflips import WORLD, expected, identical, load_whole, save_rank
@@ -123,12 +121,12 @@ def apply(ckpt: Path, docs: dict[str, Any], raw: dict[str, bytes], mutation: tup
 
 def run_every_reader(ckpt: Path) -> dict | Exception:
     got = load_whole(str(ckpt))
-    for reader in (lambda: ckptkit.catalog.describe(str(ckpt)), lambda: ckptkit.catalog.list_checkpoints(str(ckpt.parent))):
+    for reader in (lambda: ckptkit.describe(str(ckpt)), lambda: ckptkit.list_checkpoints(str(ckpt.parent))):
         try:
             reader()
         except ckptkit.CkptkitError:
             pass
-    report = ckptkit.catalog.verify(str(ckpt))
+    report = ckptkit.verify(str(ckpt))
     damage = (ckptkit.CorruptCheckpointError, ckptkit.ManifestError, ckptkit.CoverageError)
     if isinstance(got, damage):  # (a state mismatch after a legal edit is not damage)
         assert not report.ok, f"verify passed a checkpoint that load found damaged ({got})"

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 import ckptkit
 from ckptkit.cli.main import cli
-from ckptkit.modelspace import DiffOptions, diff
-from ckptkit.modelspace.diff import chunk_boxes
+from ckptkit.offline import DiffOptions, diff
+from ckptkit.offline.comparison import chunk_boxes
 from tests import modelspace_job as job
 
 

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ckptkit
-from ckptkit.modelspace.view import SliceError, select, to_numpy
+from ckptkit.offline.view import SliceError, select, to_numpy
 from tests import modelspace_job as job
 from tests.ckpt_files import data_object
 

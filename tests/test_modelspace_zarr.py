@@ -13,12 +13,13 @@ import torch
 from click.testing import CliRunner
 
 import ckptkit
-from ckptkit.catalog import verify
+from ckptkit.offline import verify
 from ckptkit.cli.main import cli
 from ckptkit.engine.metadata_io import read_index, read_manifest
 from ckptkit.layout.box import Box
-from ckptkit.modelspace import ZarrExportOptions, diff, export_zarr, import_zarr
-from ckptkit.modelspace.zarr_layout import (
+from ckptkit.offline import diff
+from ckptkit_converters.zarr_io import ZarrExportOptions, export_zarr, import_zarr
+from ckptkit_converters.zarr_layout import (
     choose_chunking,
     from_stored,
     node_path,

@@ -17,7 +17,6 @@ import pytest
 import torch
 
 import ckptkit
-import ckptkit.catalog
 from ckptkit.engine.checkpoint_dir import attempt_of
 from ckptkit.layout.manifest import MANIFEST_NAME
 from ckptkit.engine.metadata_io import read_manifest
@@ -67,7 +66,7 @@ def check_trial(url: str, outcome: dict[int, str], numel: int, storage_options: 
     for seed, text in outcome.items():
         if seed != winner:
             assert "committed this checkpoint first" in text or "already holds a committed checkpoint" in text, text
-    report = ckptkit.catalog.verify(url) if storage_options is None else None
+    report = ckptkit.verify(url) if storage_options is None else None
     assert report is None or report.ok, report
     target = blank(numel)
     ckptkit.load(target, url, storage_options=storage_options)
@@ -114,7 +113,7 @@ def test_racing_saves_on_s3(s3_env):  # noqa: F811
         outcome = race(url, seeds, delays, numel, {})
         raced += any("committed this checkpoint first" in o for o in outcome.values())
         check_trial(url, outcome, numel, {})
-        report = ckptkit.catalog.verify(url)
+        report = ckptkit.verify(url)
         assert report.ok, report
     print(f"\nracing writers (S3): {n} trials, {raced} lost at the commit itself")
 
@@ -131,4 +130,4 @@ def test_a_crashed_attempts_leftovers_never_reach_the_committed_checkpoint(tmp_p
     target = blank(1000)
     ckptkit.load(target, url)
     assert torch.equal(target["model"]["w"], state_of(2, 1000)["model"]["w"])
-    assert ckptkit.catalog.verify(str(url)).ok
+    assert ckptkit.verify(str(url)).ok

@@ -14,7 +14,7 @@ from click.testing import CliRunner, Result
 import ckptkit
 from ckptkit.cli.main import cli
 from ckptkit.engine.metadata_io import read_indexes, read_manifest
-from ckptkit.reshard import ReshardOptions, reshard
+from ckptkit.offline.resharding import ReshardOptions, reshard
 from ckptkit.errors import CheckpointNotFoundError, CorruptCheckpointError, SaveError
 from ckptkit.layout.config import ParallelConfig
 from ckptkit.layout.grid import GridLayout

@@ -84,7 +84,7 @@ def test_sigterm_saves_an_emergency_checkpoint_and_the_run_resumes_exactly(tmp_p
     steps = committed_steps(run)
     assert steps and 12 <= steps[-1] < 50  # an emergency save, not a periodic one
     assert "preempt" in kinds(run) and "emergency_save" in kinds(run)
-    report = ckptkit.catalog.verify(os.path.join(run, "ckpt", f"step-{steps[-1]:07d}"))
+    report = ckptkit.verify(os.path.join(run, "ckpt", f"step-{steps[-1]:07d}"))
     assert report.ok, report.problems
     job = launch(run, "--steps", str(steps[-1] + 10), "--every", "50")
     assert job.wait(timeout=120) == 0, job.stdout.read()

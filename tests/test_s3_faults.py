@@ -5,7 +5,7 @@ checkpoint with missing or wrong bytes.
 The client talks real HTTP to :class:`tests.fault_proxy.FaultProxy`, which forwards to the moto
 server (nothing in s3fs or botocore is mocked). The proxy is reached through
 ``storage_options={"endpoint_url": ...}``; ``AWS_ENDPOINT_URL`` points at the real server, so
-every check of the outcome (a boto3 listing, ``ckptkit.catalog.verify``) bypasses the faults.
+every check of the outcome (a boto3 listing, ``ckptkit.verify``) bypasses the faults.
 Retry counts are lowered only through real configuration (``config_kwargs``) to keep botocore's
 backoff sleeps short; note that botocore's ``max_attempts`` counts *retries*.
 
@@ -21,7 +21,6 @@ import pytest
 import torch
 
 import ckptkit
-import ckptkit.catalog
 from ckptkit.engine.collective import LocalComm
 from ckptkit.engine.saver import save_state
 from ckptkit.engine.state import flatten_state
@@ -91,7 +90,7 @@ def committed(s3_server, bucket: str, prefix: str = "") -> list[str]:  # noqa: F
             index = Index.from_json_bytes(s3.get_object(Bucket=bucket, Key=root + ref.key)["Body"].read(), ref.key)
             for obj, size in index.objects.items():
                 assert sizes.get(root + obj, -1) >= size, f"{key} is committed but {obj} is missing or short"
-        report = ckptkit.catalog.verify(f"s3://{bucket}/{root}")
+        report = ckptkit.verify(f"s3://{bucket}/{root}")
         assert report.ok, f"{key} is committed but does not verify: {report.problems}"
         out.append(root.rstrip("/"))
     return out
@@ -276,7 +275,7 @@ def test_faults_during_loads_give_correct_data_or_a_clear_error(proxy, s3_env, s
     assert results[0] == "ok" and results[-1] == "StorageError", results  # retried / never retried mid-body
     # verify through the faulty proxy: a network failure is reported as a read failure, never as corruption
     monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
-    report = ckptkit.catalog.verify(url)
+    report = ckptkit.verify(url)
     assert not report.ok and {p.kind for p in report.problems} == {"read"}, report.problems
     print(f"\nload faults: {results} {dict(proxy.counts)}")
     assert proxy.counts["truncate"] > 0 and proxy.counts["drop_after"] > 0

@@ -56,17 +56,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from ckptkit.errors import StateMismatchError
+from ckptkit.errors import DataLoaderRemapError
 
 Policy = Literal["exact", "approximate"]
 INTERLEAVED = "interleaved_sampler"
 CONTIGUOUS = "hf_text_contiguous"
 OPAQUE = "opaque"
 RECORD_FORMAT = 1
-
-
-class DataLoaderRemapError(StateMismatchError):
-    """The data-loader positions cannot be carried to the new DP degree as asked."""
 
 
 @dataclass(frozen=True)

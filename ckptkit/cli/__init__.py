@@ -1,4 +1,4 @@
-"""The ``ckptkit`` command line: thin click commands over :mod:`ckptkit.catalog`.
+"""The ``ckptkit`` command line: thin click commands over :mod:`ckptkit.offline`.
 
 Each command parses its arguments, calls one library function and renders
 the result (:mod:`ckptkit.cli.render`), so everything the CLI shows is also

@@ -114,8 +114,8 @@ def convert_cmd(source: str, dest: str, fmt: str | None, chunk_mib: float, shard
       ckptkit convert mlm/iter_0001000 runs/mlm/step-0001000 --vocab-size 50257   # Megatron torch_dist/legacy -> ckptkit
       ckptkit convert runs/mlm/step-0001000 mlm_tp4/iter_0001000 --format megatron --to tp4pp1
     """
-    from ckptkit.modelspace.zarr_io import is_zarr_export
-    from converters.dcp import is_dcp_checkpoint
+    from ckptkit_converters.zarr_io import is_zarr_export
+    from ckptkit_converters.dcp import is_dcp_checkpoint
 
     from_zarr = is_zarr_export(source)
     from_megatron = not from_zarr and _is_megatron(source)  # before DCP: torch_dist is a DCP directory too
@@ -134,7 +134,7 @@ def convert_cmd(source: str, dest: str, fmt: str | None, chunk_mib: float, shard
     elif from_megatron:
         result = _import_megatron(source, dest, vocab_size, divisible_by, threads)
     elif fmt == "deepspeed":
-        from converters.deepspeed import export_deepspeed
+        from ckptkit_converters.deepspeed import export_deepspeed
 
         if dp is None:
             raise CkptkitError("--format deepspeed needs --dp N (the DP size the native checkpoint is written for)")
@@ -143,7 +143,7 @@ def convert_cmd(source: str, dest: str, fmt: str | None, chunk_mib: float, shard
         _export_hf(source, dest, hf_config, heads, kv_heads, dtype, prefix, show, as_json)
         return
     elif fmt == "zarr":
-        from ckptkit.modelspace.zarr_io import ZarrExportOptions, export_zarr
+        from ckptkit_converters.zarr_io import ZarrExportOptions, export_zarr
 
         options = ZarrExportOptions(chunk_bytes=int(chunk_mib * 2**20), shard_bytes=int(shard_mib * 2**20),
                                     portable=portable, compression=compression,  # type: ignore[arg-type]
@@ -151,23 +151,23 @@ def convert_cmd(source: str, dest: str, fmt: str | None, chunk_mib: float, shard
         with progress_bar("exporting", show) as progress:
             result = export_zarr(source, dest, options=options, progress=progress)
     elif fmt == "dcp":
-        from converters.dcp import DcpExportOptions, export_dcp
+        from ckptkit_converters.dcp import DcpExportOptions, export_dcp
 
         with progress_bar("exporting", show) as progress:
             result = export_dcp(source, dest, options=DcpExportOptions(threads=threads or DcpExportOptions.threads),
                                 progress=progress)
     elif from_zarr:
-        from ckptkit.modelspace.zarr_io import ZarrImportOptions, import_zarr
+        from ckptkit_converters.zarr_io import ZarrImportOptions, import_zarr
 
         with progress_bar("importing", show) as progress:
             result = import_zarr(source, dest, options=ZarrImportOptions(threads=threads or ZarrImportOptions.threads),
                                  progress=progress)
     elif from_ds:
-        from converters.deepspeed import import_deepspeed
+        from ckptkit_converters.deepspeed import import_deepspeed
 
         result = import_deepspeed(source, dest)
     elif from_dcp:
-        from converters.dcp import DcpImportOptions, import_dcp
+        from ckptkit_converters.dcp import DcpImportOptions, import_dcp
 
         options_dcp = DcpImportOptions(threads=threads or DcpImportOptions.threads, skip_unsafe_items=skip_unsafe_items)
         with progress_bar("importing", show) as progress:
@@ -194,15 +194,15 @@ def convert_cmd(source: str, dest: str, fmt: str | None, chunk_mib: float, shard
 
 
 def _is_megatron(source: str) -> bool:
-    from converters.megatron_format import is_legacy, is_torch_dist
+    from ckptkit_converters.megatron_format import is_legacy, is_torch_dist
 
     return is_torch_dist(source) or is_legacy(source)
 
 
 def _import_megatron(source: str, dest: str, vocab_size: int | None, divisible_by: int | None,
                      threads: int | None) -> Any:
-    from converters.megatron import import_legacy, import_torch_dist
-    from converters.megatron_format import is_torch_dist
+    from ckptkit_converters.megatron import import_legacy, import_torch_dist
+    from ckptkit_converters.megatron_format import is_torch_dist
 
     if vocab_size is None:
         raise CkptkitError(f"{source} is a Megatron checkpoint: --vocab-size N is needed (Megatron stores only the "
@@ -213,7 +213,7 @@ def _import_megatron(source: str, dest: str, vocab_size: int | None, divisible_b
 
 def _export_megatron(source: str, dest: str, to_layout: str | None, divisible_by: int | None) -> Any:
     from ckptkit.layout.config import ParallelConfig
-    from converters.megatron_export import export_torch_dist
+    from ckptkit_converters.megatron_export import export_torch_dist
 
     if to_layout is None:
         raise CkptkitError("--format megatron needs --to LAYOUT (e.g. --to tp2pp2): the layout Megatron will load at")
@@ -224,14 +224,14 @@ def _export_megatron(source: str, dest: str, to_layout: str | None, divisible_by
 
 
 def _is_deepspeed(source: str) -> bool:
-    from converters.deepspeed_format import is_deepspeed_checkpoint
+    from ckptkit_converters.deepspeed_format import is_deepspeed_checkpoint
 
     return is_deepspeed_checkpoint(source)
 
 
 def _export_hf(source: str, dest: str, hf_config: str | None, heads: int | None, kv_heads: int | None,
                dtype: str | None, prefix: str, show: bool, as_json: bool) -> None:
-    from converters.hf_safetensors import AttentionHeads, HFExportOptions, export_hf
+    from ckptkit_converters.hf_safetensors import AttentionHeads, HFExportOptions, export_hf
 
     if hf_config is not None:
         counts = AttentionHeads.from_hf_config(hf_config)

@@ -14,7 +14,7 @@ from ckptkit.cli import render
 from ckptkit.cli.commands_convert import progress_bar
 
 if TYPE_CHECKING:  # the library (and torch) is imported only when the command runs
-    from ckptkit.modelspace.diff import DiffReport, TensorDiff
+    from ckptkit.offline.comparison import DiffReport, TensorDiff
 
 
 def _num(x: float | None) -> str:
@@ -44,7 +44,7 @@ def diff_cmd(a: str, b: str, pattern: str | None, show_all: bool, as_json: bool)
       ckptkit diff runs/a/step-0001000 runs/b/step-0001000
       ckptkit diff runs/a/step-0001000 s3://bucket/b/step-0001000 --tensor 'optim/*exp_avg_sq' --json
     """
-    from ckptkit.modelspace.diff import diff
+    from ckptkit.offline.comparison import diff
 
     with progress_bar("comparing", not as_json and sys.stdout.isatty(), data=False) as progress:
         report = diff(a, b, pattern=pattern, progress=progress)

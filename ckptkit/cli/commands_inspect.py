@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from ckptkit.catalog import describe
+from ckptkit.offline import describe
 from ckptkit.cli import render
 
 

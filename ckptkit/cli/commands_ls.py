@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from ckptkit.catalog import list_checkpoints
+from ckptkit.offline import list_checkpoints
 from ckptkit.cli import render
 
 

@@ -1,8 +1,8 @@
 """``ckptkit reshard``: rewrite a checkpoint laid out for another parallel config, offline.
 
 Parses the target (``--to tp4pp2`` plus ``--dp``, ``--vpp``, ``--pp-layers``)
-and the memory budget, calls :func:`ckptkit.reshard.reshard` (or
-:func:`~ckptkit.reshard.plan` for ``--dry-run``) and renders the plan
+and the memory budget, calls :func:`ckptkit.offline.resharding.reshard` (or
+:func:`~ckptkit.offline.resharding.plan` for ``--dry-run``) and renders the plan
 or the result. ``--format`` is a choice so that other writers (a Megatron
 ``torch_dist`` exporter) can be added beside ``ckptkit``.
 """
@@ -83,7 +83,7 @@ def reshard_cmd(source: str, dest: str | None, to: str, dp: int | None, vpp: int
       ckptkit reshard s3://bucket/run/step-1000 s3://bucket/run-pp4/step-1000 --to tp2pp4 --pp-layers 7,8,8,9
       ckptkit reshard runs/a/step-100 runs/b/step-100 --to tp2pp2 --vpp 2 --dp 4 --max-memory 4GiB
     """
-    from ckptkit.reshard import ReshardOptions, plan, reshard
+    from ckptkit.offline import ReshardOptions, plan_reshard, reshard
 
     target = ParallelConfig.parse(to)
     changes: dict[str, object] = {}
@@ -101,7 +101,7 @@ def reshard_cmd(source: str, dest: str | None, to: str, dp: int | None, vpp: int
     options = ReshardOptions(ReshardPlanOptions(max_memory=parse_size(max_memory), strict=strict,
                                                 num_layers=num_layers), format=fmt)  # type: ignore[arg-type]
     if dry_run:
-        result = plan(source, target, options=options)
+        result = plan_reshard(source, target, options=options)
     else:
         if dest is None:
             raise CkptkitError("reshard needs DEST (where to write the resharded checkpoint), or --dry-run")
@@ -143,7 +143,7 @@ def _to_megatron(source: str, dest: str | None, target: ParallelConfig, *, dry_r
     if target.vpp != 1 or target.pp_layers is not None or target.cp != 1 or target.ep != 1:
         raise CkptkitError(f"--format megatron writes an even pipeline split without virtual chunks, context or "
                            f"expert parallelism; target {target} asks for more")
-    from converters.megatron_export import export_torch_dist
+    from ckptkit_converters.megatron_export import export_torch_dist
 
     with progress_bar("exporting", not as_json and sys.stdout.isatty()) as progress:
         result = export_torch_dist(source, dest, tp=target.tp, pp=target.pp, progress=progress)

@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from ckptkit.catalog import verify
+from ckptkit.offline import verify
 from ckptkit.cli import render
 from ckptkit.errors import CheckpointNotFoundError
 

@@ -21,7 +21,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Table
 
-from ckptkit.catalog import CheckpointDescription, CheckpointInfo, VerifyReport
+from ckptkit.offline import CheckpointDescription, CheckpointInfo, VerifyReport
 
 
 def console() -> Console:

@@ -24,11 +24,7 @@ from contextlib import contextmanager
 
 import torch
 
-from ckptkit.errors import CkptkitError
-
-
-class PoolClosedError(CkptkitError):
-    """The pool was closed (its user failed) while a caller waited for a buffer."""
+from ckptkit.errors import PoolClosedError
 
 
 class BufferPool:

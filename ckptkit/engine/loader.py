@@ -1,5 +1,10 @@
 """A load: manifest -> targets -> plan -> verified reads into the caller's tensors.
 
+The reading itself (indexes, source matching, read plan, object checks, verified reads, tier
+fallback) is the read engine's, :class:`~ckptkit.engine.read_session.ReadSession`, shared with
+``open``, ``reshard`` and ``verify``; what is here is what only a load does: the caller's state as
+targets, the collectives that keep ranks together, values and per-rank state.
+
 Everything that can be checked from metadata is checked before the first
 byte lands in a caller's tensor: keys, dtypes, global shapes, coverage,
 index digests and object sizes. Only a checksum mismatch can be discovered
@@ -23,9 +28,8 @@ import torch
 
 from ckptkit.engine.dtensor_grid import grid_of, is_dtensor, local_of
 from ckptkit.engine.collective import Comm
-from ckptkit.engine.metadata_io import read_indexes, read_manifest
-from ckptkit.engine.reader import execute_reads
-from ckptkit.engine.state import FlatState, dtype_name, torch_dtype
+from ckptkit.engine.read_session import ReadSession
+from ckptkit.engine.state import FlatState, dtype_name
 from ckptkit.errors import (
     CorruptCheckpointError,
     DTypeMismatchError,
@@ -36,11 +40,11 @@ from ckptkit.errors import (
     UnexpectedKeysError,
 )
 from ckptkit.layout.box import Box, Region
-from ckptkit.layout.manifest import Index, IndexEntry, Manifest
+from ckptkit.layout.manifest import Index, Manifest
 from ckptkit.layout.pieces import LocalBox
 from ckptkit.layout.values import decode_value
 from ckptkit.options import LoadOptions
-from ckptkit.plan.load_plan import CopyOp, Target, match_sources, plan_reads
+from ckptkit.plan.load_plan import CopyOp, Target
 from ckptkit.storage.base import ByteStore
 
 log = logging.getLogger("ckptkit")
@@ -148,23 +152,6 @@ def _all_keys(manifest: Manifest) -> list[str]:
     return sorted({*manifest.tensors, *manifest.values, *manifest.per_rank_keys, *manifest.rank_values})
 
 
-def _entry_lookup(indexes: dict[int, Index]) -> dict[int, dict[tuple, IndexEntry]]:
-    return {r: {(e.tensor, e.region.key()): e for e in idx.entries} for r, idx in indexes.items()}
-
-
-def _check_objects(store: ByteStore, indexes: dict[int, Index], needed: set[tuple[int, str]]) -> None:
-    """Truncation shows up here, before any caller tensor is touched."""
-    for writer, obj in sorted(needed):
-        expected = indexes[writer].objects[obj]
-        size = store.size(obj)
-        if size is None:
-            raise CorruptCheckpointError(f"{store.url}/{obj} (written by rank {writer}) is missing")
-        if size < expected:
-            raise CorruptCheckpointError(
-                f"{store.url}/{obj} (written by rank {writer}) is truncated: {size} bytes, the index records {expected}"
-            )
-
-
 def load_state(
     flat: FlatState,
     store: ByteStore,
@@ -179,10 +166,14 @@ def load_state(
     manifest: Manifest | None = None
     plan = _Plan()
     ops: list[CopyOp] = []
+    session: ReadSession | None = None
     try:
-        manifest = read_manifest(store)
+        session = ReadSession(store, io_threads=options.io_threads)
+        manifest = session.manifest
         plan = _targets(flat, manifest, strict, where)
-        ops = match_sources(plan.targets, manifest.tensors, where)
+        if manifest.world_size == comm.world_size:
+            _check_own_split_values(flat, manifest, comm.rank, where)
+        ops = session.match(plan.targets)
     except Exception as exc:  # carried through the collective below, then re-raised
         error = exc
     # Every rank enters the same collectives whatever happened, so no rank waits forever.
@@ -190,7 +181,7 @@ def load_state(
         if error is not None:
             raise error
         raise PeerFailureError(f"loading {where} failed on another rank; see that rank's error")
-    assert manifest is not None
+    assert manifest is not None and session is not None
     keys = _all_keys(manifest)
     requested = comm.any_flags([k in plan.requested for k in keys])
     unexpected = [k for k, f in zip(keys, requested) if not f]
@@ -210,34 +201,14 @@ def load_state(
             f"{where}: the checkpoint was saved by {manifest.world_size} ranks, this job has {comm.world_size}; "
             f"per-rank values {keys_pr[:4]} cannot be matched to ranks (LoadOptions(per_rank_on_resize='skip') keeps the current ones)"
         )
-    writers = {op.writer for op in ops}
-    if per_rank_needed and not resized:
-        writers.add(comm.rank)
-    indexes = read_indexes(store, manifest, writers)
-    lookup = _entry_lookup(indexes)
-    dtypes = {k: torch_dtype(m.dtype) for k, m in manifest.tensors.items()}
-
-    def entry_of(op: CopyOp) -> IndexEntry:
-        entry = lookup[op.writer].get((op.tensor, op.source.key()))
-        if entry is None:
-            raise CorruptCheckpointError(
-                f"{where}: the index of rank {op.writer} has no piece {op.source.to_json()} of tensor {op.tensor!r}, "
-                "which the manifest says that rank wrote"
-            )
-        return entry
-
-    requests = plan_reads(
-        ops,
-        entry_of,
-        itemsize_of=lambda k: dtypes[k].itemsize,
-        block_of=lambda r: indexes[r].block,
-    )
-    _check_objects(store, indexes, {(r.writer, r.object) for r in requests})
+    own = {comm.rank} if per_rank_needed and not resized else set()
+    read_plan = session.plan(ops, extra_ranks=own)
     targets = [d.work for d in plan.dests]
     try:
-        nbytes = execute_reads(requests, store, targets, dtypes, where, options.io_threads)
+        nbytes = session.execute(read_plan, targets)
     except CorruptCheckpointError as exc:
         raise CorruptCheckpointError(f"{exc} (the state may be partially overwritten; load another checkpoint)") from None
+    indexes = session.indexes(own)
     for d in plan.dests:
         d.finish()
     _assign_values(flat, manifest, indexes.get(comm.rank) if not resized else None, where,
@@ -248,6 +219,16 @@ def load_state(
         where, nbytes / 2**30, comm.rank, seconds, nbytes / 2**30 / max(seconds, 1e-9),
     )
     return LoadResult(where, nbytes, seconds, dict(manifest.meta), tuple(sorted(plan.missing)), tuple(unexpected))
+
+
+def _check_own_split_values(flat: FlatState, manifest: Manifest, rank: int, where: str) -> None:
+    """A value the saving ranks disagreed about is restored to the rank that held it; a rank that
+    asks for one it did not hold is told so before anything is read (with every rank failing)."""
+    for leaf in flat.values:
+        groups = manifest.rank_values.get(leaf.key)
+        if groups is not None and not any(rank in ranks for _, ranks in groups):
+            raise MissingKeysError(f"{where}: value {leaf.key!r} was saved per rank (the saving ranks held "
+                                   f"different values) and rank {rank} held none")
 
 
 def _assign_values(flat: FlatState, manifest: Manifest, own_index: Index | None, where: str,

@@ -4,7 +4,7 @@
 laid out as a job at the target layout would have saved it. Everything that
 decides *what* is written is here, as pure arithmetic over the manifest
 (no torch, no storage), so it is property-tested and the ``--dry-run`` plan
-is exactly what the engine (:mod:`ckptkit.reshard`) then executes:
+is exactly what the engine (:mod:`ckptkit.offline.resharding`) then executes:
 
 * every tensor with a partition rule is evaluated at the target
   :class:`ParallelConfig` into a :class:`GridLayout`; each of its cells is
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from math import prod
 from typing import Any
 
-from ckptkit.errors import LayoutError
+from ckptkit.errors import LayoutError, ReshardError
 from ckptkit.layout.box import Box, Region
 from ckptkit.layout.config import ParallelConfig
 from ckptkit.layout.grid import GridLayout
@@ -38,10 +38,6 @@ from ckptkit.plan.load_plan import MAX_REQUEST
 
 _MAX_ROTATIONS = 64  # rotations tried per tensor when balancing writers (replicas beyond this are rare)
 _MAX_SPLIT_PIECES = 1 << 20
-
-
-class ReshardError(LayoutError):
-    """The target layout cannot be planned (an impossible split, a strict-mode tensor without a rule, ...)."""
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptkit.engine.async_save import SaveHandle
-from ckptkit.errors import CkptkitError
+from ckptkit.errors import TrainingStopped
 from ckptkit.manager import CheckpointManager
 from ckptkit.resilience.incidents import Incident, IncidentLog
 from ckptkit.resilience.ladder import Decision, Flags, Ladder
@@ -51,10 +51,6 @@ from ckptkit.resilience.watchdog import Watchdog
 
 log = logging.getLogger("ckptkit")
 STATE_KEY = "resilience"
-
-
-class TrainingStopped(CkptkitError):
-    """The ladder ran out of rungs: repeated spikes even after lowering the learning rate."""
 
 
 @dataclass

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import threading
 
-import pytest
 import torch
 
 from ckptkit.engine.buffers import BufferPool, PoolClosedError

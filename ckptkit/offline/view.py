@@ -24,7 +24,6 @@ import difflib
 import fnmatch
 import operator
 import os
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -33,26 +32,20 @@ import numpy as np
 import torch
 
 from ckptkit.engine.buffers import BufferPool
-from ckptkit.engine.metadata_io import read_indexes, read_manifest
-from ckptkit.engine.reader import execute_reads
+from ckptkit.engine.metadata_io import read_manifest
+from ckptkit.engine.read_session import ReadSession
 from ckptkit.engine.state import torch_dtype
 from ckptkit.errors import (
     CkptkitError,
-    CorruptCheckpointError,
     LayoutError,
     MissingKeysError,
+    SliceError,
 )
-from ckptkit.layout.box import Box, Region
-from ckptkit.layout.manifest import DTYPES, Index, IndexEntry, Manifest, TensorMeta
-from ckptkit.layout.pieces import LocalBox
+from ckptkit.layout.box import Box
+from ckptkit.layout.manifest import DTYPES, Manifest, TensorMeta
 from ckptkit.layout.values import decode_value
-from ckptkit.plan.load_plan import CopyOp, Target, match_sources, plan_reads
 from ckptkit.storage.base import ByteStore
 from ckptkit.storage.url import open_store
-
-
-class SliceError(CkptkitError, IndexError):
-    """An index does not fit the tensor (too many indices, an int out of range, an unsupported kind)."""
 
 
 @dataclass(frozen=True)
@@ -110,18 +103,16 @@ class CheckpointView:
 
     Thread-safe: several threads may read boxes at once (the diff and the
     zarr export do). ``bytes_read`` counts every data byte fetched so far,
-    checksum-block widening included.
+    checksum-block widening included. Reads go through the checkpoint's
+    :class:`~ckptkit.engine.read_session.ReadSession`, the same engine a load uses.
     """
 
-    def __init__(self, store: ByteStore, manifest: Manifest, options: ViewOptions = ViewOptions()) -> None:
-        self._store = store
-        self._manifest = manifest
+    def __init__(self, store: ByteStore, manifest: Manifest | None = None, options: ViewOptions = ViewOptions(),
+                 session: ReadSession | None = None) -> None:
+        self._session = session if session is not None else ReadSession(store, manifest, io_threads=options.io_threads)
+        self._store = self._session.store
+        self._manifest = self._session.manifest
         self._options = options
-        self._lock = threading.Lock()
-        self._indexes: dict[int, Index] = {}
-        self._entries: dict[int, dict[tuple, IndexEntry]] = {}
-        self._objects_checked: set[tuple[int, str]] = set()
-        self._bytes_read = 0
         self._values: dict[str, Any] | None = None
 
     # ------------------------------------------------------------ metadata
@@ -133,6 +124,10 @@ class CheckpointView:
     @property
     def store(self) -> ByteStore:
         return self._store
+
+    @property
+    def session(self) -> ReadSession:
+        return self._session
 
     @property
     def manifest(self) -> Manifest:
@@ -149,17 +144,17 @@ class CheckpointView:
 
     @property
     def bytes_read(self) -> int:
-        return self._bytes_read
+        return self._session.bytes_read
 
     @property
     def indexes_loaded(self) -> tuple[int, ...]:
         """The writer ranks whose index this view has read so far (only those its reads needed)."""
-        with self._lock:
-            return tuple(sorted(self._indexes))
+        return self._session.indexes_loaded
 
     @property
     def values(self) -> dict[str, Any]:
-        """The replicated non-tensor state (step, scheduler, ...), decoded from JSON."""
+        """The non-tensor state every rank that held it agreed on (step, scheduler, ...), decoded
+        from JSON. Values the saving ranks disagreed about: :meth:`per_rank_values`."""
         if self._values is None:
             where = f"{self.url}: values"
             self._values = {k: decode_value(v, f"{where} {k!r}") for k, v in self._manifest.values.items()}
@@ -169,12 +164,25 @@ class CheckpointView:
         """The per-rank values (RNG states, ``PerRank``) rank ``rank`` saved, as stored (JSON)."""
         if rank not in self._manifest.indexes:
             raise CkptkitError(f"{self.url}: no rank {rank} in a checkpoint saved by {self.world_size} ranks")
-        return dict(self._load_indexes({rank})[rank].values)
+        return dict(self._session.indexes({rank})[rank].values)
 
     def all_per_rank_values(self) -> dict[int, dict[str, Any]]:
         """Every rank's per-rank values, as stored (reads every index, in parallel)."""
-        indexes = self._load_indexes(set(self._manifest.indexes))
+        indexes = self._session.indexes(set(self._manifest.indexes))
         return {r: dict(idx.values) for r, idx in sorted(indexes.items())}
+
+    def values_of(self, rank: int) -> dict[str, Any]:
+        """Every value rank ``rank`` gets back at the saving world size: the agreed ones and those the
+        saving ranks disagreed about (``rank``'s own), decoded."""
+        return {**self.values, **self._split_values(rank)}
+
+    def _split_values(self, rank: int) -> dict[str, Any]:
+        out = {}
+        for key, groups in self._manifest.rank_values.items():
+            for encoded, ranks in groups:
+                if rank in ranks:
+                    out[key] = decode_value(encoded, f"{self.url}: value {key!r} of rank {rank}")
+        return out
 
     def tensors(self, pattern: str | None = None) -> list[TensorEntry]:
         """Every logical tensor (or those whose key matches the shell ``pattern``), sorted by key."""
@@ -236,64 +244,7 @@ class CheckpointView:
                                 or out.is_cuda):
             raise SliceError(f"{where}: read_box out= must be a contiguous CPU {dtype} tensor of shape "
                              f"{list(box.sizes)}, got {out.dtype} {list(out.shape)}")
-        if box.is_empty():
-            return out if out is not None else torch.empty(box.sizes, dtype=dtype)
-        target = Target(0, key, Region(box), tuple(box.sizes), LocalBox(tuple(0 for _ in box.sizes)))
-        ops = match_sources([target], self._manifest.tensors, where)
-        indexes = self._load_indexes({op.writer for op in ops})
-        entries = self._entries
-
-        def entry_of(op: CopyOp) -> IndexEntry:
-            entry = entries[op.writer].get((op.tensor, op.source.key()))
-            if entry is None:
-                raise CorruptCheckpointError(
-                    f"{where}: the index of rank {op.writer} has no piece {op.source.to_json()} of tensor "
-                    f"{op.tensor!r}, which the manifest says that rank wrote"
-                )
-            return entry
-
-        requests = plan_reads(ops, entry_of, itemsize_of=lambda _: dtype.itemsize, block_of=lambda r: indexes[r].block)
-        self._check_objects(indexes, {(r.writer, r.object) for r in requests})
-        if out is None:  # only now: the stored bytes are known to be there (a hostile shape fails before this)
-            try:
-                out = torch.empty(box.sizes, dtype=dtype)
-            except (RuntimeError, MemoryError) as exc:
-                raise CkptkitError(f"{where}: cannot allocate {box.numel} elements of {key!r} ({exc})") from None
-        n = execute_reads(requests, self._store, [out], {key: dtype}, where, self._options.io_threads,
-                          scratch=self._options.scratch)
-        with self._lock:
-            self._bytes_read += n
-        return out
-
-    def _load_indexes(self, ranks: set[int]) -> dict[int, Index]:
-        """The indexes of ``ranks``, each read (and digest-checked) once per view."""
-        with self._lock:
-            missing = ranks - set(self._indexes)
-        if missing:
-            got = read_indexes(self._store, self._manifest, missing)
-            with self._lock:
-                for r, idx in got.items():
-                    if r not in self._indexes:
-                        self._indexes[r] = idx
-                        self._entries[r] = {(e.tensor, e.region.key()): e for e in idx.entries}
-        with self._lock:
-            return {r: self._indexes[r] for r in ranks}
-
-    def _check_objects(self, indexes: dict[int, Index], needed: set[tuple[int, str]]) -> None:
-        """A missing or truncated data object is reported before any read (once per object per view)."""
-        with self._lock:
-            todo = needed - self._objects_checked
-        for writer, obj in sorted(todo):
-            expected = indexes[writer].objects[obj]
-            size = self._store.size(obj)
-            if size is None:
-                raise CorruptCheckpointError(f"{self.url}/{obj} (written by rank {writer}) is missing")
-            if size < expected:
-                raise CorruptCheckpointError(
-                    f"{self.url}/{obj} (written by rank {writer}) is truncated: {size} bytes, the index records {expected}"
-                )
-        with self._lock:
-            self._objects_checked |= todo
+        return self._session.read_box(key, box, out, scratch=self._options.scratch)
 
 
 class TensorView:

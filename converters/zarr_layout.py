@@ -1,7 +1,7 @@
 """How a checkpoint maps onto a zarr v3 group: chunking, node names, stored dtypes, root attributes.
 
 Pure decisions and the versioned JSON schema, kept apart from the
-tensorstore I/O in :mod:`ckptkit.modelspace.zarr_io` so they can be tested
+tensorstore I/O in :mod:`ckptkit_converters.zarr_io` so they can be tested
 (and read) on their own; nothing here imports tensorstore.
 
 * **Chunking** follows the common read, one stored piece (a TP shard, an
@@ -42,7 +42,7 @@ from ckptkit.errors import (
 from ckptkit.layout.box import Box
 from ckptkit.layout.grid import GridLayout
 from ckptkit.layout.manifest import DTYPES, Manifest, TensorMeta
-from ckptkit.modelspace.view import to_numpy
+from ckptkit.offline.view import to_numpy
 from ckptkit.storage.base import ByteStore
 from ckptkit.version import __version__
 

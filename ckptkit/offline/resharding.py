@@ -14,7 +14,7 @@ The work is split the usual way:
   the memory budget — ``--dry-run`` prints exactly that plan;
 * this module executes it with :func:`write_offline` (the saver's own
   plan/persist/merge/publish phases, run for N virtual ranks), fetching each
-  target piece through a :class:`~ckptkit.modelspace.view.CheckpointView`
+  target piece through a :class:`~ckptkit.offline.view.CheckpointView`
   (ranged, checksum-verified reads of only the source bytes it overlaps)
   just before it is written. Memory holds a few pieces, never the model.
 
@@ -27,12 +27,15 @@ per-rank values (RNG states, data-loader positions) belong to ranks of the
 
 from __future__ import annotations
 
+import logging
 import os
-import threading
+import shutil
+import tempfile
 import time
-from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import torch
@@ -41,11 +44,13 @@ from ckptkit.engine.buffers import BufferPool
 from ckptkit.engine.metadata_io import read_manifest
 from ckptkit.engine.state import torch_dtype
 from ckptkit.engine.offline_writer import OfflineWriteOptions, write_offline
+from ckptkit.engine.prefetch import PrefetchedPieces
 from ckptkit.errors import SaveError
 from ckptkit.layout.box import Box, Region
 from ckptkit.layout.config import ParallelConfig
 from ckptkit.layout.manifest import MANIFEST_NAME, Manifest
-from ckptkit.modelspace.view import CheckpointView, ViewOptions
+from ckptkit.offline.view import CheckpointView, ViewOptions
+from ckptkit.offline.formats import ImportOptions, detect_format
 from ckptkit.options import Progress
 from ckptkit.plan.reshard_plan import (
     ReshardError,
@@ -53,10 +58,11 @@ from ckptkit.plan.reshard_plan import (
     ReshardPlanOptions,
     TargetPiece,
     check_plan,
-    plan_reshard,
 )
+from ckptkit.plan.reshard_plan import plan_reshard as plan_layout
 from ckptkit.storage.url import open_store
 
+log = logging.getLogger("ckptkit")
 Format = Literal["ckptkit"]
 FORMATS: tuple[str, ...] = ("ckptkit",)
 
@@ -64,11 +70,14 @@ FORMATS: tuple[str, ...] = ("ckptkit",)
 @dataclass(frozen=True)
 class ReshardOptions:
     """How to reshard: the planner's options (memory budget, strictness, layer count), the
-    checksum ``block_size`` of the output, and its ``format`` (only ``ckptkit`` so far)."""
+    checksum ``block_size`` of the output, its ``format`` (only ``ckptkit`` here; the CLI's
+    ``--format megatron`` goes through the converter), and what importing a source of another
+    format may need (``imports``)."""
 
     plan: ReshardPlanOptions = field(default_factory=ReshardPlanOptions)
     block_size: int = 4 << 20
     format: Format = "ckptkit"
+    imports: ImportOptions = field(default_factory=ImportOptions)
 
     def __post_init__(self) -> None:
         OfflineWriteOptions(block_size=self.block_size)  # the saver's own check of the block size
@@ -102,18 +111,25 @@ class ReshardResult:
         }
 
 
-def plan(
+def plan_reshard(
     source: str | os.PathLike[str],
     target: ParallelConfig,
     *,
     options: ReshardOptions = ReshardOptions(),
     storage_options: dict[str, Any] | None = None,
 ) -> ReshardResult:
-    """The plan of resharding ``source`` to ``target``, reading only the manifest (a dry run)."""
+    """The plan of resharding ``source`` to ``target`` (a dry run: a ckptkit source's manifest is
+    all that is read; a checkpoint of another format is imported first, to a temporary folder)."""
+    with ckptkit_source(source, options.imports, storage_options) as (url, opts):
+        return _plan(url, target, options, opts)
+
+
+def _plan(source: str, target: ParallelConfig, options: ReshardOptions,
+          storage_options: dict[str, Any] | None) -> ReshardResult:
     t0 = time.perf_counter()
     store = open_store(source, storage_options)
     manifest = read_manifest(store)
-    the_plan = plan_reshard(manifest.tensors, target, options.plan)
+    the_plan = plan_layout(manifest.tensors, target, options.plan)
     dropped = tuple(sorted({*manifest.per_rank_keys, *manifest.rank_values}))
     return ReshardResult(store.url, None, manifest.parallel, the_plan, dropped, 0, time.perf_counter() - t0, True)
 
@@ -132,16 +148,33 @@ def reshard(
     Every tensor with a partition rule is stored as the target's grid (the
     rule recorded again, so the output can be resharded once more); ``dest``
     must not hold a committed checkpoint and must not overlap ``source``.
+    ``source`` may be of any format a registered converter detects (Megatron
+    ``torch_dist`` or legacy, DCP, DeepSpeed, a zarr export): it is imported to
+    a temporary ckptkit checkpoint first (on local disk, removed afterwards).
     """
+    with ckptkit_source(source, options.imports, storage_options) as (url, src_opts):
+        result = _reshard(url, dest, target, options, src_opts, storage_options, progress)
+    return result if url == os.fspath(source) else replace(result, source=os.fspath(source))
+
+
+def _reshard(
+    source: str,
+    dest: str | os.PathLike[str],
+    target: ParallelConfig,
+    options: ReshardOptions,
+    source_options: dict[str, Any] | None,
+    storage_options: dict[str, Any] | None,
+    progress: Progress | None,
+) -> ReshardResult:
     t0 = time.perf_counter()
-    src = open_store(source, storage_options)
+    src = open_store(source, source_options)
     out = open_store(dest, storage_options)
     _check_apart(src.url, out.url)
     manifest = read_manifest(src)
     if out.exists(MANIFEST_NAME):
         raise SaveError(f"{out.url} already holds a committed checkpoint; reshard never overwrites one "
                         "(choose another destination, or delete it first)")
-    the_plan = plan_reshard(manifest.tensors, target, options.plan)
+    the_plan = plan_layout(manifest.tensors, target, options.plan)
     check_plan(the_plan)
     by_rank = the_plan.pieces_by_rank()
     # Fixed, reused buffers (see ckptkit.engine.buffers): the pieces in flight and the read scratch.
@@ -170,7 +203,7 @@ def reshard(
             world_size=the_plan.world_size,
             tensors=manifest.tensors,
             pieces={r: [(p.tensor, Region(p.box)) for p in items] for r, items in by_rank.items()},
-            source=lambda rank, _: _ViewPieces(view, by_rank.get(rank, []), pool, the_plan.read_ahead, pieces_pool),
+            source=lambda rank, _: _target_pieces(view, by_rank.get(rank, []), pool, the_plan.read_ahead, pieces_pool),
             values=manifest.values,
             meta=meta,
             parallel=str(target),
@@ -183,6 +216,30 @@ def reshard(
                          time.perf_counter() - t0, False)
 
 
+@contextmanager
+def ckptkit_source(source: str | os.PathLike[str], imports: ImportOptions,
+                   storage_options: dict[str, Any] | None) -> Iterator[tuple[str, dict[str, Any] | None]]:
+    """``source`` itself when it is a ckptkit checkpoint; else a temporary import of it by the
+    converter that detects its format (removed on exit). Yields the URL and its storage options."""
+    url = os.fspath(source)
+    store = open_store(url, storage_options)
+    if store.exists(MANIFEST_NAME):
+        yield url, storage_options
+        return
+    fmt = detect_format(url, storage_options)
+    if fmt is None:
+        read_manifest(store)  # the usual error: not found, or uncommitted
+        yield url, storage_options
+        return
+    scratch = tempfile.mkdtemp(prefix="ckptkit-import-")
+    try:
+        log.info("%s is a %s checkpoint: importing it to %s first", url, fmt.name, scratch)
+        fmt.import_to(url, os.path.join(scratch, "imported"), imports, storage_options)
+        yield os.path.join(scratch, "imported"), None
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
 def _check_apart(src: str, dst: str) -> None:
     """The destination is written and, on failure, removed: it must not be, or be inside, the source."""
     a, b = src.rstrip("/"), dst.rstrip("/")
@@ -191,81 +248,19 @@ def _check_apart(src: str, dst: str) -> None:
                            "next to the source, never into it")
 
 
-class _ViewPieces:
-    """One target rank's pieces, each read from the source through the view, with read-ahead.
+def _target_pieces(view: CheckpointView, pieces: Sequence[TargetPiece], pool: ThreadPoolExecutor, read_ahead: int,
+                   buffers: BufferPool | None) -> PrefetchedPieces:
+    """One target rank's pieces, each read from the source as a box of its tensor, with read-ahead."""
 
-    The :class:`~ckptkit.engine.offline_writer.PieceSource` of a reshard: the
-    writer asks for piece ``ref`` just before writing it; at most
-    ``read_ahead`` later pieces are being read meanwhile (the plan's memory
-    estimate counts them). With a ``buffers`` pool each piece is read into a
-    pooled buffer, given back when the writer calls :meth:`release` (written
-    and checksummed); without one, into a new tensor.
-    """
+    def shape_of(ref: int) -> tuple[torch.dtype, tuple[int, ...], int]:
+        p = pieces[ref]
+        return torch_dtype(view.meta_of(p.tensor).dtype), tuple(p.box.sizes), p.nbytes
 
-    def __init__(self, view: CheckpointView, pieces: Sequence[TargetPiece], pool: ThreadPoolExecutor,
-                 read_ahead: int, buffers: BufferPool | None = None) -> None:
-        self._view = view
-        self._pieces = pieces
-        self._pool = pool
-        self._read_ahead = read_ahead
-        self._buffers = buffers
-        self._futures: dict[int, Future[torch.Tensor]] = {}
-        self._held: dict[int, torch.Tensor] = {}  # ref -> pooled buffer, until released
-        self._closed = False
-        self._lock = threading.Lock()
-        self.bytes_read = 0
+    def fetch(ref: int, out: torch.Tensor | None) -> torch.Tensor:
+        p = pieces[ref]
+        return view.read_box(p.tensor, Box(p.box.offsets, p.box.sizes), out)
 
-    def __len__(self) -> int:
-        return len(self._pieces)
-
-    def _load(self, ref: int) -> torch.Tensor:
-        piece = self._pieces[ref]
-        box = Box(piece.box.offsets, piece.box.sizes)
-        out = None
-        if self._buffers is not None:
-            buf = self._buffers.acquire(piece.nbytes)
-            with self._lock:
-                if self._closed:
-                    self._buffers.release(buf)
-                    raise SaveError("the reshard of this rank was abandoned")
-                self._held[ref] = buf
-            out = buf.view(torch_dtype(self._view.meta_of(piece.tensor).dtype)).view(piece.box.sizes)
-        data = self._view.read_box(piece.tensor, box, out)
-        with self._lock:
-            self.bytes_read += piece.nbytes
-        return data
-
-    def __getitem__(self, ref: int) -> torch.Tensor:
-        with self._lock:
-            future = self._futures.pop(ref, None) or self._pool.submit(self._load, ref)
-            for stale in [r for r in self._futures if r < ref]:  # never to be asked for: free their buffers
-                self._futures.pop(stale).add_done_callback(lambda _f, r=stale: self.release(r))
-            for nxt in range(ref + 1, min(len(self._pieces), ref + 1 + self._read_ahead)):
-                if nxt not in self._futures:
-                    self._futures[nxt] = self._pool.submit(self._load, nxt)
-        try:
-            return future.result()
-        except BaseException:
-            self.release(ref)
-            raise
-
-    def release(self, ref: int) -> None:
-        """Piece ``ref`` is written and checksummed: its buffer goes back to the pool."""
-        with self._lock:
-            buf = self._held.pop(ref, None)
-        if buf is not None and self._buffers is not None:
-            self._buffers.release(buf)
-
-    def close(self) -> None:
-        """The rank is done (or failed): read-ahead still running frees its buffers as it finishes."""
-        with self._lock:
-            self._closed = True
-            futures, self._futures = list(self._futures.items()), {}
-        for ref, future in futures:
-            future.add_done_callback(lambda _f, r=ref: self.release(r))
-        for ref in list(self._held):
-            if all(ref != r for r, _ in futures):
-                self.release(ref)
+    return PrefetchedPieces(len(pieces), shape_of, fetch, pool, read_ahead, buffers)
 
 
 def source_manifest(source: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> Manifest:

@@ -31,8 +31,8 @@ import torch
 from ckptkit.options import Progress
 from ckptkit.errors import LayoutError
 from ckptkit.layout.box import Box
-from ckptkit.modelspace.view import CheckpointView, ViewOptions
-from ckptkit.modelspace.view import open as open_view
+from ckptkit.offline.view import CheckpointView, ViewOptions
+from ckptkit.offline.view import open as open_view
 
 Status = Literal["identical", "different", "dtype_mismatch", "shape_mismatch", "only_a", "only_b"]
 
