@@ -9,6 +9,14 @@ TORCH_PIN ?= torch==2.13.0
 # for many minutes against packages that cap fsspec (shared/ENVIRONMENT.md).
 S3FS_PIN ?= s3fs==2026.2.0
 # DS_BUILD_OPS=0: deepspeed (an sdist) builds as pure Python, no CUDA extensions compiled.
+# EDITABLE_QUIET: setuptools' editable install of this layout (converters/ installed as
+# ckptkit_converters, so a meta-path finder rather than a .pth) always emits "Editable installation.
+# Please be careful with folders in your working directory with the same name as your package";
+# no setuptools option turns it off for a finder (compat mode would break ckptkit_converters), and
+# the folder it means is the package itself. Only that message is filtered, for pip only.
+# (Lines "WARNING: Location 'file:///opt/pypi-more/...' is ignored" come from the machine's pip
+# configuration, /etc/xdg/pip/pip.conf, not from this project.)
+EDITABLE_QUIET := PYTHONWARNINGS="ignore:Editable installation.:UserWarning"
 
 .PHONY: setup demo test bench clean
 
@@ -18,7 +26,7 @@ $(VENV)/.ckptkit-installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_PIN)"
-	DS_BUILD_OPS=0 $(PY) -m pip install -q -e ".[test]" "$(S3FS_PIN)" "$(TORCH_PIN)"
+	DS_BUILD_OPS=0 $(EDITABLE_QUIET) $(PY) -m pip install -q -e ".[test]" "$(S3FS_PIN)" "$(TORCH_PIN)"
 	touch $@
 
 demo: setup

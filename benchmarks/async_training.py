@@ -193,8 +193,9 @@ def part_training(args: argparse.Namespace, mesh: Any, rank: int, world: int, sc
     managers: dict[str, Any] = {}
     for v in variants[1:]:
         managers[v] = ckptkit.CheckpointManager(
-            os.path.join(scratch, f"train-{v}"), every_steps=K, keep_last=2,
-            options=ckptkit.AsyncOptions(executor=v.removeprefix("ckptkit-")),  # type: ignore[arg-type]
+            os.path.join(scratch, f"train-{v}"), save=ckptkit.SavePolicy(every_steps=K),
+            keep=ckptkit.RetentionPolicy(keep_last=2),
+            asynchronous=ckptkit.AsyncOptions(executor=v.removeprefix("ckptkit-")),  # type: ignore[arg-type]
         )
     step_counter = [0]
 

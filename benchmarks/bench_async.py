@@ -53,7 +53,7 @@ of each variant, the order rotated every round, so slow drifts of the machine
 hit every variant alike:
 
   none             no checkpointing
-  ckptkit-thread   CheckpointManager(every_steps=K, keep_last=2, thread executor),
+  ckptkit-thread   CheckpointManager(save=SavePolicy(every_steps=K), keep=RetentionPolicy(keep_last=2)), thread executor,
                    ``maybe_save(step, state)`` after every step
   ckptkit-process  the same with the process executor
 
@@ -519,7 +519,7 @@ def report(args: argparse.Namespace, world: int, p1: dict[str, Any] | None, p2: 
         print()
         print(
             f"== part 2: training-loop overhead: TinyLM {p2['params'] / 1e6:.2f}M params under FSDP2 on {world} ranks, AdamW, "
-            f"CheckpointManager(every_steps={p2['every_steps']}, keep_last=2), maybe_save every step =="
+            f"CheckpointManager(save=SavePolicy(every_steps={p2['every_steps']}), keep=RetentionPolicy(keep_last=2)), maybe_save every step =="
         )
         print(
             f"{p2['rounds']} rounds; a round = one block of {p2['steps_per_block']} steps per variant, order rotated "

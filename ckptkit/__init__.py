@@ -37,13 +37,15 @@ from ckptkit.errors import (
 )
 from ckptkit.layout import Box, ParallelConfig, PartitionRule, Piece, Region, box_piece, flat_piece
 from ckptkit.options import AsyncOptions, LoadOptions, SaveOptions
+from ckptkit.retention import BestK, RetentionPolicy
 from ckptkit.resilience.policy import SpikePolicy
 from ckptkit.version import __version__
 
 if TYPE_CHECKING:
     from ckptkit.api import close_async, load, save, save_async
     from ckptkit.engine.async_save import SaveHandle
-    from ckptkit.manager import CheckpointManager
+    from ckptkit.manager import CheckpointManager, SavePolicy
+    from ckptkit.run_folder import StepNaming
     from ckptkit.resilience.controller import ResilienceController, TrainingStopped
     from ckptkit.resilience.lr import ScaledLR
     from ckptkit.engine.loader import LoadResult
@@ -68,6 +70,8 @@ _LAZY = {
     "close_async": "ckptkit.api",
     "SaveHandle": "ckptkit.engine.async_save",
     "CheckpointManager": "ckptkit.manager",
+    "SavePolicy": "ckptkit.manager",
+    "StepNaming": "ckptkit.run_folder",
     "ResilienceController": "ckptkit.resilience.controller",
     "TrainingStopped": "ckptkit.resilience.controller",
     "ScaledLR": "ckptkit.resilience.lr",
@@ -87,7 +91,7 @@ _LAZY = {
 }
 
 
-_SUBMODULES = {"offline", "resilience", "manager", "storage", "layout", "plan", "engine", "api", "cli", "retention"}
+_SUBMODULES = {"offline", "resilience", "manager", "run_folder", "storage", "layout", "plan", "engine", "api", "cli", "retention"}
 
 
 def __getattr__(name: str) -> Any:
@@ -109,6 +113,7 @@ __all__ = [
     "MissingKeysError", "UnexpectedKeysError", "DTypeMismatchError", "ShapeMismatchError",
     "CoverageError", "LayoutError", "StorageError", "SaveError", "PeerFailureError", "CheckpointManager",
     "ResilienceController", "TrainingStopped", "ScaledLR", "SpikePolicy", "CheckpointView",
+    "SavePolicy", "RetentionPolicy", "BestK", "StepNaming",
     "list_checkpoints", "describe", "verify", "diff", "reshard", "plan_reshard", "ReshardOptions",
     "__version__",
 ]

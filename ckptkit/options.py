@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from ckptkit.errors import LayoutError
+from ckptkit.errors import OptionsError
 
 # A long operation's report of how far it is: (units done, units in total). Bytes for
 # copies and conversions, elements for diffs; the CLI draws it as a progress bar.
@@ -42,7 +42,7 @@ class SaveOptions:
 
     def __post_init__(self) -> None:
         if self.block_size < 4096 or self.block_size % 4096:
-            raise LayoutError(f"block_size {self.block_size} must be a positive multiple of 4096")
+            raise OptionsError(f"block_size {self.block_size} must be a positive multiple of 4096")
 
 
 @dataclass(frozen=True)
@@ -60,9 +60,9 @@ class LoadOptions:
 
     def __post_init__(self) -> None:
         if self.io_threads < 1:
-            raise LayoutError(f"io_threads {self.io_threads} must be >= 1")
+            raise OptionsError(f"io_threads {self.io_threads} must be >= 1")
         if self.per_rank_on_resize not in ("error", "skip"):
-            raise LayoutError(f"per_rank_on_resize must be 'error' or 'skip', got {self.per_rank_on_resize!r}")
+            raise OptionsError(f"per_rank_on_resize must be 'error' or 'skip', got {self.per_rank_on_resize!r}")
 
 
 @dataclass(frozen=True)
@@ -86,9 +86,9 @@ class AsyncOptions:
 
     def __post_init__(self) -> None:
         if self.executor not in ("thread", "process"):
-            raise LayoutError(f"executor must be 'thread' or 'process', got {self.executor!r}")
+            raise OptionsError(f"executor must be 'thread' or 'process', got {self.executor!r}")
         if self.on_busy not in ("wait", "skip"):
-            raise LayoutError(f"on_busy must be 'wait' or 'skip', got {self.on_busy!r}")
+            raise OptionsError(f"on_busy must be 'wait' or 'skip', got {self.on_busy!r}")
         if self.max_staging_bytes is not None and self.max_staging_bytes < 0:
-            raise LayoutError("max_staging_bytes must be >= 0")
+            raise OptionsError("max_staging_bytes must be >= 0")
         SaveOptions(block_size=self.block_size)  # same validation

@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ckptkit.errors import LayoutError
+from ckptkit.errors import LayoutError, OptionsError
 
 
 @dataclass(frozen=True)
@@ -30,9 +30,9 @@ class BestK:
 
     def __post_init__(self) -> None:
         if self.k < 1:
-            raise LayoutError(f"keep_best k must be >= 1, got {self.k}")
+            raise OptionsError(f"keep_best k must be >= 1, got {self.k}")
         if self.mode not in ("min", "max"):
-            raise LayoutError(f"keep_best mode must be 'min' or 'max', got {self.mode!r}")
+            raise OptionsError(f"keep_best mode must be 'min' or 'max', got {self.mode!r}")
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ class RetentionPolicy:
         for name in ("keep_last", "keep_every"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 1):
-                raise LayoutError(f"{name} must be a positive integer, got {v!r}")
+                raise OptionsError(f"{name} must be a positive integer, got {v!r}")
 
     @property
     def keeps_everything(self) -> bool:
@@ -99,7 +99,7 @@ class Record:
         if self.status is None:
             object.__setattr__(self, "status", "committed" if self.committed else "uncommitted")
         elif self.committed != (self.status == "committed"):
-            raise LayoutError(f"record {self.name}: committed={self.committed} contradicts status {self.status!r}")
+            raise OptionsError(f"record {self.name}: committed={self.committed} contradicts status {self.status!r}")
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,16 @@
 """Importers and exporters of other checkpoint formats (Megatron torch_dist and legacy,
-DeepSpeed ZeRO, DCP, Hugging Face safetensors, zarr).
+DeepSpeed ZeRO, DCP, Hugging Face safetensors, zarr); installed as ``ckptkit_converters``.
 
-This is the only place where foreign pickle-based formats may be opened, and only through an
-allow-list unpickler or ``torch.load(weights_only=True)``; ``ckptkit/`` itself never unpickles.
-DCP (``torch.distributed.checkpoint``; torchtitan, and the base of Megatron's torch_dist) ships in
-:mod:`converters.dcp`: import into ckptkit and export for plain ``dcp.load`` (docs/converters.md).
-Its ``.metadata`` pickle is read only through :mod:`converters.safe_unpickle`. DeepSpeed ZeRO:
-:mod:`converters.deepspeed`; Megatron torch_dist and legacy: :mod:`converters.megatron`
-(docs/megatron.md); Hugging Face safetensors export: :mod:`converters.hf_safetensors`.
+:mod:`ckptkit_converters.registry` is the way in: ``detect(url)`` names a source's format and
+``convert(source, dest, to_format=..., options=...)`` runs any direction, returning one result
+type (``ckptkit.engine.offline_writer.ConvertResult``). Its importers are registered under the
+``ckptkit.formats`` entry-point group, so ``ckptkit.reshard`` takes a foreign source directly.
+
+This is the only place where foreign pickle-based formats may be opened, and only through
+:mod:`ckptkit_converters.safe_unpickle`: an allow-list unpickler for DCP's ``.metadata``, and
+``torch.load(weights_only=True)`` with exactly each format's inert stand-ins for ``.pt`` files;
+``ckptkit/`` itself never unpickles (docs/converters.md, "What is trusted"). DCP:
+:mod:`ckptkit_converters.dcp`; DeepSpeed ZeRO: :mod:`ckptkit_converters.deepspeed`; Megatron:
+:mod:`ckptkit_converters.megatron` (docs/megatron.md); Hugging Face safetensors export:
+:mod:`ckptkit_converters.hf_safetensors`; zarr: :mod:`ckptkit_converters.zarr_io`.
 """

@@ -40,7 +40,7 @@ from ckptkit.engine.state import dtype_name, torch_dtype
 from ckptkit.errors import CorruptCheckpointError, ManifestError
 from ckptkit.layout.box import Box
 from ckptkit.layout.manifest import DTYPES, check_object_key
-from ckptkit_converters.safe_unpickle import UnsafeCheckpointError
+from ckptkit_converters.safe_unpickle import UnsafeCheckpointError, weights_only_load
 
 METADATA_NAME = ".metadata"
 DCP_VERSION = "1.0.0"  # what torch 2.13's FileSystemWriter records
@@ -269,7 +269,7 @@ def load_blob(data: bytes | bytearray | memoryview, where: str) -> Any:
     """Decode one ``torch.save`` blob with ``torch.load(weights_only=True)``: tensors and plain
     containers only; anything else raises :class:`UnsafeCheckpointError` (nothing is executed)."""
     try:
-        return torch.load(_BufferReader(data), map_location="cpu", weights_only=True)
+        return weights_only_load(_BufferReader(data))  # nothing beyond torch's own allow-list
     except Exception as exc:  # noqa: BLE001 - torch reports damaged archives with plain RuntimeErrors
         lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
         if isinstance(exc, pickle.UnpicklingError) and lines and lines[0].startswith("Weights only load failed"):

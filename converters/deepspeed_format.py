@@ -22,9 +22,12 @@ and ``<dir>/<tag>/``:
 ``state_dict`` methods in ``deepspeed/runtime/zero/stage_1_and_2.py`` and
 ``stage3.py``. How partitions are cut: :mod:`ckptkit.layout.zero_partition`.)
 
-What is trusted when reading: every file goes through ``torch.load(...,
-weights_only=True)``, PyTorch's restricted unpickler (tensors, containers,
-numbers, strings, ``torch.Size``, ``OrderedDict``). Optimizer files also name
+What is trusted when reading: every file goes through
+:func:`converters.safe_unpickle.load_pt` — ``torch.load(..., weights_only=True)``,
+PyTorch's restricted unpickler (tensors, containers, numbers, strings,
+``torch.Size``, ``OrderedDict``), with torch's process-wide allow-list replaced by
+exactly the stand-ins below for the load (so a class another library registered
+with ``add_safe_globals`` is not trusted here). Optimizer files name
 three DeepSpeed globals; each is mapped to an inert stand-in defined here, so
 no DeepSpeed code runs and DeepSpeed need not be installed to import:
 
@@ -43,7 +46,6 @@ from __future__ import annotations
 
 import enum
 import os
-import pickle
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -52,7 +54,8 @@ from typing import Any
 import torch
 
 from ckptkit.errors import CheckpointNotFoundError, ManifestError
-from ckptkit_converters.safe_unpickle import UnsafeCheckpointError
+from ckptkit_converters import safe_unpickle
+from ckptkit_converters.safe_unpickle import UnsafeCheckpointError  # noqa: F401 - what load_file raises
 
 LATEST = "latest"
 MODEL_STATES_12 = "mp_rank_00_model_states.pt"
@@ -96,15 +99,9 @@ _STAND_INS = [
 
 
 def load_file(path: str) -> dict[str, Any]:
-    """One DeepSpeed ``.pt`` file through ``torch.load(weights_only=True)`` with the stand-ins above."""
-    try:
-        with torch.serialization.safe_globals(_STAND_INS):
-            data = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as exc:
-        raise UnsafeCheckpointError(f"{path}: refused by torch.load(weights_only=True) with ckptkit's DeepSpeed "
-                                    f"stand-ins: {str(exc).splitlines()[-3:]}") from exc
-    except FileNotFoundError as exc:
-        raise CheckpointNotFoundError(f"{path}: missing") from exc
+    """One DeepSpeed ``.pt`` file through :func:`converters.safe_unpickle.load_pt` with exactly the
+    stand-ins above (the same rule as every ``.pt`` ckptkit opens: nothing else trusted)."""
+    data = safe_unpickle.load_pt(path, _STAND_INS, what="DeepSpeed")
     if not isinstance(data, dict):
         raise ManifestError(f"{path}: expected a dict, got {type(data).__name__}")
     return data

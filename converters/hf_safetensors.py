@@ -26,11 +26,13 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from ckptkit.engine.offline_writer import ConvertResult
 from ckptkit.options import Progress
 from ckptkit.errors import CkptkitError, MissingKeysError
 from ckptkit.storage.url import open_store
@@ -111,11 +113,18 @@ class HFExportOptions:
 
 
 @dataclass(frozen=True)
-class HFExportResult:
-    dest: str
-    tensors: int
-    bytes: int
-    shards: tuple[str, ...]
+class HFExportResult(ConvertResult):
+    """A conversion's figures (``format`` is ``"hf"``) and the safetensors files written."""
+
+    shards: tuple[str, ...] = ()
+
+    @property
+    def dest(self) -> str:  # the names this result had before it was a ConvertResult
+        return self.destination
+
+    @property
+    def bytes(self) -> int:
+        return self.nbytes
 
 
 # ------------------------------------------------------------------ names
@@ -190,7 +199,9 @@ def export_hf(
 
     import ckptkit
 
+    t0 = time.perf_counter()
     view = ckptkit.open(source, storage_options=storage_options)
+    read0 = view.bytes_read
     plan = _plan(view, options)
     out = open_store(dest, storage_options)
     if out.exists(INDEX_NAME):
@@ -213,7 +224,8 @@ def export_hf(
             progress(done, total)
     index = {"metadata": {"total_size": total, "ckptkit_source": view.url}, "weight_map": dict(sorted(weight_map.items()))}
     out.put_bytes(INDEX_NAME, json.dumps(index, indent=2).encode())  # written last: the export is complete
-    return HFExportResult(out.url, len(weight_map), total, tuple(names))
+    return HFExportResult(view.url, out.url, "hf", len(weight_map), total, view.bytes_read - read0,
+                          time.perf_counter() - t0, tuple(names))
 
 
 def _plan(view: Any, options: HFExportOptions) -> list[list[tuple[str, str, str | None, int]]]:

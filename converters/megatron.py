@@ -16,6 +16,12 @@
   The DCP part is written by DCP's own ``FileSystemWriter`` and planner
   functions, one virtual rank at a time.
 
+Facts the checkpoint records about itself are read from its Megatron-LM ``args``
+(:class:`converters.megatron_format.SavedArgs`: ``vocab_size`` when the run was given
+``--vocab-size``, ``make_vocab_size_divisible_by``, ``padded_vocab_size``, ``num_layers``,
+parallel sizes, tied embeddings); only what they do not say is asked for
+(:func:`resolve_vocab`, naming it).
+
 Optimizer state: the non-distributed optimizer's model-space state
 (``optimizer.state.{exp_avg,exp_avg_sq,fp32_param}.<key>``) is imported from
 torch_dist as ``optimizer/{exp_avg,exp_avg_sq,main}/<key>``; the distributed
@@ -57,9 +63,6 @@ from ckptkit_converters.dcp_format import (
     writer_ranks,
 )
 
-DEFAULT_DIVISIBLE_BY = 128  # Megatron-LM's --make-vocab-size-divisible-by default
-
-
 @dataclass(frozen=True)
 class _Spec:
     dtype: str
@@ -69,15 +72,41 @@ class _Spec:
 # ---------------------------------------------------------------- shared import helpers
 
 
-def _divisible_by(given: int | None, saved: int | None, where: str) -> int:
+def _agree(given: int | None, saved: int | None, name: str, flag: str, where: str) -> int | None:
     if given is not None and saved is not None and given != saved:
-        raise LayoutError(f"{where}: --divisible-by {given} disagrees with the checkpoint's "
-                          f"make_vocab_size_divisible_by {saved}")
-    d = given if given is not None else saved
-    if d is None:
-        raise LayoutError(f"{where}: the checkpoint does not record make_vocab_size_divisible_by; "
-                          "pass divisible_by (CLI: --divisible-by)")
-    return d
+        raise LayoutError(f"{where}: {flag} {given} disagrees with the checkpoint's {name} {saved} (its args)")
+    return given if given is not None else saved
+
+
+def resolve_vocab(vocab_size: int | None, divisible_by: int | None, args: fmt.SavedArgs, padded_rows: int,
+                  where: str) -> tuple[int, int]:
+    """The true vocabulary size and ``make_vocab_size_divisible_by``: what the checkpoint's ``args``
+    record, else what is given (both: they must agree). Whatever neither says is asked for, by
+    name, in one :class:`~ckptkit.offline.formats.MissingImportOptions`."""
+    from ckptkit.offline.formats import MissingImportOptions
+
+    if args.padded_vocab_size is not None and args.padded_vocab_size != padded_rows:
+        raise ManifestError(f"{where}: its args record padded_vocab_size {args.padded_vocab_size}, but "
+                            f"{names.EMBEDDING!r} has {padded_rows} rows")
+    vocab = _agree(vocab_size, args.vocab_size, "vocab_size", "--vocab-size", where)
+    d = _agree(divisible_by, args.divisible_by, "make_vocab_size_divisible_by", "--divisible-by", where)
+    missing = {name: flag for name, flag, value in (("vocab_size", "--vocab-size N", vocab),
+                                                     ("make_vocab_size_divisible_by", "--divisible-by N", d))
+               if value is None}
+    if missing:
+        recorded = ("its args do not record " if args.recorded else "it has no Megatron-LM args recording ")
+        why = (f" (Megatron-LM keeps the padded vocabulary, {padded_rows} rows here, and the tokenizer's true "
+               "size only when --vocab-size was given)" if "vocab_size" in missing else "")
+        raise MissingImportOptions(
+            f"{where}: {recorded}{' or '.join(missing)}{why}; pass "
+            + " and ".join(f"{n} (CLI: {flag})" for n, flag in missing.items()), tuple(missing))
+    assert vocab is not None and d is not None
+    return vocab, d
+
+
+def _check_layers(counted: int, args: fmt.SavedArgs, where: str) -> None:
+    if args.num_layers is not None and counted and args.num_layers != counted:
+        raise ManifestError(f"{where}: its args record num_layers {args.num_layers}, the tensors hold {counted} layers")
 
 
 def _check_vocab(key: str, padded: int, vocab: int, d: int, tp: int, where: str) -> None:
@@ -111,12 +140,13 @@ def _layouts(specs: Mapping[str, _Spec], pieces: Mapping[int, Sequence[tuple[str
 
 def _write(dest: str, world: int, specs: dict[str, _Spec], pieces: dict[int, list[tuple[str, Region]]],
            source: Callable[[int, Any], Any], meta: dict[str, Any], source_url: str, threads: int,
-           progress: Progress | None, t0: float, skipped: tuple[str, ...]) -> MegatronConvertResult:
+           progress: Progress | None, t0: float, skipped: tuple[str, ...],
+           storage_options: dict[str, Any] | None = None) -> MegatronConvertResult:
     shapes = {k[len(MODEL):]: s.shape for k, s in specs.items() if k.startswith(MODEL)}
     ffn = _ffn(shapes)
     d = meta["make_vocab_size_divisible_by"]
     rules = {k: names.rule_for(_megatron_key(k), divisible_by=d, ffn=ffn) for k in specs}
-    out = open_store(dest)
+    out = open_store(dest, storage_options)
     result = write_offline(
         out, world_size=world, tensors=specs, pieces=pieces, source=source,
         values={META_KEY: encode_value(json.dumps(meta, sort_keys=True), META_KEY)},
@@ -174,16 +204,19 @@ def read_torch_dist(folder: str) -> tuple[DcpCheckpoint, dict[str, Any]]:
     return ckpt, common
 
 
-def import_torch_dist(source: str | os.PathLike[str], dest: str | os.PathLike[str], *, vocab_size: int,
-                      divisible_by: int | None = None, threads: int = 2,
-                      progress: Progress | None = None) -> MegatronConvertResult:
+def import_torch_dist(source: str | os.PathLike[str], dest: str | os.PathLike[str], *, vocab_size: int | None = None,
+                      divisible_by: int | None = None, threads: int = 2, progress: Progress | None = None,
+                      storage_options: dict[str, Any] | None = None) -> MegatronConvertResult:
     """Write the Megatron torch_dist checkpoint ``source`` (a local directory) as a ckptkit checkpoint.
 
-    ``vocab_size``: the true vocabulary (Megatron stores only the padded one);
-    ``divisible_by``: ``make_vocab_size_divisible_by`` when ``common.pt`` has no
-    ``args`` recording it. Model tensors and the non-distributed optimizer's
-    model-space state; the distributed optimizer's flat buckets and non-tensor
-    items (``_extra_state``, RNG, param groups) are listed in ``skipped``.
+    What ``common.pt``'s Megatron-LM ``args`` record is read from there (``vocab_size`` when the
+    run set ``--vocab-size``, ``make_vocab_size_divisible_by``, ``padded_vocab_size``,
+    ``num_layers``, parallel sizes); ``vocab_size`` (the true vocabulary: Megatron stores only
+    the padded one) and ``divisible_by`` are needed only where they do not (given and recorded
+    must agree; missing ones raise :class:`~ckptkit.offline.formats.MissingImportOptions`).
+    Model tensors and the non-distributed optimizer's model-space state; the distributed
+    optimizer's flat buckets and non-tensor items (``_extra_state``, RNG, param groups) are
+    listed in ``skipped``.
     """
     t0 = time.perf_counter()
     folder = os.fspath(source)
@@ -204,7 +237,7 @@ def import_torch_dist(source: str | os.PathLike[str], dest: str | os.PathLike[st
         raise ManifestError(f"{folder}: no {names.EMBEDDING!r} tensor (not a Megatron GPT checkpoint?)")
     emb = model[names.EMBEDDING]
     tp = len({c.box.offsets[0] for c in emb.chunks})
-    d = _divisible_by(divisible_by, args.divisible_by, folder)
+    vocab_size, d = resolve_vocab(vocab_size, divisible_by, args, emb.shape[0], folder)
     for key in names.VOCAB_TENSORS:
         if key in model:
             _check_vocab(key, model[key].shape[0], vocab_size, d, tp, f"{folder}/{METADATA_NAME}")
@@ -232,6 +265,7 @@ def import_torch_dist(source: str | os.PathLike[str], dest: str | os.PathLike[st
                 pieces.setdefault(r, []).append((out_key, Region(box)))
     num_layers = model["decoder.layers.self_attention.linear_qkv.weight"].shape[0] \
         if "decoder.layers.self_attention.linear_qkv.weight" in model else (args.num_layers or 0)
+    _check_layers(num_layers, args, f"{folder}/{fmt.COMMON_NAME}")
     tied = names.OUTPUT not in model
     pp = args.pp
     dp = args.world_size // (tp * pp) if args.world_size and pp else None
@@ -239,7 +273,7 @@ def import_torch_dist(source: str | os.PathLike[str], dest: str | os.PathLike[st
     with ThreadPoolExecutor(max_workers=threads * 3, thread_name_prefix="ckptkit-megatron-read") as pool:
         return _write(os.fspath(dest), world, specs, pieces,
                       lambda rank, _: _Clipped(_DcpPieces(src, by_rank.get(rank, []), pool, 2), keep.get(rank, {})),
-                      meta, src.url, threads, progress, t0, skipped)
+                      meta, src.url, threads, progress, t0, skipped, storage_options)
 
 
 # Megatron's non-distributed optimizer saves its state in model space as
@@ -325,13 +359,16 @@ def _model_chunks(state: Mapping[str, Any], where: str) -> dict[int, dict[str, t
     return chunks
 
 
-def import_legacy(source: str | os.PathLike[str], dest: str | os.PathLike[str], *, vocab_size: int,
+def import_legacy(source: str | os.PathLike[str], dest: str | os.PathLike[str], *, vocab_size: int | None = None,
                   divisible_by: int | None = None, tied: bool | None = None, threads: int = 2,
-                  progress: Progress | None = None) -> MegatronConvertResult:
+                  progress: Progress | None = None,
+                  storage_options: dict[str, Any] | None = None) -> MegatronConvertResult:
     """Write a legacy Megatron checkpoint as a ckptkit checkpoint (model weights).
 
     ``source``: an ``iter_XXXXXXX`` (or ``release``) directory, or the save root
-    (its ``latest_checkpointed_iteration.txt`` picks the iteration). ``tied``:
+    (its ``latest_checkpointed_iteration.txt`` picks the iteration). The rank files'
+    Megatron-LM ``args`` are read as for :func:`import_torch_dist`; ``vocab_size`` and
+    ``divisible_by`` are needed only where they do not record them. ``tied``:
     whether the output layer is tied to the embedding, when ``args`` does not say
     (a tied model's last stage holds a copy of the embedding, dropped here).
     """
@@ -355,7 +392,10 @@ def import_legacy(source: str | os.PathLike[str], dest: str | os.PathLike[str], 
             for v, sd in _model_chunks(state, f.path).items()}
         del state
     args = fmt.SavedArgs.of(first.get("args"))
-    d = _divisible_by(divisible_by, args.divisible_by, folder)
+    emb = inventory[(0, 0)].get(0, {}).get(names.EMBEDDING)  # stage 0, first chunk: TP-split rows
+    if emb is None:
+        raise ManifestError(f"{files[0].path}: no {names.EMBEDDING!r} tensor (not a Megatron GPT checkpoint?)")
+    vocab_size, d = resolve_vocab(vocab_size, divisible_by, args, emb[0][0] * tp, folder)
     is_tied = tied if tied is not None else (not args.untied if args.untied is not None else False)
     vpp = len(inventory[(0, 0)])
     # global layer offset of each (virtual chunk, stage), in Megatron's order: chunk-major
@@ -440,12 +480,13 @@ def import_legacy(source: str | os.PathLike[str], dest: str | os.PathLike[str], 
                         continue
                     pieces.setdefault(rank, []).append((MODEL + key, Region(Box(tuple(offs), tuple(sizes)))))
                     refs.setdefault(rank, []).append(_LegacyPiece(name, chunk, clip, layered))
+    _check_layers(total, args, folder)
     iteration = fmt.iteration_of(first)
     dp = args.world_size // (tp * pp) if args.world_size else None
     meta = _meta("legacy", iteration, total, vocab_size, d, tp, pp, dp, vpp if vpp > 1 else None, is_tied)
     paths = {f.pp * tp + f.tp: f.path for f in files}
     return _write(os.fspath(dest), tp * pp, specs, pieces, lambda r, _: _LegacySource(paths[r], refs.get(r, [])),
-                  meta, folder, threads, progress, t0, ())
+                  meta, folder, threads, progress, t0, (), storage_options)
 
 
 

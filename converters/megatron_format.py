@@ -21,9 +21,11 @@ Megatron-LM ``megatron/training/checkpointing.py``):
   chunk, ``optimizer``, ``opt_param_scheduler``, ``rng_state`` (Python, numpy,
   torch and CUDA RNG states), ``num_floating_point_operations_so_far``.
 
-Trust: every ``.pt`` is read with ``torch.load(weights_only=True)`` and the
-inert stand-ins of :data:`FOREIGN_GLOBALS`; ``.metadata`` with the allow-list
-unpickler of :mod:`converters.safe_unpickle` (DCP's classes plus
+Trust: every ``.pt`` is read by :func:`converters.safe_unpickle.load_pt` —
+``torch.load(weights_only=True)`` with exactly the inert stand-ins of
+:data:`FOREIGN_GLOBALS` (``args`` becomes a :class:`~converters.safe_unpickle.NamespaceRecord`
+holding its attributes; :class:`SavedArgs` reads the few it needs); ``.metadata`` with the
+allow-list unpickler of the same module (DCP's classes plus
 :data:`MEGATRON_METADATA_EXTRA`). Anything else a file names is refused before
 it runs (docs/megatron.md, "Importing Megatron checkpoints").
 """
@@ -32,19 +34,21 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import re
-import threading
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from ckptkit.engine.offline_writer import ConvertResult
 from ckptkit.errors import CheckpointNotFoundError, ManifestError
-from ckptkit_converters.safe_unpickle import UnsafeCheckpointError, load_dcp_metadata
+from ckptkit_converters import safe_unpickle
+from ckptkit_converters.safe_unpickle import (  # noqa: F401 - re-exported: UnsafeCheckpointError
+    ForeignRecord,
+    NamespaceRecord,
+    UnsafeCheckpointError,
+    load_dcp_metadata,
+    namespace_fields,
+)
 
 META_KEY = "megatron/meta"
 MODEL = "model/"
@@ -64,33 +68,14 @@ TRACKER = "latest_checkpointed_iteration.txt"
 _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 
 
-class ForeignRecord:
-    """Inert stand-in for a foreign class or function while unpickling.
-
-    Built with any arguments (kept in ``args``) and given any state (kept in
-    ``state``, or merged into ``__dict__`` when it is a dict, which is how an
-    ``argparse.Namespace`` arrives): it runs no foreign code and is only read
-    as data afterwards.
-    """
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self.args = args
-
-    def __setstate__(self, state: Any) -> None:
-        if isinstance(state, dict):
-            self.__dict__.update(state)
-        else:
-            self.state = state
-
-
 def _reconstruct(*args: Any) -> ForeignRecord:
     """Stands in for numpy's array reconstructor: an inert record, never an array."""
     return ForeignRecord(*args)
 
 
 FOREIGN_GLOBALS: tuple[tuple[Any, str], ...] = (
-    (ForeignRecord, "argparse.Namespace"),  # args
-    (ForeignRecord, "types.SimpleNamespace"),
+    (NamespaceRecord, "argparse.Namespace"),  # args
+    (NamespaceRecord, "types.SimpleNamespace"),
     (ForeignRecord, "pathlib.PosixPath"),
     (ForeignRecord, "_io.BytesIO"),  # Transformer Engine's _extra_state
     (ForeignRecord, "signal.Signals"),  # args.exit_signal
@@ -108,54 +93,17 @@ FOREIGN_GLOBALS: tuple[tuple[Any, str], ...] = (
     (ForeignRecord, "megatron.core.rerun_state_machine.RerunState"),
 )
 """Globals a Megatron ``.pt`` may name beyond ``weights_only``'s own (tensors, containers,
-``torch`` dtypes, ``OrderedDict``, ``_codecs.encode``), each mapped to an inert stand-in.
-The list mirrors megatron-core 0.16's own ``megatron/core/safe_globals.py`` (what Megatron
-registers with ``add_safe_globals`` for its own loads), with stand-ins instead of the classes."""
-
-_LOAD_LOCK = threading.Lock()
-
-
-@contextmanager
-def _only_stand_ins() -> Iterator[None]:
-    """Exactly :data:`FOREIGN_GLOBALS` on top of torch's own allow-list, for one load.
-
-    torch keeps user-allowed globals in one process-wide set: importing
-    ``megatron.core`` registers the *real* classes under the same names
-    (``megatron/core/safe_globals.py``), and which of two entries for a name
-    wins would depend on set order. So the set is swapped for the stand-ins
-    while the lock is held and restored afterwards (torch's ``safe_globals``
-    context manager would also remove entries another thread still needs).
-    """
-    with _LOAD_LOCK:
-        saved = torch.serialization.get_safe_globals()
-        torch.serialization.clear_safe_globals()
-        torch.serialization.add_safe_globals(list(FOREIGN_GLOBALS))
-        try:
-            yield
-        finally:
-            torch.serialization.clear_safe_globals()
-            torch.serialization.add_safe_globals(saved)
+``torch`` dtypes, ``OrderedDict``, ``_codecs.encode``), each mapped to an inert stand-in of
+:mod:`converters.safe_unpickle`. The list mirrors megatron-core 0.16's own
+``megatron/core/safe_globals.py`` (what Megatron registers with ``add_safe_globals`` for its
+own loads), with stand-ins instead of the classes."""
 
 
 def load_pt(path: str, *, mmap: bool = False) -> Any:
-    """One Megatron ``.pt`` through ``torch.load(weights_only=True)`` and :data:`FOREIGN_GLOBALS`.
-
-    A file naming any other global is refused by torch's restricted unpickler
-    before the global is resolved, reported as :class:`UnsafeCheckpointError`
-    with the file and the global. ``mmap``: tensors stay in the file until read
-    (a first pass over a legacy checkpoint reads only names and shapes).
-    """
-    try:
-        with _only_stand_ins():
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
-    except pickle.UnpicklingError as exc:
-        lines = [ln for ln in str(exc).splitlines() if "GLOBAL" in ln or "Unsupported" in ln] or str(exc).splitlines()[:1]
-        raise UnsafeCheckpointError(f"{path}: refused by torch.load(weights_only=True) with ckptkit's Megatron "
-                                    f"stand-ins (nothing was executed): {' '.join(lines)[:400]}") from None
-    except FileNotFoundError:
-        raise CheckpointNotFoundError(f"{path}: missing") from None
-    except (RuntimeError, EOFError, ValueError, TypeError, AttributeError) as exc:
-        raise ManifestError(f"{path}: not a readable torch.save file ({type(exc).__name__}: {exc})") from None
+    """One Megatron ``.pt`` through :func:`converters.safe_unpickle.load_pt` with exactly
+    :data:`FOREIGN_GLOBALS` (``mmap``: tensors stay in the file until read; a first pass over
+    a legacy checkpoint reads only names and shapes)."""
+    return safe_unpickle.load_pt(path, FOREIGN_GLOBALS, what="Megatron", mmap=mmap)
 
 
 def _planner_classes() -> dict[tuple[str, str], Any]:
@@ -202,7 +150,12 @@ def read_config(folder: str) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class SavedArgs:
-    """What a Megatron ``args`` namespace says about the run (None: not recorded)."""
+    """What the Megatron-LM ``args`` namespace a checkpoint carries says about the run (None: not
+    recorded). Megatron-LM's ``generate_state_dict`` stores ``state_dict['args'] = args`` (the
+    ``argparse.Namespace`` of the training run): in ``common.pt`` for torch_dist (every
+    non-sharded item of the saved dict goes there), in every ``model_optim_rng.pt`` for legacy.
+    ``vocab_size`` is Megatron-LM's ``--vocab-size`` (set for a ``NullTokenizer`` run or when
+    given; otherwise ``None``: the tokenizer's size is not kept, only ``padded_vocab_size``)."""
 
     num_layers: int | None = None
     tp: int | None = None
@@ -210,22 +163,25 @@ class SavedArgs:
     vpp: int | None = None
     divisible_by: int | None = None
     padded_vocab_size: int | None = None
+    vocab_size: int | None = None
     world_size: int | None = None
     untied: bool | None = None
+    recorded: bool = False
+    """Whether the checkpoint had an ``args`` namespace at all."""
 
     @staticmethod
     def of(args: Any) -> SavedArgs:
-        fields = getattr(args, "__dict__", None) if args is not None else None
-        fields = fields if isinstance(fields, dict) else {}
+        fields = namespace_fields(args)
 
         def num(name: str) -> int | None:
             v = fields.get(name)
-            return v if isinstance(v, int) and not isinstance(v, bool) else None
+            return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
 
         untied = fields.get("untie_embeddings_and_output_weights")
         return SavedArgs(num("num_layers"), num("tensor_model_parallel_size"), num("pipeline_model_parallel_size"),
                          num("virtual_pipeline_model_parallel_size"), num("make_vocab_size_divisible_by"),
-                         num("padded_vocab_size"), num("world_size"), untied if isinstance(untied, bool) else None)
+                         num("padded_vocab_size"), num("vocab_size"), num("world_size"),
+                         untied if isinstance(untied, bool) else None, bool(fields))
 
 
 def iteration_of(state: Mapping[str, Any]) -> int:

@@ -1,6 +1,20 @@
-"""An allow-list unpickler for the one pickle a DCP checkpoint has: its ``.metadata``.
+"""The one place where ckptkit decides what a foreign pickle may build.
 
-``torch.distributed.checkpoint`` (DCP) writes its checkpoint metadata with
+Two kinds of pickle reach ckptkit, both only through :mod:`ckptkit_converters`:
+
+* **DCP's ``.metadata``** (plain DCP, and Megatron's torch_dist on top of it), read by
+  :class:`RestrictedUnpickler` / :func:`load_dcp_metadata` — an allow-list of classes;
+* **``torch.save`` files** (``.pt``: Megatron's ``common.pt`` and ``model_optim_rng.pt``,
+  DeepSpeed's ``*_model_states.pt`` / ``*_optim_states.pt``), read by :func:`load_pt` —
+  ``torch.load(weights_only=True)`` plus a per-format table of *inert stand-ins*
+  (:class:`ForeignRecord`, :class:`NamespaceRecord`, or a format's own empty classes)
+  for the few foreign globals those files name. Nothing else torch may have been told to
+  trust in this process counts (see :func:`load_pt`).
+
+Every refusal is an :class:`UnsafeCheckpointError` naming the file and the global, raised
+before the global is resolved: nothing of the pickle runs.
+
+**DCP metadata.** ``torch.distributed.checkpoint`` (DCP) writes its checkpoint metadata with
 ``pickle.dump``, and DCP's own reader loads it with plain ``pickle.load``: a
 checkpoint downloaded from somewhere can run any code on the machine that
 opens it. Unpickling runs code only through the globals a pickle names
@@ -11,7 +25,7 @@ naming ``module.name`` and the file — before anything is called. Persistent
 ids are refused too (pickle's default), and so is a ``BUILD`` aimed at a class
 or function (it would set attributes on the class for the whole process).
 
-Trusted for DCP metadata (:data:`DCP_METADATA`), and nothing else:
+Trusted for DCP metadata (:func:`dcp_allow_list`), and nothing else:
 
 * ``torch.distributed.checkpoint.metadata``: ``Metadata``,
   ``TensorStorageMetadata``, ``BytesStorageMetadata``,
@@ -34,7 +48,7 @@ none: containers, strings, numbers and bytes are opcodes). Everything the
 unpickler returns is validated field by field afterwards
 (:mod:`converters.dcp_format`); admitting a class only lets a pickle build an
 instance of it. Tensor data in ``.distcp`` files never goes through this
-module: it is read with ``torch.load(weights_only=True)``.
+unpickler: it is read with ``torch.load(weights_only=True)``.
 """
 
 from __future__ import annotations
@@ -43,10 +57,12 @@ import collections
 import io
 import pathlib
 import pickle
-from collections.abc import Callable, Mapping
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any, ClassVar
 
-from ckptkit.errors import CkptkitError, UnsafeCheckpointError, ManifestError
+from ckptkit.errors import CheckpointNotFoundError, CkptkitError, ManifestError, UnsafeCheckpointError
 
 
 # A resolver returns the object a (module, name) global stands for, or None to refuse it.
@@ -187,3 +203,144 @@ def load_dcp_metadata(data: bytes, where: str, extra: Mapping[tuple[str, str], A
     """
     allow = dcp_allow_list() if not extra else {**dcp_allow_list(), **extra}
     return restricted_loads(data, allow, where, (_torch_constant,))
+
+
+# ---------------------------------------------------------------- torch.save files (.pt)
+
+
+class ForeignRecord:
+    """Inert stand-in for a foreign class or function while unpickling a ``.pt`` file.
+
+    Built with any arguments (kept in ``args``) and given any state (kept in
+    ``state``, or merged into ``__dict__`` when it is a dict with string keys):
+    it runs no foreign code and is only read as data afterwards.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.args = args
+
+    def __setstate__(self, state: Any) -> None:
+        if isinstance(state, dict) and all(isinstance(k, str) for k in state):
+            self.__dict__.update(state)
+        else:
+            self.state = state
+
+
+class NamespaceRecord:
+    """Inert stand-in for ``argparse.Namespace`` / ``types.SimpleNamespace``: holds the namespace's
+    attributes (``rec.num_layers``; :func:`namespace_fields` for all of them) and nothing else.
+
+    A pickled Namespace is ``NEWOBJ`` of the class and ``BUILD`` with its ``__dict__``; here the
+    class is this one, which has no ``__init__`` logic, no properties and no methods an attribute
+    could shadow, and keeps only string-keyed state (anything else is dropped, not stored).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.__dict__.update({k: v for k, v in kwargs.items() if isinstance(k, str)})
+
+    def __setstate__(self, state: Any) -> None:
+        if isinstance(state, tuple) and len(state) == 2:  # (dict, slots) form
+            state = state[0]
+        if isinstance(state, dict):
+            self.__dict__.update({k: v for k, v in state.items() if isinstance(k, str)})
+
+    def __repr__(self) -> str:
+        return f"NamespaceRecord({', '.join(sorted(vars(self)))})"
+
+
+def namespace_fields(obj: Any) -> dict[str, Any]:
+    """The attributes of a :class:`NamespaceRecord` (or any record), {} for anything else."""
+    fields = getattr(obj, "__dict__", None) if isinstance(obj, (NamespaceRecord, ForeignRecord)) else None
+    return dict(fields) if isinstance(fields, dict) else {}
+
+
+StandIns = Sequence[tuple[Any, str]]
+"""``(stand-in, "module.name")`` pairs, as ``torch.serialization.add_safe_globals`` takes them."""
+
+
+class _TrustedSet:
+    """Who holds torch's process-wide ``weights_only`` allow-list, and set to what.
+
+    Loads that want the same stand-ins share it (DCP chunks decode concurrently on reader
+    threads); a load that wants another table waits until the set is free, swaps it, and the
+    last load out restores what the process had registered before.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._table: tuple[tuple[int, str], ...] | None = None
+        self._users = 0
+        self._saved: list[Any] = []
+
+    @contextmanager
+    def exactly(self, stand_ins: StandIns) -> Iterator[None]:
+        import torch
+
+        key = tuple((id(obj), name) for obj, name in stand_ins)
+        with self._cond:
+            while self._users and self._table != key:
+                self._cond.wait()
+            if not self._users:
+                self._saved = torch.serialization.get_safe_globals()
+                torch.serialization.clear_safe_globals()
+                torch.serialization.add_safe_globals(list(stand_ins))
+                self._table = key
+            self._users += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._users -= 1
+                if not self._users:
+                    torch.serialization.clear_safe_globals()
+                    torch.serialization.add_safe_globals(self._saved)
+                    self._table, self._saved = None, []
+                    self._cond.notify_all()
+
+
+_TRUSTED = _TrustedSet()
+
+
+def weights_only_load(f: Any, stand_ins: StandIns = (), *, mmap: bool = False) -> Any:
+    """``torch.load(f, weights_only=True)`` with exactly ``stand_ins`` beside torch's own allow-list.
+
+    torch keeps user-allowed globals in one process-wide set, which anything in the process may
+    have added to: importing ``megatron.core`` registers Megatron's *real* classes under the names
+    the Megatron stand-ins take (``megatron/core/safe_globals.py``), a training script may register
+    its own. Which of two entries for one name wins would depend on set order, and a class someone
+    else trusted would be trusted here too. So for the load the set is *replaced* by
+    ``stand_ins`` (none for a DCP blob) and restored afterwards. (torch's ``safe_globals`` context
+    manager instead *adds* to the set, and on exit removes entries that another thread, or the
+    process, still needs.) Errors are torch's own; :func:`load_pt` and
+    :func:`converters.dcp_format.load_blob` turn them into ckptkit's.
+    """
+    import torch
+
+    with _TRUSTED.exactly(stand_ins):
+        return torch.load(f, map_location="cpu", weights_only=True, mmap=mmap)
+
+
+def load_pt(path: str, stand_ins: StandIns, *, what: str, mmap: bool = False) -> Any:
+    """One ``torch.save`` file through ``torch.load(weights_only=True)`` and exactly ``stand_ins``.
+
+    What may be built: what ``weights_only`` itself allows (tensors and storages, containers,
+    numbers, strings, ``torch.Size``, ``torch`` dtypes, ``OrderedDict``, ``_codecs.encode``),
+    and for each ``(stand_in, "module.name")`` pair the stand-in in place of that global. A
+    file naming any other global is refused by torch's restricted unpickler before the global
+    is resolved, reported as :class:`UnsafeCheckpointError` with the file and the global
+    (``what`` names the format's table in the message). ``mmap``: tensors stay in the file
+    until read. A missing file is :class:`CheckpointNotFoundError`, an unreadable one
+    :class:`ManifestError`.
+    """
+    try:
+        return weights_only_load(path, stand_ins, mmap=mmap)
+    except pickle.UnpicklingError as exc:
+        lines = [ln for ln in str(exc).splitlines() if "GLOBAL" in ln or "Unsupported" in ln] or str(exc).splitlines()[:1]
+        raise UnsafeCheckpointError(f"{path}: refused by torch.load(weights_only=True) with ckptkit's {what} "
+                                    f"stand-ins (nothing was executed): {' '.join(lines)[:400]}") from None
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(f"{path}: missing") from None
+    except CkptkitError:
+        raise
+    except (RuntimeError, EOFError, ValueError, TypeError, AttributeError, KeyError, IndexError) as exc:
+        raise ManifestError(f"{path}: not a readable torch.save file ({type(exc).__name__}: {exc})") from None

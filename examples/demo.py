@@ -13,8 +13,9 @@ and a crash without a human, reshards to another layout, and reports what happen
 2. torchrun, 2 processes, tensor parallelism: the final checkpoint is loaded
    in place at a different layout; the evaluation loss equals the one the
    FSDP2 run ended with.
-3. ``ckptkit report``: the incident log, and a PNG of the loss curve with the
-   spike, the rollback and the restart marked.
+3. ``ckptkit report``: the incident log, and a PNG of the loss curve titled
+   with the run's name, with the spike, the rollback, the restart and the
+   steps the crash lost marked.
 """
 
 from __future__ import annotations
@@ -69,13 +70,17 @@ def main() -> int:
         loss_before = json.load(f)["eval_loss"]
     with open(after) as f:
         loss_after = json.load(f)["eval_loss"]
-    from ckptkit.resilience.report import load_report
+    from ckptkit.resilience.report import crash_spans, load_report
 
-    kinds = load_report(os.path.join(run, "ckpt")).summary()
+    report = load_report(os.path.join(run, "ckpt"))
+    kinds = report.summary()
+    lost = crash_spans(report)
     checks = {
         "loss spike detected, optimizer steps skipped": kinds.get("skip_step", 0) > 0,
         "rolled back and skipped the poisoned data": kinds.get("rollback", 0) > 0,
         "crash survived: resumed after a torchrun restart": kinds.get("restart", 0) > 0,
+        f"report titled {report.title!r}, the steps the crash lost shaded "
+        f"({', '.join(f'{a}-{b}' for a, b, _ in lost) or 'none'})": report.title == "demo" and bool(lost),
         f"resharded FSDP2 x4 -> TP x2 with the same eval loss ({loss_before:.6f} vs {loss_after:.6f})":
             abs(loss_after - loss_before) <= 1e-5 * max(1.0, abs(loss_before)),
     }

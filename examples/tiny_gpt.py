@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.state_dict import (  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ckptkit  # noqa: E402
-from ckptkit.resilience import DetectorConfig  # noqa: E402
+from ckptkit.resilience import DetectorConfig, Rewarm, Rollback  # noqa: E402
 from ckptkit.resilience.restart import init_process_group  # noqa: E402
 
 VOCAB, DIM, HEADS, LAYERS, SEQ, BATCH = 101, 32, 4, 2, 16, 8
@@ -162,10 +162,15 @@ def apply(model: nn.Module, optim: torch.optim.Optimizer, sched: torch.optim.lr_
 
 def controller(run: str, async_save: bool = True) -> ckptkit.ResilienceController:
     det = DetectorConfig(window=32, warmup=8, k=6.0)
-    policy = ckptkit.SpikePolicy(loss=det, grad_norm=det, rollback_after=3, window_steps=20, rollback_before=8,
-                                 skip_before=2, skip_after=6, rewarm_factor=0.2, rewarm_steps=10)
-    mgr = ckptkit.CheckpointManager(os.path.join(run, "ckpt"), every_steps=10, keep_last=4, asynchronous=async_save)
-    return ckptkit.ResilienceController(mgr, policy, batch_size=BATCH)
+    policy = ckptkit.SpikePolicy(loss=det, grad_norm=det,
+                                 rollback=Rollback(after_spikes=3, window_steps=20, steps_before=8, skip_before=2,
+                                                   skip_after=6),
+                                 rewarm=Rewarm(factor=0.2, steps=10))
+    mgr = ckptkit.CheckpointManager(os.path.join(run, "ckpt"), save=ckptkit.SavePolicy(every_steps=10),
+                                    keep=ckptkit.RetentionPolicy(keep_last=4),
+                                    asynchronous=ckptkit.AsyncOptions() if async_save else None)
+    # name: what `ckptkit report` titles the run with (the run folder's name, not its checkpoint subfolder)
+    return ckptkit.ResilienceController(mgr, policy, batch_size=BATCH, name=os.path.basename(os.path.abspath(run)))
 
 
 def note_time(args: argparse.Namespace, event: str, **extra: float) -> None:

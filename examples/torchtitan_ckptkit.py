@@ -179,7 +179,8 @@ def demo(folder: str) -> None:
                "--layout", layout, "--stop", str(stop), "--folder", folder]
         print("$", " ".join(cmd[2:]), flush=True)
         subprocess.run(cmd, check=True)
-    print(f"checkpoints: {sorted(n for n in os.listdir(folder) if n.startswith('step-'))} under {folder}")
+    names = sorted((n for n in os.listdir(folder) if n.startswith("step-")), key=lambda n: int(n[5:]) if n[5:].isdigit() else -1)
+    print(f"checkpoints: {names} under {folder}")  # torchtitan's names: step-8, step-10
 
 
 def main() -> None:

@@ -35,3 +35,17 @@ def retire_megatron_world(worlds):
     4-rank world is closed and no later module shares it."""
     yield
     worlds.retire(4)
+
+
+@pytest.fixture(scope="session")
+def dtensor_checkpoints(worlds, tmp_path_factory):
+    """DTensor checkpoints saved once per session by 4 gloo ranks: (layout, dtype) -> (path, rank 0's
+    record of what it saved); FSDP2 Shard(0) and FSDP2 x TP, fp32 and bf16 (tests/test_dtensor_*.py)."""
+    from tests.test_dtensor_reshard import DTYPES, save_run
+
+    out = {}
+    for layout in ("fsdp", "fsdp_tp"):
+        for dtype in DTYPES:
+            path = str(tmp_path_factory.mktemp("ckpt") / f"{layout}-{dtype}")
+            out[(layout, dtype)] = (path, worlds.run(4, save_run, layout, dtype, path)[0])
+    return out

@@ -45,7 +45,7 @@ def worker(rank: int, world: int, run: str, pid_dir: str, steps: int, port: int)
     with open(os.path.join(pid_dir, f"rank-{rank}.pid"), "w") as f:
         f.write(str(os.getpid()))
     state = state_for(rank, world, 0)
-    with ckptkit.CheckpointManager(run, every_steps=1, keep_last=3) as mgr:
+    with ckptkit.CheckpointManager(run, save=ckptkit.SavePolicy(every_steps=1), keep=ckptkit.RetentionPolicy(keep_last=3)) as mgr:
         for step in range(1, steps + 1):
             fresh = state_for(rank, world, step)
             state["x"].local.copy_(fresh["x"].local)  # "training" updates the state in place

@@ -2,7 +2,8 @@
 
 Megatron's own code writes and reads every foreign checkpoint here:
 ``dist_checkpointing.save`` (torch_dist, with a Megatron-LM style common state:
-``args``, ``iteration``, ``checkpoint_version``), the legacy layout of
+``args``, ``iteration``, ``checkpoint_version``: every non-sharded item of the saved dict goes
+to ``common.pt``, which is how Megatron-LM's ``save_checkpoint`` stores its ``args``), the legacy layout of
 ``megatron/training/checkpointing.py`` (``megatron.training`` is not installed,
 so its file naming and dict keys are reproduced: ``iter_XXXXXXX/mp_rank_TT_PPP/
 model_optim_rng.pt`` holding ``args``, ``checkpoint_version``, ``iteration``,
@@ -28,9 +29,12 @@ STEPS = 2
 
 
 def _args(layout: mm.Layout) -> argparse.Namespace:
+    """Megatron-LM's ``args`` as its training loop saves them (``generate_state_dict``:
+    ``state_dict['args'] = args``): ``vocab_size`` is its ``--vocab-size``, None unless given
+    (the tokenizer's size is not kept; ``padded_vocab_size`` is)."""
     from megatron.core.transformer.enums import AttnBackend
 
-    return argparse.Namespace(
+    return argparse.Namespace(vocab_size=None,
         num_layers=mm.LAYERS, hidden_size=64, num_attention_heads=8, tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp, virtual_pipeline_model_parallel_size=layout.vpp,
         make_vocab_size_divisible_by=layout.divisible_by, padded_vocab_size=mm.padded_vocab(layout),

@@ -51,7 +51,8 @@ def main() -> int:
     with open(os.path.join(args.run, "pids", f"rank-{rank}.pid"), "w") as f:
         f.write(str(os.getpid()))
     model, optim, sched = rm.build()
-    mgr = ckptkit.CheckpointManager(os.path.join(args.run, "ckpt"), every_steps=args.every, keep_last=args.keep)
+    mgr = ckptkit.CheckpointManager(os.path.join(args.run, "ckpt"), save=ckptkit.SavePolicy(every_steps=args.every),
+                                    keep=ckptkit.RetentionPolicy(keep_last=args.keep))
     policy = rm.spike_policy() if args.spikes else ckptkit.SpikePolicy()
     ctl = ckptkit.ResilienceController(mgr, policy, batch_size=rm.BATCH, grace_seconds=args.grace)
 

@@ -72,11 +72,12 @@ def spike_policy():
     """A policy that rolls back on the poisoned range: 3 spikes -> back >= 30 steps, skip the data
     from 5 steps before the first spike to 40 after the last, re-warm from 0.1x over 20 steps."""
     import ckptkit
-    from ckptkit.resilience.detectors import DetectorConfig
+    from ckptkit.resilience import DetectorConfig, Rewarm, Rollback
 
     det = DetectorConfig(window=64, warmup=16, k=6.0)
-    return ckptkit.SpikePolicy(loss=det, grad_norm=det, rollback_after=3, rollback_before=30, skip_before=5,
-                               skip_after=40, rewarm_factor=0.1, rewarm_steps=20)
+    return ckptkit.SpikePolicy(loss=det, grad_norm=det,
+                               rollback=Rollback(after_spikes=3, steps_before=30, skip_before=5, skip_after=40),
+                               rewarm=Rewarm(factor=0.1, steps=20))
 
 
 def train_step(model: nn.Module, optim: torch.optim.Optimizer, batch: tuple) -> tuple[float, float]:

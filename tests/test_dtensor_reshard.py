@@ -34,15 +34,9 @@ def load_run(layout: str, dtype: str, path: str) -> dict:
     return {"full": models.full_state(model, optim), "loss": models.loss_of(model, 99).item(), "meta": result.meta}
 
 
-@pytest.fixture(scope="module")
-def saved(worlds, tmp_path_factory):
-    out = {}
-    for layout in ("fsdp", "fsdp_tp"):
-        for dtype in DTYPES:
-            path = str(tmp_path_factory.mktemp("ckpt") / f"{layout}-{dtype}")
-            res = worlds.run(4, save_run, layout, dtype, path)
-            out[(layout, dtype)] = (path, res[0])
-    return out
+@pytest.fixture
+def saved(dtensor_checkpoints):
+    return dtensor_checkpoints
 
 
 def assert_same(expected: dict, got: dict) -> None:

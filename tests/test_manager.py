@@ -29,8 +29,7 @@ def committed(run) -> list[str]:
 
 
 def test_every_steps_and_retention(tmp_path):
-    with ckptkit.CheckpointManager(str(tmp_path), every_steps=10, keep_last=2, keep_every=50,
-                                   keep_best=("loss", 1)) as mgr:
+    with ckptkit.CheckpointManager(str(tmp_path), save=ckptkit.SavePolicy(every_steps=10), keep=ckptkit.RetentionPolicy(keep_last=2, keep_every=50, keep_best=ckptkit.BestK("loss", 1))) as mgr:
         for step in range(1, 101):
             mgr.maybe_save(step, state_at(step), metrics={"loss": abs(step - 33)})
     assert committed(tmp_path) == ["step-0000030", "step-0000050", "step-0000090", "step-0000100"]
@@ -44,7 +43,7 @@ def test_every_steps_and_retention(tmp_path):
 
 
 def test_restore_latest_skips_uncommitted_and_corrupt(tmp_path, caplog):
-    with ckptkit.CheckpointManager(str(tmp_path), every_steps=1) as mgr:
+    with ckptkit.CheckpointManager(str(tmp_path), save=ckptkit.SavePolicy(every_steps=1)) as mgr:
         for step in (1, 2, 3):
             mgr.maybe_save(step, state_at(step))
     # newest: a crashed save (no manifest); next: one flipped byte in its data
@@ -66,7 +65,7 @@ def test_restore_latest_on_an_empty_run_returns_none(tmp_path):
 
 
 def test_restore_latest_raises_when_the_state_does_not_match(tmp_path):
-    with ckptkit.CheckpointManager(str(tmp_path), every_steps=1) as mgr:
+    with ckptkit.CheckpointManager(str(tmp_path), save=ckptkit.SavePolicy(every_steps=1)) as mgr:
         mgr.maybe_save(1, state_at(1))
         mgr.maybe_save(2, state_at(2))
         wrong = empty_state()
@@ -76,7 +75,7 @@ def test_restore_latest_raises_when_the_state_does_not_match(tmp_path):
 
 
 def test_gc_removes_uncommitted_leftovers_only(tmp_path):
-    with ckptkit.CheckpointManager(str(tmp_path), every_steps=1) as mgr:
+    with ckptkit.CheckpointManager(str(tmp_path), save=ckptkit.SavePolicy(every_steps=1)) as mgr:
         mgr.maybe_save(1, state_at(1))
         mgr.maybe_save(2, state_at(2))
         mgr.wait()
@@ -89,32 +88,42 @@ def test_gc_removes_uncommitted_leftovers_only(tmp_path):
 
 
 def test_a_checkpoint_being_read_is_not_deleted(tmp_path):
-    with ckptkit.CheckpointManager(str(tmp_path), every_steps=1, keep_last=1) as mgr:
+    with ckptkit.CheckpointManager(str(tmp_path), save=ckptkit.SavePolicy(every_steps=1), keep=ckptkit.RetentionPolicy(keep_last=1)) as mgr:
         mgr.maybe_save(1, state_at(1))
         mgr.wait()
-        lease = mgr._acquire_lease("step-0000001")  # a restore on some rank is reading step 1
+        lease = mgr.folder.acquire_lease("step-0000001", 0)  # a restore on some rank is reading step 1
         mgr.maybe_save(2, state_at(2))
         mgr.wait()
         assert committed(tmp_path) == ["step-0000001", "step-0000002"]
-        mgr._release_lease(lease)
+        mgr.folder.release_lease(lease)
         mgr.maybe_save(3, state_at(3))
         mgr.wait()
     assert committed(tmp_path) == ["step-0000003"]
 
 
 def test_requested_and_timed_saves(tmp_path):
-    with ckptkit.CheckpointManager(str(tmp_path), every_steps=100) as mgr:
+    with ckptkit.CheckpointManager(str(tmp_path), save=ckptkit.SavePolicy(every_steps=100)) as mgr:
         assert mgr.maybe_save(1, state_at(1)) is None
         mgr.request_save()  # e.g. from a SIGTERM handler
         assert mgr.maybe_save(2, state_at(2)) is not None
         assert mgr.maybe_save(3, state_at(3)) is None
-    with ckptkit.CheckpointManager(str(tmp_path / "timed"), every_seconds=0.0) as mgr:
+    with ckptkit.CheckpointManager(str(tmp_path / "timed"), save=ckptkit.SavePolicy(every_seconds=0.0)) as mgr:
         assert mgr.maybe_save(1, state_at(1)) is not None
 
 
 def test_synchronous_manager(tmp_path):
-    with ckptkit.CheckpointManager(str(tmp_path), every_steps=2, keep_last=1, asynchronous=False) as mgr:
+    """Without the background saver, a save is done when maybe_save returns: committed, loadable
+    and retention applied, on the caller's thread."""
+    with ckptkit.CheckpointManager(str(tmp_path), save=ckptkit.SavePolicy(every_steps=2), keep=ckptkit.RetentionPolicy(keep_last=1), asynchronous=None) as mgr:
         for step in range(1, 7):
             h = mgr.maybe_save(step, state_at(step))
-            assert h is None or h.done()
+            if step % 2:
+                assert h is None and committed(tmp_path) == ([f"step-{step - 1:07d}"] if step > 1 else [])
+                continue
+            assert h is not None and h.step == step and h.staged.done() and h.done()
+            assert h.wait(timeout=0).total_bytes > 0
+            assert committed(tmp_path) == [f"step-{step:07d}"]  # the previous one already deleted
+            target = empty_state()
+            ckptkit.load(target, tmp_path / f"step-{step:07d}")
+            assert torch.equal(target["w"], state_at(step)["w"]) and target["step"] == step
     assert committed(tmp_path) == ["step-0000006"]

@@ -16,7 +16,7 @@ from tests import models
 
 def train_and_checkpoint(run: str, executor: str) -> dict:
     model, optim = models.build("fsdp", torch.float32, seed=0)
-    mgr = ckptkit.CheckpointManager(run, every_steps=2, keep_last=2, options=ckptkit.AsyncOptions(executor=executor))
+    mgr = ckptkit.CheckpointManager(run, save=ckptkit.SavePolicy(every_steps=2), keep=ckptkit.RetentionPolicy(keep_last=2), asynchronous=ckptkit.AsyncOptions(executor=executor))
     group = mgr._saver.commit_comm.group
     assert group is not None and group != dist.group.WORLD  # background commits never use the training group
     blocked = []
@@ -77,7 +77,7 @@ def one_slow_rank(run: str) -> list:
 
     async_save.write_staged = slow
     try:
-        mgr = ckptkit.CheckpointManager(run, every_steps=1, options=ckptkit.AsyncOptions(on_busy="skip"))
+        mgr = ckptkit.CheckpointManager(run, save=ckptkit.SavePolicy(every_steps=1), asynchronous=ckptkit.AsyncOptions(on_busy="skip"))
         state = {"w": torch.ones(1000) * rank}
         got = [mgr.maybe_save(1, state) is not None, mgr.maybe_save(2, state) is not None]
         mgr.close()
@@ -102,7 +102,7 @@ def one_rank_runs_out_of_space(run: str) -> str:
 
     async_save.write_staged = full
     try:
-        mgr = ckptkit.CheckpointManager(run, every_steps=1)
+        mgr = ckptkit.CheckpointManager(run, save=ckptkit.SavePolicy(every_steps=1))
         state = {"w": torch.ones(1000) * rank}
         mgr.maybe_save(1, state)
         try:

@@ -13,6 +13,9 @@ Checked here:
 * exports at tp1pp4 and tp4pp1 load with Megatron's ``dist_checkpointing.load``
   into models built there, with the same eval loss as Megatron's own
   checkpoint loaded at that layout (and as the trained model);
+* what Megatron-LM's ``args`` record is read: with ``args.vocab_size`` set (a run given
+  ``--vocab-size``), both imports, ``ckptkit convert``, ``ckptkit.reshard`` and
+  ``ckptkit reshard --format megatron`` need no flags; without it, the error names vocab_size;
 * pickles naming anything outside the allow-lists are refused before they run;
   bad inputs fail naming the file, tensor or rank folder;
 * ``ckptkit convert`` in both directions.
@@ -34,6 +37,8 @@ from click.testing import CliRunner
 import ckptkit
 from ckptkit.cli.main import cli
 from ckptkit.errors import CkptkitError, CorruptCheckpointError, LayoutError
+from ckptkit.layout.config import ParallelConfig
+from ckptkit.offline.formats import MissingImportOptions
 from ckptkit_converters import megatron_names as names
 from ckptkit_converters.megatron import import_legacy, import_torch_dist
 from ckptkit_converters.megatron_export import export_torch_dist
@@ -226,3 +231,57 @@ def test_cli_convert_megatron(worlds, saved, tmp_path):
     loss = worlds.run(4, job.load_and_eval, str(tmp_path / "out"), 2, 2, False)[0]
     assert loss == pytest.approx(worlds.run(4, job.load_and_eval, f"{folder}/torch_dist", 2, 2, False,
                                             zero_padding=True)[0], rel=1e-6)
+
+
+# ---------------------------------------------------------------- facts read from args
+
+
+def _with_vocab_in_args(src: str, dest: str, files: list[str]) -> str:
+    """A copy of ``src`` whose ``args`` (in each of ``files``) record ``vocab_size``, as Megatron-LM
+    saves them after a run given ``--vocab-size`` (the Namespace rewritten, nothing else)."""
+    shutil.copytree(src, dest)
+    for rel in files:
+        path = os.path.join(dest, rel)
+        state = torch.load(path, weights_only=False)
+        assert state["args"].vocab_size is None and state["args"].padded_vocab_size == 256
+        state["args"].vocab_size = VOCAB
+        torch.save(state, path)
+    return dest
+
+
+def test_facts_recorded_in_args_are_read(worlds, saved, tmp_path):
+    folder, _ = saved[False]
+    runner = CliRunner()
+    # without args.vocab_size the import asks for exactly that, by name (the padding multiple is read)
+    with pytest.raises(MissingImportOptions, match=r"args do not record vocab_size.*--vocab-size") as err:
+        import_torch_dist(f"{folder}/torch_dist", str(tmp_path / "none"))
+    assert err.value.missing == ("vocab_size",)
+    res = runner.invoke(cli, ["reshard", f"{folder}/torch_dist", str(tmp_path / "none2"), "--to", "tp1pp1"])
+    assert res.exit_code == 2 and "vocab_size" in res.stderr and "--vocab-size" in res.stderr
+    assert "--divisible-by" not in res.stderr and len(res.stderr.strip().splitlines()) == 1
+
+    td = _with_vocab_in_args(f"{folder}/torch_dist", str(tmp_path / "td"), ["common.pt"])
+    it = f"iter_{job.STEPS:07d}"
+    legacy = _with_vocab_in_args(f"{folder}/legacy", str(tmp_path / "legacy"),
+                                 [f"{it}/mp_rank_{t:02d}_{p:03d}/model_optim_rng.pt" for t in range(2) for p in range(2)])
+    r = import_torch_dist(td, str(tmp_path / "ck_td"))
+    assert r.meta["vocab_size"] == VOCAB and r.meta["make_vocab_size_divisible_by"] == 16
+    assert ckptkit.diff(f"{folder}/ck_td", str(tmp_path / "ck_td")).identical
+    import_legacy(legacy, str(tmp_path / "ck_legacy"))
+    assert ckptkit.diff(f"{folder}/ck_legacy", str(tmp_path / "ck_legacy")).identical
+    with pytest.raises(LayoutError, match="--vocab-size 100 disagrees with the checkpoint's vocab_size 250"):
+        import_torch_dist(td, str(tmp_path / "bad"), vocab_size=100)
+    res = runner.invoke(cli, ["convert", td, str(tmp_path / "cli_td"), "--json"])  # no flags needed
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["meta"]["vocab_size"] == VOCAB
+    # the ckptkit.formats entry point: reshard takes the Megatron directory itself
+    out = ckptkit.reshard(td, tmp_path / "tp1pp1", ParallelConfig.parse("tp1pp1"))
+    assert out.source == td and ckptkit.open(tmp_path / "tp1pp1").manifest.parallel == "tp1pp1dp1"
+    assert ckptkit.diff(f"{folder}/ck_td", str(tmp_path / "tp1pp1")).identical
+    # Megatron at tp2pp2 -> Megatron at tp4pp1, one command; Megatron loads it there
+    res = runner.invoke(cli, ["reshard", td, str(tmp_path / "mlm_tp4"), "--to", "tp4pp1", "--format", "megatron"])
+    assert res.exit_code == 0, res.output
+    assert "as Megatron torch_dist for tp4pp1" in res.output
+    ours = worlds.run(4, job.load_and_eval, str(tmp_path / "mlm_tp4"), 4, 1, False)[0]
+    theirs = worlds.run(4, job.load_and_eval, f"{folder}/torch_dist", 4, 1, False, zero_padding=True)[0]
+    assert ours == pytest.approx(theirs, rel=1e-6, abs=1e-6)

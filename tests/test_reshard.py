@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import re
 from pathlib import Path
@@ -23,7 +24,7 @@ from ckptkit.layout.pieces import LocalBox, Piece
 from ckptkit.layout.box import Region
 from ckptkit.plan.reshard_plan import ReshardError, ReshardPlanOptions
 from ckptkit.storage.url import open_store
-from tests.reshard_fixtures import GPT, gpt_tensors, write_at
+from tests.reshard_fixtures import gpt_tensors, write_at
 from tests.ckpt_files import data_object, without_attempt
 
 TENSORS = gpt_tensors()
@@ -46,9 +47,90 @@ def tree_digest(path: Path) -> dict[str, str]:
             for p in sorted(path.rglob("*")) if p.is_file()}
 
 
+def _chunk(lo: int, hi: int, k: int, n: int) -> tuple[int, int]:
+    """The ``k``-th of ``n`` equal chunks of ``[lo, hi)`` (the tests' sizes divide evenly)."""
+    assert (hi - lo) % n == 0
+    size = (hi - lo) // n
+    return lo + k * size, lo + (k + 1) * size
+
+
+def held_runs(shape: tuple[int, ...], rule, cfg: ParallelConfig, rank: int) -> list[list[tuple[int, int]]] | None:
+    """The oracle, by hand from the degrees and the Megatron conventions (not from ckptkit's rules):
+    per dimension, the model-space index ranges target ``rank`` holds; None when it holds nothing.
+
+    Ranks are tp fastest, then dp, then pp. Layers (``layer_axis``) go to pipeline chunks in
+    order, chunk ``k`` on stage ``k % pp`` (``pp_layers`` or an even split of ``pp * vpp``
+    chunks); ``stage`` pins a tensor to one stage (negative: from the last). ``tp_axis`` is split
+    in ``tp`` equal slices — column-parallel weights along their output rows, row-parallel along
+    their input columns — each fused part (SwiGLU gate, up) sliced on its own, a vocabulary axis
+    padded to a multiple of ``vocab_multiple * tp`` first (the padding holds no model data)."""
+    tp_rank, dp_rank, pp_rank = rank % cfg.tp, (rank // cfg.tp) % cfg.dp, rank // (cfg.tp * cfg.dp)
+    assert 0 <= dp_rank < cfg.dp and cfg.cp == cfg.ep == 1  # dense tensors: replicated over dp
+    runs = [[(0, n)] for n in shape]
+    if rule.stage is not None and rule.stage % cfg.pp != pp_rank:
+        return None
+    if rule.layer_axis is not None:
+        n = shape[rule.layer_axis]
+        chunks = cfg.pp_layers or (n // (cfg.pp * cfg.vpp),) * (cfg.pp * cfg.vpp)
+        bounds = [sum(chunks[:k]) for k in range(len(chunks) + 1)]
+        runs[rule.layer_axis] = [(bounds[k], bounds[k + 1]) for k in range(len(chunks))
+                                 if k % cfg.pp == pp_rank and bounds[k + 1] > bounds[k]]
+    if rule.tp_axis is not None:
+        n = shape[rule.tp_axis]
+        if rule.fused:
+            starts = [sum(rule.fused[:i]) for i in range(len(rule.fused))]
+            runs[rule.tp_axis] = [_chunk(a, a + part, tp_rank, cfg.tp) for a, part in zip(starts, rule.fused)]
+        elif rule.vocab_multiple:
+            m = rule.vocab_multiple * cfg.tp
+            lo, hi = _chunk(0, -(-n // m) * m, tp_rank, cfg.tp)
+            runs[rule.tp_axis] = [(lo, min(hi, n))] if min(hi, n) > lo else []
+        else:
+            runs[rule.tp_axis] = [_chunk(0, n, tp_rank, cfg.tp)]
+    return runs if all(runs) else None
+
+
+def mask_of(shape: tuple[int, ...], runs: list[list[tuple[int, int]]] | None) -> torch.Tensor:
+    mask = torch.zeros(shape, dtype=torch.bool)
+    if runs is not None:
+        for box in itertools.product(*runs):
+            mask[tuple(slice(a, b) for a, b in box)] = True
+    return mask
+
+
+def stored_by_rank(path: Path, manifest, rank: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """What ``rank`` stored, read from the raw bytes of its own data object (row-major pieces,
+    little-endian; docs/format.md), placed by the index's regions: per tensor, (values, count of
+    stores of each element) in model space."""
+    index = read_indexes(open_store(path), manifest, {rank})[rank]
+    out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    blobs: dict[str, bytes] = {}
+    for e in index.entries:
+        assert re.fullmatch(rf"data/rank-{rank:05d}-[0-9a-f]{{12}}\.bin", e.object), (rank, e.object)
+        if e.object not in blobs:
+            blobs[e.object] = (path / e.object).read_bytes()
+        full, _ = TENSORS[e.tensor]
+        if e.tensor not in out:
+            out[e.tensor] = (torch.zeros(full.numel(), dtype=full.dtype), torch.zeros(full.numel(), dtype=torch.int32))
+        values, count = out[e.tensor]
+        box = e.region.box
+        where = torch.arange(full.numel()).reshape(full.shape)[tuple(slice(o, o + n) for o, n in zip(box.offsets, box.sizes))]
+        where = where.reshape(-1)
+        if e.region.flat:
+            where = where[e.region.flat[0]:e.region.flat[1]]
+        raw = blobs[e.object][e.offset:e.offset + e.nbytes]
+        assert len(raw) == where.numel() * full.element_size(), (e.tensor, rank)
+        if raw:
+            values[where] = torch.frombuffer(bytearray(raw), dtype=full.dtype)
+        count[where] += 1
+    return {k: (v.reshape(TENSORS[k][0].shape), c.reshape(TENSORS[k][0].shape)) for k, (v, c) in out.items()}
+
+
 def check_output(path: Path, target: ParallelConfig, *, split_ok: bool = False) -> None:
-    """Bit-identical tensors (model-space view), target grid layouts with rules, values kept,
-    and every target rank loads its own local pieces from its own data object."""
+    """Bit-identical tensors (model-space view), rules and values kept, and — against the oracle
+    :func:`held_runs` — every target rank's data object stores only what that rank holds at the
+    target layout, with the source's bytes, every element stored exactly once in all; a rank with
+    no replica of its pieces stores all of them; a tensor without a rule is whole on one rank;
+    the recorded grid layout gives each rank the same elements as the oracle."""
     manifest = read_manifest(open_store(path))
     assert manifest.parallel == str(target) and manifest.world_size == target.world_size
     assert manifest.per_rank_keys == ()
@@ -57,21 +139,36 @@ def check_output(path: Path, target: ParallelConfig, *, split_ok: bool = False) 
     for key, (tensor, rule) in TENSORS.items():
         got = view[key].read()
         assert got.dtype == tensor.dtype and torch.equal(got, tensor), key
-        meta = manifest.tensors[key]
-        assert meta.rule == rule
-        if rule is not None and not (split_ok and isinstance(meta.layout, ExplicitLayout)):
-            assert meta.layout == rule.evaluate(tensor.shape, target, GPT().layers), key
-    indexes = read_indexes(open_store(path), manifest, set(range(target.world_size)))
-    own = {r: {(e.tensor, e.region.key()) for e in idx.entries} for r, idx in indexes.items()}
+        assert manifest.tensors[key].rule == rule
+    stored = {r: stored_by_rank(path, manifest, r) for r in range(target.world_size)}
     for key, (tensor, rule) in TENSORS.items():
+        shape = tuple(tensor.shape)
+        if rule is None:  # no rule: copied whole to one rank (any)
+            held = {r: torch.ones(shape, dtype=torch.bool) for r in stored}
+            assert sum(key in stored[r] for r in stored) == 1, key
+        else:
+            held = {r: mask_of(shape, held_runs(shape, rule, target, r)) for r in stored}
+        holders = sum(m.int() for m in held.values())
+        assert bool((holders > 0).all()) or tensor.numel() == 0, key  # the oracle covers the tensor
+        total = torch.zeros(shape, dtype=torch.int32)
+        for r, mine in held.items():
+            values, count = stored[r].get(key, (torch.zeros_like(tensor), torch.zeros(shape, dtype=torch.int32)))
+            here = count > 0
+            assert not bool((here & ~mine).any()), f"rank {r} stores elements of {key} it does not hold"
+            assert torch.equal(values[here].view(torch.uint8), tensor[here].view(torch.uint8)), (key, r)  # bit for bit
+            if bool((holders[mine] == 1).all()):  # no other rank holds them: this one stores them all
+                assert torch.equal(here, mine), (key, r)
+            total += count
+        assert bool((total == 1).all()), f"{key}: elements stored {total.min()}..{total.max()} times, not once"
         layout = manifest.tensors[key].layout
-        if rule is None or not isinstance(layout, GridLayout) or layout.num_replicas > 1:  # replicas: one stores
-            continue
-        for rank in range(target.world_size):
-            held = layout.local_pieces(target.mesh().coordinate(rank))  # type: ignore[arg-type]
-            for _, box in (held[1] if held else []):
-                if box.numel:
-                    assert (key, Region(box).key()) in own[rank], (key, rank)
+        if rule is not None and not (split_ok and isinstance(layout, ExplicitLayout)):
+            assert isinstance(layout, GridLayout), key
+            for r, mine in held.items():
+                recorded = torch.zeros(shape, dtype=torch.bool)
+                local = layout.local_pieces(target.mesh().coordinate(r))  # type: ignore[arg-type]
+                for _, box in (local[1] if local else []):
+                    recorded[tuple(slice(o, o + n) for o, n in zip(box.offsets, box.sizes))] = True
+                assert torch.equal(recorded, mine), (key, r)
 
 
 @pytest.mark.parametrize("to, pp_layers", [("tp4pp2", None), ("tp1pp1", None), ("tp2pp2vpp2", None),

@@ -140,7 +140,8 @@ def test_rank_0_killed_in_a_rewarm_window_resumes_at_another_world_size_like_the
     reference: list = []
     ref_run = str(tmp_path / "reference")
     model, optim, sched = rm.build()
-    ctl = ckptkit.ResilienceController(ckptkit.CheckpointManager(ref_run, every_steps=10, keep_last=20),
+    ctl = ckptkit.ResilienceController(ckptkit.CheckpointManager(ref_run, save=ckptkit.SavePolicy(every_steps=10),
+                                                                 keep=ckptkit.RetentionPolicy(keep_last=20)),
                                        rm.spike_policy(), batch_size=rm.BATCH, signals=())
     rm.run(ctl, model, optim, sched, steps=120, on_step=lambda *r: reference.append(r))
     ctl.close()

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import ckptkit
-from ckptkit.resilience.detectors import DetectorConfig
+from ckptkit.resilience import DetectorConfig, Rewarm, Rollback
 from ckptkit.resilience.skips import SkipRanges
 from tests import resilience_model as rm
 
@@ -20,8 +20,9 @@ STEPS = 260
 
 def policy() -> ckptkit.SpikePolicy:
     det = DetectorConfig(window=64, warmup=16, k=6.0)
-    return ckptkit.SpikePolicy(loss=det, grad_norm=det, rollback_after=3, rollback_before=30, skip_before=5,
-                               skip_after=40, rewarm_factor=0.1, rewarm_steps=20)
+    return ckptkit.SpikePolicy(loss=det, grad_norm=det,
+                               rollback=Rollback(after_spikes=3, steps_before=30, skip_before=5, skip_after=40),
+                               rewarm=Rewarm(factor=0.1, steps=20))
 
 
 def step_once(model, optim, batch):
@@ -44,7 +45,7 @@ def train_plain(starts: list[int]) -> nn.Module:
 
 def train_with_controller(run: str) -> tuple[nn.Module, list[tuple[int, int]], ckptkit.ResilienceController]:
     model, optim, sched = rm.build()
-    mgr = ckptkit.CheckpointManager(run, every_steps=10, keep_last=20)
+    mgr = ckptkit.CheckpointManager(run, save=ckptkit.SavePolicy(every_steps=10), keep=ckptkit.RetentionPolicy(keep_last=20))
     ctl = ckptkit.ResilienceController(mgr, policy(), batch_size=rm.BATCH, signals=())
     lr = ckptkit.ScaledLR(sched, optim, ctl.lr_factor)
     state = rm.state_of(model, optim, sched)

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 import ckptkit
 from ckptkit.resilience.incidents import Incident, IncidentLog
-from ckptkit.resilience.report import load_report
+from ckptkit.resilience.report import crash_spans, figure, load_report
 from ckptkit.storage import open_store
 from tests import resilience_model as rm
 
@@ -51,11 +51,12 @@ class Crash(Exception):
 
 
 def job(run: str, records: list, *, stop=None, crash_after: int | None = None, every: int = 10,
-        policy: ckptkit.SpikePolicy | None = None) -> ckptkit.ResilienceController:
+        policy: ckptkit.SpikePolicy | None = None, name: str | None = None) -> ckptkit.ResilienceController:
     """One job of the run: resume, train to STEPS; ``stop`` / ``crash_after`` end it as a crash does."""
     model, optim, sched = rm.build(seed=len(records) + 7)  # a different init: all must come from the run
-    mgr = ckptkit.CheckpointManager(run, every_steps=every, keep_last=20)
-    ctl = ckptkit.ResilienceController(mgr, policy or rm.spike_policy(), batch_size=rm.BATCH, signals=())
+    mgr = ckptkit.CheckpointManager(run, save=ckptkit.SavePolicy(every_steps=every),
+                                    keep=ckptkit.RetentionPolicy(keep_last=20))
+    ctl = ckptkit.ResilienceController(mgr, policy or rm.spike_policy(), batch_size=rm.BATCH, signals=(), name=name)
 
     def on_step(*rec):
         records.append((*rec, model.weight.detach().clone()))
@@ -149,7 +150,8 @@ def test_a_restart_after_the_restored_checkpoint_is_lost_replays_to_it(reference
 def test_a_lowered_learning_rate_survives_a_restart():
     """OPT-style: every rollback lowers the LR for good. A restart from the checkpoint the rollback
     restored keeps it lowered (it came back at full LR before: the drop lived only in memory)."""
-    policy = replace(rm.spike_policy(), lower_lr_on_rollback=True)
+    base = rm.spike_policy()
+    policy = replace(base, lower_lr=replace(base.lower_lr, on_every_rollback=True))
     ref_run, run = new_run(), new_run()
     reference: list = []
     job(ref_run, reference, policy=policy)
@@ -229,3 +231,16 @@ def test_steps_lost_before_the_first_checkpoint_and_after_a_rollback():
     assert rollback.data["steps_lost"] == 33  # counted once, there ...
     assert (second.step, second.data["steps_lost"]) == (70, 0)  # ... and not again by the restart
     assert load_report(run).steps_lost == 7 + 33
+
+
+def test_the_report_names_the_run_and_shades_the_steps_the_crash_lost():
+    run = new_run()
+    job(run, [], crash_after=84)  # checkpoint 80: steps 81-84 lost
+    assert load_report(run).title == "run"  # nothing recorded: the folder's name
+    job(run, [], name="exp-7")
+    rep = load_report(run)
+    assert rep.title == "exp-7" and rep.to_json()["name"] == "exp-7"
+    assert crash_spans(rep) == [(80, 84, 4)]
+    ax = figure(rep).axes[0]
+    assert ax.get_title(loc="left") == "exp-7" and "4 steps lost" in {t.get_text() for t in ax.texts}
+    assert [p.get_gid() for p in ax.patches if p.get_gid()] == ["lost:80-84"]

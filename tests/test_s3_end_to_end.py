@@ -53,7 +53,7 @@ def test_storage_options_instead_of_environment(s3_env, monkeypatch):  # noqa: F
 
 def test_manager_in_a_bucket_commits_without_rename_and_restores_newest_valid(s3_env):  # noqa: F811
     root = f"s3://{s3_env}/run"
-    with ckptkit.CheckpointManager(root, every_steps=1, keep_last=2) as mgr:
+    with ckptkit.CheckpointManager(root, save=ckptkit.SavePolicy(every_steps=1), keep=ckptkit.RetentionPolicy(keep_last=2)) as mgr:
         for step in range(1, 5):
             mgr.maybe_save(step, state_at(step))
     s3 = boto3.client("s3")
@@ -108,7 +108,7 @@ def test_distributed_async_save_to_a_bucket_and_reshard(worlds, s3_env, s3_serve
 
 def test_local_tier_in_front_of_the_bucket(s3_env, tmp_path):  # noqa: F811
     root, local = f"s3://{s3_env}/tiered", tmp_path / "nvme"
-    with ckptkit.CheckpointManager(root, every_steps=1, keep_last=2, local_dir=str(local)) as mgr:
+    with ckptkit.CheckpointManager(root, save=ckptkit.SavePolicy(every_steps=1), keep=ckptkit.RetentionPolicy(keep_last=2), local_dir=str(local)) as mgr:
         for step in (1, 2, 3):
             mgr.maybe_save(step, state_at(step))
     s3 = boto3.client("s3")

@@ -223,7 +223,7 @@ def test_a_tiered_store_reads_the_bucket_when_the_local_copy_is_hostile(tmp_path
     else:
         os.symlink(_outside_file(tmp_path), path)
     out = bytearray(1000)
-    TieredStore(LocalStore(str(tmp_path / "tier")), remote).read_into("data/x", 3, memoryview(out))
+    TieredStore(LocalStore(str(tmp_path / "tier")), remote, remote_only=()).read_into("data/x", 3, memoryview(out))
     assert bytes(out) == payload[3:1003]
 
 
@@ -231,7 +231,7 @@ def test_a_tiered_store_reads_the_bucket_when_the_local_copy_is_hostile(tmp_path
 
 LIMITED = {
     **ENGINES,
-    "tiered": lambda root: TieredStore(LocalStore(root), LocalStore(root)),
+    "tiered": lambda root: TieredStore(LocalStore(root), LocalStore(root), remote_only={"manifest.json"}),
 }
 
 

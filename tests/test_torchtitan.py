@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -64,9 +65,24 @@ def assert_resumed(ref: dict, got: dict, *, same_layout: bool) -> None:
 
 def test_step_folders_interval_and_keep_latest_k(saved):
     for folder, ref in saved.values():
-        # interval=2, keep_latest_k=2 over 6 steps: step 2 was saved and then retired
-        assert ref["committed"] == ["step-0000004", "step-0000006"]
+        # torchtitan's folder names; interval=2, keep_latest_k=2 over 6 steps: step 2 was saved and then retired
+        assert ref["committed"] == ["step-4", "step-6"]
         assert sorted(n for n in os.listdir(folder) if n.startswith("step-")) == ref["committed"]
+
+
+def test_folders_of_both_namings_resume_the_newest_and_count_for_keep_latest_k(worlds, saved, tmp_path):
+    """A run that wrote ckptkit's ``step-0000006`` before switching to torchtitan's names (here next
+    to ``step-4``, so that the newest step is not the newest name as text)."""
+    source, ref = saved["fsdp4"]
+    folder = str(tmp_path / "checkpoint")
+    shutil.copytree(source, folder)
+    os.rename(os.path.join(folder, "step-6"), os.path.join(folder, "step-0000006"))
+    got = worlds.run(1, job.mixed_namings, "single", folder)[0]
+    assert got["clash"] is not None and "step-0000006 already holds a committed checkpoint of step 6" in got["clash"]
+    assert got["resumed"] == job.STEPS and got["resumed_model"] == ref["final_model"]
+    assert got["committed"] == ["step-0000006", "step-8"]  # step-4 was the oldest of three
+    assert sorted(n for n in os.listdir(folder) if n.startswith("step-")) == got["committed"]
+    assert got["resumed_again"] == job.STEPS + 2
 
 
 @pytest.mark.parametrize("source", ["fsdp4", "fsdp2_tp2"])
@@ -106,7 +122,7 @@ def test_resume_with_exclusions(worlds, saved):
 def test_initial_load_path_model_only(worlds, saved, tmp_path):
     folder, ref = saved["fsdp2_tp2"]
     got = worlds.run(2, job.load_model, "tp2", str(tmp_path / "fresh"),
-                     initial_load_path=f"{folder}/step-{RESUME_STEP:07d}", initial_load_model_only=True)[0]
+                     initial_load_path=f"{folder}/step-{RESUME_STEP}", initial_load_model_only=True)[0]
     assert got["model"] == {k: v for k, v in ref["saved"]["digests"].items() if k.startswith("model/")}
     assert got["optimizer_untouched"] and got["train_state"]["step"] == 0
 
@@ -118,7 +134,7 @@ def test_s3_folder_async_resume_and_final_model_only_save(worlds, s3_server):  #
                "secret": CREDENTIALS["AWS_SECRET_ACCESS_KEY"], "client_kwargs": {"region_name": "us-east-1"}}
     ref = worlds.run(2, job.train, "fsdp2", folder, resume_step=RESUME_STEP, async_mode="async",
                      storage_options=storage, last_save_model_only=True)[0]
-    assert ref["committed"] == ["step-0000004", "step-0000006"]
+    assert ref["committed"] == ["step-4", "step-6"]
     got = worlds.run(1, job.resume, "single", folder, load_step=RESUME_STEP, storage_options=storage)[0]
     assert_resumed(ref, got, same_layout=False)
     # the newest checkpoint is the final model-only one: a resume loads the model and nothing else
@@ -137,10 +153,13 @@ def test_config_is_torchtitans_contract():
     assert cfg.async_mode == "async_process"
     assert cfg.build(dataloader=None, model_parts=[], optimizers=None, lr_schedulers=None, states={},
                      sd_adapter=None).enable is False  # disabled: nothing is set up, as torchtitan's contract says
-    for bad in (dict(async_mode="sometimes"), dict(last_save_in_hf=True), dict(keep_latest_k=1),
-                dict(dataloader_resize="roughly")):
-        with pytest.raises(ValueError):
+    from ckptkit.errors import OptionsError
+
+    for bad in (dict(async_mode="sometimes"), dict(last_save_in_hf=True), dict(dataloader_resize="roughly")):
+        with pytest.raises(OptionsError):  # ckptkit's own checks
             CkptkitCheckpointManager.Config(**bad)
+    with pytest.raises(ValueError, match="at least 2 checkpoint replicas"):  # torchtitan's, kept
+        CkptkitCheckpointManager.Config(keep_latest_k=1)
 
 
 def test_import_ckptkit_does_not_import_torchtitan():

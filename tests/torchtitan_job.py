@@ -50,6 +50,7 @@ from torchtitan.models.common.attention import ScaledDotProductAttention
 from torchtitan.models.llama3 import model_registry
 
 from ckptkit.adapters.torchtitan import CkptkitCheckpointManager
+from ckptkit.errors import SaveError
 
 _parallel_dims.device_type = "cpu"  # shim 1
 
@@ -257,3 +258,31 @@ def load_model(layout: str, folder: str, **kw: Any) -> dict[str, Any]:
     return {"model": {k: v for k, v in digests.items() if k.startswith("model/")},
             "optimizer_untouched": before == {k: v for k, v in digests.items() if k.startswith("optimizer/")},
             "train_state": job.train_state.state_dict()}
+
+
+def mixed_namings(layout: str, folder: str) -> dict[str, Any]:
+    """A folder holding torchtitan-named ``step-4`` and ckptkit's earlier ``step-0000006`` (a run that
+    switched naming). Resuming from 4 and training on must not save step 6 a second time; a plain
+    resume takes the newest step of either naming (6), training on saves ``step-8``, and
+    ``keep_latest_k=2`` counts both namings (step-4 goes); a fresh job then resumes from 8."""
+    out: dict[str, Any] = {}
+    job = Job(layout, _config(folder, load_step=4), seed=123)
+    assert job.checkpointer.load(step=4) is True
+    try:
+        job.run(STEPS)
+        out["clash"] = None
+    except SaveError as exc:
+        out["clash"] = str(exc)
+    job.close()
+    job = Job(layout, _config(folder), seed=123)
+    assert job.checkpointer.load(step=-1) is True
+    out["resumed"] = job.train_state.step
+    out["resumed_model"] = {k: v for k, v in job.digests().items() if k.startswith("model/")}
+    job.run(STEPS + 2)
+    job.close()
+    out["committed"] = [r.name for r in job.checkpointer.manager.records() if r.committed]
+    job = Job(layout, _config(folder, load_only=True), seed=123)
+    assert job.checkpointer.load(step=-1) is True
+    out["resumed_again"] = job.train_state.step
+    job.close()
+    return out

@@ -56,7 +56,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from ckptkit.errors import DataLoaderRemapError
+from ckptkit.errors import DataLoaderRemapError, OptionsError
 
 Policy = Literal["exact", "approximate"]
 INTERLEAVED = "interleaved_sampler"
@@ -251,9 +251,9 @@ def remap_records(
     ``policy`` is ``"exact"``, or when the loader kind cannot be remapped at all.
     """
     if policy not in ("exact", "approximate"):
-        raise DataLoaderRemapError(f"policy must be 'exact' or 'approximate', got {policy!r}")
-    if new_world < 1:
-        raise DataLoaderRemapError(f"new dp world size {new_world} must be >= 1")
+        raise OptionsError(f"policy must be 'exact' or 'approximate', got {policy!r}")
+    if not isinstance(new_world, int) or new_world < 1:
+        raise OptionsError(f"new dp world size {new_world!r} must be an integer >= 1")
     kind, world = _check_records(records)
     ordered = sorted(records, key=lambda rec: rec["dp_rank"])
     if new_world == world:  # every rank takes its own state back, whatever the kind

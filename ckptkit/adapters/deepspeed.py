@@ -448,9 +448,9 @@ class DeepSpeedCheckpointer:
                  storage_options: dict[str, Any] | None = None) -> None:
         self.engine = engine
         self.storage_options = storage_options
-        self.manager = ckptkit.CheckpointManager(root, every_steps=every_steps, keep_last=keep_last,
-                                                 asynchronous=asynchronous, options=options,
-                                                 storage_options=storage_options)
+        self.manager = ckptkit.CheckpointManager(
+            root, save=ckptkit.SavePolicy(every_steps=every_steps), keep=ckptkit.RetentionPolicy(keep_last=keep_last),
+            asynchronous=options if asynchronous else None, storage_options=storage_options)
 
     def maybe_save(self, *, client_state: Mapping[str, Any] | None = None) -> Any:
         """Save if ``every_steps`` says so at ``engine.global_steps``; the handle, or None."""

@@ -7,8 +7,9 @@
 
 torchtitan's Trainer builds its checkpointer with ``config.checkpoint.build(...)``,
 so a config of this class is all a job changes. The manager keeps torchtitan's
-conventions — one folder per step under ``dump_folder/folder`` (ckptkit names
-it ``step-0000100``, see docs/torchtitan.md), ``keep_latest_k``, ``interval``,
+conventions — one folder per step under ``dump_folder/folder``, named as
+torchtitan names it (``step-100``; folders of ckptkit's ``step-0000100`` are
+read too, see docs/torchtitan.md), ``keep_latest_k``, ``interval``,
 ``load_step``, ``exclude_from_loading``, ``last_save_model_only`` (with
 ``export_dtype``), ``initial_load_path``/``initial_load_model_only``,
 ``load_only``, fsspec folders such as ``s3://`` — and saves the same entries:
@@ -67,10 +68,11 @@ from ckptkit.adapters import dataloader_remap as remap
 from ckptkit.engine.collective import Comm, resolve_comm
 from ckptkit.engine.metadata_io import read_indexes, read_manifest
 from ckptkit.engine.state import PerRank, flatten_state
-from ckptkit.errors import CheckpointNotFoundError, MissingKeysError, StateMismatchError
+from ckptkit.errors import CheckpointNotFoundError, MissingKeysError, OptionsError, SaveError, StateMismatchError
 from ckptkit.layout.values import decode_value
-from ckptkit.manager import STEP_PATTERN, step_dir
 from ckptkit.options import AsyncOptions, LoadOptions
+from ckptkit.retention import RetentionPolicy
+from ckptkit.run_folder import STEP_PATTERN, StepNaming
 from ckptkit.storage.url import open_store
 
 log = logging.getLogger("ckptkit")
@@ -79,6 +81,10 @@ META = "ckptkit_torchtitan"
 """State key of a JSON string describing the checkpoint (model-only or not, who holds which DP rank's loader)."""
 
 _EXECUTORS = {"async": "thread", "async_process": "process"}
+
+NAMING = StepNaming(width=0)
+"""torchtitan's step folder names (``step-500``), what this manager writes; ckptkit's ``step-0000500``
+(what it wrote before) is read too, and the newest step of either naming is the one resumed."""
 
 
 # ----------------------------------------------------------------- data loaders
@@ -207,14 +213,14 @@ class CkptkitCheckpointManager(BaseCheckpointManager):
             mode = self.async_mode.lower()
             self.async_mode = "async_process" if mode == "async_with_pinned_mem" else mode  # type: ignore[assignment]
             if self.async_mode not in ("disabled", "async", "async_process"):
-                raise ValueError(f"Invalid async_mode: {self.async_mode!r}")
+                raise OptionsError(f"Invalid async_mode: {self.async_mode!r}")
             if self.initial_load_in_hf or self.last_save_in_hf:
-                raise ValueError(
+                raise OptionsError(
                     "CkptkitCheckpointManager reads and writes ckptkit checkpoints only; for Hugging Face "
                     "safetensors use ckptkit's converters (ckptkit_converters.hf_safetensors / `ckptkit convert`)"
                 )
             if self.dataloader_resize not in ("exact", "approximate"):
-                raise ValueError(f"dataloader_resize must be 'exact' or 'approximate', got {self.dataloader_resize!r}")
+                raise OptionsError(f"dataloader_resize must be 'exact' or 'approximate', got {self.dataloader_resize!r}")
 
     def __init__(
         self,
@@ -247,9 +253,9 @@ class CkptkitCheckpointManager(BaseCheckpointManager):
                                on_busy=config.on_busy, max_staging_bytes=config.max_staging_bytes)
         self.storage_options = dict(config.storage_options) or None
         self.manager = ckptkit.CheckpointManager(
-            self.folder, keep_last=config.keep_latest_k or None, asynchronous=self.asynchronous, options=options,
-            load_options=LoadOptions(per_rank_on_resize="skip"), storage_options=self.storage_options,
-            local_dir=config.local_dir,
+            self.folder, keep=RetentionPolicy(keep_last=config.keep_latest_k or None),
+            asynchronous=options if self.asynchronous else None, load=LoadOptions(per_rank_on_resize="skip"),
+            naming=NAMING, storage_options=self.storage_options, local_dir=config.local_dir,
         )
         self._comm: Comm = resolve_comm(None)
         self._holders: list[int] | None = None
@@ -283,6 +289,7 @@ class CkptkitCheckpointManager(BaseCheckpointManager):
         if not self._should_save(curr_step, last_step):
             return False
         begin = time.monotonic()
+        self._refuse_other_naming(curr_step)
         if last_step:
             # torchtitan writes the final checkpoint synchronously, optionally model-only in export_dtype
             self.manager.wait()
@@ -303,12 +310,24 @@ class CkptkitCheckpointManager(BaseCheckpointManager):
                  time.monotonic() - begin)
         return True
 
+    def _refuse_other_naming(self, step: int) -> None:
+        """A step committed under ckptkit's older name (``step-0000500``) is never saved again as
+        ``step-500``: one checkpoint per step, as for a same-name folder (rank 0 looks, all agree)."""
+        other = []
+        if self._comm.rank == 0:
+            other = [r.name for r in self.manager.records()
+                     if r.step == step and r.committed and r.name != NAMING.name(step)]
+        if self._comm.any_flags([bool(other)])[0]:
+            where = f"{self.folder}/{other[0]}" if other else f"step {step} under {self.folder}"
+            raise SaveError(f"{where} already holds a committed checkpoint of step {step}; ckptkit never overwrites "
+                            "one (resume from the newest step, or delete the newer checkpoints first)")
+
     def _load(self, step: int = -1) -> bool:
         committed = [r.step for r in self.manager.records() if r.committed]
         if step != -1:
             if not self._comm.all_min([int(step in committed)])[0]:  # agreed: no rank enters a load alone
-                raise FileNotFoundError(f"--checkpoint.load_step={step}: no committed ckptkit checkpoint "
-                                        f"{step_dir(step)} under {self.folder}")
+                raise FileNotFoundError(f"--checkpoint.load_step={step}: no committed ckptkit checkpoint of step "
+                                        f"{step} ({NAMING.name(step)} or {StepNaming().name(step)}) under {self.folder}")
             self._restore(step, explicit=True)
             return True
         if self.manager.latest_common_step() is not None:  # raises if a newer one cannot be read
@@ -339,7 +358,7 @@ class CkptkitCheckpointManager(BaseCheckpointManager):
                 bound = self.manager.latest_common_step()
                 if bound is None:
                     return False
-            path = f"{self.manager.root.url}/{step_dir(bound)}"
+            path = self.manager.step_url(bound)  # the committed folder of that step, of either naming
             meta = self._read_meta(path)
             state = self._state_to_load(model_only=meta["model_only"], meta=meta)
             strict = self._check_keys(state, path, model_only=meta["model_only"])
@@ -401,7 +420,7 @@ class CkptkitCheckpointManager(BaseCheckpointManager):
     def _state_to_load(self, *, model_only: bool, meta: Mapping[str, Any]) -> dict[str, Any]:
         for key in self.exclude_from_loading:
             if key not in self.states:
-                raise ValueError(f"{key} not found in state_dict.")
+                raise OptionsError(f"{key} not found in state_dict.")  # torchtitan's message
         state: dict[str, Any] = {MODEL: self.states[MODEL].state_dict()}
         if meta.get("present", True):
             state[META] = ""

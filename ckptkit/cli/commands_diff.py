@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import math
-import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import click
-from rich.markup import escape
-from rich.table import Table
 
-from ckptkit.cli import render
-from ckptkit.cli.commands_convert import progress_bar
+from ckptkit.cli.options import json_option, storage_option
+from ckptkit.cli.output import Output, escape, human_bytes
 
 if TYPE_CHECKING:  # the library (and torch) is imported only when the command runs
     from ckptkit.offline.comparison import DiffReport, TensorDiff
@@ -30,8 +27,10 @@ def _num(x: float | None) -> str:
 @click.argument("b")
 @click.option("--tensor", "pattern", metavar="PATTERN", help="Only tensors whose key matches this shell pattern.")
 @click.option("--all", "show_all", is_flag=True, help="List identical tensors too.")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON document instead of a table.")
-def diff_cmd(a: str, b: str, pattern: str | None, show_all: bool, as_json: bool) -> None:
+@json_option
+@storage_option
+def diff_cmd(a: str, b: str, pattern: str | None, show_all: bool, as_json: bool,
+             storage_options: dict[str, Any] | None) -> None:
     """Compare checkpoints A and B tensor by tensor: max and mean |a - b|, ||a - b|| / ||a||.
 
     The two may have been saved at different layouts and world sizes; both
@@ -44,14 +43,15 @@ def diff_cmd(a: str, b: str, pattern: str | None, show_all: bool, as_json: bool)
       ckptkit diff runs/a/step-0001000 runs/b/step-0001000
       ckptkit diff runs/a/step-0001000 s3://bucket/b/step-0001000 --tensor 'optim/*exp_avg_sq' --json
     """
-    from ckptkit.offline.comparison import diff
+    from ckptkit.offline import diff
 
-    with progress_bar("comparing", not as_json and sys.stdout.isatty(), data=False) as progress:
-        report = diff(a, b, pattern=pattern, progress=progress)
+    out = Output(as_json)
+    with out.progress("comparing", data=False) as progress:
+        report = diff(a, b, pattern=pattern, storage_options=storage_options, progress=progress)
     if as_json:
-        render.print_json(report.to_json())
+        out.json(report.to_json())
     else:
-        _render(report, show_all)
+        render(out, report, show_all)
     click.get_current_context().exit(0 if report.identical else 1)
 
 
@@ -69,20 +69,16 @@ def _row(t: TensorDiff) -> list[str]:
             _num(t.max_abs), _num(t.mean_abs), _num(t.rel_norm), differing]
 
 
-def _render(report: DiffReport, show_all: bool) -> None:
-    out = render.console()
+def render(out: Output, report: DiffReport, show_all: bool) -> None:
     rows = report.tensors if show_all else report.differing()
     if rows:
-        table = Table(title=f"{escape(report.a)}  vs  {escape(report.b)}", title_justify="left")
-        for name in ("key", "status", "dtype", "shape", "max |a-b|", "mean |a-b|", "rel norm", "differing"):
-            table.add_column(name, overflow="fold", justify="left" if name in ("key", "status", "dtype", "shape") else "right")
-        for t in rows:
-            table.add_row(*_row(t))
-        out.print(table)
+        columns = [(name, "left" if name in ("key", "status", "dtype", "shape") else "right")
+                   for name in ("key", "status", "dtype", "shape", "max |a-b|", "mean |a-b|", "rel norm", "differing")]
+        out.table(columns, [_row(t) for t in rows], title=f"{escape(report.a)}  vs  {escape(report.b)}")
     for v in report.values:
-        out.print(f"value {escape(v.key)}: {escape(str(v.a))} -> {escape(str(v.b))} ({v.status})")
+        out.text(f"value {escape(v.key)}: {escape(str(v.a))} -> {escape(str(v.b))} ({v.status})", markup=True)
     n, bad = len(report.tensors), len(report.differing())
     verdict = "[green]identical[/]" if report.identical else f"[red]{bad} of {n} tensors differ[/]"
     values = f", {len(report.values)} value(s) differ" if report.values else ""
-    out.print(f"{verdict}{values}: {n} tensors compared, {render.human_bytes(report.bytes_read)} read "
-              f"in {report.seconds:.2f}s")
+    out.text(f"{verdict}{values}: {n} tensors compared, {human_bytes(report.bytes_read)} read "
+             f"in {report.seconds:.2f}s", markup=True)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import click
 
-from ckptkit.cli import render
-from ckptkit.resilience.planner import plan
+from ckptkit.cli.options import json_option
+from ckptkit.cli.output import Output
 
 
 @click.command("plan", short_help="Checkpoint size, save time and the goodput-optimal interval.")
@@ -19,7 +19,7 @@ from ckptkit.resilience.planner import plan
 @click.option("--restart-seconds", type=float, default=300.0, show_default=True, help="Time to restart and reload.")
 @click.option("--blocking-fraction", type=click.FloatRange(0.0, 1.0, min_open=True), default=1.0, show_default=True,
               help="Share of a save that stalls training (asynchronous saves: the snapshot's share).")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
+@json_option
 def plan_cmd(params: float, tp: int, pp: int, dp: int, zero: int, write_gbps: float, mtbf_hours: float,
              restart_seconds: float, blocking_fraction: float, as_json: bool) -> None:
     """Size a checkpoint (bf16 weights, fp32 master weights, Adam moments) and pick the
@@ -29,13 +29,16 @@ def plan_cmd(params: float, tp: int, pp: int, dp: int, zero: int, write_gbps: fl
     Example:
       ckptkit plan --params 70e9 --tp 4 --pp 8 --dp 32 --zero 1 --write-gbps 5 --mtbf-hours 3
     """
+    from ckptkit.resilience.planner import plan
+
     p = plan(params, tp, pp, dp, zero, write_gbps, mtbf_hours, restart_seconds, blocking_fraction)
+    out = Output(as_json)
     if as_json:
-        render.print_json({
+        out.json({
             "bytes": {"total": p.size.total, "weights": p.size.weights, "master": p.size.master,
                       "moments": p.size.moments, "per_rank": p.size.per_rank},
             "save_seconds": p.save_seconds, "interval_seconds": p.interval_seconds, "goodput": p.goodput,
         })
         return
     for line in p.lines():
-        click.echo(line)
+        out.text(line)

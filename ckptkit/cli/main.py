@@ -1,5 +1,11 @@
 """The ``ckptkit`` entry point: the command group and its one error boundary.
 
+The commands (``commands_*.py``, one module each, none importing another) parse their
+arguments with the shared types of :mod:`ckptkit.cli.options`, call one library function,
+and print through :mod:`ckptkit.cli.output`. They import the library when they run, so
+``ckptkit --help`` and ``ckptkit ls`` start without torch (``ls``, ``inspect`` and ``verify``
+never import it).
+
 Every failure ckptkit raises on purpose (:class:`ckptkit.errors.CkptkitError`)
 is a message for the user, not a bug, so it becomes one ``error: ...`` line on
 stderr and exit code 2 — here, once, rather than in every command. Exit code 1
@@ -15,7 +21,6 @@ from typing import Any
 
 import click
 
-from ckptkit.cli import render
 from ckptkit.cli.commands_convert import convert_cmd
 from ckptkit.cli.commands_diff import diff_cmd
 from ckptkit.cli.commands_inspect import inspect_cmd
@@ -24,11 +29,10 @@ from ckptkit.cli.commands_plan import plan_cmd
 from ckptkit.cli.commands_report import report_cmd
 from ckptkit.cli.commands_reshard import reshard_cmd
 from ckptkit.cli.commands_verify import verify_cmd
+from ckptkit.cli.output import error
 from ckptkit.errors import CkptkitError
 
 EXIT_ERROR = 2
-
-
 EXIT_BUG = 3
 
 
@@ -42,14 +46,14 @@ class CkptkitGroup(click.Group):
         try:
             return super().invoke(ctx)
         except (CkptkitError, OSError) as exc:
-            render.error(str(exc) or type(exc).__name__)
+            error(str(exc) or type(exc).__name__)
             ctx.exit(EXIT_ERROR)
         except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException, KeyboardInterrupt):
             raise
         except Exception as exc:  # noqa: BLE001 - the last boundary before a traceback
             if os.environ.get("CKPTKIT_DEBUG") == "1":
                 raise
-            render.error(f"internal error ({type(exc).__name__}: {exc}); this is a ckptkit bug, please report it "
+            error(f"internal error ({type(exc).__name__}: {exc}); this is a ckptkit bug, please report it "
                          "(CKPTKIT_DEBUG=1 shows the traceback)")
             ctx.exit(EXIT_BUG)
 
@@ -57,7 +61,9 @@ class CkptkitGroup(click.Group):
 @click.group(cls=CkptkitGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="ckptkit", prog_name="ckptkit")
 def cli() -> None:
-    """Inspect checkpoints without loading them (no torch.load, no pickle), report on runs, plan intervals.
+    """Inspect, verify, compare, convert and reshard checkpoints offline; report on runs, plan intervals.
+
+    ls, inspect and verify read metadata and raw bytes only (no torch, no pickle).
 
     \b
     Examples:

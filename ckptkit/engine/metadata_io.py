@@ -39,7 +39,7 @@ def read_index(store: ByteStore, manifest: Manifest, rank: int) -> Index:
     try:
         return _read_index(store, manifest, rank)
     except CorruptCheckpointError:
-        fallback = getattr(store, "fallback", None)  # a tiered store's local copy may be stale
+        fallback = store.fallback  # a tiered store's local copy may be stale
         if fallback is None:
             raise
         return _read_index(fallback, manifest, rank)

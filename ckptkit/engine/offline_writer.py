@@ -34,7 +34,7 @@ import torch
 from ckptkit.options import Progress, SaveOptions, progress_counter
 from ckptkit.engine.checkpoint_dir import remove_attempt, remove_other_attempts
 from ckptkit.engine.saver import Prepared, check_target, persist, publish
-from ckptkit.errors import CkptkitError, LayoutError, StorageError
+from ckptkit.errors import CkptkitError, LayoutError, OptionsError, StorageError
 from ckptkit.layout.box import Region
 from ckptkit.layout.manifest import (
     DTYPES,
@@ -98,7 +98,7 @@ class OfflineWriteOptions:
     def __post_init__(self) -> None:
         SaveOptions(block_size=self.block_size)  # the saver's own validation of the checksum block
         if self.threads < 1:
-            raise LayoutError(f"threads {self.threads} must be >= 1")
+            raise OptionsError(f"threads {self.threads} must be >= 1")
 
 
 @dataclass(frozen=True)

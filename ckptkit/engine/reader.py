@@ -82,7 +82,7 @@ def execute_request(req: ReadRequest, store: ByteStore, targets: list[torch.Tens
         try:
             return _execute(req, store, targets, dtypes, where, scratch)
         except CorruptCheckpointError as again:
-            fallback = getattr(store, "fallback", None)
+            fallback = store.fallback
             if fallback is None:
                 raise again from None
             # a tiered store: the local copy failed verification, the bucket's copy may not

@@ -42,6 +42,7 @@ from ckptkit.errors import CkptkitError, SaveError
 from ckptkit.version import __version__
 from ckptkit.layout.grid import GridLayout, Mesh, Replicate
 from ckptkit.layout.manifest import MANIFEST_NAME, Index, IndexRef, sha256_hex
+from ckptkit.layout.rules import PartitionRule, rule_from_grid
 from ckptkit.layout.values import encode_value
 from ckptkit.plan.merge import RankReport, merge_reports, merge_values
 from ckptkit.plan.mesh_replicas import MeshReport, PlainDesc, combine_replica_meshes, plain_group_mesh, plain_replica_groups
@@ -124,8 +125,11 @@ def classify(flat: FlatState, rank: int) -> tuple[list[GridDecl], list[GridDecl]
             local = t
             layout, coord = GridLayout(own, (Replicate(),), tuple(t.shape)), (0,)
         tensors.append(local)
+        # a DTensor's layout also as a degree-independent rule, so `reshard --to` can lay it out anew
+        rule = rule_from_grid(layout) if is_dtensor(t) else None
         (grid if is_dtensor(t) else plain).append(
-            GridDecl(len(tensors) - 1, leaf.key, dtype_name(t.dtype), t.dtype.itemsize, tuple(local.shape), layout, coord)
+            GridDecl(len(tensors) - 1, leaf.key, dtype_name(t.dtype), t.dtype.itemsize, tuple(local.shape), layout, coord,
+                     rule)
         )
     explicit: list[ExplicitDecl] = []
     for leaf in flat.sharded:
@@ -192,8 +196,12 @@ def agree_plain_replicas(plain: list[GridDecl], hashes: list[str | None], comm: 
     return plain_replica_groups([(sets[ranks_of[h][0]], ranks_of[h]) for h in distinct])
 
 
-def apply_plain_groups(plain: list[GridDecl], groups: dict[str, tuple[int, ...]], rank: int) -> list[GridDecl]:
-    """Move plain tensors held by several ranks onto the mesh of their holders (Replicate)."""
+def apply_plain_groups(plain: list[GridDecl], groups: dict[str, tuple[int, ...]], rank: int,
+                       world_size: int) -> list[GridDecl]:
+    """Move plain tensors held by several ranks onto the mesh of their holders (Replicate).
+
+    One every rank holds (an optimizer's step count next to DTensor parameters) is replicated at
+    any layout: it gets that rule, so ``reshard --to`` places it like the rest."""
     out, positions = [], {}
     for d in plain:
         holders = groups.get(d.key)
@@ -204,7 +212,8 @@ def apply_plain_groups(plain: list[GridDecl], groups: dict[str, tuple[int, ...]]
         if where is None:
             where = positions[holders] = (plain_group_mesh(holders), holders.index(rank))
         layout = GridLayout(where[0], (Replicate(), Replicate()), d.layout.shape)
-        out.append(replace(d, layout=layout, coord=(where[1], 0)))
+        rule = PartitionRule() if len(holders) == world_size else d.rule
+        out.append(replace(d, layout=layout, coord=(where[1], 0), rule=rule))
     return out
 
 
@@ -286,7 +295,7 @@ def plan_collective(cls: Classified | None, failure: Outcome, comm: Comm, where:
     try:
         groups = agree_plain_replicas(cls.plain, [o.payload[1] for o in outcomes], comm)
         combined = combine_replica_meshes([o.payload[0] for o in outcomes])
-        decls = apply_replica_meshes(cls.grid, combined) + apply_plain_groups(cls.plain, groups, comm.rank)
+        decls = apply_replica_meshes(cls.grid, combined) + apply_plain_groups(cls.plain, groups, comm.rank, comm.world_size)
         return plan_save(comm.rank, decls, cls.explicit), Outcome(True)
     except CkptkitError as exc:
         return None, _fail(exc)

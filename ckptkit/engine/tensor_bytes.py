@@ -23,6 +23,10 @@ def as_bytes(t: torch.Tensor) -> memoryview:
     flat = t.reshape(-1)
     if flat.numel() == 0:
         return memoryview(b"")
+    if flat.numel() == 1 and flat.stride() != (1,):
+        # torch calls a one-element view of any stride contiguous (and .contiguous() keeps the stride),
+        # but view(uint8) wants stride 1: the same element, re-viewed
+        flat = torch.as_strided(flat, (1,), (1,))
     return memoryview(flat.view(torch.uint8).numpy()).cast("B")
 
 

@@ -38,6 +38,9 @@ class PartitionRule:
       over EP.
     * ``dp_axis``: additionally sharded over the data-parallel group along
       this axis (ZeRO-3 / FSDP style optimizer or parameter sharding).
+    * ``chunked``: splits follow ``torch.chunk`` (DTensor's sizing): an axis need
+      not split evenly. Megatron-style rules (False) refuse uneven splits, as
+      Megatron does.
     """
 
     tp_axis: int | None = None
@@ -50,6 +53,7 @@ class PartitionRule:
     num_experts: int | None = None
     expert_axis: int | None = None
     dp_axis: int | None = None
+    chunked: bool | None = None
 
     def __post_init__(self) -> None:
         placed = [x for x in (self.layer, self.stage, self.layer_axis) if x is not None]
@@ -117,7 +121,8 @@ class PartitionRule:
             # dense tensors: the data-parallel group is edp x ep; expert tensors use edp only
             ep = Shard(self.dp_axis, split_factor=dp_sf)
         tp: Placement = Shard(self.tp_axis) if self.tp_axis is not None else Replicate()
-        if self.tp_axis is not None and fused is None and padded is None and shape[self.tp_axis] % config.tp:
+        if self.tp_axis is not None and fused is None and padded is None and shape[self.tp_axis] % config.tp \
+                and not self.chunked:
             raise LayoutError(f"axis {self.tp_axis} of {list(shape)} does not split evenly over tp={config.tp}")
         return GridLayout(config.mesh(), (pp, edp, ep, Replicate(), tp), shape, padded, fused)
 
@@ -144,11 +149,51 @@ class PartitionRule:
                                                       and 0 <= x <= MAX_LAYOUT_INT for x in v):
                     raise LayoutError(f"partition rule field fused must be a list of sizes, got {str(v)[:80]}")
                 kwargs[k] = tuple(v)
+            elif k == "chunked" and v is not None:
+                if not isinstance(v, bool):
+                    raise LayoutError(f"partition rule field chunked={str(v)[:80]} must be true or false")
+                kwargs[k] = v
             elif v is not None:
                 if not isinstance(v, int) or isinstance(v, bool) or abs(v) > MAX_LAYOUT_INT:
                     raise LayoutError(f"partition rule field {k}={str(v)[:80]} must be an integer")
                 kwargs[k] = v
         return PartitionRule(**kwargs)
+
+
+# Mesh-dimension names, as torchtitan, FSDP2 and TP examples name them, that say what a DTensor's
+# Shard placement along that dimension means in ParallelConfig terms.
+TP_DIM_NAMES = frozenset({"tp", "tensor", "tensor_parallel", "model"})
+DP_SHARD_DIM_NAMES = frozenset({"dp", "dp_shard", "dp_shard_cp", "fsdp", "shard", "data", "data_parallel"})
+
+
+def rule_from_grid(layout: GridLayout) -> PartitionRule | None:
+    """The degree-independent rule of a DTensor-style grid, read off its mesh-dimension names.
+
+    ``Shard(a)`` along a dimension named like TP is ``tp_axis=a``; along one named like FSDP's data
+    dimension, ``dp_axis=a`` (FSDP2 over a TP-sharded axis is ``_StridedShard`` with the TP size as
+    split factor: the same rule); ``Replicate`` anywhere is replication. Anything else (an unknown
+    dimension name that shards, explicit chunk sizes, two dims sharding for one role) has no rule:
+    None, and ``reshard`` copies such a tensor whole, as before. Splits keep ``torch.chunk`` sizing.
+    """
+    tp_axis = dp_axis = None
+    dp_split = 1
+    tp_size = 1
+    for name, size, p in zip(layout.mesh.dims, layout.mesh.shape, layout.placements):
+        if isinstance(p, Replicate):
+            continue
+        if not isinstance(p, Shard) or p.sizes is not None:
+            return None
+        if name in TP_DIM_NAMES and tp_axis is None and p.split_factor == 1:
+            tp_axis, tp_size = p.axis, size
+        elif name in DP_SHARD_DIM_NAMES and dp_axis is None:
+            dp_axis, dp_split = p.axis, p.split_factor
+        else:
+            return None
+    if dp_split != 1 and not (dp_axis == tp_axis and dp_split == tp_size):
+        return None
+    if layout.padded is not None or layout.fused is not None:
+        return None
+    return PartitionRule(tp_axis=tp_axis, dp_axis=dp_axis, chunked=True)
 
 
 def column_parallel(**kw: int) -> PartitionRule:

@@ -29,7 +29,7 @@ from typing import Any, Literal
 import torch
 
 from ckptkit.options import Progress
-from ckptkit.errors import LayoutError
+from ckptkit.errors import OptionsError
 from ckptkit.layout.box import Box
 from ckptkit.offline.view import CheckpointView, ViewOptions
 from ckptkit.offline.view import open as open_view
@@ -48,9 +48,9 @@ class DiffOptions:
 
     def __post_init__(self) -> None:
         if self.chunk_elements < 1:
-            raise LayoutError(f"chunk_elements {self.chunk_elements} must be >= 1")
+            raise OptionsError(f"chunk_elements {self.chunk_elements} must be >= 1")
         if self.prefetch < 0:
-            raise LayoutError(f"prefetch {self.prefetch} must be >= 0")
+            raise OptionsError(f"prefetch {self.prefetch} must be >= 0")
 
 
 @dataclass(frozen=True)

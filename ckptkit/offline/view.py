@@ -37,8 +37,8 @@ from ckptkit.engine.read_session import ReadSession
 from ckptkit.engine.state import torch_dtype
 from ckptkit.errors import (
     CkptkitError,
-    LayoutError,
     MissingKeysError,
+    OptionsError,
     SliceError,
 )
 from ckptkit.layout.box import Box
@@ -60,7 +60,7 @@ class ViewOptions:
 
     def __post_init__(self) -> None:
         if self.io_threads < 1:
-            raise LayoutError(f"io_threads {self.io_threads} must be >= 1")
+            raise OptionsError(f"io_threads {self.io_threads} must be >= 1")
 
 
 @dataclass(frozen=True)

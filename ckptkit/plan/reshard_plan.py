@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from math import prod
 from typing import Any
 
-from ckptkit.errors import LayoutError, ReshardError
+from ckptkit.errors import LayoutError, OptionsError, ReshardError
 from ckptkit.layout.box import Box, Region
 from ckptkit.layout.config import ParallelConfig
 from ckptkit.layout.grid import GridLayout
@@ -64,9 +64,9 @@ class ReshardPlanOptions:
 
     def __post_init__(self) -> None:
         if self.max_memory < 1:
-            raise ReshardError(f"max_memory {self.max_memory} must be a positive number of bytes")
+            raise OptionsError(f"max_memory {self.max_memory} must be a positive number of bytes")
         if self.threads < 1 or self.io_threads < 1 or self.read_ahead < 0 or self.source_block < 0:
-            raise ReshardError("threads and io_threads must be >= 1, read_ahead and source_block >= 0")
+            raise OptionsError("threads and io_threads must be >= 1, read_ahead and source_block >= 0")
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptkit.engine.async_save import SaveHandle
-from ckptkit.errors import TrainingStopped
+from ckptkit.errors import OptionsError, TrainingStopped
 from ckptkit.manager import CheckpointManager
 from ckptkit.resilience.incidents import Incident, IncidentLog
 from ckptkit.resilience.ladder import Decision, Flags, Ladder
@@ -80,15 +80,22 @@ class ResilienceController:
         grace_seconds: float = 60.0,
         watchdog_seconds: float | None = 1800.0,
         mtbf_hours: float | None = None,
+        name: str | None = None,
     ) -> None:
-        if batch_size < 1:
-            raise ValueError("batch_size must be >= 1 (samples per step, all ranks together)")
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise OptionsError(f"batch_size must be an integer >= 1 (samples per step, all ranks together), "
+                               f"got {batch_size!r}")
+        if not isinstance(policy, SpikePolicy):
+            raise OptionsError(f"policy must be a SpikePolicy, got {type(policy).__name__}")
+        if name is not None and (not isinstance(name, str) or not name.strip()):
+            raise OptionsError(f"name must be a non-empty string (the run's name in reports), got {name!r}")
         self.manager = manager
         self.policy = policy
         self.batch_size = batch_size
         self.grace_seconds = grace_seconds
         self.watchdog_seconds = watchdog_seconds
         self.mtbf_hours = mtbf_hours
+        self.name = name  # recorded for `ckptkit report` (default: the checkpoint folder's name)
         self.ladder = Ladder(policy)
         self.skips = SkipRanges()
         self.step = 0  # last completed step
@@ -165,6 +172,8 @@ class ResilienceController:
         ``restart`` incident with the steps it lost.
         """
         self.attach(state)
+        if self.name is not None:
+            self.log.write_name(self.name)
         incidents = self.log.read()  # every rank reads before the collective restore; rank 0 writes after it
         previous = self.progress.read() if self.log.writer else None  # only rank 0 reports the restart
         for incident in incidents:

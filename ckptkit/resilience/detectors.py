@@ -17,6 +17,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Literal
 
+from ckptkit.errors import OptionsError
+
 
 @dataclass(frozen=True)
 class DetectorConfig:
@@ -30,11 +32,11 @@ class DetectorConfig:
 
     def __post_init__(self) -> None:
         if self.window < 4 or self.warmup < 2 or self.warmup > self.window:
-            raise ValueError(f"detector needs 4 <= window and 2 <= warmup <= window, got {self.window}/{self.warmup}")
+            raise OptionsError(f"detector needs 4 <= window and 2 <= warmup <= window, got {self.window}/{self.warmup}")
         if self.k <= 0:
-            raise ValueError(f"detector k must be positive, got {self.k}")
+            raise OptionsError(f"detector k must be positive, got {self.k}")
         if self.method not in ("sigma", "mad"):
-            raise ValueError(f"detector method must be 'sigma' or 'mad', got {self.method!r}")
+            raise OptionsError(f"detector method must be 'sigma' or 'mad', got {self.method!r}")
 
 
 @dataclass(frozen=True)

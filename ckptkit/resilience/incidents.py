@@ -27,6 +27,7 @@ log = logging.getLogger("ckptkit")
 
 INCIDENTS = ".ckptkit/incidents"  # dot-prefixed: never mistaken for a checkpoint folder
 METRICS = ".ckptkit/metrics"
+RUN_INFO = ".ckptkit/run.json"  # {"name": ...}: what the report calls the run (ResilienceController(name=...))
 
 
 @dataclass
@@ -89,6 +90,19 @@ class IncidentLog:
             except (CkptkitError, ValueError, TypeError):
                 continue
         return sorted(out, key=lambda i: (i.time, i.step))
+
+    def write_name(self, name: str) -> None:
+        """Record the run's human name (rank 0; one small object, rewritten only when it changes)."""
+        if self.writer and self.read_name() != name:
+            self.store.put_bytes(RUN_INFO, json.dumps({"name": name}).encode())
+
+    def read_name(self) -> str | None:
+        try:
+            doc = json.loads(self.store.read_bytes(RUN_INFO, limit=1 << 16))
+        except (CkptkitError, OSError, ValueError, TypeError):  # absent (runs of earlier versions) or unreadable
+            return None
+        name = doc.get("name") if isinstance(doc, dict) else None
+        return name if isinstance(name, str) and name.strip() else None
 
     def metric(self, step: int, loss: float | None, grad_norm: float | None, flush_every: int = 10) -> None:
         if self.writer:

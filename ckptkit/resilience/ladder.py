@@ -70,7 +70,8 @@ class Ladder:
         self.spikes: deque[int] = deque()
         self.nonfinite_run = 0
         self.samples: OrderedDict[int, tuple[int, int]] = OrderedDict()
-        self._keep = max(policy.window_steps, policy.skip_before, policy.rollback_before) + 8
+        r = policy.rollback
+        self._keep = (max(r.window_steps, r.skip_before, r.steps_before) if r is not None else 0) + 8
         self.rollbacks: list[int] = []
         self.lr_drops = 0
         self.rewarm_from: int | None = None
@@ -87,12 +88,13 @@ class Ladder:
         )
 
     def decide(self, step: int, samples: tuple[int, int] | None, flags: Flags) -> Decision:
-        p = self.policy
+        p, r = self.policy, self.policy.rollback
         if samples is not None:
             self.samples[step] = samples
             while len(self.samples) > self._keep:
                 self.samples.popitem(last=False)
-        while self.spikes and self.spikes[0] <= step - p.window_steps:
+        window = r.window_steps if r is not None else 100  # without rung 2 the episode only shows in the log
+        while self.spikes and self.spikes[0] <= step - window:
             self.spikes.popleft()
         if not flags.any:
             self.nonfinite_run = 0
@@ -100,41 +102,43 @@ class Ladder:
         self.spikes.append(step)
         self.nonfinite_run = self.nonfinite_run + 1 if flags.nonfinite else 0
         reason = f"{flags.describe()} at step {step}"
-        wants_rollback = p.rollback_after is not None and (
-            len(self.spikes) >= p.rollback_after or self.nonfinite_run >= p.nonfinite_rollback
+        wants_rollback = r is not None and (
+            len(self.spikes) >= r.after_spikes or self.nonfinite_run >= r.after_nonfinite
         )
         if not wants_rollback:
-            if p.skip_step or flags.nonfinite:
+            if p.skip_step.on_spike or flags.nonfinite:
                 return Decision("skip_step", reason, spike_steps=(step,))
             return Decision("ok", reason, spike_steps=(step,))
         return self._rollback(step, reason)
 
     def _rollback(self, step: int, reason: str) -> Decision:
-        p = self.policy
+        r, low = self.policy.rollback, self.policy.lower_lr
+        assert r is not None
         first = self.spikes[0]
-        recent = [s for s in self.rollbacks if s > step - p.rollback_window] + [step]
-        lower = p.lower_lr_on_rollback
-        if len(recent) > p.max_rollbacks:
-            if self.lr_drops >= p.max_lr_drops:
+        recent = [s for s in self.rollbacks if s > step - low.window_steps] + [step]
+        lower = low.on_every_rollback
+        if len(recent) > low.max_rollbacks:
+            if self.lr_drops >= low.max_drops:
                 return Decision(
                     "stop",
-                    f"{reason}: {len(recent)} rollbacks within {p.rollback_window} steps after lowering the "
+                    f"{reason}: {len(recent)} rollbacks within {low.window_steps} steps after lowering the "
                     f"learning rate {self.lr_drops} times; stopping for a human",
                     spike_steps=tuple(self.spikes),
                 )
             lower = True
         skip = self._skip_range(first, step)
-        restore = first - max(p.rollback_before, 1)
+        restore = first - max(r.steps_before, 1)
         return Decision("rollback", reason, restore, skip, lower, tuple(self.spikes))
 
     def _skip_range(self, first: int, last: int) -> tuple[int, int] | None:
-        p = self.policy
-        known = [s for s in self.samples if s >= first - p.skip_before]
+        r = self.policy.rollback
+        assert r is not None
+        known = [s for s in self.samples if s >= first - r.skip_before]
         if not known or last not in self.samples:
             return None
         start = self.samples[min(known)][0]
         a, b = self.samples[last]
-        end = b + p.skip_after * (b - a)
+        end = b + r.skip_after * (b - a)
         return (start, end) if end > start else None
 
     def rolled_back(self, at_step: int, resumed_step: int, lowered_lr: bool) -> None:
@@ -144,17 +148,17 @@ class Ladder:
         self.nonfinite_run = 0
         if lowered_lr:
             self.lr_drops += 1
-        self.rewarm_from = resumed_step if self.policy.rewarm_steps else None
+        self.rewarm_from = resumed_step if self.policy.rewarm is not None else None
         self.samples = OrderedDict((s, r) for s, r in self.samples.items() if s <= resumed_step)
 
     def lr_factor(self, step: int) -> float:
         """Multiplier for the scheduled learning rate at ``step``: permanent drops times the re-warm ramp."""
-        p = self.policy
-        factor = p.lr_factor ** self.lr_drops
-        if self.rewarm_from is not None and p.rewarm_steps:
-            t = (step - self.rewarm_from) / p.rewarm_steps
+        factor = self.policy.lower_lr.factor ** self.lr_drops
+        rw = self.policy.rewarm
+        if self.rewarm_from is not None and rw is not None:
+            t = (step - self.rewarm_from) / rw.steps
             if t < 1:
-                factor *= p.rewarm_factor + (1 - p.rewarm_factor) * max(0.0, t)
+                factor *= rw.factor + (1 - rw.factor) * max(0.0, t)
         return factor
 
     # ------------------------------------------------------------- state
@@ -168,7 +172,7 @@ class Ladder:
 
         The open episode too (spikes within the window, the run of non-finite
         steps, the sample ranges of recent steps): without them a run restarted
-        between two spikes would need ``rollback_after`` new ones, and would
+        between two spikes would need ``Rollback.after_spikes`` new ones, and would
         skip a smaller data range than the uninterrupted run.
         """
         return {

@@ -21,6 +21,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ckptkit.errors import OptionsError
+
 WEIGHT, MASTER, MOMENTS = 2, 4, 8  # bytes per parameter
 
 
@@ -38,7 +40,7 @@ class CheckpointSize:
 
 def checkpoint_size(params: float, tp: int = 1, pp: int = 1, dp: int = 1, zero: int = 1) -> CheckpointSize:
     if min(tp, pp, dp) < 1 or params <= 0 or zero not in (0, 1, 2, 3):
-        raise ValueError("params must be positive, degrees >= 1, zero in 0..3")
+        raise OptionsError("params must be positive, degrees >= 1, zero in 0..3")
     model_parallel = tp * pp
     weights, master, moments = params * WEIGHT, params * MASTER, params * MOMENTS
     optimizer = master + moments
@@ -52,7 +54,7 @@ def checkpoint_size(params: float, tp: int = 1, pp: int = 1, dp: int = 1, zero: 
 def young_daly_interval(cost_s: float, mtbf_s: float) -> float:
     """Optimal seconds between checkpoints for a checkpoint cost and a mean time between failures."""
     if cost_s <= 0 or mtbf_s <= 0:
-        raise ValueError("cost and MTBF must be positive")
+        raise OptionsError("cost and MTBF must be positive")
     return math.sqrt(2 * cost_s * mtbf_s)
 
 

@@ -67,14 +67,43 @@ class LocalStore(ByteStore):
     def child(self, name: str) -> LocalStore:
         return LocalStore(self._path(name))
 
+    def _write_path(self, key: str) -> str:
+        """The path to write or delete ``key`` at; UnsafePathError for a key that would leave the root.
+
+        Lexical, before anything is created: a writer's keys are its own (the engine names its
+        objects), so a ``..`` or absolute part is a bug to refuse, never a path to follow.
+        """
+        parts = key.split("/")
+        if key.startswith("/") or ".." in parts:
+            raise UnsafePathError(f"key {key!r} is not a relative path inside the store's root {self.root}")
+        return os.path.join(self.root, *parts) if key else self.root
+
     def _make_parent(self, path: str) -> None:
+        """Create the missing directories above ``path``, each made durable in its own parent.
+
+        A new object is only as durable as every directory entry that leads to it: each level
+        created here is fsynced into the level above (not only the deepest one).
+        """
         parent = os.path.dirname(path)
-        if not os.path.isdir(parent):
-            os.makedirs(parent, exist_ok=True)
-            _fsync_dir(os.path.dirname(parent))
+        if os.path.isdir(parent):
+            return
+        missing = []
+        while parent and not os.path.isdir(parent):
+            missing.append(parent)
+            up = os.path.dirname(parent)
+            if up == parent:
+                break
+            parent = up
+        for d in reversed(missing):
+            try:
+                os.mkdir(d)
+            except FileExistsError:
+                if not os.path.isdir(d):
+                    raise
+            _fsync_dir(os.path.dirname(d))
 
     def write_object(self, key: str, chunks: Iterable[memoryview | bytes]) -> int:
-        path = self._path(key)
+        path = self._write_path(key)
         try:
             self._make_parent(path)
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -101,7 +130,7 @@ class LocalStore(ByteStore):
             raise _storage_error(exc, f"writing {path}") from exc
 
     def put_bytes(self, key: str, data: bytes) -> None:
-        path = self._path(key)
+        path = self._write_path(key)
         tmp = _temp_name(path)
         try:
             self._make_parent(path)
@@ -113,7 +142,7 @@ class LocalStore(ByteStore):
             raise _storage_error(exc, f"writing {path}") from exc
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
-        path = self._path(key)
+        path = self._write_path(key)
         tmp = _temp_name(path)
         try:
             self._make_parent(path)
@@ -194,8 +223,10 @@ class LocalStore(ByteStore):
         self.read_into_vectored(key, offset, [out])
 
     def read_into_vectored(self, key: str, offset: int, buffers: list[memoryview]) -> None:
-        views = [memoryview(b).cast("B") for b in buffers if len(b)]
+        views = [v for v in (memoryview(b).cast("B") for b in buffers) if len(v)]
         total = sum(len(v) for v in views)
+        if not total:
+            return  # zero bytes asked: nothing to read, nothing checked (the contract, every backend)
         fd, _, path = self._open_regular(key, CorruptCheckpointError)
         try:
             pos = offset
@@ -292,7 +323,7 @@ class LocalStore(ByteStore):
             raise _storage_error(exc, f"listing {self.root}") from exc
 
     def delete(self, key: str) -> None:
-        _remove_quietly(self._path(key))
+        _remove_quietly(self._write_path(key))
 
     def prune_empty(self) -> None:
         for dirpath, _, _ in sorted(os.walk(self.root), key=lambda w: -w[0].count(os.sep)):
@@ -305,6 +336,7 @@ class LocalStore(ByteStore):
         shutil.rmtree(self.root, ignore_errors=True)
 
     def is_dir(self) -> bool:
+        """Whether the root directory exists (an empty one too)."""
         return os.path.isdir(self.root)
 
 

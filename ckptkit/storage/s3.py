@@ -109,7 +109,6 @@ def _filesystem(s3fs: Any, storage_options: dict[str, Any] | None) -> Any:
 class S3Store(ByteStore):
     """Objects under ``s3://bucket/prefix``."""
 
-    preferred_threads = 16
     streams_writes = True  # each chunk is copied into the part buffer before the next is taken
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None, *, _fs: Any = None,
@@ -157,8 +156,17 @@ class S3Store(ByteStore):
         futures: list[Future] = []
         slots = threading.Semaphore(self.max_concurrency)
         total = 0
+        source = iter(chunks)
+        from_source = False  # the caller's iterator raised: its error propagates unchanged
         try:
-            for chunk in chunks:
+            while True:
+                try:
+                    chunk = next(source)
+                except StopIteration:
+                    break
+                except BaseException:
+                    from_source = True
+                    raise
                 view = memoryview(chunk).cast("B")
                 total += len(view)
                 while view:
@@ -187,7 +195,7 @@ class S3Store(ByteStore):
                     self._run(self._call("abort_multipart_upload", Key=full, UploadId=upload_id))
                 except Exception:  # noqa: BLE001 - best effort; lifecycle rules clean up the rest
                     pass
-            if isinstance(exc, StorageError):
+            if from_source or isinstance(exc, StorageError):
                 raise
             raise self._error(exc, f"writing {key}") from exc
 
@@ -363,8 +371,11 @@ class S3Store(ByteStore):
             raise self._error(exc, "listing") from exc
 
     def list_keys(self, prefix: str = "") -> list[str]:
-        base = self._key(prefix)
+        """Keys on ``/`` boundaries: the root is listed as ``prefix/`` (a sibling ``prefix-b`` or
+        ``prefixb`` shares its leading characters and must not appear), a ``prefix`` argument as
+        itself (it may be an object) and filtered to itself and what lies under ``prefix/``."""
         root = f"{self.prefix}/" if self.prefix else ""
+        base = f"{root}{prefix}" if prefix else root
         keys, _ = self._list(base, delimiter=False)
         out = []
         for k in keys:
@@ -378,9 +389,6 @@ class S3Store(ByteStore):
         keys, dirs = self._list(root, delimiter=True)
         names = {k[len(root):] for k in keys} | {d[len(root):].rstrip("/") for d in dirs}
         return sorted(n for n in names if n)
-
-    def is_dir(self) -> bool:
-        return bool(self.list_children())
 
     def delete(self, key: str) -> None:
         try:

@@ -43,6 +43,8 @@ def kvstore_spec(store: ByteStore) -> dict[str, Any]:
 class TensorstoreStore(ByteStore):
     """``base`` for metadata and commits, tensorstore for data objects."""
 
+    streams_writes = False  # every chunk is held (then joined into the one value tensorstore takes)
+
     def __init__(self, base: ByteStore) -> None:
         import tensorstore as ts
 
@@ -52,6 +54,9 @@ class TensorstoreStore(ByteStore):
         spec = kvstore_spec(base)
         self._kv = ts.KvStore.open(spec).result()
         self._single_put_limit = S3_SINGLE_PUT_LIMIT if spec["driver"] == "s3" else None
+        # tensorstore's file driver would follow any symlink and block opening a FIFO: the wrapped
+        # store's checks (a regular file inside the root) run before it touches a path
+        self._precheck = spec["driver"] == "file"
 
     def child(self, name: str) -> TensorstoreStore:
         return TensorstoreStore(self.base.child(name))
@@ -77,9 +82,7 @@ class TensorstoreStore(ByteStore):
         total = sum(len(v) for v in views)
         if not total:
             return
-        if isinstance(self.base, LocalStore):
-            # tensorstore's file driver would follow any symlink and block opening a FIFO: the
-            # wrapped store's checks (a regular file inside the root) come first
+        if self._precheck:
             self.base.checked_size(key)
         try:
             result = self._kv.read(key, byte_range=slice(offset, offset + total)).result()
@@ -125,6 +128,12 @@ class TensorstoreStore(ByteStore):
     def prune_empty(self) -> None:
         self.base.prune_empty()
 
+    def checked_size(self, key: str) -> int:
+        return self.base.checked_size(key)
+
     def is_dir(self) -> bool:
-        is_dir = getattr(self.base, "is_dir", None)
-        return bool(is_dir()) if callable(is_dir) else bool(self.list_children())
+        return self.base.is_dir()
+
+    @property
+    def fallback(self) -> ByteStore | None:
+        return self.base.fallback

@@ -1,11 +1,16 @@
 """A node-local tier in front of an object store.
 
 Writes go to node-local disk first (durable on the node quickly), then to
-the object store; the object store's manifest is the commit, so a checkpoint
-exists only once it is complete in the bucket. Reads prefer the local copy of
-an object when it is there and long enough, and fall back to the bucket;
-every byte is still verified against the checksums in the (bucket's) index,
-so a stale or damaged local copy can never pass for the checkpoint.
+the object store; the object store's commit decides, so a checkpoint exists
+only once it is complete in the bucket. Reads prefer the local copy of an
+object when it is there and long enough, and fall back to the bucket; every
+byte is still verified against the checksums in the (bucket's) index, and a
+range that fails them is read again from :attr:`TieredStore.fallback` (the
+bucket), so a stale or damaged local copy can never pass for the checkpoint.
+
+Which keys are *authoritative* — live only in the bucket, read only from it,
+created by its ``put_if_absent`` — is the caller's to say (``remote_only``,
+the manifest for checkpoints): this module knows nothing of the layout.
 
 On a multi-node job each node's local tier holds only what that node's ranks
 wrote, so a same-layout restart on the same nodes reads mostly from local
@@ -15,38 +20,51 @@ disk and a resharded or moved restart reads from the bucket.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
-from ckptkit.errors import CheckpointNotFoundError, CkptkitError, CorruptCheckpointError
-from ckptkit.layout.manifest import MANIFEST_NAME
+from ckptkit.errors import CheckpointNotFoundError, CkptkitError
 from ckptkit.storage.base import ByteStore
 
 log = logging.getLogger("ckptkit")
 _COPY_CHUNK = 64 << 20
 
-
 class TieredStore(ByteStore):
-    def __init__(self, local: ByteStore, remote: ByteStore) -> None:
+    """``local`` (node disk) in front of ``remote`` (the bucket); ``remote`` is the truth.
+
+    ``remote_only``: the authoritative keys, relative to this store's root and to every
+    :meth:`child`'s (it is passed on): never written to or read from ``local``.
+    """
+
+    def __init__(self, local: ByteStore, remote: ByteStore, remote_only: Iterable[str]) -> None:
         self.local = local
         self.remote = remote
+        self.remote_only = frozenset(remote_only)
         self.url = remote.url
-        self.streams_writes = local.streams_writes  # the caller's chunks go to the local store only
+        # the caller's chunks go to the local store only (the bucket gets them read back from disk)
+        self.streams_writes = local.streams_writes
 
     def child(self, name: str) -> TieredStore:
-        return TieredStore(self.local.child(name), self.remote.child(name))
+        return TieredStore(self.local.child(name), self.remote.child(name), self.remote_only)
 
     @property
     def fallback(self) -> ByteStore:
-        """Where a reader retries when bytes read through this store fail their checksums."""
+        """The bucket: a range whose local copy failed its checksums is read from there."""
         return self.remote
+
+    def _authoritative(self, key: str) -> bool:
+        return key in self.remote_only
 
     # ------------------------------------------------------------- writing
     def write_object(self, key: str, chunks: Iterable[memoryview | bytes]) -> int:
+        if self._authoritative(key):
+            # straight to the bucket; copied first if the bucket holds chunks, so this store keeps
+            # the streaming promise it made on the local store's behalf
+            return self.remote.write_object(key, chunks if self.remote.streams_writes else (bytes(c) for c in chunks))
         n = self.local.write_object(key, chunks)
         self.remote.write_object(key, self._local_chunks(key, n))
         return n
 
-    def _local_chunks(self, key: str, size: int) -> Iterable[memoryview]:
+    def _local_chunks(self, key: str, size: int) -> Iterator[memoryview]:
         pos = 0
         while pos < size:
             buf = bytearray(min(_COPY_CHUNK, size - pos))
@@ -55,12 +73,15 @@ class TieredStore(ByteStore):
             yield memoryview(buf)
 
     def put_bytes(self, key: str, data: bytes) -> None:
-        self.local.put_bytes(key, data)
+        if not self._authoritative(key):
+            self.local.put_bytes(key, data)
         self.remote.put_bytes(key, data)
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
         if not self.remote.put_if_absent(key, data):  # the bucket decides the commit
             return False
+        if self._authoritative(key):
+            return True
         try:
             self.local.put_bytes(key, data)
         except (CkptkitError, OSError) as exc:
@@ -72,23 +93,27 @@ class TieredStore(ByteStore):
         self.read_into_vectored(key, offset, [out])
 
     def read_into_vectored(self, key: str, offset: int, buffers: list[memoryview]) -> None:
-        total = sum(len(memoryview(b).cast("B")) for b in buffers)
-        try:  # a local copy that is short, damaged or refused (not a regular file, a link out) is skipped
-            size = self.local.size(key)
-            if size is not None and size >= offset + total:
-                self.local.read_into_vectored(key, offset, buffers)
-                return
-        except (CorruptCheckpointError, OSError, CkptkitError) as exc:
-            log.warning("local copy of %s unreadable (%s); reading it from %s", key, exc, self.remote.url)
+        if not self._authoritative(key):
+            total = sum(len(memoryview(b).cast("B")) for b in buffers)
+            try:  # a local copy that is short, missing or refused (not a regular file, a link out) is skipped
+                size = self.local.size(key)
+                if size is not None and size >= offset + total:
+                    self.local.read_into_vectored(key, offset, buffers)
+                    return
+            except (CkptkitError, OSError) as exc:
+                log.warning("local copy of %s unreadable (%s); reading it from %s", key, exc, self.remote.url)
         self.remote.read_into_vectored(key, offset, buffers)
 
     def read_bytes(self, key: str, limit: int | None = None) -> bytes:
-        if key == MANIFEST_NAME:
-            return self.remote.read_bytes(key, limit)  # the commit lives in the bucket only
+        if self._authoritative(key):
+            return self.remote.read_bytes(key, limit)
         try:
             return self.local.read_bytes(key, limit)
         except CheckpointNotFoundError:
-            return self.remote.read_bytes(key, limit)
+            pass
+        except (CkptkitError, OSError) as exc:  # a damaged, refused or oversized local copy: the bucket's
+            log.warning("local copy of %s unreadable (%s); reading it from %s", key, exc, self.remote.url)
+        return self.remote.read_bytes(key, limit)
 
     def size(self, key: str) -> int | None:
         return self.remote.size(key)
@@ -113,4 +138,4 @@ class TieredStore(ByteStore):
         self.local.prune_empty()
 
     def is_dir(self) -> bool:
-        return bool(self.list_children())
+        return self.remote.is_dir() or self.local.is_dir()

@@ -9,7 +9,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckptkit.resilience import DetectorConfig, Flags, Ladder, SkipRanges, SpikeDetector, SpikePolicy
+from ckptkit.resilience import (
+    DetectorConfig,
+    Flags,
+    Ladder,
+    LowerLR,
+    Rewarm,
+    Rollback,
+    SkipRanges,
+    SkipStep,
+    SpikeDetector,
+    SpikePolicy,
+)
 from ckptkit.resilience import checkpoint_size, goodput, plan, young_daly_interval
 
 
@@ -56,12 +67,13 @@ def test_detector_learns_nothing_from_spikes_and_warms_up():
     assert det.observe(1e6).spike and list(det.window) == before
 
 
-def policy(**kw):
-    base = dict(loss=DetectorConfig(window=32, warmup=8), grad_norm=None, rollback_after=3, window_steps=20,
-                rollback_before=5, skip_before=2, skip_after=4, rewarm_factor=0.1, rewarm_steps=10, max_rollbacks=2,
-                rollback_window=500, lr_factor=0.5, max_lr_drops=1)
-    base.update(kw)
-    return SpikePolicy(**base)
+def policy(skip_step: bool = True, nonfinite_rollback: int = 2, max_lr_drops: int = 1) -> SpikePolicy:
+    return SpikePolicy(loss=DetectorConfig(window=32, warmup=8), grad_norm=None,
+                       skip_step=SkipStep(on_spike=skip_step),
+                       rollback=Rollback(after_spikes=3, window_steps=20, after_nonfinite=nonfinite_rollback,
+                                         steps_before=5, skip_before=2, skip_after=4),
+                       rewarm=Rewarm(factor=0.1, steps=10),
+                       lower_lr=LowerLR(max_rollbacks=2, window_steps=500, factor=0.5, max_drops=max_lr_drops))
 
 
 def test_ladder_rungs_in_order():
@@ -113,11 +125,9 @@ def test_ladder_invariants(stream, seed):
     lad = Ladder(pol)
     twin = Ladder(pol)
     step = 1
-    stopped = False
     for flags in stream:
         d = lad.decide(step, (8 * step, 8 * step + 8), flags)
         assert twin.decide(step, (8 * step, 8 * step + 8), flags) == d  # deterministic: ranks agree
-        assert not stopped
         if not flags.any:
             assert d.kind == "ok"
         if flags.nonfinite:
@@ -128,9 +138,18 @@ def test_ladder_invariants(stream, seed):
             resumed = max(0, d.restore_at_most)
             for l in (lad, twin):
                 l.rolled_back(step, resumed, d.lower_lr)
-            assert lad.lr_drops <= pol.max_lr_drops
+            assert lad.lr_drops <= pol.lower_lr.max_drops
         if d.kind == "stop":
-            stopped = True
+            # only once every rung is used: the LR was lowered as often as allowed, and this would
+            # be one rollback more than max_rollbacks within the window
+            assert lad.lr_drops == pol.lower_lr.max_drops
+            assert len([s for s in lad.rollbacks if s > step - pol.lower_lr.window_steps]) >= pol.lower_lr.max_rollbacks
+            # and final: the same trouble on the next step stops again, on a ladder restored from
+            # the state too (a restarted run does not start rolling back once more)
+            back = Ladder(pol)
+            back.load_state_dict(lad.state_dict())
+            for l in (lad, back):
+                assert l.decide(step + 1, (8 * step + 8, 8 * step + 16), flags).kind == "stop"
             break
         assert 0 < lad.lr_factor(step) <= 1
         step += 1

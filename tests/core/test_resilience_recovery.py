@@ -9,19 +9,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckptkit.resilience import DetectorConfig, Flags, Ladder, SpikePolicy
+from ckptkit.resilience import DetectorConfig, Flags, Ladder, LowerLR, Rewarm, Rollback, SpikePolicy
 from ckptkit.resilience.incidents import Incident
 from ckptkit.resilience.progress import Progress, ProgressMarker, steps_lost
 from ckptkit.resilience.recovery import missing_rollbacks
 from ckptkit.storage import open_store
 
 
-def policy(**kw) -> SpikePolicy:
-    base = dict(loss=DetectorConfig(window=32, warmup=8), grad_norm=None, rollback_after=3, window_steps=20,
-                rollback_before=5, skip_before=2, skip_after=4, rewarm_factor=0.1, rewarm_steps=10, max_rollbacks=1,
-                rollback_window=500, lr_factor=0.5, max_lr_drops=2)
-    base.update(kw)
-    return SpikePolicy(**base)
+def policy() -> SpikePolicy:
+    return SpikePolicy(loss=DetectorConfig(window=32, warmup=8), grad_norm=None,
+                       rollback=Rollback(after_spikes=3, window_steps=20, steps_before=5, skip_before=2, skip_after=4),
+                       rewarm=Rewarm(factor=0.1, steps=10),
+                       lower_lr=LowerLR(max_rollbacks=1, window_steps=500, factor=0.5, max_drops=2))
 
 
 def samples(step: int) -> tuple[int, int]:

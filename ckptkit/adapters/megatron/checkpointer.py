@@ -31,9 +31,9 @@ class MegatronCheckpointer:
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.options = options if options is not None else MegatronOptions()
         self.storage_options = storage_options
-        self.manager = ckptkit.CheckpointManager(root, every_steps=every_steps, keep_last=keep_last,
-                                                 asynchronous=asynchronous, options=async_options,
-                                                 storage_options=storage_options)
+        self.manager = ckptkit.CheckpointManager(
+            root, save=ckptkit.SavePolicy(every_steps=every_steps), keep=ckptkit.RetentionPolicy(keep_last=keep_last),
+            asynchronous=async_options if asynchronous else None, storage_options=storage_options)
 
     def maybe_save(self, iteration: int, *, extra: Mapping[str, Any] | None = None) -> Any:
         """Save if ``every_steps`` says so at ``iteration``; the handle, or None."""

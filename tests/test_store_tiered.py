@@ -1,0 +1,172 @@
+"""TieredStore: the conformance suite over local disk in front of S3 (the moto server) and in front
+of another local directory, plus what only a tiered store promises — every object lands in both
+tiers, the authoritative keys in the remote tier only, and a damaged local copy never hides the
+remote's bytes."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from ckptkit.errors import CheckpointNotFoundError, CorruptCheckpointError
+from ckptkit.storage import LocalStore, open_store
+from ckptkit.storage.tiered import TieredStore
+from tests.s3_server import s3_env, s3_server  # noqa: F401 - fixtures
+from tests.store_conformance import (
+    FsBackdoor,
+    S3Backdoor,
+    StoreTests,
+    Subject,
+    TieredBackdoor,
+    payload,
+    reusing,
+    split,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+REMOTE_ONLY = frozenset({"manifest.json"})
+
+
+def _local_over_local(tmp_path) -> Subject:
+    local, remote = tmp_path / "nvme", tmp_path / "bucket"
+    store = TieredStore(LocalStore(str(local)), LocalStore(str(remote)), remote_only=REMOTE_ONLY)
+    return Subject(store, TieredBackdoor(FsBackdoor(local), FsBackdoor(remote), REMOTE_ONLY))
+
+
+class TestTieredLocalOverS3(StoreTests):
+    has_fallback = True
+    range_examples = 25
+    many_keys = 1001
+
+    @pytest.fixture
+    def subject(self, tmp_path, s3_env, s3_server):  # noqa: F811
+        store = TieredStore(LocalStore(str(tmp_path / "nvme")), open_store(f"s3://{s3_env}/run"), remote_only=REMOTE_ONLY)
+        raw = TieredBackdoor(FsBackdoor(tmp_path / "nvme"), S3Backdoor(s3_server.client(), s3_env, "run"), REMOTE_ONLY)
+        return Subject(store, raw)
+
+
+class TestTieredLocalOverLocal(StoreTests):
+    has_fallback = True
+
+    @pytest.fixture
+    def subject(self, tmp_path) -> Subject:
+        return _local_over_local(tmp_path)
+
+
+# ------------------------------------------------------------------ what only a tiered store promises
+
+
+@pytest.fixture
+def tiered(tmp_path) -> Subject:
+    return _local_over_local(tmp_path)
+
+
+def test_objects_land_in_both_tiers_and_authoritative_keys_in_the_remote_only(tiered):
+    store, raw = tiered.store, tiered.raw
+    local, remote = raw.tiers()
+    store.write_object("data/rank-0.bin", [b"data"])
+    store.put_bytes("index/rank-0.json", b"index")
+    assert store.put_if_absent("lease.json", b"lease")
+    for key, value in (("data/rank-0.bin", b"data"), ("index/rank-0.json", b"index"), ("lease.json", b"lease")):
+        assert local.get(key) == remote.get(key) == value, key
+    assert store.put_if_absent("manifest.json", b"commit")
+    assert remote.get("manifest.json") == b"commit" and local.get("manifest.json") is None
+    store.put_bytes("manifest.json", b"replaced")  # every write of it: the remote tier only
+    store.write_object("manifest.json", [b"streamed"])
+    assert remote.get("manifest.json") == b"streamed" and local.get("manifest.json") is None
+
+
+def test_children_keep_the_authoritative_keys(tiered):
+    step = tiered.store.child("step-0000003")
+    assert step.remote_only == REMOTE_ONLY
+    assert step.put_if_absent("manifest.json", b"commit")
+    step.put_bytes("index/rank-0.json", b"index")
+    local, remote = tiered.raw.tiers()
+    assert remote.get("step-0000003/manifest.json") == b"commit"
+    assert local.keys() == ["step-0000003/index/rank-0.json"]
+
+
+def test_a_local_copy_of_an_authoritative_key_is_never_read(tiered):
+    """A manifest left in the local tier (an older version, a crashed save) is not a commit."""
+    store, (local, _) = tiered.store, tiered.raw.tiers()
+    local.set("manifest.json", b"stale")
+    with pytest.raises(CheckpointNotFoundError):
+        store.read_bytes("manifest.json")
+    with pytest.raises(CorruptCheckpointError, match="missing"):
+        store.read_into("manifest.json", 0, memoryview(bytearray(3)))
+    assert store.size("manifest.json") is None
+    assert store.put_if_absent("manifest.json", b"commit")  # the remote tier decides
+    assert store.read_bytes("manifest.json") == b"commit"
+    out = bytearray(3)
+    store.read_into("manifest.json", 1, memoryview(out))
+    assert bytes(out) == b"omm"
+
+
+@pytest.mark.parametrize("damage", ["missing", "truncated"])
+def test_ranged_reads_go_to_the_remote_when_the_local_copy_is_missing_or_short(tiered, damage):
+    store, (local, _) = tiered.store, tiered.raw.tiers()
+    data = payload(10_000)
+    store.write_object("data/rank-0.bin", [data])
+    if damage == "missing":
+        local.remove("data/rank-0.bin")
+    else:
+        local.set("data/rank-0.bin", data[:5000])
+    out = bytearray(3000)
+    store.read_into("data/rank-0.bin", 4000, memoryview(out))
+    assert bytes(out) == data[4000:7000]
+    bufs = [bytearray(10), bytearray(0), bytearray(990)]
+    store.read_into_vectored("data/rank-0.bin", 9000, [memoryview(b) for b in bufs])
+    assert b"".join(bufs) == data[9000:]
+    if damage == "missing":
+        assert store.read_bytes("data/rank-0.bin") == data  # whole reads too
+
+
+def test_a_damaged_local_copy_is_read_again_from_the_fallback(tiered):
+    """Same length, wrong bytes: only the index's checksums can tell, so the store returns them and
+    the reader retries the range from ``fallback`` (ckptkit/engine/reader.py), which has the truth."""
+    store, (local, _) = tiered.store, tiered.raw.tiers()
+    data = payload(8192)
+    store.write_object("data/rank-0.bin", [data])
+    damaged = bytearray(data)
+    damaged[100] ^= 0xFF
+    local.set("data/rank-0.bin", bytes(damaged))
+    out = bytearray(200)
+    store.read_into("data/rank-0.bin", 0, memoryview(out))
+    assert bytes(out) == bytes(damaged[:200])
+    assert store.fallback is not None
+    store.fallback.read_into("data/rank-0.bin", 0, memoryview(out))
+    assert bytes(out) == data[:200]
+
+
+def test_an_unreadable_local_copy_is_read_whole_from_the_remote(tiered, tmp_path):
+    store = tiered.store
+    store.put_bytes("index/rank-0.json", b"{}")
+    path = tmp_path / "nvme" / "index" / "rank-0.json"
+    os.remove(path)
+    os.mkfifo(path)  # not a regular file: refused at once, then the remote's copy
+    assert store.read_bytes("index/rank-0.json", limit=100) == b"{}"
+
+
+def test_authoritative_writes_to_a_remote_that_holds_chunks_are_copied_first(tmp_path):
+    """The tiered store streams on the local store's behalf; an authoritative key goes straight to
+    the remote, and a remote that holds chunks (tensorstore's engine) gets copies, so a source
+    reusing its buffer still lands whole."""
+    remote = open_store(str(tmp_path / "bucket"), {"io_engine": "tensorstore"})
+    assert not remote.streams_writes
+    store = TieredStore(LocalStore(str(tmp_path / "nvme")), remote, remote_only={"big.bin"})
+    assert store.streams_writes
+    data = payload(100_000, seed=5)
+    done: list[str] = []
+    store.write_object("big.bin", reusing(split(data, 9000), done))
+    assert FsBackdoor(tmp_path / "bucket").get("big.bin") == data
+    assert FsBackdoor(tmp_path / "nvme").keys() == []
+
+
+def test_is_dir_is_either_tier(tmp_path):
+    (tmp_path / "nvme").mkdir()
+    store = TieredStore(LocalStore(str(tmp_path / "nvme")), LocalStore(str(tmp_path / "bucket")), remote_only=())
+    assert store.is_dir()
+    (tmp_path / "nvme").rmdir()
+    assert not store.is_dir()
