@@ -94,7 +94,7 @@ class Job:
         """Megatron dist-opt style: the model-parallel rank's local params, flattened and padded."""
         key = (pp, tp)
         if key not in self._buffers:
-            coord_base = (pp, 0, 0, 0, tp)
+            coord_base = (pp, 0, 0, tp)  # the dense mesh: pp, dp, cp, tp
             items = []
             pos = 0
             for k, s, _, layout in self.params:
@@ -132,7 +132,7 @@ class Job:
                 grid.append(GridDecl(ref, k, *FP32, held[0], layout, coord, r))
                 ref += 1
         else:
-            pp, dp_rank, tp = coord[0], coord[1] * self.config.ep + coord[2], coord[4]
+            pp, dp_rank, tp = coord[0], coord[1], coord[3]  # the dense mesh: pp, dp, cp, tp
             items, total = self._buffer(pp, tp)
             per = total // self.config.dp
             lo, hi = dp_rank * per, (dp_rank + 1) * per

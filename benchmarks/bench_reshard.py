@@ -32,7 +32,14 @@ processes (and the largest). ``--megatron-size F`` runs it at a fraction of
 the layers (ckptkit re-timed at that size for the ratio); ``--no-megatron``
 skips it.
 
-Run: .venv/bin/python benchmarks/bench_reshard.py [--quick] [--reps 1] [--out DIR]
+``--moe``: a mixture-of-experts GPT instead (64 routed SwiGLU experts per
+layer stacked ``[layers, experts, ...]`` with expert rules, a router; >= 2
+GiB, ``--quick``: ~0.25 GiB), resharded ``tp1pp1ep8 -> tp2pp1ep4`` by default
+(experts regrouped over EP, every expert split over the expert TP degree
+Megatron defaults to, ``etp = tp``), with the same two baselines (Megatron's
+workers declare the experts on its expert rank generator's coordinates).
+
+Run: .venv/bin/python benchmarks/bench_reshard.py [--quick] [--moe] [--reps 1] [--out DIR]
 """
 
 from __future__ import annotations
@@ -92,12 +99,14 @@ class Model:
     layers: int
     vocab: int
     vocab_multiple: int = 128
+    experts: int = 0  # MoE: routed experts per layer (0: a dense MLP)
+    moe_ffn: int = 0
 
 
 def specs(m: Model) -> dict[str, tuple[tuple[int, ...], str, PartitionRule]]:
     """Every tensor's model-space shape, dtype and the rule the Megatron adapter records."""
     h, L = m.hidden, m.layers
-    weights = {
+    weights: dict[str, tuple[tuple[int, ...], PartitionRule]] = {
         "embedding.word_embeddings.weight": ((m.vocab, h), PartitionRule(tp_axis=0, vocab_multiple=m.vocab_multiple, stage=0)),
         "output_layer.weight": ((m.vocab, h), PartitionRule(tp_axis=0, vocab_multiple=m.vocab_multiple, stage=-1)),
         "decoder.layers.self_attention.linear_qkv.weight": ((L, 3 * h, h), PartitionRule(tp_axis=1, layer_axis=0)),
@@ -108,6 +117,16 @@ def specs(m: Model) -> dict[str, tuple[tuple[int, ...], str, PartitionRule]]:
         "decoder.layers.mlp.linear_fc1.layer_norm_weight": ((L, h), PartitionRule(layer_axis=0)),
         "decoder.final_layernorm.weight": ((h,), PartitionRule(stage=-1)),
     }
+    if m.experts:
+        E, f = m.experts, m.moe_ffn
+        del weights["decoder.layers.mlp.linear_fc1.weight"], weights["decoder.layers.mlp.linear_fc2.weight"]
+        weights.update({
+            "decoder.layers.mlp.router.weight": ((L, E, h), PartitionRule(layer_axis=0)),
+            "decoder.layers.mlp.experts.experts.linear_fc1.weight": (
+                (L, E, 2 * f, h), PartitionRule(tp_axis=2, layer_axis=0, expert_axis=1, fused=(f, f))),
+            "decoder.layers.mlp.experts.experts.linear_fc2.weight": (
+                (L, E, h, f), PartitionRule(tp_axis=3, layer_axis=0, expert_axis=1)),
+        })
     out = {f"model/{k}": (s, "bfloat16", r) for k, (s, r) in weights.items()}
     for group in ("main", "exp_avg", "exp_avg_sq"):
         out.update({f"optimizer/{group}/{k}": (s, "float32", r) for k, (s, r) in weights.items()})
@@ -234,7 +253,8 @@ def megatron_model(m: Model, scale: float) -> Model:
     """The benchmark's model with its layer count scaled by ``scale`` (>= 4 layers; ``pp`` divides it)."""
     if scale >= 1:
         return m
-    return Model(m.hidden, m.ffn, max(4, int(round(m.layers * scale / 4)) * 4), m.vocab, m.vocab_multiple)
+    return Model(m.hidden, m.ffn, max(4, int(round(m.layers * scale / 4)) * 4), m.vocab, m.vocab_multiple,
+                 m.experts, m.moe_ffn)
 
 
 def check_equal(src: str, dst: str) -> None:
@@ -249,13 +269,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true", help="~40 MiB instead of >= 2 GiB (smoke test)")
     ap.add_argument("--reps", type=int, default=1, help="repetitions of each method (median reported)")
     ap.add_argument("--out", default="bench-out", help="scratch and results directory")
-    ap.add_argument("--source", default="tp2pp2")
-    ap.add_argument("--target", default="tp4pp2")
+    ap.add_argument("--moe", action="store_true", help="a mixture-of-experts GPT (64 experts), ep8 -> tp2 ep4")
+    ap.add_argument("--source", default=None, help="default tp2pp2 (--moe: tp1pp1ep8)")
+    ap.add_argument("--target", default=None, help="default tp4pp2 (--moe: tp2pp1ep4)")
     ap.add_argument("--max-memory", default="1GiB")
     ap.add_argument("--no-megatron", action="store_true", help="skip baseline (b), Megatron dist_checkpointing")
     ap.add_argument("--megatron-size", type=float, default=1.0,
                     help="baseline (b) at this fraction of the layers (ckptkit re-timed at that size too)")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    args.source = args.source or ("tp1pp1ep8" if args.moe else "tp2pp2")
+    args.target = args.target or ("tp2pp1ep4" if args.moe else "tp4pp2")
+    return args
+
+
+def _layout_spec(c: ParallelConfig) -> dict:
+    return {"tp": c.tp, "pp": c.pp, "dp": c.dp, "ep": c.ep, "etp": c.expert_tp}
 
 
 def megatron_baseline(args: argparse.Namespace, m: Model, scratch: str, cold: bool) -> dict:
@@ -263,11 +291,12 @@ def megatron_baseline(args: argparse.Namespace, m: Model, scratch: str, cold: bo
     gloo processes (one per rank of each layout), against ``ckptkit reshard`` of the same tensors."""
     sc, tc = ParallelConfig.parse(args.source), ParallelConfig.parse(args.target)
     mm = megatron_model(m, args.megatron_size)
-    spec = {"hidden": mm.hidden, "ffn": mm.ffn, "layers": mm.layers, "vocab": mm.vocab}
+    spec = {"hidden": mm.hidden, "ffn": mm.ffn, "layers": mm.layers, "vocab": mm.vocab, "experts": mm.experts,
+            "moe_ffn": mm.moe_ffn}
     msrc, mdst = os.path.join(scratch, "meg-src"), os.path.join(scratch, "meg-dst")
     t0 = time.perf_counter()
     os.makedirs(msrc)  # dist_checkpointing.save wants an existing, empty directory
-    run_ranks(sc.world_size, ["save", json.dumps({**spec, "tp": sc.tp, "pp": sc.pp}), msrc], 29500 + os.getpid() % 1000)
+    run_ranks(sc.world_size, ["save", json.dumps({**spec, **_layout_spec(sc)}), msrc], 29500 + os.getpid() % 1000)
     stored, files = tree_bytes(msrc)
     print(f"megatron source {args.source}: {stored / GiB:.2f} GiB in {files} files, layers {mm.layers} "
           f"(saved in {time.perf_counter() - t0:.1f}s)", flush=True)
@@ -279,7 +308,7 @@ def megatron_baseline(args: argparse.Namespace, m: Model, scratch: str, cold: bo
     for rep in range(args.reps):
         cold &= drop_page_cache()
         os.makedirs(mdst)
-        wall, rss, lines = run_ranks(tc.world_size, ["reshard", json.dumps({**spec, "tp": tc.tp, "pp": tc.pp}), msrc,
+        wall, rss, lines = run_ranks(tc.world_size, ["reshard", json.dumps({**spec, **_layout_spec(tc)}), msrc,
                                                       mdst], 29500 + (os.getpid() + rep + 1) % 1000)
         walls.append(wall)
         inner.append(max(ln["seconds"] for ln in lines))
@@ -303,7 +332,12 @@ def megatron_baseline(args: argparse.Namespace, m: Model, scratch: str, cold: bo
 
 
 def run(args: argparse.Namespace) -> int:
-    m = Model(hidden=256, ffn=704, layers=4, vocab=8000) if args.quick else Model(hidden=1024, ffn=2816, layers=8, vocab=32000)
+    if args.moe:  # 64 experts; >= 2 GiB: 2 layers x 64 x 1.5M expert parameters at 14 bytes each (+ dense)
+        m = Model(hidden=256, ffn=0, layers=4, vocab=8000, experts=64, moe_ffn=64) if args.quick else \
+            Model(hidden=1024, ffn=0, layers=2, vocab=32000, experts=64, moe_ffn=512)
+    else:
+        m = Model(hidden=256, ffn=704, layers=4, vocab=8000) if args.quick else \
+            Model(hidden=1024, ffn=2816, layers=8, vocab=32000)
     os.makedirs(args.out, exist_ok=True)
     scratch = tempfile.mkdtemp(prefix="bench_reshard-scratch-", dir=args.out)
     try:
@@ -357,8 +391,8 @@ def run(args: argparse.Namespace) -> int:
                   f"({meg['megatron_inner_seconds']:.2f}s in process), peak RSS summed over ranks "
                   f"{meg['megatron_rss_sum'] / MiB:.0f} MiB (max one rank {meg['megatron_rss_max'] / MiB:.0f} MiB); "
                   f"ckptkit reshard / Megatron wall: {ck / meg['megatron_seconds']:.2f}x (target < 1)")
-        write_results(args.out, "bench_reshard", {**meg,
-            "quick": args.quick, "source": args.source, "target": args.target, "bytes": total,
+        write_results(args.out, "bench_reshard_moe" if args.moe else "bench_reshard", {**meg,
+            "quick": args.quick, "moe": args.moe, "experts": m.experts, "source": args.source, "target": args.target, "bytes": total,
             "largest_tensor": largest, "cold_cache": cold, "reps": args.reps,
             "raw_seconds": median(raw_t), "reshard_seconds": median(rs_t), "reshard_inner_seconds": median(rs_inner),
             "wall_ratio": median(rs_t) / median(raw_t), "peak_rss": max(rs_rss), "rss_target": rss_target,

@@ -14,8 +14,16 @@ same synthetic Megatron-GPT tensors as the ckptkit benchmark are declared as
 * the embedding on the first stage, output layer and final norm on the last;
   optimizer state (fp32 main, exp_avg, exp_avg_sq) sharded like its parameter.
 
-Rank ``r`` is ``tp_rank = r % tp``, ``pp_rank = r // tp`` (Megatron's
-tp-cp-ep-dp-pp order with dp = 1).
+Rank ``r`` is ``tp_rank = r % tp``, ``dp_rank = r // tp % dp``, ``pp_rank =
+r // (tp * dp)`` (Megatron's tp-cp-ep-dp-pp order); dense tensors are
+replicated over dp (``replica_id`` ``(0, tp replica, dp_rank)``).
+
+MoE (``experts`` > 0 in the spec): the dense MLP gives way to a router
+``(L, E, h)`` and routed experts stacked ``(L, E, ...)`` as Megatron's
+SequentialMLP declares them, on the expert rank generator's coordinates
+(``etp_rank = r % etp``, ``ep_rank = r // etp % ep``, ``edp_rank = r // (etp
+* ep) % edp``): each EP rank's block of experts, the fc1 gate/up halves as
+``2 x etp`` fragments, replicated over expert data parallel.
 
 ``save SRC``: write random tensors at the layout (the untimed source).
 ``reshard SRC DST``: build the target layout's ShardedTensors (empty), load
@@ -41,11 +49,20 @@ def install_cpu_shims() -> None:
     torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
 
 
-def shapes(hidden: int, ffn: int, layers: int, vocab: int) -> dict[str, tuple[tuple[int, ...], str]]:
+def shapes(hidden: int, ffn: int, layers: int, vocab: int, experts: int = 0,
+           moe_ffn: int = 0) -> dict[str, tuple[tuple[int, ...], str]]:
     """Key -> (global shape, kind). Kinds: col (TP on the first non-layer axis), row (TP on the
     last), fc1 (fused gate/up), norm (TP-replicated), vocab_first / vocab_last (TP on the vocab,
-    one stage), final_norm (last stage, TP-replicated)."""
+    one stage), final_norm (last stage, TP-replicated), expert_fc1 / expert_row (routed experts)."""
     h, L = hidden, layers
+    if experts:
+        return {
+            **{k: v for k, v in shapes(hidden, ffn, layers, vocab).items() if ".mlp.linear_fc" not in k
+               or "layer_norm" in k},
+            "decoder.layers.mlp.router.weight": ((L, experts, h), "norm"),
+            "decoder.layers.mlp.experts.experts.linear_fc1.weight": ((L, experts, 2 * moe_ffn, h), "expert_fc1"),
+            "decoder.layers.mlp.experts.experts.linear_fc2.weight": ((L, experts, h, moe_ffn), "expert_row"),
+        }
     return {
         "embedding.word_embeddings.weight": ((vocab, h), "vocab_first"),
         "output_layer.weight": ((vocab, h), "vocab_last"),
@@ -59,17 +76,20 @@ def shapes(hidden: int, ffn: int, layers: int, vocab: int) -> dict[str, tuple[tu
     }
 
 
-def sharded_state_dict(rank: int, tp: int, pp: int, model: dict, fill: str, loaded: dict | None = None) -> dict:
-    """This rank's ShardedTensors at tp x pp (``fill``: 'random' or 'empty'; ``loaded``: the
-    tensors a load returned, in the same structure, to save again)."""
+def sharded_state_dict(rank: int, lay: dict, model: dict, fill: str, loaded: dict | None = None) -> dict:
+    """This rank's ShardedTensors at the layout ``lay`` (tp, pp, dp, ep, etp) (``fill``: 'random' or
+    'empty'; ``loaded``: the tensors a load returned, in the same structure, to save again)."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-    tp_rank, pp_rank = rank % tp, rank // tp
+    tp, pp, dp, ep, etp = lay["tp"], lay["pp"], lay.get("dp", 1), lay.get("ep", 1), lay.get("etp", lay["tp"])
+    tp_rank, dp_rank, pp_rank = rank % tp, rank // tp % dp, rank // (tp * dp)
+    etp_rank, ep_rank, edp_rank = rank % etp, rank // etp % ep, rank // (etp * ep) % (tp * dp // (etp * ep))
     first, last = pp_rank == 0, pp_rank == pp - 1
     gen = torch.Generator().manual_seed(rank)
     out: dict = {}
 
-    def add(name: str, key: str, local_shape: tuple[int, ...], dtype: torch.dtype, *offsets, replica_id=0) -> None:
+    def add(name: str, key: str, local_shape: tuple[int, ...], dtype: torch.dtype, *offsets, replica_id=None) -> None:
+        replica_id = (0, 0, dp_rank) if replica_id is None else replica_id
         if loaded is not None:
             data = loaded[name]
         elif fill == "random":
@@ -89,12 +109,23 @@ def sharded_state_dict(rank: int, tp: int, pp: int, model: dict, fill: str, load
                     add(name, skey, (shape[0] // tp, shape[1]), dtype, (0, tp_rank, tp))
             elif kind == "final_norm":
                 if last:
-                    add(name, skey, shape, dtype, replica_id=tp_rank)
+                    add(name, skey, shape, dtype, replica_id=(0, tp_rank, dp_rank))
             else:
                 L = shape[0] // pp
                 stage = (0, pp_rank, pp)
                 if kind == "norm":
-                    add(name, skey, (L, shape[1]), dtype, stage, replica_id=tp_rank)
+                    add(name, skey, (L, *shape[1:]), dtype, stage, replica_id=(0, tp_rank, dp_rank))
+                elif kind in ("expert_fc1", "expert_row"):
+                    e = shape[1] // ep
+                    block = (1, ep_rank, ep)
+                    rid = (0, 0, edp_rank)
+                    if kind == "expert_row":
+                        add(name, skey, (L, e, shape[2], shape[3] // etp), dtype, stage, block, (3, etp_rank, etp),
+                            replica_id=rid)
+                    else:
+                        half = (L, e, shape[2] // 2 // etp, shape[3])
+                        add(name + "#w", skey, half, dtype, stage, block, (2, etp_rank, 2 * etp), replica_id=rid)
+                        add(name + "#v", skey, half, dtype, stage, block, (2, etp + etp_rank, 2 * etp), replica_id=rid)
                 elif kind == "col":
                     add(name, skey, (L, shape[1] // tp, shape[2]), dtype, stage, (1, tp_rank, tp))
                 elif kind == "row":
@@ -114,18 +145,18 @@ def main() -> int:
     install_cpu_shims()
     from megatron.core import dist_checkpointing
 
-    model = shapes(spec["hidden"], spec["ffn"], spec["layers"], spec["vocab"])
-    tp, pp = spec["tp"], spec["pp"]
-    assert tp * pp == world, (tp, pp, world)
+    model = shapes(spec["hidden"], spec["ffn"], spec["layers"], spec["vocab"], spec.get("experts", 0),
+                   spec.get("moe_ffn", 0))
+    assert spec["tp"] * spec["pp"] * spec.get("dp", 1) == world, (spec, world)
     if mode == "save":
-        dist_checkpointing.save(sharded_state_dict(rank, tp, pp, model, "random"), sys.argv[3])
+        dist_checkpointing.save(sharded_state_dict(rank, spec, model, "random"), sys.argv[3])
         dist.barrier()
     else:
         dist.barrier()
         t0 = time.perf_counter()
-        loaded = dist_checkpointing.load(sharded_state_dict(rank, tp, pp, model, "empty"), sys.argv[3])
+        loaded = dist_checkpointing.load(sharded_state_dict(rank, spec, model, "empty"), sys.argv[3])
         t_load = time.perf_counter() - t0
-        dist_checkpointing.save(sharded_state_dict(rank, tp, pp, model, "", loaded), sys.argv[4])
+        dist_checkpointing.save(sharded_state_dict(rank, spec, model, "", loaded), sys.argv[4])
         dist.barrier()
         print(json.dumps({"rank": rank, "seconds": time.perf_counter() - t0, "load_seconds": t_load}), flush=True)
     dist.destroy_process_group()

@@ -7,7 +7,7 @@
   starts itself: ckptkit's native and tensorstore engines vs raw s3fs vs DCP
   over fsspec, and both engines on local files) as a plain single-process script;
 * ``bench_modelspace.py`` (a lazy slice vs a full load; zarr export/import vs raw writes) as a plain single-process script;
-* ``bench_reshard.py`` (offline ``ckptkit reshard`` tp2pp2 -> tp4pp2 in a subprocess vs a raw copy of the same bytes) as a plain single-process script;
+* ``bench_reshard.py`` (offline ``ckptkit reshard`` tp2pp2 -> tp4pp2 in a subprocess vs a raw copy of the same bytes) as a plain single-process script, then again with ``--moe`` (a 64-expert MoE GPT, ep8 -> tp2 ep4);
 * every other ``benchmarks/bench_*.py`` that defines ``main()`` (e.g.
   ``bench_plan_scale.py``) as a plain single-process script.
 
@@ -36,6 +36,7 @@ IO_BENCH = "bench_io.py"
 ASYNC_BENCH = "bench_async.py"
 TORCHRUN_BENCHES = (IO_BENCH, ASYNC_BENCH)  # run under torchrun, in this order
 S3_BENCH = "bench_s3.py"  # a plain script that also takes --reps
+VARIANTS = {"bench_reshard.py": [[], ["--moe"]]}  # scripts run more than once, with these extra arguments
 SCRATCH_PREFIXES = ("bench_io-scratch-", "bench_async-scratch-", "bench_s3-scratch-", "bench_modelspace-scratch-", "bench_torchtitan-scratch-",
                     "bench_deepspeed-scratch-", "bench_reshard-scratch-")
 
@@ -78,7 +79,9 @@ def run_selected(args: argparse.Namespace, out: str, wanted: Callable[[str], boo
             results.append(run(bench, [*torchrun, os.path.join(HERE, bench), *dist_args]))
     for path in filter(wanted, other_benchmarks()):
         extra = reps if os.path.basename(path) == S3_BENCH else []
-        results.append(run(os.path.basename(path), [sys.executable, path, *common, *extra]))
+        for variant in VARIANTS.get(os.path.basename(path), [[]]):
+            name = " ".join([os.path.basename(path), *variant])
+            results.append(run(name, [sys.executable, path, *common, *extra, *variant]))
 
 
 def main(argv: list[str] | None = None) -> int:

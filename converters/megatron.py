@@ -116,15 +116,6 @@ def _check_vocab(key: str, padded: int, vocab: int, d: int, tp: int, where: str)
                           f"divisible_by {d} x tp {tp} is {want}: check --vocab-size / --divisible-by")
 
 
-def _ffn(shapes: Mapping[str, tuple[int, ...]]) -> int | None:
-    """The FFN size when ``linear_fc1`` is gated ([gate; up]: twice fc2's input), else None."""
-    fc1 = shapes.get("decoder.layers.mlp.linear_fc1.weight")
-    fc2 = shapes.get("decoder.layers.mlp.linear_fc2.weight")
-    if fc1 is None or fc2 is None:
-        return None
-    return fc2[-1] if fc1[1] == 2 * fc2[-1] else None
-
-
 def _layouts(specs: Mapping[str, _Spec], pieces: Mapping[int, Sequence[tuple[str, Region]]],
              rules: Mapping[str, Any]) -> dict[str, TensorMeta]:
     """Manifest entries carrying the rules: the pieces sorted exactly as the merge sorts them."""
@@ -143,9 +134,9 @@ def _write(dest: str, world: int, specs: dict[str, _Spec], pieces: dict[int, lis
            progress: Progress | None, t0: float, skipped: tuple[str, ...],
            storage_options: dict[str, Any] | None = None) -> MegatronConvertResult:
     shapes = {k[len(MODEL):]: s.shape for k, s in specs.items() if k.startswith(MODEL)}
-    ffn = _ffn(shapes)
     d = meta["make_vocab_size_divisible_by"]
-    rules = {k: names.rule_for(_megatron_key(k), divisible_by=d, ffn=ffn) for k in specs}
+    rules = {k: names.rule_for(_megatron_key(k), divisible_by=d, ffn=names.gated_ffn(_megatron_key(k), shapes))
+             for k in specs}
     out = open_store(dest, storage_options)
     result = write_offline(
         out, world_size=world, tensors=specs, pieces=pieces, source=source,

@@ -21,31 +21,48 @@ import torch
 
 from ckptkit.errors import CkptkitError, LayoutError, ManifestError, SaveError
 from ckptkit.layout.box import Box
+from ckptkit.layout.config import ParallelConfig
 from ckptkit.offline.view import open as open_view
 from ckptkit.options import Progress, progress_counter
 from ckptkit_converters import megatron_format as fmt
 from ckptkit_converters import megatron_names as names
 from ckptkit_converters.megatron_format import META_KEY, MODEL, MegatronConvertResult
 
-_LINEAR_MODULES = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+_LINEAR_MODULES = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2",
+                   "mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2")
+_EXPERT_MODULES = ("mlp.experts.experts.linear_fc1", "mlp.experts.experts.linear_fc2")
 _NONE_LIST = b""  # torch.save([None]) bytes, filled on first use
 
 
-def _extra_state_items(keys: Sequence[str], num_layers: int, tp: int, pp: int) -> list[tuple[int, str]]:
+def _extra_state_items(keys: Sequence[str], shapes: Mapping[str, tuple[int, ...]], num_layers: int,
+                       config: ParallelConfig) -> list[tuple[int, str]]:
     """The ``_extra_state`` ShardedObjects Megatron's linear layers declare, as ``(writer rank, DCP key)``.
 
     ``model.sharded_state_dict()`` lists one per linear module and layer
     (``decoder.layers.<module>._extra_state/shard_<layer>_<L>``), and a load
     fails on a missing one, so the export writes each holding ``[None]`` (what
     Megatron saves for modules without FP8 state; Transformer Engine's
-    ``set_extra_state`` accepts None).
+    ``set_extra_state`` accepts None). Routed experts declare one per layer
+    and global expert: ``shard_<layer>.<expert>_<L>.<E>``.
     """
     out = []
+    mesh = config.mesh()
+
+    def writer(layer: int) -> int:
+        return mesh.rank_at((layer * config.pp // num_layers, 0, 0, 0))
+
     for module in _LINEAR_MODULES:
         if f"{names.LAYER_PREFIX}{module}.weight" in keys:
             for layer in range(num_layers):
-                stage = layer * pp // num_layers
-                out.append((stage * tp, f"{names.LAYER_PREFIX}{module}._extra_state/shard_{layer}_{num_layers}"))
+                out.append((writer(layer), f"{names.LAYER_PREFIX}{module}._extra_state/shard_{layer}_{num_layers}"))
+    for module in _EXPERT_MODULES:
+        key = f"{names.LAYER_PREFIX}{module}.weight"
+        if key in keys:
+            experts = shapes[key][1]
+            for layer in range(num_layers):
+                for e in range(experts):
+                    out.append((writer(layer), f"{names.LAYER_PREFIX}{module}._extra_state/"
+                                               f"shard_{layer}.{e}_{num_layers}.{experts}"))
     return out
 
 
@@ -92,10 +109,32 @@ class _ViewPlanner:
             out[rows:rows + take] = self._view.read_box(pad_key, Box((first, *(0,) * len(rest)), (take, *rest)))
 
 
-def _target_chunks(key: str, shape: tuple[int, ...], rule: Any, tp: int, pp: int, d: int,
+def _expert_chunks(key: str, shape: tuple[int, ...], rule: Any, config: ParallelConfig,
+                   num_layers: int) -> list[tuple[int, tuple[int, ...], tuple[int, ...]]]:
+    """A routed expert's tensor at the target: the pieces its rule gives each writing rank of the
+    expert mesh (experts over EP, rows over ETP, layers over PP)."""
+    layout = rule.evaluate(shape, config, num_layers)
+    out = []
+    for rank in range(config.world_size):
+        coord = layout.mesh.coordinate(rank)
+        held = layout.local_pieces(coord) if coord is not None and layout.is_writer(coord, 0) else None
+        for _, box in (held[1] if held else []):
+            if box.numel:
+                out.append((rank, box.offsets, box.sizes))
+    if not out:
+        raise LayoutError(f"{key!r}: no rank of {config} writes it")
+    return out
+
+
+def _target_chunks(key: str, shape: tuple[int, ...], rule: Any, config: ParallelConfig, d: int,
                    num_layers: int) -> tuple[tuple[int, ...], list[tuple[int, tuple[int, ...], tuple[int, ...]]]]:
-    """The padded global shape of ``key`` at ``tp``/``pp`` and its chunks ``(writer rank, offsets, sizes)``:
-    each rank's part as Megatron places it (TP split per fused part, layers split evenly over stages)."""
+    """The padded global shape of ``key`` at the target and its chunks ``(writer rank, offsets, sizes)``:
+    each rank's part as Megatron places it (TP split per fused part, layers split evenly over stages,
+    routed experts split over EP and ETP)."""
+    if rule.is_expert:
+        return tuple(shape), _expert_chunks(key, shape, rule, config, num_layers)
+    tp, pp = config.tp, config.pp
+    mesh = config.mesh()
     padded = list(shape)
     if rule.vocab_multiple is not None:
         padded[rule.tp_axis] = names.padded_vocab(shape[rule.tp_axis], d, tp)
@@ -121,13 +160,15 @@ def _target_chunks(key: str, shape: tuple[int, ...], rule: Any, tp: int, pp: int
                     offs[rule.tp_axis], sizes[rule.tp_axis] = start, size
                 if rule.layer_axis is not None:
                     offs[rule.layer_axis], sizes[rule.layer_axis] = lo, n
-                out.append((p * tp + t, tuple(offs), tuple(sizes)))
+                out.append((mesh.rank_at((p, 0, 0, t)), tuple(offs), tuple(sizes)))
     return tuple(padded), out
 
 
 def export_torch_dist(source: str | os.PathLike[str], dest: str | os.PathLike[str], *, tp: int, pp: int,
-                      divisible_by: int | None = None, progress: Progress | None = None) -> MegatronConvertResult:
-    """Write the ckptkit Megatron checkpoint ``source`` as a torch_dist directory for ``tp``/``pp``.
+                      ep: int = 1, etp: int | None = None, divisible_by: int | None = None,
+                      progress: Progress | None = None) -> MegatronConvertResult:
+    """Write the ckptkit Megatron checkpoint ``source`` as a torch_dist directory for ``tp``/``pp``
+    (and, for an MoE model, ``ep`` / ``etp``: routed experts are written as the expert ranks hold them).
 
     ``megatron.core.dist_checkpointing.load(model.sharded_state_dict(), dest)``
     accepts it for a model built at that layout (any layout, in fact: DCP reads
@@ -162,10 +203,11 @@ def export_torch_dist(source: str | os.PathLike[str], dest: str | os.PathLike[st
     num_layers = int(meta["num_layers"])
     if tp < 1 or pp < 1 or num_layers % pp:
         raise LayoutError(f"cannot export {num_layers} layers at tp={tp} pp={pp} (layers must split evenly over pp)")
+    config = ParallelConfig.parse(f"tp{tp}pp{pp}ep{ep}" + (f"etp{etp}" if etp is not None else ""))
     out = os.fspath(dest)
     if os.path.exists(out) and os.listdir(out):
         raise SaveError(f"{out} is not empty; an export writes a new torch_dist directory")
-    plans: list[list[Any]] = [[] for _ in range(tp * pp)]
+    plans: list[list[Any]] = [[] for _ in range(config.world_size)]
     keys: dict[str, str] = {}
     total = 0
     skipped = []
@@ -177,7 +219,10 @@ def export_torch_dist(source: str | os.PathLike[str], dest: str | os.PathLike[st
             continue
         mkey = key[len(MODEL):]
         rule = tmeta.rule or names.rule_for(mkey, divisible_by=d)
-        padded, chunks = _target_chunks(mkey, tmeta.shape, rule, tp, pp, d, num_layers)
+        if rule.layer is not None:
+            raise LayoutError(f"{view.url}: {mkey!r} is a per-layer tensor (an MoE layer pattern); the torch_dist "
+                              "export writes stacked layers only")
+        padded, chunks = _target_chunks(mkey, tmeta.shape, rule, config, d, num_layers)
         keys[mkey] = key
         props = TensorProperties(dtype=view[key].dtype)
         for rank, offs, sizes in chunks:
@@ -191,7 +236,8 @@ def export_torch_dist(source: str | os.PathLike[str], dest: str | os.PathLike[st
         buf = io.BytesIO()
         torch.save([None], buf)
         _NONE_LIST = buf.getvalue()
-    for rank, item_key in _extra_state_items(list(keys), num_layers, tp, pp):
+    shapes = {k: view.manifest.tensors[v].shape for k, v in keys.items()}
+    for rank, item_key in _extra_state_items(list(keys), shapes, num_layers, config):
         plans[rank].append(WriteItem(index=MetadataIndex(item_key), type=WriteItemType.BYTE_IO))
     tick = progress_counter(progress, total)
 
@@ -217,6 +263,7 @@ def export_torch_dist(source: str | os.PathLike[str], dest: str | os.PathLike[st
         if isinstance(exc, CkptkitError) or not isinstance(exc, Exception):
             raise
         raise SaveError(f"exporting {view.url} to torch_dist at {out} failed: {exc}") from exc
-    out_meta = {**meta, "layout": {"tp": tp, "pp": pp, "dp": None, "vpp": None}}
+    out_meta = {**meta, "layout": {"tp": tp, "pp": pp, "dp": None, "vpp": None, "ep": ep,
+                                   "etp": config.expert_tp}}
     return MegatronConvertResult(view.url, out, "megatron-torch_dist", len(keys), total, view.bytes_read,
                                  time.perf_counter() - t0, out_meta, tuple(skipped))

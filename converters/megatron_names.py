@@ -48,8 +48,29 @@ _LAYER_TP: dict[str, int | None] = {
     "self_attention.q_layernorm.bias": None,
     "self_attention.k_layernorm.weight": None,
     "self_attention.k_layernorm.bias": None,
+    # MoE: the router (its expert_bias buffer for aux-loss-free balancing) and shared experts are
+    # ordinary per-layer tensors; a shared expert is a SwiGLU MLP of its own size
+    "mlp.router.weight": None,
+    "mlp.router.bias": None,
+    "mlp.router.expert_bias": None,
+    "mlp.shared_experts.linear_fc1.weight": 0,
+    "mlp.shared_experts.linear_fc1.bias": 0,
+    "mlp.shared_experts.linear_fc2.weight": 1,
+    "mlp.shared_experts.linear_fc2.bias": None,
+    "mlp.shared_experts.gate_weight": None,
 }
-_FC1 = ("mlp.linear_fc1.weight", "mlp.linear_fc1.bias")
+# Routed experts (SequentialMLP), stacked [layers, experts, ...]: TP axis within one expert's tensor,
+# split over the expert TP degree; the expert axis (1) splits over EP (docs/moe.md).
+_EXPERT_TP: dict[str, int | None] = {
+    "mlp.experts.experts.linear_fc1.weight": 0,
+    "mlp.experts.experts.linear_fc1.bias": 0,
+    "mlp.experts.experts.linear_fc2.weight": 1,
+    "mlp.experts.experts.linear_fc2.bias": None,
+}
+_FC1 = ("mlp.linear_fc1.weight", "mlp.linear_fc1.bias", "mlp.shared_experts.linear_fc1.weight",
+        "mlp.shared_experts.linear_fc1.bias", "mlp.experts.experts.linear_fc1.weight",
+        "mlp.experts.experts.linear_fc1.bias")
+_FC2_OF = {"linear_fc1.weight": "linear_fc2.weight", "linear_fc1.bias": "linear_fc2.weight"}
 
 # module-state-dict names of the local spec -> the sharded (TE-style) names
 _LEGACY_RENAME = {
@@ -57,6 +78,7 @@ _LEGACY_RENAME = {
     "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
 }
 _LEGACY_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_PER_LAYER = _LEGACY_LAYER  # the same shape: Megatron's sharded per-layer keys carry the *global* layer
 
 
 def padded_vocab(vocab_size: int, divisible_by: int, tp: int) -> int:
@@ -66,21 +88,56 @@ def padded_vocab(vocab_size: int, divisible_by: int, tp: int) -> int:
 
 
 def layer_tp_axis(name: str) -> int | None:
-    """TP split axis of a per-layer tensor (``name`` after ``decoder.layers.``), without the layer axis."""
+    """TP split axis of a per-layer tensor (``name`` after ``decoder.layers.``), without the layer axis
+    (and, for a routed expert's tensor, without the expert axis)."""
+    if name in _EXPERT_TP:
+        return _EXPERT_TP[name]
     if name not in _LAYER_TP:
         raise LayoutError(f"unknown Megatron per-layer tensor 'decoder.layers.{name}' (not in converters/megatron_names.py)")
     return _LAYER_TP[name]
 
 
+def _layer_name(key: str) -> str | None:
+    """``mlp.linear_fc1.weight`` of a stacked or a per-layer key, else None."""
+    m = _PER_LAYER.match(key)
+    if m is not None:
+        return m.group(2)
+    return key[len(LAYER_PREFIX):] if key.startswith(LAYER_PREFIX) else None
+
+
 def is_fused_glu(key: str) -> bool:
-    return key.startswith(LAYER_PREFIX) and key[len(LAYER_PREFIX):] in _FC1
+    return _layer_name(key) in _FC1
+
+
+def is_expert(key: str) -> bool:
+    """A routed expert's tensor (stacked ``[layers, experts, ...]`` or per-layer ``[experts, ...]``)."""
+    return _layer_name(key) in _EXPERT_TP
+
+
+def gated_ffn(key: str, shapes: dict[str, tuple[int, ...]]) -> int | None:
+    """The FFN size of a gated ``linear_fc1`` (``[gate; up]``: twice its ``linear_fc2``'s input), read
+    off the stored shapes; None for any other tensor or an ungated MLP. Dense MLPs, shared experts
+    and routed experts each have their own size."""
+    if not is_fused_glu(key):
+        return None
+    for fc1, fc2 in _FC2_OF.items():
+        if key.endswith(fc1):
+            other = key[: -len(fc1)] + fc2
+            fc1_key = key[: -len(fc1)] + "linear_fc1.weight"
+            if other not in shapes or fc1_key not in shapes:
+                return None
+            axis = (1 if is_expert(key) else 0) + (0 if _PER_LAYER.match(key) else 1)
+            rows, ffn = shapes[fc1_key][axis], shapes[other][-1]
+            return ffn if rows == 2 * ffn else None
+    return None
 
 
 def rule_for(key: str, *, divisible_by: int, ffn: int | None = None) -> PartitionRule:
     """The partition rule of Megatron GPT tensor ``key`` (a sharded key, no ``model/``).
 
-    ``ffn``: the FFN hidden size when ``linear_fc1`` is gated (SwiGLU: ``[gate; up]``,
-    each part split over TP on its own); None for a plain MLP. Unknown keys raise
+    ``ffn``: the FFN hidden size when this ``linear_fc1`` is gated (SwiGLU: ``[gate; up]``,
+    each part split over TP on its own; :func:`gated_ffn` reads it off the shapes); None
+    for a plain MLP. Unknown keys raise
     :class:`LayoutError` naming them: guessing a split would load wrong weights.
     """
     if key == EMBEDDING:
@@ -91,14 +148,24 @@ def rule_for(key: str, *, divisible_by: int, ffn: int | None = None) -> Partitio
         return PartitionRule(stage=0)
     if key in ("decoder.final_layernorm.weight", "decoder.final_layernorm.bias"):
         return PartitionRule(stage=-1)
+    per_layer = _PER_LAYER.match(key)
+    if per_layer is not None:  # an MoE layer pattern: per-layer keys, routed experts [experts, ...]
+        layer, name = int(per_layer.group(1)), per_layer.group(2)
+        axis = layer_tp_axis(name)
+        experts = {"expert_axis": 0} if name in _EXPERT_TP else {}
+        prepend = len(experts)
+        fused = (ffn, ffn) if name in _FC1 and ffn is not None and axis is not None else None
+        return PartitionRule(tp_axis=None if axis is None else axis + prepend, layer=layer, fused=fused, **experts)
     if key.startswith(LAYER_PREFIX):
         name = key[len(LAYER_PREFIX):]
         axis = layer_tp_axis(name)
+        experts = {"expert_axis": 1} if name in _EXPERT_TP else {}
+        prepend = 1 + len(experts)
         if axis is None:
-            return PartitionRule(layer_axis=0)
+            return PartitionRule(layer_axis=0, **experts)
         if name in _FC1 and ffn is not None:
-            return PartitionRule(tp_axis=axis + 1, layer_axis=0, fused=(ffn, ffn))
-        return PartitionRule(tp_axis=axis + 1, layer_axis=0)
+            return PartitionRule(tp_axis=axis + prepend, layer_axis=0, fused=(ffn, ffn), **experts)
+        return PartitionRule(tp_axis=axis + prepend, layer_axis=0, **experts)
     raise LayoutError(f"unknown Megatron tensor {key!r}: no partition rule in converters/megatron_names.py")
 
 

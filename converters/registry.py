@@ -287,13 +287,13 @@ def _to_deepspeed(source: str, dest: str, o: ConvertOptions) -> ConvertResult:
 
 
 def check_megatron_target(target: ParallelConfig | None) -> ParallelConfig:
-    """The target of a Megatron export: tp and pp, an even split (what the exporter writes)."""
+    """The target of a Megatron export: tp, pp (an even split), ep and etp (what the exporter writes)."""
     if target is None:
         raise CkptkitError("the megatron export needs the target layout: layout (CLI: --to LAYOUT, e.g. --to tp2pp2), "
                            "the tp/pp Megatron will load the torch_dist directory at")
-    if target.vpp not in (None, 1) or target.pp_layers is not None or target.cp != 1 or target.ep != 1:
-        raise LayoutError(f"--format megatron writes an even pipeline split without virtual chunks, context or "
-                          f"expert parallelism; target {target} asks for more")
+    if target.vpp not in (None, 1) or target.pp_layers is not None or target.cp != 1:
+        raise LayoutError(f"--format megatron writes an even pipeline split without virtual chunks or context "
+                          f"parallelism; target {target} asks for more")
     return target
 
 
@@ -301,7 +301,7 @@ def _to_megatron(source: str, dest: str, o: ConvertOptions) -> ConvertResult:
     from ckptkit_converters.megatron_export import export_torch_dist
 
     target = check_megatron_target(o.layout)
-    return export_torch_dist(source, dest, tp=target.tp, pp=target.pp,
+    return export_torch_dist(source, dest, tp=target.tp, pp=target.pp, ep=target.ep, etp=target.etp,
                              divisible_by=o.imports.make_vocab_size_divisible_by, progress=o.progress)
 
 

@@ -60,4 +60,8 @@ def install() -> None:
 
     mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
     mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):  # without Transformer Engine the router's fast path is undefined
+        moe_utils.te_general_gemm = None
     _CudaToCpu().__enter__()  # stays active for the life of the process

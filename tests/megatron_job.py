@@ -149,3 +149,18 @@ def checkpointer_run(layout: mm.Layout, root: str, *, steps: int) -> dict[str, A
                 "eval": mm.eval_loss(t)}
     finally:
         mm.teardown()
+
+
+def load_error(layout: mm.Layout, folder: str) -> str | None:
+    """The message of the error a load at ``layout`` raises on this rank (None: it loaded)."""
+    from ckptkit.adapters import megatron as mckpt
+    from ckptkit.errors import CkptkitError
+
+    t = mm.setup(layout, seed=999)
+    try:
+        mckpt.load(t.model, folder, optimizer=t.optimizer, scheduler=t.scheduler)
+        return None
+    except CkptkitError as exc:
+        return str(exc)
+    finally:
+        mm.teardown()

@@ -36,6 +36,12 @@ class Layout:
     divisible_by: int = 16
     pp_layers: tuple[int, ...] | None = None  # uneven first/last stage: (first, last)
     bf16: bool = False  # bf16 weights in Float16Module, fp32 main copies in the optimizer
+    experts: int = 0  # MoE: routed SequentialMLP experts on every layer (0: dense MLP)
+    ep: int = 1  # expert model parallel
+    etp: int | None = None  # expert tensor parallel (None: Megatron's default, = tp)
+    shared_expert: bool = False  # a shared expert beside the routed ones
+    expert_bias: bool = False  # aux-loss-free balancing: moe_router_enable_expert_bias
+    moe_layers: tuple[int, ...] | None = None  # 1 = MoE, 0 = dense, per layer (None: MoE on every layer)
 
 
 def padded_vocab(layout: Layout) -> int:
@@ -58,14 +64,15 @@ def setup(layout: Layout, seed: int = 1234) -> Trainer:
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     teardown()
-    ps.initialize_model_parallel(layout.tp, layout.pp, virtual_pipeline_model_parallel_size=layout.vpp)
+    _track_groups()
+    ps.initialize_model_parallel(layout.tp, layout.pp, virtual_pipeline_model_parallel_size=layout.vpp,
+                                 expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.etp)
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     extra: dict[str, Any] = {}
@@ -82,12 +89,13 @@ def setup(layout: Layout, seed: int = 1234) -> Trainer:
         tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.vpp, pipeline_dtype=torch.bfloat16 if layout.bf16 else torch.float32,
         bf16=layout.bf16, params_dtype=torch.bfloat16 if layout.bf16 else torch.float32,
-        hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02, batch_p2p_comm=False, **extra,
+        hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02, batch_p2p_comm=False,
+        **_moe_config(layout), **extra,
     )
     chunks = []
     for vp in range(layout.vpp or 1):
         model = GPTModel(
-            config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=padded_vocab(layout),
+            config=config, transformer_layer_spec=_layer_spec(layout, config, vp), vocab_size=padded_vocab(layout),
             max_sequence_length=SEQ, pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
             post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
             share_embeddings_and_output_weights=layout.tied, position_embedding_type="rope", vp_stage=vp,
@@ -110,11 +118,77 @@ def setup(layout: Layout, seed: int = 1234) -> Trainer:
     return Trainer(layout, chunks, optimizer, scheduler)
 
 
+def _moe_config(layout: Layout) -> dict[str, Any]:
+    """Megatron's MoE arguments for ``layout`` (none for a dense model).
+
+    The token dispatcher is ``allgather`` (``alltoall`` needs CUDA streams); the
+    router's aux loss is on so the router's gradient is exercised.
+    """
+    if not layout.experts:
+        return {}
+    out: dict[str, Any] = dict(
+        num_moe_experts=layout.experts, moe_router_topk=2, moe_ffn_hidden_size=48, moe_grouped_gemm=False,
+        moe_token_dispatcher_type="allgather", moe_aux_loss_coeff=1e-2, moe_router_load_balancing_type="aux_loss",
+        expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.etp,
+    )
+    if layout.shared_expert:
+        out["moe_shared_expert_intermediate_size"] = 32
+    if layout.expert_bias:
+        out.update(moe_router_enable_expert_bias=True, moe_router_score_function="sigmoid",
+                   moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0)
+    if layout.moe_layers is not None:
+        out["moe_layer_freq"] = list(layout.moe_layers)
+    return out
+
+
+def _layer_spec(layout: Layout, config: Any, vp: int) -> Any:
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
+
+    if not layout.experts:
+        return get_gpt_layer_local_spec()
+    if layout.moe_layers is None:
+        return get_gpt_layer_local_spec(num_experts=layout.experts, moe_grouped_gemm=False)
+    return get_gpt_decoder_block_spec(config, use_transformer_engine=False, vp_stage=vp)
+
+
+_GROUPS: list[Any] = []
+
+
+def _track_groups() -> None:
+    """Record the process groups Megatron creates, so that :func:`teardown` can destroy them.
+
+    ``destroy_model_parallel`` only forgets its groups; torch keeps each one
+    (two gloo threads per group and rank) for the life of the world. One test
+    module sets Megatron up for many layouts in the same 4-rank world, and MoE
+    layouts create ~50 groups each: ~1300 threads per rank piled up until the
+    world crawled.
+    """
+    import torch.distributed as dist
+
+    if getattr(dist.new_group, "_tracked", False):
+        return
+    original = dist.new_group
+
+    def new_group(*args: Any, **kwargs: Any) -> Any:
+        group = original(*args, **kwargs)
+        _GROUPS.append(group)
+        return group
+
+    new_group._tracked = True  # type: ignore[attr-defined]
+    dist.new_group = new_group
+
+
 def teardown() -> None:
+    import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
+    live = dist.distributed_c10d._world.pg_map  # groups torch still holds (a group may be recorded twice)
+    while _GROUPS:
+        group = _GROUPS.pop()
+        if group is not None and group is not dist.GroupMember.NON_GROUP_MEMBER and group in live:
+            dist.destroy_process_group(group)
 
 
 def batch(step: int, micro: int) -> dict[str, torch.Tensor]:
@@ -178,6 +252,15 @@ def train_step(trainer: Trainer) -> float:
 
 
 def eval_loss(trainer: Trainer) -> float:
-    """Loss of the current weights on a fixed held-out batch (step 0's data), no update."""
-    with torch.no_grad():
-        return _run(trainer, 0, forward_only=True)
+    """Loss of the current weights on a fixed held-out batch (step 0's data), no update.
+
+    In eval mode: an MoE layer refuses a training-mode forward at TP > 1 without sequence parallelism,
+    and a training-mode forward would count tokens toward the next expert-bias update."""
+    for chunk in trainer.model:
+        chunk.eval()
+    try:
+        with torch.no_grad():
+            return _run(trainer, 0, forward_only=True)
+    finally:
+        for chunk in trainer.model:
+            chunk.train()

@@ -173,7 +173,7 @@ def test_manifest_model_space_rules_and_padding(saved):
             continue
         grid = meta.rule.evaluate(meta.shape, config, num_layers=mm.LAYERS)
         for region, rank in meta.stored_pieces():
-            held = grid.local_pieces(config.mesh().coordinate(rank))
+            held = grid.local_pieces(grid.mesh.coordinate(rank))
             assert held is not None, (key, rank)
             for box in region.boxes():
                 assert any(box.intersect(b) == box for _, b in held[1]), (key, rank, box)

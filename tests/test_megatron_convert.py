@@ -196,9 +196,9 @@ def test_bad_inputs_name_the_culprit(saved, tmp_path):
     shutil.copytree(f"{folder}/legacy", src)
     path = f"{src}/iter_{job.STEPS:07d}/mp_rank_00_001/model_optim_rng.pt"
     state = torch.load(path, weights_only=False)
-    state["model"]["decoder.layers.0.mlp.router.weight"] = torch.zeros(4, 64)
+    state["model"]["decoder.layers.0.mlp.mystery_gate.weight"] = torch.zeros(4, 64)
     torch.save(state, path)
-    with pytest.raises(LayoutError, match=r"mp_rank_00_001.*decoder\.layers\.0\.mlp\.router\.weight"):
+    with pytest.raises(LayoutError, match=r"mp_rank_00_001.*decoder\.layers\.0\.mlp\.mystery_gate\.weight"):
         import_legacy(src, str(tmp_path / "e"), vocab_size=VOCAB)
     # a truncated data file
     src = str(tmp_path / "td_truncated")

@@ -165,7 +165,7 @@ def check_output(path: Path, target: ParallelConfig, *, split_ok: bool = False) 
             assert isinstance(layout, GridLayout), key
             for r, mine in held.items():
                 recorded = torch.zeros(shape, dtype=torch.bool)
-                local = layout.local_pieces(target.mesh().coordinate(r))  # type: ignore[arg-type]
+                local = layout.local_pieces(layout.mesh.coordinate(r))  # type: ignore[arg-type]
                 for _, box in (local[1] if local else []):
                     recorded[tuple(slice(o, o + n) for o, n in zip(box.offsets, box.sizes))] = True
                 assert torch.equal(recorded, mine), (key, r)
@@ -192,7 +192,7 @@ def test_a_target_rank_loads_its_shards_with_ckptkit_load(src: Path, tmp_path: P
     layout = manifest.tensors[key].layout
     assert isinstance(layout, GridLayout)
     rank = 6  # pp stage 1, tp rank 2
-    local_shape, pieces = layout.local_pieces(target.mesh().coordinate(rank))  # type: ignore[misc]
+    local_shape, pieces = layout.local_pieces(layout.mesh.coordinate(rank))  # type: ignore[misc]
     out = torch.zeros(local_shape)
     decl = [Piece(key, layout.shape, Region(b), LocalBox(o)) for o, b in pieces]
     ckptkit.load({"w": ckptkit.Sharded(out, decl)}, tmp_path / "out", strict=False)

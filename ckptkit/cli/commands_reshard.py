@@ -38,9 +38,11 @@ FORMATS = ["ckptkit", "megatron"]  # megatron: a torch_dist directory, written b
 @click.argument("source")
 @click.argument("dest", required=False)
 @click.option("--to", "to", type=LAYOUT, required=True, metavar="LAYOUT",
-              help="Target parallel config, e.g. tp4pp2, tp2pp2dp4, tp1pp4vpp2.")
+              help="Target parallel config, e.g. tp4pp2, tp2pp2dp4, tp1pp4vpp2, tp2pp2ep4etp1 (MoE: ep, etp).")
 @click.option("--dp", type=click.IntRange(min=1), default=None, help="Target data-parallel size (default: from --to, else 1).")
 @click.option("--vpp", type=click.IntRange(min=1), default=None, help="Target virtual pipeline chunks per stage.")
+@click.option("--etp", type=click.IntRange(min=1), default=None,
+              help="Target expert tensor-parallel size (MoE; default: from --to, else tp, as Megatron's default).")
 @click.option("--pp-layers", type=LAYER_COUNTS, default=None,
               help="Layers per pipeline chunk in forward order (pp*vpp counts), for uneven stages, e.g. 15,17.")
 @click.option("--num-layers", type=click.IntRange(min=1), default=None,
@@ -55,7 +57,7 @@ FORMATS = ["ckptkit", "megatron"]  # megatron: a torch_dist directory, written b
 @click.option("--dry-run", is_flag=True, help="Print the plan (per tensor and per target rank) and write nothing.")
 @json_option
 @storage_option
-def reshard_cmd(source: str, dest: str | None, to: ParallelConfig, dp: int | None, vpp: int | None,
+def reshard_cmd(source: str, dest: str | None, to: ParallelConfig, dp: int | None, vpp: int | None, etp: int | None,
                 pp_layers: tuple[int, ...] | None, num_layers: int | None, max_memory: int, strict: bool, fmt: str,
                 vocab_size: int | None, divisible_by: int | None, dry_run: bool, as_json: bool,
                 storage_options: dict[str, Any] | None) -> None:
@@ -83,6 +85,7 @@ def reshard_cmd(source: str, dest: str | None, to: ParallelConfig, dp: int | Non
       ckptkit reshard runs/exp1/step-0001000 --to tp4pp2 --dry-run
       ckptkit reshard s3://bucket/run/step-1000 s3://bucket/run-pp4/step-1000 --to tp2pp4 --pp-layers 7,8,8,9
       ckptkit reshard runs/a/step-100 runs/b/step-100 --to tp2pp2 --vpp 2 --dp 4 --max-memory 4GiB
+      ckptkit reshard runs/moe/step-100 runs/moe-ep4/step-100 --to tp2pp2ep4 --etp 1 --dry-run
       ckptkit reshard mlm/iter_0001000 mlm_tp4/iter_0001000 --to tp4pp1 --format megatron  # Megatron -> Megatron
     """
     changes: dict[str, object] = {}
@@ -90,6 +93,8 @@ def reshard_cmd(source: str, dest: str | None, to: ParallelConfig, dp: int | Non
         changes["dp"] = dp
     if vpp is not None:
         changes["vpp"] = vpp
+    if etp is not None:
+        changes["etp"] = etp
     if pp_layers is not None:
         changes["pp_layers"] = pp_layers
     target = dataclasses.replace(to, **changes) if changes else to  # type: ignore[arg-type]
@@ -130,15 +135,31 @@ def render(out: Output, result: ReshardResult, dry_run: bool) -> None:
         out.text(f"  {verb} per-rank values of the source's ranks (they do not carry over to a new layout): "
                  f"{', '.join(result.dropped_per_rank)}")
     if dry_run:
+        experts = p.experts_by_rank()
         out.text("  per target rank:")
-        out.text(f"    {'rank':>6} {'pieces':>7} {'writes':>11} {'reads':>11}")
+        out.text(f"    {'rank':>6} {'pieces':>7} {'writes':>11} {'reads':>11}" + ("  experts" if experts else ""))
         for r in p.ranks:
-            out.text(f"    {r.rank:>6} {r.pieces:>7} {human_bytes(r.bytes_written):>11} {human_bytes(r.bytes_read):>11}")
+            held = f"  {_spans(experts.get(r.rank, ()))}" if experts else ""
+            out.text(f"    {r.rank:>6} {r.pieces:>7} {human_bytes(r.bytes_written):>11} {human_bytes(r.bytes_read):>11}"
+                     + held)
         out.text("  nothing written (--dry-run)")
     else:
         rate = p.nbytes / 2**20 / max(result.seconds, 1e-9)
         out.text(f"  {human_bytes(p.nbytes)} written, {human_bytes(result.bytes_read)} read "
                  f"in {result.seconds:.2f}s ({rate:.0f} MiB/s)")
+
+
+def _spans(indices: tuple[int, ...]) -> str:
+    """``0-3,6`` for experts 0, 1, 2, 3 and 6."""
+    if not indices:
+        return "-"
+    runs: list[list[int]] = []
+    for i in indices:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def _to_megatron(out: Output, source: str, dest: str | None, target: ParallelConfig, imports: Any, *,

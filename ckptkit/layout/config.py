@@ -1,11 +1,20 @@
 """ParallelConfig: the parallel degrees of a Megatron-style run, and its rank mesh.
 
 ``ParallelConfig.parse("tp4pp2")`` is the CLI's grammar. The rank order is
-Megatron-core's default ``tp-cp-ep-dp-pp`` (tensor parallel fastest), so the
-mesh dimensions from slowest to fastest are ``pp, edp, ep, cp, tp`` where
-``edp = dp / ep`` is the expert-data-parallel size: dense tensors are
-replicated over the whole data-parallel group ``edp x ep``, expert tensors are
-split over ``ep`` and replicated over ``edp``.
+Megatron-core's default ``tp-cp-ep-dp-pp`` (tensor parallel fastest). One
+job has two meshes over the same ranks, as Megatron-core builds two rank
+generators:
+
+* the dense mesh ``pp, dp, cp, tp``: attention, dense MLPs, embeddings,
+  routers and shared experts;
+* the expert mesh ``pp, edp, ep, etp``: routed experts. Inside a pipeline
+  stage the ``tp * cp * dp`` ranks are re-cut into expert tensor parallel
+  (``etp``, fastest; independent of ``tp``, Megatron's default being
+  ``etp = tp``), expert parallel ``ep`` and expert data parallel
+  ``edp = tp * cp * dp / (ep * etp)``.
+
+With ``etp = tp`` and ``cp = 1`` this is the familiar picture: EP is carved
+out of DP and ``edp = dp / ep``.
 """
 
 from __future__ import annotations
@@ -13,13 +22,15 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from functools import lru_cache
+from math import gcd
 
 from ckptkit.errors import LayoutError
 from ckptkit.layout.grid import Mesh
 
-_TOKEN = re.compile(r"(vpp|tp|pp|dp|cp|ep)(\d+)")
-_NAMES = ("tp", "pp", "dp", "cp", "ep", "vpp")
-MESH_DIMS = ("pp", "edp", "ep", "cp", "tp")
+_TOKEN = re.compile(r"(vpp|etp|tp|pp|dp|cp|ep)(\d+)")
+_NAMES = ("tp", "pp", "dp", "cp", "ep", "etp", "vpp")
+MESH_DIMS = ("pp", "dp", "cp", "tp")
+EXPERT_MESH_DIMS = ("pp", "edp", "ep", "etp")
 
 
 @dataclass(frozen=True)
@@ -36,16 +47,25 @@ class ParallelConfig:
     dp: int = 1
     cp: int = 1
     ep: int = 1
+    etp: int | None = None  # expert tensor parallel; None: Megatron's default, the dense tp
     vpp: int = 1
     pp_layers: tuple[int, ...] | None = field(default=None)
 
     def __post_init__(self) -> None:
         for name in _NAMES:
             value = getattr(self, name)
+            if name == "etp" and value is None:
+                continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise LayoutError(f"parallel degree {name}={value!r} must be a positive integer")
-        if self.dp % self.ep:
-            raise LayoutError(f"ep={self.ep} must divide dp={self.dp} (experts are split inside the data-parallel group)")
+        if self.etp == self.tp:
+            object.__setattr__(self, "etp", None)  # one spelling of the default, so equal layouts compare equal
+        stage = self.tp * self.cp * self.dp
+        if stage % (self.ep * self.expert_tp):
+            raise LayoutError(
+                f"ep={self.ep} x etp={self.expert_tp} does not divide the {stage} ranks of a pipeline stage "
+                f"(tp={self.tp} x cp={self.cp} x dp={self.dp}): Megatron carves expert parallel and expert tensor "
+                f"parallel out of them, so dp must be a multiple of {_min_dp(self.tp, self.cp, self.ep, self.expert_tp)}")
         if self.pp_layers is not None:
             if len(self.pp_layers) != self.pp * self.vpp or any(n < 0 for n in self.pp_layers):
                 raise LayoutError(
@@ -55,10 +75,11 @@ class ParallelConfig:
 
     @staticmethod
     def parse(text: str, *, world_size: int | None = None) -> ParallelConfig:
-        """Parse ``tp4pp2``, ``tp2pp2dp4``, ``tp8pp4ep2vpp2`` ... (any order, each name once).
+        """Parse ``tp4pp2``, ``tp2pp2dp4``, ``tp8pp4ep2vpp2``, ``tp2pp2ep4etp1dp2`` ... (any order, each name once).
 
         Without ``dp``, dp is ``world_size / (tp * pp * cp)`` when a world size
-        is given, else 1.
+        is given, else the smallest one the expert degrees fit in (1 for a
+        dense model; ``tp2ep4`` at Megatron's default ``etp = tp`` needs dp 4).
         """
         s = text.strip().lower()
         pos = 0
@@ -76,6 +97,9 @@ class ParallelConfig:
                 f"invalid parallel config {text!r}: expected degrees like 'tp4pp2', 'tp2pp2dp4' or "
                 f"'tp8pp4ep2vpp2' (names {', '.join(_NAMES)}, each followed by a positive integer)"
             )
+        if "dp" not in values and world_size is None:
+            tp, cp = values.get("tp", 1), values.get("cp", 1)
+            values["dp"] = _min_dp(tp, cp, values.get("ep", 1), values.get("etp", tp))
         if "dp" not in values and world_size is not None:
             model = values.get("tp", 1) * values.get("pp", 1) * values.get("cp", 1)
             if world_size % model:
@@ -88,22 +112,40 @@ class ParallelConfig:
         for name in ("cp", "ep", "vpp"):
             if getattr(self, name) != 1:
                 parts.append(f"{name}{getattr(self, name)}")
+        if self.expert_tp != self.tp:
+            parts.append(f"etp{self.expert_tp}")
         return "".join(parts)
 
     @property
     def world_size(self) -> int:
         return self.tp * self.pp * self.dp * self.cp
 
+    @property
+    def expert_tp(self) -> int:
+        """The expert tensor-parallel degree (Megatron's default: the dense ``tp``)."""
+        return self.tp if self.etp is None else self.etp
+
+    @property
+    def expert_dp(self) -> int:
+        """Expert data parallel: the replicas of each expert shard inside a pipeline stage."""
+        return self.tp * self.cp * self.dp // (self.ep * self.expert_tp)
+
     def mesh(self) -> Mesh:
-        """The rank mesh ``(pp, edp, ep, cp, tp)``, ranks in Megatron's default order."""
-        return _mesh(self.pp, self.dp // self.ep, self.ep, self.cp, self.tp)
+        """The dense rank mesh ``(pp, dp, cp, tp)``, ranks in Megatron's default order."""
+        return _mesh(MESH_DIMS, (self.pp, self.dp, self.cp, self.tp))
+
+    def expert_mesh(self) -> Mesh:
+        """The routed experts' mesh ``(pp, edp, ep, etp)`` over the same ranks (Megatron's expert rank generator)."""
+        return _mesh(EXPERT_MESH_DIMS, (self.pp, self.expert_dp, self.ep, self.expert_tp))
 
     def coordinate(self, rank: int) -> dict[str, int]:
+        """A rank's place in both meshes: ``pp, dp, cp, tp`` and ``edp, ep, etp``."""
         coord = self.mesh().coordinate(rank)
-        if coord is None:
+        expert = self.expert_mesh().coordinate(rank)
+        if coord is None or expert is None:
             raise LayoutError(f"rank {rank} is outside a world of {self.world_size} ranks ({self})")
         out = dict(zip(MESH_DIMS, coord))
-        out["dp"] = out["edp"] * self.ep + out["ep"]
+        out.update(zip(EXPERT_MESH_DIMS[1:], expert[1:]))
         return out
 
     def chunk_layers(self, num_layers: int) -> tuple[int, ...]:
@@ -138,8 +180,16 @@ class ParallelConfig:
         return tuple(counts)
 
 
-@lru_cache(maxsize=32)
-def _mesh(pp: int, edp: int, ep: int, cp: int, tp: int) -> Mesh:
+def _min_dp(tp: int, cp: int, ep: int, etp: int) -> int:
+    """The smallest dp with ``ep * etp`` dividing ``tp * cp * dp`` (1 for degrees that are not positive:
+    the constructor then names the bad one)."""
+    if min(tp, cp, ep, etp) < 1:
+        return 1
+    return ep * etp // gcd(ep * etp, tp * cp)
+
+
+@lru_cache(maxsize=64)
+def _mesh(dims: tuple[str, ...], shape: tuple[int, ...]) -> Mesh:
     # One Mesh object per shape: layouts evaluated from rules share it, so caches keyed
     # by mesh hit by identity instead of comparing 16k-rank tuples.
-    return Mesh.arange(MESH_DIMS, (pp, edp, ep, cp, tp))
+    return Mesh.arange(dims, shape)

@@ -12,8 +12,44 @@ from ckptkit.errors import CoverageError
 from ckptkit.layout.box import Box, Region
 
 
-def check_coverage(key: str, shape: tuple[int, ...], pieces: tuple[tuple[Region, int], ...], where: str) -> None:
-    """Stored pieces of a tensor must be disjoint and cover every element exactly once."""
+def named_axes(rule: object) -> dict[int, str]:
+    """Axes of a tensor worth naming in an error (``expert``, ``layer``), from its partition rule."""
+    out: dict[int, str] = {}
+    for attr, name in (("layer_axis", "layer"), ("expert_axis", "expert")):
+        axis = getattr(rule, attr, None)
+        if isinstance(axis, int):
+            out[axis] = name
+    return out
+
+
+def incomplete_indices(shape: tuple[int, ...], pieces: tuple[tuple[Region, int], ...], axis: int) -> list[int]:
+    """Indices along ``axis`` whose slice the pieces do not fill (pieces assumed disjoint)."""
+    per_index = 1
+    for i, s in enumerate(shape):
+        if i != axis:
+            per_index *= s
+    have = [0] * shape[axis]
+    for region, _ in pieces:
+        for box in region.boxes():
+            each = box.numel // box.sizes[axis] if box.sizes[axis] else 0
+            for j in range(box.offsets[axis], box.offsets[axis] + box.sizes[axis]):
+                if 0 <= j < len(have):
+                    have[j] += each
+    return [j for j, n in enumerate(have) if n < per_index]
+
+
+def describe_indices(name: str, indices: list[int], total: int) -> str:
+    shown = ", ".join(str(i) for i in indices[:8]) + (", ..." if len(indices) > 8 else "")
+    return f"{name}{'s' if len(indices) > 1 else ''} {shown} (of {total})"
+
+
+def check_coverage(key: str, shape: tuple[int, ...], pieces: tuple[tuple[Region, int], ...], where: str,
+                   axes: dict[int, str] | None = None) -> None:
+    """Stored pieces of a tensor must be disjoint and cover every element exactly once.
+
+    ``axes`` names axes (``{1: "expert"}``) so that a gap is reported as the
+    experts / layers it leaves unwritten, not only as an element count.
+    """
     numel = 1
     for s in shape:
         numel *= s
@@ -34,9 +70,16 @@ def check_coverage(key: str, shape: tuple[int, ...], pieces: tuple[tuple[Region,
     if len(boxes) > 1:
         _check_boxes_disjoint(key, boxes, by_box, pieces, where)
     if total != numel:
+        gaps = []
+        for axis, name in sorted((axes or {}).items(), key=lambda x: x[1] != "expert"):
+            if 0 <= axis < len(shape) and total < numel:
+                missing = incomplete_indices(shape, pieces, axis)
+                if missing:
+                    gaps.append(describe_indices(name, missing, shape[axis]))
+        detail = f": nothing stored for parts of {' and '.join(gaps)}" if gaps else ""
         raise CoverageError(
             f"{where}: tensor {key!r}: stored pieces hold {total} elements, the tensor of shape "
-            f"{list(shape)} has {numel}; some elements are missing"
+            f"{list(shape)} has {numel}; some elements are missing{detail}"
         )
 
 

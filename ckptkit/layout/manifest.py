@@ -38,7 +38,7 @@ from ckptkit.errors import (
     UnsupportedVersionError,
 )
 from ckptkit.layout.box import Box, Region
-from ckptkit.layout.coverage import check_coverage
+from ckptkit.layout.coverage import check_coverage, named_axes
 from ckptkit.layout.grid import GridLayout, Mesh
 from ckptkit.layout.rules import PartitionRule
 from ckptkit.layout.strict_json import (
@@ -115,14 +115,18 @@ class ExplicitLayout:
     """
 
     def __init__(self, pieces: tuple[tuple[Region, int], ...] | None = None, *, raw: Any = None,
-                 shape: tuple[int, ...] = (), world: int = 0, where: str = "", key: str = "") -> None:
+                 shape: tuple[int, ...] = (), world: int = 0, where: str = "", key: str = "",
+                 axes: dict[int, str] | None = None) -> None:
         self._pieces = pieces
         self._raw = (raw, shape, world, where, key)
+        self._axes = axes
 
     @staticmethod
-    def from_json(raw: Any, shape: tuple[int, ...], world: int, where: str, key: str = "") -> ExplicitLayout:
+    def from_json(raw: Any, shape: tuple[int, ...], world: int, where: str, key: str = "",
+                  axes: dict[int, str] | None = None) -> ExplicitLayout:
+        """``axes``: axes to name in a coverage error (see :func:`~ckptkit.layout.coverage.named_axes`)."""
         as_list(raw, f"{where}: pieces")
-        return ExplicitLayout(raw=raw, shape=shape, world=world, where=where, key=key)
+        return ExplicitLayout(raw=raw, shape=shape, world=world, where=where, key=key, axes=axes)
 
     @property
     def pieces(self) -> tuple[tuple[Region, int], ...]:
@@ -132,7 +136,7 @@ class ExplicitLayout:
             raw, shape, world, where, key = self._raw
             pieces = _parse_pieces(raw, shape, world, f"{where}: tensor {key!r}")
             try:
-                check_coverage(key, shape, pieces, where)
+                check_coverage(key, shape, pieces, where, self._axes)
             except CoverageError as exc:
                 raise CoverageError(f"{exc} (the manifest is damaged)") from None
             self._pieces = pieces
@@ -422,7 +426,7 @@ def _tensor_from_json(key: str, tdoc: Any, meshes: dict[str, Mesh], world: int, 
             rotation = as_int(ldoc.get("rotation", 0), f"{where}: rotation", minimum=0)
             return TensorMeta(key, dtype, shape, layout, rotation, rule)
         if ldoc.get("kind") == "explicit":
-            layout_e = ExplicitLayout.from_json(ldoc.get("pieces"), shape, world, file, key)
+            layout_e = ExplicitLayout.from_json(ldoc.get("pieces"), shape, world, file, key, named_axes(rule))
             return TensorMeta(key, dtype, shape, layout_e, 0, rule)
     except LayoutError as exc:
         raise ManifestError(f"{where}: {exc}") from None

@@ -35,7 +35,10 @@ class PartitionRule:
       assignment. None of the three: replicated over PP.
     * ``expert`` / ``num_experts``: lives on the EP rank owning expert
       ``expert``; ``expert_axis``: experts stacked along this axis, split
-      over EP.
+      over EP (ckptkit's model-space convention for routed experts, see
+      docs/moe.md). Either makes the tensor an expert tensor: it is laid out
+      on the expert mesh, ``tp_axis`` splits over the expert TP degree
+      (``etp``) and ``dp_axis`` over expert data parallel.
     * ``dp_axis``: additionally sharded over the data-parallel group along
       this axis (ZeRO-3 / FSDP style optimizer or parameter sharding).
     * ``chunked``: splits follow ``torch.chunk`` (DTensor's sizing): an axis need
@@ -86,11 +89,10 @@ class PartitionRule:
             if sum(self.fused) != shape[self.tp_axis]:  # type: ignore[index]
                 raise LayoutError(f"fused parts {list(self.fused)} do not sum to axis {self.tp_axis} of {list(shape)}")
             for part in self.fused:
-                if part % config.tp:
+                if part % config.tp and not self.is_expert:
                     raise LayoutError(f"fused part of {part} does not split evenly over tp={config.tp}")
             fused = Fused(self.tp_axis, self.fused)  # type: ignore[arg-type]
 
-        # Mesh dims: pp, edp, ep, cp, tp (config.MESH_DIMS).
         pp: Placement = Replicate()
         if self.layer is not None:
             if num_layers is None:
@@ -102,29 +104,49 @@ class PartitionRule:
         elif self.layer_axis is not None:
             n = shape[self.layer_axis]
             pp = Shard(self.layer_axis, sizes=config.chunk_layers(n))
+        if self.is_expert:
+            return self._expert_layout(shape, config, pp, fused)
+        tp_size = config.tp
+        # dense mesh (config.MESH_DIMS): pp, dp, cp, tp
+        dp_sf = tp_size if (self.dp_axis is not None and self.dp_axis == self.tp_axis and tp_size > 1) else 1
+        dp: Placement = Shard(self.dp_axis, split_factor=dp_sf) if self.dp_axis is not None else Replicate()
+        self._check_even_tp(shape, tp_size, fused is not None or padded is not None)
+        tp: Placement = Shard(self.tp_axis) if self.tp_axis is not None else Replicate()
+        return GridLayout(config.mesh(), (pp, dp, Replicate(), tp), shape, padded, fused)
 
-        dp_sf = config.tp if (self.dp_axis is not None and self.dp_axis == self.tp_axis and config.tp > 1) else 1
-        edp: Placement = Replicate()
-        ep: Placement = Replicate()
-        if self.dp_axis is not None:
-            edp = Shard(self.dp_axis, split_factor=dp_sf)
+    @property
+    def is_expert(self) -> bool:
+        """A routed expert's tensor: laid out on the expert mesh (EP, and ETP for ``tp_axis``)."""
+        return self.expert is not None or self.expert_axis is not None
+
+    def _expert_layout(self, shape: tuple[int, ...], config: ParallelConfig, pp: Placement,
+                       fused: Fused | None) -> GridLayout:
+        """Expert mesh (config.EXPERT_MESH_DIMS): pp, edp, ep, etp. ``tp_axis`` splits over the expert TP
+        degree and ``dp_axis`` over expert data parallel, as Megatron's expert groups do."""
+        etp = config.expert_tp
+        if self.vocab_multiple is not None:
+            raise LayoutError("an expert tensor has no vocabulary padding")
+        if fused is not None:
+            for part in fused.parts:
+                if part % etp:
+                    raise LayoutError(f"fused expert part of {part} does not split evenly over etp={etp}")
         if self.expert is not None:
-            per_rank = self.num_experts / config.ep  # type: ignore[operator]
             if self.num_experts % config.ep:  # type: ignore[operator]
                 raise LayoutError(f"{self.num_experts} experts do not split evenly over ep={config.ep}")
-            ep = On(int(self.expert // per_rank))
-        elif self.expert_axis is not None:
-            if shape[self.expert_axis] % config.ep:
-                raise LayoutError(f"{shape[self.expert_axis]} experts do not split evenly over ep={config.ep}")
-            ep = Shard(self.expert_axis)
-        elif self.dp_axis is not None:
-            # dense tensors: the data-parallel group is edp x ep; expert tensors use edp only
-            ep = Shard(self.dp_axis, split_factor=dp_sf)
+            ep: Placement = On(self.expert // (self.num_experts // config.ep))  # type: ignore[operator]
+        else:
+            if shape[self.expert_axis] % config.ep:  # type: ignore[index]
+                raise LayoutError(f"{shape[self.expert_axis]} experts do not split evenly over ep={config.ep}")  # type: ignore[index]
+            ep = Shard(self.expert_axis)  # type: ignore[arg-type]
+        dp_sf = etp if (self.dp_axis is not None and self.dp_axis == self.tp_axis and etp > 1) else 1
+        edp: Placement = Shard(self.dp_axis, split_factor=dp_sf) if self.dp_axis is not None else Replicate()
+        self._check_even_tp(shape, etp, fused is not None)
         tp: Placement = Shard(self.tp_axis) if self.tp_axis is not None else Replicate()
-        if self.tp_axis is not None and fused is None and padded is None and shape[self.tp_axis] % config.tp \
-                and not self.chunked:
-            raise LayoutError(f"axis {self.tp_axis} of {list(shape)} does not split evenly over tp={config.tp}")
-        return GridLayout(config.mesh(), (pp, edp, ep, Replicate(), tp), shape, padded, fused)
+        return GridLayout(config.expert_mesh(), (pp, edp, ep, tp), shape, None, fused)
+
+    def _check_even_tp(self, shape: tuple[int, ...], size: int, sized_elsewhere: bool) -> None:
+        if self.tp_axis is not None and not sized_elsewhere and shape[self.tp_axis] % size and not self.chunked:
+            raise LayoutError(f"axis {self.tp_axis} of {list(shape)} does not split evenly over tp={size}")
 
     def to_json(self) -> dict:
         out = {}

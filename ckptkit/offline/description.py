@@ -114,7 +114,23 @@ def describe(url: str | os.PathLike[str], *, storage_options: dict[str, Any] | N
 
 
 def layout_summary(t: TensorMeta) -> str:
-    """A short human reading of a layout: ``grid mesh (dp=4) [Shard(0)]``, ``explicit: 12 pieces``."""
+    """A short human reading of a layout: ``grid mesh (dp=4) [Shard(0)]``, ``explicit: 12 pieces``, with
+    the expert axis of a routed expert's tensor (``· 8 experts on axis 1``)."""
+    return _stored_summary(t) + _expert_summary(t)
+
+
+def _expert_summary(t: TensorMeta) -> str:
+    rule = t.rule
+    if rule is None:
+        return ""
+    if rule.expert_axis is not None and rule.expert_axis < len(t.shape):
+        return f" · {t.shape[rule.expert_axis]} experts on axis {rule.expert_axis}"
+    if rule.expert is not None:
+        return f" · expert {rule.expert} of {rule.num_experts}"
+    return ""
+
+
+def _stored_summary(t: TensorMeta) -> str:
     if isinstance(t.layout, ExplicitLayout):
         writers = {w for _, w in t.layout.pieces}
         n = len(t.layout.pieces)

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ckptkit.errors import CoverageError, CorruptCheckpointError
+from ckptkit.layout.coverage import named_axes
 from ckptkit.layout.box import Box, Region, row_major_strides
 from ckptkit.layout.manifest import IndexEntry, TensorMeta
 from ckptkit.layout.pieces import LocalBox, LocalPlace
@@ -129,10 +130,22 @@ def match_sources(targets: list[Target], tensors: dict[str, TensorMeta], where: 
         if covered != t.region.numel:
             raise CoverageError(
                 f"{where}: tensor {t.tensor!r}: the stored pieces cover {covered} of the {t.region.numel} "
-                f"elements of {t.region.to_json()} this rank needs (shape {list(meta.shape)}); "
+                f"elements of {t.region.to_json()} this rank needs (shape {list(meta.shape)}){_span(meta, t)}; "
                 "the checkpoint is incomplete or the target layout asks for elements it does not hold"
             )
     return ops
+
+
+def _span(meta: TensorMeta, t: Target) -> str:
+    """The experts / layers a target region spans, for messages (``, expert 5 of 8, layer 2 of 4``)."""
+    box = t.region.box
+    parts = []
+    for axis, name in sorted(named_axes(meta.rule).items(), key=lambda x: x[1] != "expert"):
+        if axis < len(box.offsets):
+            lo, n = box.offsets[axis], box.sizes[axis]
+            which = str(lo) if n == 1 else f"{lo}-{lo + n - 1}"
+            parts.append(f"{name}{'s' if n > 1 else ''} {which} of {meta.shape[axis]}")
+    return f", {', '.join(parts)}" if parts else ""
 
 
 def _linear_ops(writer: int, t: Target, source: Region, lo: int, hi: int) -> list[CopyOp]:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptkit.errors import LayoutError
-from ckptkit.layout.coverage import check_coverage
+from ckptkit.layout.coverage import check_coverage, named_axes
 from ckptkit.layout.manifest import ExplicitLayout, IndexRef, Manifest, TensorMeta
 from ckptkit.plan.save_plan import ExplicitReport
 
@@ -109,7 +109,7 @@ def merge_reports(
                     f"{_rule_text(first.rule)} on rank {first_rank}"
                 )
         pieces = tuple(sorted(((e.region, rank) for e, rank in items), key=lambda p: (p[0].key(), p[1])))
-        check_coverage(key, first.shape, pieces, where)
+        check_coverage(key, first.shape, pieces, where, named_axes(first.rule))
         tensors[key] = TensorMeta(key, first.dtype, first.shape, ExplicitLayout(pieces), rule=first.rule)
     per_rank: set[str] = set()
     for rep in reports:

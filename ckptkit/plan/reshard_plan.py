@@ -173,10 +173,34 @@ class ReshardPlan:
                 out.setdefault(p.rank, []).append(p)
         return out
 
+    def experts_by_rank(self) -> dict[int, tuple[int, ...]]:
+        """The routed experts each target rank holds (empty for a dense model). One expert tensor per
+        placement tells it (stacked layers: one for all; per-layer keys: one per layer, whose stages differ):
+        every expert tensor of a rule-laid-out model splits its experts over EP the same way."""
+        out: dict[int, set[int]] = {}
+        placements: set[int | None] = set()
+        for t in self.tensors:
+            rule = t.rule
+            if rule is None or rule.expert_axis is None or t.layout is None or rule.layer in placements:
+                continue
+            placements.add(rule.layer)
+            axis = rule.expert_axis
+            for rank in range(self.world_size):
+                coord = t.layout.mesh.coordinate(rank)
+                held = t.layout.local_pieces(coord) if coord is not None else None
+                mine = out.setdefault(rank, set())
+                for _, box in (held[1] if held else []):
+                    mine.update(range(box.offsets[axis], box.offsets[axis] + box.sizes[axis]))
+        return {r: tuple(sorted(e)) for r, e in out.items()}
+
     def to_json(self) -> dict[str, Any]:
+        experts = self.experts_by_rank()
         return {
             "target": str(self.target),
             "world_size": self.world_size,
+            "expert_parallel": ({"ep": self.target.ep, "etp": self.target.expert_tp, "edp": self.target.expert_dp,
+                                 "experts_by_rank": {str(r): list(e) for r, e in experts.items()}}
+                                if experts else None),
             "bytes": self.nbytes,
             "threads": self.threads,
             "read_ahead": self.read_ahead,
@@ -284,14 +308,21 @@ def plan_reshard(
 
 
 def _num_layers(tensors: Mapping[str, TensorMeta], given: int | None) -> int | None:
-    """The model's layer count: given, or the (agreeing) length of every stacked layer axis."""
+    """The model's layer count: given, or the (agreeing) length of every stacked layer axis, or, when no
+    tensor is stacked (Megatron's per-layer keys for an MoE layer pattern), one past the highest layer a
+    per-layer rule names (every transformer layer holds tensors, so the layers are numbered densely)."""
     seen: dict[int, str] = {}
+    highest = -1
     for key, meta in tensors.items():
         rule = meta.rule
         if rule is not None and rule.layer_axis is not None and rule.layer_axis < len(meta.shape):
             seen.setdefault(meta.shape[rule.layer_axis], key)
+        if rule is not None and rule.layer is not None:
+            highest = max(highest, rule.layer)
     if given is not None:
         return given
+    if not seen and highest >= 0:
+        return highest + 1
     if len(seen) > 1:
         shown = ", ".join(f"{n} ({k!r})" for n, k in sorted(seen.items()))
         raise ReshardError(f"stacked layer tensors disagree about the number of layers: {shown}")
@@ -438,6 +469,13 @@ def plan_summary_lines(plan: ReshardPlan, human: Any = str) -> list[str]:
         f"memory: estimated peak {human(plan.peak_memory)} of a {human(plan.max_memory)} budget "
         f"({plan.threads} rank(s) at once, read-ahead {plan.read_ahead}, pieces up to {human(plan.piece_limit)})",
     ]
+    experts = plan.experts_by_rank()
+    if experts:
+        t = plan.target
+        counts = sorted({len(e) for e in experts.values()})
+        lines.append(f"experts: {len(set().union(*experts.values()))} routed experts over ep={t.ep} "
+                     f"({'/'.join(map(str, counts))} per rank), expert tensor parallel etp={t.expert_tp}, "
+                     f"expert data parallel edp={t.expert_dp}; world size {plan.world_size}")
     if plan.split:
         lines.append(f"split to fit the budget (stored as explicit pieces): {', '.join(plan.split)}")
     if plan.unruled:

@@ -115,7 +115,7 @@ def _check_invariants(plan: ReshardPlan, tensors: dict[str, TensorMeta], layers:
             by_rank.setdefault(p.rank, []).append(p.box)
         stored = {tuple(boxes[0].offsets) for boxes in by_rank.values()}
         for rank in range(target.world_size):
-            held = t.layout.local_pieces(target.mesh().coordinate(rank))  # type: ignore[arg-type]
+            held = t.layout.local_pieces(t.layout.mesh.coordinate(rank))  # type: ignore[union-attr]
             if held is None:
                 assert rank not in by_rank
                 continue

@@ -47,15 +47,18 @@ def test_parse_rejects_with_a_clear_error(bad):
         ParallelConfig.parse(bad)
 
 
-def test_ep_must_divide_dp():
-    with pytest.raises(LayoutError, match="ep=3 must divide dp=4"):
+def test_expert_degrees_must_fit_a_pipeline_stage():
+    with pytest.raises(LayoutError, match="ep=3 x etp=1 does not divide the 4 ranks.*multiple of 3"):
         ParallelConfig(dp=4, ep=3)
+    with pytest.raises(LayoutError, match="ep=4 x etp=2 does not divide the 4 ranks.*multiple of 4"):
+        ParallelConfig(tp=2, dp=2, ep=4)  # Megatron's default etp = tp
+    assert ParallelConfig(tp=2, dp=2, ep=4, etp=1).expert_dp == 1  # ETP independent of TP
 
 
 def test_rank_order_is_megatron_default():
     cfg = ParallelConfig(tp=2, pp=2, dp=2)
     # tp fastest, then dp, then pp
-    assert cfg.coordinate(0) == {"pp": 0, "edp": 0, "ep": 0, "cp": 0, "tp": 0, "dp": 0}
+    assert cfg.coordinate(0) == {"pp": 0, "dp": 0, "cp": 0, "tp": 0, "edp": 0, "ep": 0, "etp": 0}
     assert cfg.coordinate(1)["tp"] == 1
     assert cfg.coordinate(2)["dp"] == 1
     assert cfg.coordinate(4)["pp"] == 1
@@ -78,7 +81,7 @@ def pieces_by_rank(rule: PartitionRule, shape, cfg: ParallelConfig, layers=None)
     layout = rule.evaluate(shape, cfg, layers)
     out = {}
     for rank in range(cfg.world_size):
-        coord = cfg.mesh().coordinate(rank)
+        coord = layout.mesh.coordinate(rank)  # the dense or the expert mesh: the same ranks
         out[rank] = layout.local_pieces(coord)
     return layout, out
 
@@ -118,9 +121,15 @@ def test_experts_live_on_their_ep_rank():
     assert set(ep_of.values()) == {1} and len(holders) == 2  # replicated over edp=2
 
 
+def _config(tp: int, pp: int, dp: int, ep: int, etp: int | None) -> ParallelConfig:
+    """Any valid layout: dp grown to the smallest multiple the expert degrees need."""
+    need = ParallelConfig.parse(f"tp{tp}ep{ep}" + (f"etp{etp}" if etp else "")).dp
+    return ParallelConfig(tp=tp, pp=pp, dp=dp * need, ep=ep, etp=etp)
+
+
 configs = st.builds(
-    lambda tp, pp, dp, ep: ParallelConfig(tp=tp, pp=pp, dp=dp * ep, ep=ep),
-    st.sampled_from([1, 2, 4]), st.sampled_from([1, 2, 3]), st.sampled_from([1, 2, 3]), st.sampled_from([1, 2]),
+    _config, st.sampled_from([1, 2, 4]), st.sampled_from([1, 2, 3]), st.sampled_from([1, 2, 3]),
+    st.sampled_from([1, 2, 4]), st.sampled_from([None, 1, 2]),
 )
 rules = st.sampled_from([
     PartitionRule(),
@@ -135,6 +144,10 @@ rules = st.sampled_from([
     PartitionRule(tp_axis=1, dp_axis=0),
     PartitionRule(dp_axis=1),
     PartitionRule(expert_axis=0, tp_axis=1),
+    PartitionRule(expert_axis=0, tp_axis=1, dp_axis=1),
+    PartitionRule(layer_axis=0, expert_axis=1),
+    PartitionRule(expert=3, num_experts=4, tp_axis=0),
+    PartitionRule(expert_axis=1, tp_axis=0, fused=(12, 12)),
 ])
 
 
@@ -152,7 +165,7 @@ def test_rules_cover_every_element_once_per_replica_set(cfg, rule, rotation):
         if h is None:
             continue
         local_shape, pieces = h
-        coord = cfg.mesh().coordinate(rank)
+        coord = layout.mesh.coordinate(rank)
         write = layout.is_writer(coord, rotation)
         for lo, box in pieces:
             assert Box(lo, box.sizes).within(local_shape)

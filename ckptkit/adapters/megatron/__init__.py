@@ -28,9 +28,13 @@ or Float16Module wrappers are fine). A checkpoint holds, in model space:
 
 Every tensor carries a partition rule (:mod:`.model_space`), so ``ckptkit
 reshard --to tp4pp2`` can rewrite the checkpoint for a target layout offline.
-Megatron is imported only inside this package. Not covered (refused with a
-clear error): expert parallelism / MoE layers, non-Adam-like optimizer
-wrappers, Transformer-Engine FP8 ``_extra_state`` payloads.
+Mixture-of-experts models (routed ``SequentialMLP`` experts, the router and
+its expert bias, shared experts) are saved in the same model space at any
+``ep`` / ``etp``: see docs/moe.md for the expert convention and what is
+tested. Megatron is imported only inside this package. Not covered (refused
+with a clear error): ``GroupedMLP`` / ``TEGroupedMLP`` expert weights,
+non-Adam-like optimizer wrappers, Transformer-Engine FP8 ``_extra_state``
+payloads.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ import torch
 import ckptkit
 from ckptkit.adapters.megatron import optimizer_state as opt_state
 from ckptkit.adapters.megatron.model_space import (
+    DataParallelSizes,
     ModelSpaceOptions,
     ParamSpace,
     chunk_params,
@@ -96,6 +101,7 @@ def layout() -> dict[str, int]:
         "dp": ps.get_data_parallel_world_size(),
         "cp": ps.get_context_parallel_world_size(),
         "ep": ps.get_expert_model_parallel_world_size(),
+        "etp": ps.get_expert_tensor_parallel_world_size(),
         "vpp": ps.get_virtual_pipeline_model_parallel_world_size() or 1,
     }
 
@@ -107,19 +113,23 @@ def _chunks(model: Any) -> list[Any]:
 def _spaces(model: Any, vocab: ModelSpaceOptions) -> list[ParamSpace]:
     from megatron.core import parallel_state as ps
 
-    lay = layout()
-    if lay["ep"] > 1:
-        raise StateMismatchError(f"Megatron expert parallelism (ep={lay['ep']}) is not supported by ckptkit's adapter")
-    dp_size = ps.get_data_parallel_world_size(with_context_parallel=True)
-    spaces, objects = chunk_params(_chunks(model), vocab, dp_size)
+    sizes = DataParallelSizes(ps.get_data_parallel_world_size(with_context_parallel=True),
+                              ps.get_expert_data_parallel_world_size())
+    spaces, objects = chunk_params(_chunks(model), vocab, sizes)
     for key, obj in objects:
         data = getattr(obj, "data", None)
         if data is not None and not (isinstance(data, torch.Tensor) and data.numel() == 0):
             raise StateMismatchError(f"Megatron object {key!r} holds {type(data).__name__} state (e.g. Transformer-Engine "
                                      "FP8 metadata); ckptkit's Megatron adapter carries only empty _extra_state")
-    if any("experts" in s.name for s in spaces):
-        raise StateMismatchError("Megatron MoE expert layers are not supported by ckptkit's adapter yet")
     return spaces
+
+
+def same_layout(saved: Mapping[str, int], current: Mapping[str, int]) -> bool:
+    """Whether two recorded layouts are one (records written before ``etp`` was recorded had Megatron's
+    default, ``etp = tp``)."""
+    def norm(lay: Mapping[str, int]) -> dict[str, int]:
+        return {"etp": lay.get("tp", 1), **lay}
+    return norm(saved) == norm(current)
 
 
 def _num_layers(model: Any) -> int:
@@ -259,8 +269,8 @@ def load(model: Any, path: str | os.PathLike[str], *, optimizer: Any = None, sch
     if missing:
         raise MissingKeysError(f"{path}: {len(missing)} tensor(s) this job needs are not in the checkpoint: "
                                f"{', '.join(repr(k) for k in missing[:8])}")
-    same_layout = meta["layout"] == layout()
-    if same_layout:
+    same = same_layout(meta["layout"], layout())
+    if same:
         entries["rng"] = PerRank(None)
     ckptkit.load({ROOT: entries}, path, strict=False, options=options, storage_options=storage_options)
     if states:
@@ -268,7 +278,7 @@ def load(model: Any, path: str | os.PathLike[str], *, optimizer: Any = None, sch
     if scheduler is not None and meta.get("scheduler") is not None:
         scheduler.load_state_dict(meta["scheduler"])
     rng = entries.get("rng")
-    restored = bool(same_layout and rng is not None and rng.value is not None)
+    restored = bool(same and rng is not None and rng.value is not None)
     if restored:
         _set_rng_state(rng.value)
     return MegatronLoadInfo(meta["iteration"], meta.get("extra", {}), meta["layout"], restored)

@@ -19,6 +19,17 @@ Megatron's parallel layers set on every parameter (``tensor_model_parallel``,
 is a :class:`ckptkit.PartitionRule` recorded with the tensor so ``ckptkit
 reshard --to`` can lay the checkpoint out for a target layout offline.
 
+Routed experts (MoE) follow ckptkit's expert convention (docs/moe.md): one
+tensor per expert weight kind, experts stacked along an expert axis. That is
+what Megatron declares for ``SequentialMLP`` too: ``decoder.layers.mlp.
+experts.experts.linear_fc1.weight`` of global shape ``[layers, experts,
+rows, cols]`` (two prepended axes), each EP rank holding its experts. Expert
+parameters are those of Megatron's expert modules (``SequentialMLP``); their replicas
+are the expert-data-parallel group's, their TP split is the expert TP degree,
+and their rule says so (``expert_axis``). Buffers Megatron declares (the
+router's ``expert_bias``) are model space like parameters; they have no
+optimizer state.
+
 Vocabulary padding is not model space: with ``vocab_size`` given, the word
 embedding and output layer are stored with the true vocabulary and the
 padding rows of the saving layout go to a side tensor ``<key>.vocab_padding``
@@ -30,6 +41,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from math import prod
+import re
 from typing import Any
 
 import torch
@@ -123,6 +135,29 @@ class ParamSpace:
 
 
 @dataclass(frozen=True)
+class DataParallelSizes:
+    """The replica groups a declaration's ``replica_id[2]`` counts in: dense tensors replicate over the
+    data-parallel group (with context parallel), routed experts over the expert-data-parallel one."""
+
+    dense: int
+    expert: int = 1
+
+    def of(self, expert: bool) -> int:
+        return self.expert if expert else self.dense
+
+
+# Megatron's routed-expert modules: their parameters are declared with the expert offset and their
+# replica ids count in the expert-data-parallel group, at every ep (ep=1 included).
+EXPERT_MODULES = ("SequentialMLP", "TEGroupedMLP")
+
+
+def routed_expert_params(model: Any) -> set[int]:
+    """``id``s of the routed experts' parameters. Not ``allreduce = False``: Megatron sets that only at
+    ep > 1 (at ep = 1 expert gradients reduce with the dense ones), while the declarations are the same."""
+    return {id(p) for m in model.modules() if type(m).__name__ in EXPERT_MODULES for p in m.parameters()}
+
+
+@dataclass(frozen=True)
 class ModelSpaceOptions:
     """``vocab_size``: the true vocabulary (None: store Megatron's padded one as is);
     ``divisible_by``: Megatron's ``make_vocab_size_divisible_by``."""
@@ -171,11 +206,11 @@ def _owner(view: torch.Tensor, params: list[tuple[int, int, int, torch.Tensor]])
     for p_ptr, start, stop, p in params:
         if p_ptr == ptr and start <= at and at + view.numel() <= stop:
             return p
-    raise LayoutError(f"a ShardedTensor of shape {tuple(view.shape)} is not a view of any model parameter")
+    raise LayoutError(f"a ShardedTensor of shape {tuple(view.shape)} is not a view of any model parameter or buffer")
 
 
 def _rule(param: torch.Tensor, prepend: int, n_parts: int, key: str, vocab: ModelSpaceOptions, global_shape: tuple,
-          stage: int | None) -> PartitionRule:
+          stage: int | None, expert: bool) -> PartitionRule:
     """How the tensor splits at any layout, from Megatron's per-parameter attributes."""
     tp_axis = None
     if getattr(param, "tensor_model_parallel", False):
@@ -187,9 +222,28 @@ def _rule(param: torch.Tensor, prepend: int, n_parts: int, key: str, vocab: Mode
         part = global_shape[tp_axis] // n_parts
         fused = (part,) * n_parts
     vocab_multiple = vocab.divisible_by if (key in VOCAB_KEYS and vocab.vocab_size is not None) else None
-    layer_axis = 0 if prepend else None
-    return PartitionRule(tp_axis=tp_axis, fused=fused, vocab_multiple=vocab_multiple,
-                         stage=None if prepend else stage, layer_axis=layer_axis)
+    layer = layer_of(key)
+    stacked = prepend - (1 if expert else 0)  # prepended axes besides the expert axis: 1 = the layer axis
+    if stacked not in (0, 1) or (stacked == 0 and layer is None and expert) or (stacked == 1 and layer is not None):
+        raise LayoutError(f"{key}: declared with {prepend} prepended axes; ckptkit reads Megatron's stacked layers "
+                          "([layers, ...], routed experts [layers, experts, ...]) and per-layer keys "
+                          "(decoder.layers.<i>., with experts [experts, ...]), not this layout")
+    placed: dict[str, int | None] = {"layer_axis": 0} if stacked else \
+        ({"layer": layer} if layer is not None else {"stage": stage})
+    if expert:
+        return PartitionRule(tp_axis=tp_axis, fused=fused, expert_axis=stacked, **placed)
+    return PartitionRule(tp_axis=tp_axis, fused=fused, vocab_multiple=vocab_multiple, **placed)
+
+
+_LAYER_KEY = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+def layer_of(key: str) -> int | None:
+    """The global layer of a per-layer key: Megatron declares ``decoder.layers.<global layer>.`` instead
+    of stacking when layers differ (an MoE layer pattern ``moe_layer_freq``, heterogeneous blocks,
+    ``singleton_local_shards``)."""
+    m = _LAYER_KEY.match(key)
+    return int(m.group(1)) if m else None
 
 
 def _replica(st: Any, dp_size: int) -> tuple[bool, int]:
@@ -202,15 +256,19 @@ def _replica(st: Any, dp_size: int) -> tuple[bool, int]:
     return main, rid[2]
 
 
-def chunk_params(chunks: Iterable[Any], vocab: ModelSpaceOptions, dp_size: int) -> tuple[
+def chunk_params(chunks: Iterable[Any], vocab: ModelSpaceOptions, dp_sizes: DataParallelSizes) -> tuple[
         list[ParamSpace], list[tuple[str, Any]]]:
-    """Every parameter of the model chunks with its model space, and the ShardedObjects (``_extra_state``)."""
+    """Every declared parameter and buffer of the model chunks with its model space, and the
+    ShardedObjects (``_extra_state``)."""
     spaces: list[ParamSpace] = []
     objects: list[tuple[str, Any]] = []
     for chunk in chunks:
         model = unwrap(chunk)
+        _refuse_transposed_experts(model)
+        experts = routed_expert_params(model)
+        tensors = [*model.parameters(), *(b for b in model.buffers() if b.numel())]
         params = [(p.untyped_storage().data_ptr(), p.storage_offset(), p.storage_offset() + p.numel(), p)
-                  for p in model.parameters()]
+                  for p in tensors]
         grouped: dict[int, list[Any]] = {}
         for _, leaf in _expand(model.sharded_state_dict()):
             sts = _sharded_tensors(leaf)
@@ -222,12 +280,27 @@ def chunk_params(chunks: Iterable[Any], vocab: ModelSpaceOptions, dp_size: int) 
                 owner = _owner(st.data, params)
                 grouped.setdefault(id(owner), [owner]).append(st)
         for owner, *sts in grouped.values():
-            spaces.append(_param_space(owner, sts, vocab, dp_size, n_parts=len(sts)))
+            expert = id(owner) in experts
+            spaces.append(_param_space(owner, sts, vocab, dp_sizes.of(expert), n_parts=len(sts), expert=expert))
     return spaces, objects
 
 
+def _refuse_transposed_experts(model: Any) -> None:
+    """``GroupedMLP`` (the legacy grouped-GEMM experts) keeps all local experts in one transposed
+    ``[hidden, E_local * ffn / etp]`` weight and declares copies re-laid out to the SequentialMLP model
+    space, not views of it: ckptkit could save them but would load into copies. Refused by name; its
+    torch_dist checkpoints (same keys and shapes as SequentialMLP's) import through converters/."""
+    for name, module in model.named_modules():
+        if type(module).__name__ == "GroupedMLP":
+            raise StateMismatchError(
+                f"Megatron module {name!r} is a GroupedMLP (legacy grouped GEMM, moe_use_legacy_grouped_gemm): "
+                "its expert weights are not laid out as the checkpoint's model space, and ckptkit's live adapter "
+                "does not transpose them; use SequentialMLP or TEGroupedMLP, or save with Megatron's "
+                "dist_checkpointing and import with `ckptkit convert --format megatron`")
+
+
 def _param_space(param: torch.Tensor, sts: list[Any], vocab: ModelSpaceOptions, dp_size: int,
-                 n_parts: int) -> ParamSpace:
+                 n_parts: int, expert: bool = False) -> ParamSpace:
     first = sts[0]
     key = first.key
     if any(st.key != key for st in sts):
@@ -252,11 +325,11 @@ def _param_space(param: torch.Tensor, sts: list[Any], vocab: ModelSpaceOptions, 
         offsets = tuple(st.global_offset)
         segments.extend(_vocab_split(key, rel // row_numel, st.data.shape[0], global_shape, offsets, prepend, vocab))
     stage = 0 if key.startswith("embedding.") else -1
-    if not prepend and key not in VOCAB_KEYS and not key.startswith(("decoder.final", "output_layer")) \
-            and not key.startswith("embedding."):
+    if not prepend and layer_of(key) is None and key not in VOCAB_KEYS \
+            and not key.startswith(("decoder.final", "output_layer", "embedding.")):
         raise LayoutError(f"{key}: a tensor outside the layer stack that ckptkit cannot place on a pipeline stage "
                           "(expected embedding.*, decoder.final_layernorm.*, output_layer.*)")
-    rule = _rule(param, prepend, n_parts, key, vocab, tuple(sts[0].global_shape), stage)
+    rule = _rule(param, prepend, n_parts, key, vocab, tuple(sts[0].global_shape), stage, expert)
     rules: dict[str, PartitionRule | None] = {key: rule}
     if any(s.tensor.endswith(PADDING_SUFFIX) for s in segments):
         rules[key + PADDING_SUFFIX] = None

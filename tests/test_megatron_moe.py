@@ -1,0 +1,374 @@
+"""Megatron-core mixture-of-experts on ckptkit: save at one EP / ETP / TP / PP layout, resume at others.
+
+The model is tests/megatron_model.py's tiny GPT with MoE on every layer: 8
+routed ``SequentialMLP`` SwiGLU experts, top-2, a shared expert, and
+aux-loss-free balancing (``moe_router_enable_expert_bias``: the router's
+``expert_bias`` buffer is state that changes every step), trained with the
+distributed optimizer, whose expert parameters live in the expert-data-
+parallel group's buckets (a ChainedOptimizer of two DistributedOptimizers).
+
+Saved at tp1pp1ep2 (dp4, edp2) after step 2, trained on to step 4 as the
+reference. What runs on CPU (shared/ENVIRONMENT.md): MoE *training* at TP 1
+only (TP > 1 needs sequence parallelism with Transformer Engine), so TP > 1
+layouts are checked by loading, comparing the eval loss, and re-saving: every
+resumed job saves again right after loading, and that checkpoint must equal
+the original bit for bit in every model and optimizer tensor, whatever layout
+wrote it. That also covers the reverse directions: a checkpoint written at
+ep4, ep1, tp2ep2 (etp2) or tp2ep2etp1 is the original checkpoint, byte for
+byte, and the chain tests load such re-saves at yet other layouts.
+
+Tolerances: at the saving layout bit-exact; elsewhere eval within 1e-6 and the
+next steps within 1e-5 (observed <= 3e-8 with the expert-bias router; with the
+aux-loss router at PP 2 Megatron's own numerics move by ~1e-5, see docs/moe.md).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("megatron.core")
+
+import torch
+
+from tests import ckpt_files
+from tests import megatron_job as job
+from tests import megatron_model as mm
+
+SAVE_STEP, STEPS = 2, 4
+TOL = 1e-5
+MOE = dict(experts=8, shared_expert=True, expert_bias=True)
+SRC = mm.Layout(tp=1, pp=1, ep=2, **MOE)  # dp4: edp2 x ep2
+
+pytestmark = pytest.mark.usefixtures("retire_megatron_world")
+
+
+@pytest.fixture(scope="module")
+def saved(worlds, tmp_path_factory):
+    folder = str(tmp_path_factory.mktemp("moe") / "ckpt")
+    mfolder = str(tmp_path_factory.mktemp("moe_torch_dist"))
+    ref = worlds.run(4, job.train_and_save, SRC, folder, save_step=SAVE_STEP, steps=STEPS, megatron_folder=mfolder)[0]
+    return folder, ref, mfolder
+
+
+def assert_same_checkpoint(a_folder: str, b_folder: str) -> None:
+    a, b = job.all_tensors(a_folder), job.all_tensors(b_folder)
+    assert sorted(a) == sorted(b)
+    experts = [k for k in a if ".experts.experts." in k]
+    assert {k.split("/")[0] for k in experts} == {"model", "optimizer"}, experts
+    assert any(k.endswith("router.expert_bias") for k in a)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    # and the same rules, whatever layout wrote it (an ep1 save must still record the expert axis)
+    from ckptkit.engine.metadata_io import read_manifest
+    from ckptkit.storage.url import open_store
+
+    ra, rb = (read_manifest(open_store(f)).tensors for f in (a_folder, b_folder))
+    assert {k: t.rule for k, t in ra.items()} == {k: t.rule for k, t in rb.items()}
+
+
+def check(ref: dict, got: dict, *, tol: float | None, trains: bool = True) -> None:
+    assert got["iteration"] == SAVE_STEP
+    steps = range(SAVE_STEP + 1, STEPS + 1)
+    if tol is None:
+        assert got["eval"] == ref["eval"]
+        assert [got["losses"][s] for s in steps] == [ref["losses"][s] for s in steps]
+        assert got["final_eval"] == ref["final_eval"]
+        return
+    assert got["eval"] == pytest.approx(ref["eval"], rel=1e-6)
+    if trains:
+        for s in steps:
+            assert got["losses"][s] == pytest.approx(ref["losses"][s], rel=tol), s
+
+
+def test_same_layout_resumes_bit_exact(worlds, saved, tmp_path):
+    folder, ref, _ = saved
+    again = str(tmp_path / "again")
+    got = worlds.run(4, job.resume, SRC, folder, steps=STEPS, save_again=again)[0]
+    check(ref, got, tol=None)
+    assert got["rng_restored"]
+    assert_same_checkpoint(folder, again)
+
+
+TRAINING_LAYOUTS = {
+    "ep4": mm.Layout(tp=1, pp=1, ep=4, **MOE),  # 2 experts per rank, edp1
+    "ep1": mm.Layout(tp=1, pp=1, ep=1, **MOE),  # every rank holds all 8, edp4
+    "pp2ep2": mm.Layout(tp=1, pp=2, ep=2, **MOE),  # dp2 = ep2, edp1
+    "ep2-plain-optimizer": mm.Layout(tp=1, pp=1, ep=2, dist_opt=False, **MOE),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TRAINING_LAYOUTS))
+def test_resumes_at_another_expert_layout(worlds, saved, name, tmp_path):
+    folder, ref, _ = saved
+    again = str(tmp_path / "again")
+    got = worlds.run(4, job.resume, TRAINING_LAYOUTS[name], folder, steps=STEPS, save_again=again)[0]
+    check(ref, got, tol=TOL)
+    assert got["rng_restored"] == (name == "ep2-plain-optimizer")  # the same parallel layout: its own ranks' RNG
+    assert_same_checkpoint(folder, again)
+
+
+LOAD_ONLY_LAYOUTS = {
+    "tp2ep2": mm.Layout(tp=2, pp=1, ep=2, **MOE),  # Megatron's default etp = tp = 2: edp1
+    "tp2ep2etp1": mm.Layout(tp=2, pp=1, ep=2, etp=1, **MOE),  # ETP independent of TP: edp2
+    "tp2pp2ep2etp1": mm.Layout(tp=2, pp=2, ep=2, etp=1, **MOE),  # dp1: EP carved out of tp x dp
+}
+
+
+@pytest.mark.parametrize("name", sorted(LOAD_ONLY_LAYOUTS))
+def test_loads_at_tensor_parallel_expert_layouts(worlds, saved, name, tmp_path):
+    """TP > 1: load, eval, re-save (training there needs Transformer Engine's sequence parallelism)."""
+    folder, ref, _ = saved
+    again = str(tmp_path / "again")
+    got = worlds.run(4, job.resume, LOAD_ONLY_LAYOUTS[name], folder, steps=SAVE_STEP, save_again=again)[0]
+    check(ref, got, tol=TOL, trains=False)
+    assert_same_checkpoint(folder, again)
+
+
+def test_checkpoints_written_at_other_layouts_resume_anywhere(worlds, saved, tmp_path):
+    """The reverse directions: save at etp2 (tp2ep2), at ep4 and with the plain optimizer, then resume those
+    at ep2 (the original layout: bit-exact), ep1, pp2ep2 and ep4 with the distributed optimizer."""
+    folder, ref, _ = saved
+    at_etp2, at_ep4 = str(tmp_path / "etp2"), str(tmp_path / "ep4")
+    worlds.run(4, job.resume, LOAD_ONLY_LAYOUTS["tp2ep2"], folder, steps=SAVE_STEP, save_again=at_etp2)
+    worlds.run(4, job.resume, TRAINING_LAYOUTS["ep4"], folder, steps=SAVE_STEP, save_again=at_ep4)
+    back = worlds.run(4, job.resume, SRC, at_etp2, steps=STEPS)[0]
+    assert back["eval"] == ref["eval"] and back["losses"] == {s: ref["losses"][s] for s in (3, 4)}
+    check(ref, worlds.run(4, job.resume, TRAINING_LAYOUTS["ep1"], at_ep4, steps=STEPS)[0], tol=TOL)
+    check(ref, worlds.run(4, job.resume, TRAINING_LAYOUTS["pp2ep2"], at_etp2, steps=STEPS)[0], tol=TOL)
+    # plain -> distributed optimizer: a checkpoint the plain optimizer wrote, resumed with the distributed one
+    at_plain = str(tmp_path / "plain")
+    worlds.run(4, job.resume, TRAINING_LAYOUTS["ep2-plain-optimizer"], folder, steps=SAVE_STEP, save_again=at_plain)
+    check(ref, worlds.run(4, job.resume, TRAINING_LAYOUTS["ep4"], at_plain, steps=STEPS)[0], tol=TOL)
+
+
+def test_loss_matches_megatrons_own_round_trip_at_a_new_ep(worlds, saved):
+    """Megatron's dist_checkpointing saved the same model at ep2; loaded by Megatron at ep4 it gives the
+    loss ckptkit's load at ep4 gives."""
+    folder, ref, mfolder = saved
+    layout = TRAINING_LAYOUTS["ep4"]
+    theirs = worlds.run(4, job.megatron_reference_eval, layout, mfolder)[0]
+    ours = worlds.run(4, job.resume, layout, folder, steps=SAVE_STEP)[0]["eval"]
+    assert ours == pytest.approx(theirs, rel=1e-7)
+    assert theirs == pytest.approx(ref["eval"], rel=1e-6)
+
+
+def test_model_space_of_experts(saved):
+    """Experts are stacked [layers, experts, ...] under Megatron's own key, with an expert axis in the rule;
+    the router, its expert bias and the shared expert are dense tensors with their own rules."""
+    from ckptkit.engine.metadata_io import read_manifest
+    from ckptkit.storage.url import open_store
+
+    folder, _, _ = saved
+    t = read_manifest(open_store(folder)).tensors
+    fc1 = t["model/decoder.layers.mlp.experts.experts.linear_fc1.weight"]
+    assert fc1.shape == (mm.LAYERS, 8, 2 * 48, 64)
+    assert (fc1.rule.layer_axis, fc1.rule.expert_axis, fc1.rule.tp_axis, fc1.rule.fused) == (0, 1, 2, (48, 48))
+    fc2 = t["model/decoder.layers.mlp.experts.experts.linear_fc2.weight"]
+    assert fc2.shape == (mm.LAYERS, 8, 64, 48) and fc2.rule.tp_axis == 3 and fc2.rule.expert_axis == 1
+    for state in ("exp_avg", "exp_avg_sq"):
+        assert t[f"optimizer/{state}/decoder.layers.mlp.experts.experts.linear_fc1.weight"].rule == fc1.rule
+    router = t["model/decoder.layers.mlp.router.weight"]
+    assert router.shape == (mm.LAYERS, 8, 64) and router.rule.expert_axis is None and router.rule.tp_axis is None
+    bias = t["model/decoder.layers.mlp.router.expert_bias"]
+    assert bias.shape == (mm.LAYERS, 8) and not bias.rule.is_expert
+    shared = t["model/decoder.layers.mlp.shared_experts.linear_fc1.weight"]
+    assert shared.rule.tp_axis == 1 and not shared.rule.is_expert
+    view = job.all_tensors(folder)
+    assert view["model/decoder.layers.mlp.router.expert_bias"].abs().sum() > 0  # it was updated by training
+
+
+def test_a_missing_expert_piece_is_refused_naming_the_expert(worlds, saved, tmp_path):
+    """Delete the stored piece of one expert (expert 5 of layer 1) from the manifest: loading at any layout
+    fails with a CoverageError that names the tensor and the expert, and nothing is loaded silently."""
+    import shutil
+
+    import ckptkit
+
+    folder, _, _ = saved
+    broken = tmp_path / "broken"
+    shutil.copytree(folder, broken)
+    key = "model/decoder.layers.mlp.experts.experts.linear_fc2.weight"
+
+    def drop(doc):
+        pieces = doc["tensors"][key]["layout"]["pieces"]
+        keep = [p for p in pieces if p[0][:2] != [1, 5]]  # [offsets, sizes, flat, writer]
+        assert len(keep) == len(pieces) - 1
+        doc["tensors"][key]["layout"]["pieces"] = keep
+
+    ckpt_files.edit_manifest(broken, drop)
+    with pytest.raises(ckptkit.CoverageError, match=r"linear_fc2.weight.*expert 5 \(of 8\).*layer 1 \(of 4\)"):
+        ckptkit.open(str(broken))[key].read()
+    err = worlds.run(4, job.load_error, TRAINING_LAYOUTS["ep4"], str(broken))
+    assert any(e and "expert 5 (of 8)" in e and "linear_fc2" in e for e in err), err
+
+
+def test_reshard_cli_to_another_ep_then_resume(worlds, saved, tmp_path):
+    """`ckptkit reshard SRC OUT --to tp1pp2ep2`: stored at the target's grid, and a job there resumes from it
+    exactly as from the original."""
+    from click.testing import CliRunner
+
+    from ckptkit.cli.main import cli
+
+    folder, ref, _ = saved
+    out = str(tmp_path / "pp2ep2")
+    dry = CliRunner().invoke(cli, ["reshard", folder, out, "--to", "tp1pp2ep2", "--dry-run"])
+    assert dry.exit_code == 0, dry.output
+    assert "world size 4" in dry.output and "experts" in dry.output, dry.output
+    result = CliRunner().invoke(cli, ["reshard", folder, out, "--to", "tp1pp2ep2"])
+    assert result.exit_code == 0, result.output
+    layout = TRAINING_LAYOUTS["pp2ep2"]
+    direct = worlds.run(4, job.resume, layout, folder, steps=STEPS)[0]
+    via = worlds.run(4, job.resume, layout, out, steps=STEPS)[0]
+    assert via["eval"] == direct["eval"] and via["losses"] == direct["losses"]
+    check(ref, via, tol=TOL)
+
+
+def test_inspect_shows_the_expert_axis(saved):
+    from click.testing import CliRunner
+
+    from ckptkit.cli.main import cli
+
+    folder, _, _ = saved
+    import json
+
+    result = CliRunner().invoke(cli, ["inspect", folder, "--tensor", "*experts.experts.linear_fc1*", "--json"])
+    assert result.exit_code == 0, result.output
+    tensors = json.loads(result.output)["tensors"]
+    assert len(tensors) == 3  # the weight and its two Adam moments
+    assert all(t["layout"].endswith("· 8 experts on axis 1") for t in tensors), tensors
+
+
+def test_megatrons_own_moe_save_imports_equal_to_ckptkits(saved, tmp_path):
+    """Megatron's dist_checkpointing save of the same MoE model (torch_dist) imports with every expert, the
+    router, its expert bias and the shared expert equal to ckptkit's own save, under the same rules (the
+    converter's name table and the live adapter agree)."""
+    from ckptkit_converters.megatron import import_torch_dist
+
+    import ckptkit
+
+    folder, _, mfolder = saved
+    out = str(tmp_path / "imported")
+    import_torch_dist(mfolder, out, vocab_size=mm.VOCAB, divisible_by=16)
+    ours, theirs = ckptkit.open(folder), ckptkit.open(out)
+    model_keys = sorted(k for k in ours.keys() if k.startswith("model/") and not k.endswith(".vocab_padding"))
+    assert sorted(k for k in theirs.keys() if k.startswith("model/")) == model_keys
+    assert sum(".experts.experts." in k for k in model_keys) == 2
+    for k in model_keys:
+        assert theirs.manifest.tensors[k].rule == ours.manifest.tensors[k].rule, k
+        assert torch.equal(theirs[k].read(), ours[k].read()), k
+
+
+@pytest.mark.parametrize("target", ["tp1pp1ep4", "tp2pp1ep2etp1"])
+def test_megatron_export_at_a_new_expert_layout_loads_in_megatron(worlds, saved, tmp_path, target):
+    """`ckptkit reshard SRC OUT --to ...ep... --format megatron`: Megatron's own dist_checkpointing.load at
+    that layout accepts it and gives the eval loss ckptkit's own load gives there."""
+    from click.testing import CliRunner
+
+    from ckptkit.cli.main import cli
+
+    folder, ref, _ = saved
+    out = str(tmp_path / "torch_dist")
+    result = CliRunner().invoke(cli, ["reshard", folder, out, "--to", target, "--format", "megatron"])
+    assert result.exit_code == 0, result.output
+    layout = {"tp1pp1ep4": TRAINING_LAYOUTS["ep4"], "tp2pp1ep2etp1": LOAD_ONLY_LAYOUTS["tp2ep2etp1"]}[target]
+    theirs = worlds.run(4, job.megatron_reference_eval, layout, out)[0]
+    ours = worlds.run(4, job.resume, layout, folder, steps=SAVE_STEP)[0]["eval"]
+    assert theirs == ours
+    assert theirs == pytest.approx(ref["eval"], rel=1e-6)
+
+
+PATTERN = dict(MOE, moe_layers=(0, 1, 1, 1))  # DeepSeek-V3's shape: dense first layer(s), MoE after
+
+
+@pytest.fixture(scope="module")
+def pattern_saved(worlds, tmp_path_factory):
+    """Layers that differ: Megatron declares per-layer keys (``decoder.layers.<i>.``, no stacked layer axis)."""
+    folder = str(tmp_path_factory.mktemp("moe_pattern") / "ckpt")
+    mfolder = str(tmp_path_factory.mktemp("moe_pattern_torch_dist"))
+    layout = mm.Layout(tp=1, pp=1, ep=2, **PATTERN)
+    ref = worlds.run(4, job.train_and_save, layout, folder, save_step=SAVE_STEP, steps=STEPS,
+                     megatron_folder=mfolder)[0]
+    return folder, ref, mfolder
+
+
+def test_an_moe_layer_pattern_resumes_at_other_layouts(worlds, pattern_saved, tmp_path):
+    """Per-layer keys carry ``layer=i`` rules (experts: ``expert_axis=0``); resumes at ep4 and pp2ep2 hold
+    the tolerance and re-save the identical checkpoint; `reshard --to tp1pp2ep2` (the layer count read off
+    the per-layer rules) then resume equals the direct resume."""
+    from click.testing import CliRunner
+
+    from ckptkit.cli.main import cli
+    from ckptkit.engine.metadata_io import read_manifest
+    from ckptkit.storage.url import open_store
+
+    folder, ref, _ = pattern_saved
+    t = read_manifest(open_store(folder)).tensors
+    experts = t["model/decoder.layers.1.mlp.experts.experts.linear_fc1.weight"]
+    assert experts.shape == (8, 96, 64) and (experts.rule.layer, experts.rule.expert_axis) == (1, 0)
+    assert t["model/decoder.layers.0.mlp.linear_fc1.weight"].rule.layer == 0  # the dense first layer
+    assert "model/decoder.layers.0.mlp.router.weight" not in t
+    for name, layout in (("ep4", mm.Layout(tp=1, pp=1, ep=4, **PATTERN)),
+                         ("pp2ep2", mm.Layout(tp=1, pp=2, ep=2, **PATTERN))):
+        again = str(tmp_path / f"again-{name}")
+        got = worlds.run(4, job.resume, layout, folder, steps=STEPS, save_again=again)[0]
+        check(ref, got, tol=TOL)
+        a, b = job.all_tensors(folder), job.all_tensors(again)
+        assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a), name
+        resaved = read_manifest(open_store(again)).tensors
+        assert {k: m.rule for k, m in resaved.items()} == {k: m.rule for k, m in t.items()}, name
+    out = str(tmp_path / "pp2ep2")
+    result = CliRunner().invoke(cli, ["reshard", folder, out, "--to", "tp1pp2ep2"])
+    assert result.exit_code == 0, result.output
+    layout = mm.Layout(tp=1, pp=2, ep=2, **PATTERN)
+    direct = worlds.run(4, job.resume, layout, folder, steps=STEPS)[0]
+    via = worlds.run(4, job.resume, layout, out, steps=STEPS)[0]
+    assert via["eval"] == direct["eval"] and via["losses"] == direct["losses"]
+
+
+def test_megatrons_save_of_an_moe_layer_pattern_imports(pattern_saved, tmp_path):
+    """Per-layer keys import by name too (``layer=i`` rules from converters/megatron_names.py), every tensor
+    equal to ckptkit's own save under the same rule; the torch_dist export refuses them clearly."""
+    from ckptkit_converters.megatron import import_torch_dist
+    from ckptkit_converters.megatron_export import export_torch_dist
+
+    import ckptkit
+    from ckptkit.errors import LayoutError
+
+    folder, _, mfolder = pattern_saved
+    out = str(tmp_path / "imported")
+    import_torch_dist(mfolder, out, vocab_size=mm.VOCAB, divisible_by=16)
+    ours, theirs = ckptkit.open(folder), ckptkit.open(out)
+    keys = sorted(k for k in ours.keys() if k.startswith("model/") and not k.endswith(".vocab_padding"))
+    assert sorted(k for k in theirs.keys() if k.startswith("model/")) == keys
+    for k in keys:
+        assert theirs.manifest.tensors[k].rule == ours.manifest.tensors[k].rule, k
+        assert torch.equal(theirs[k].read(), ours[k].read()), k
+    with pytest.raises(LayoutError, match="per-layer tensor"):
+        export_torch_dist(folder, str(tmp_path / "td"), tp=1, pp=1, ep=2)
+
+
+def test_checkpointer_saves_an_moe_job_and_resumes_it_at_another_ep(worlds, tmp_path):
+    """MegatronCheckpointer: save every step (asynchronously, keep 2) at ep2, resume the newest at ep4."""
+    root = str(tmp_path / "run")
+    first = worlds.run(4, job.checkpointer_run, SRC, root, steps=3)[0]
+    assert first["start"] == 0
+    resumed = worlds.run(4, job.checkpointer_run, TRAINING_LAYOUTS["ep4"], root, steps=4)[0]
+    assert resumed["start"] == 3 and resumed["extra"] == {"consumed_samples": 24}
+    assert set(resumed["losses"]) == {4}
+
+
+def test_grouped_gemm_experts_are_refused_with_the_way_out():
+    """GroupedMLP needs CUDA grouped GEMM kernels, so it cannot be built here: a module of that class name
+    stands in to check that the live adapter refuses it before reading any declaration."""
+    from ckptkit.adapters.megatron.model_space import DataParallelSizes, ModelSpaceOptions, chunk_params
+    from ckptkit.errors import StateMismatchError
+
+    class GroupedMLP(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight1 = torch.nn.Parameter(torch.zeros(4, 8))
+
+    model = torch.nn.Sequential()
+    model.add_module("experts", GroupedMLP())
+    with pytest.raises(StateMismatchError, match="'experts' is a GroupedMLP.*import with `ckptkit convert"):
+        chunk_params([model], ModelSpaceOptions(None, 128), DataParallelSizes(1))
