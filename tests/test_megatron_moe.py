@@ -66,6 +66,23 @@ def assert_same_checkpoint(a_folder: str, b_folder: str) -> None:
     assert {k: t.rule for k, t in ra.items()} == {k: t.rule for k, t in rb.items()}
 
 
+def assert_import_equals_ours(mfolder: str, folder: str, out: str) -> list[str]:
+    """Import Megatron's torch_dist save ``mfolder`` to ``out``: every model tensor equal to ckptkit's own save
+    ``folder`` under the same rule (vocab padding aside: Megatron stores it inside the vocab tensors)."""
+    from ckptkit_converters.megatron import import_torch_dist
+
+    import ckptkit
+
+    import_torch_dist(mfolder, out, vocab_size=mm.VOCAB, divisible_by=16)
+    ours, theirs = ckptkit.open(folder), ckptkit.open(out)
+    keys = sorted(k for k in ours.keys() if k.startswith("model/") and not k.endswith(".vocab_padding"))
+    assert sorted(k for k in theirs.keys() if k.startswith("model/")) == keys
+    for k in keys:
+        assert theirs.manifest.tensors[k].rule == ours.manifest.tensors[k].rule, k
+        assert torch.equal(theirs[k].read(), ours[k].read()), k
+    return keys
+
+
 def check(ref: dict, got: dict, *, tol: float | None, trains: bool = True) -> None:
     assert got["iteration"] == SAVE_STEP
     steps = range(SAVE_STEP + 1, STEPS + 1)
@@ -242,20 +259,9 @@ def test_megatrons_own_moe_save_imports_equal_to_ckptkits(saved, tmp_path):
     """Megatron's dist_checkpointing save of the same MoE model (torch_dist) imports with every expert, the
     router, its expert bias and the shared expert equal to ckptkit's own save, under the same rules (the
     converter's name table and the live adapter agree)."""
-    from ckptkit_converters.megatron import import_torch_dist
-
-    import ckptkit
-
     folder, _, mfolder = saved
-    out = str(tmp_path / "imported")
-    import_torch_dist(mfolder, out, vocab_size=mm.VOCAB, divisible_by=16)
-    ours, theirs = ckptkit.open(folder), ckptkit.open(out)
-    model_keys = sorted(k for k in ours.keys() if k.startswith("model/") and not k.endswith(".vocab_padding"))
-    assert sorted(k for k in theirs.keys() if k.startswith("model/")) == model_keys
+    model_keys = assert_import_equals_ours(mfolder, folder, str(tmp_path / "imported"))
     assert sum(".experts.experts." in k for k in model_keys) == 2
-    for k in model_keys:
-        assert theirs.manifest.tensors[k].rule == ours.manifest.tensors[k].rule, k
-        assert torch.equal(theirs[k].read(), ours[k].read()), k
 
 
 @pytest.mark.parametrize("target", ["tp1pp1ep4", "tp2pp1ep2etp1"])
@@ -312,10 +318,7 @@ def test_an_moe_layer_pattern_resumes_at_other_layouts(worlds, pattern_saved, tm
         again = str(tmp_path / f"again-{name}")
         got = worlds.run(4, job.resume, layout, folder, steps=STEPS, save_again=again)[0]
         check(ref, got, tol=TOL)
-        a, b = job.all_tensors(folder), job.all_tensors(again)
-        assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a), name
-        resaved = read_manifest(open_store(again)).tensors
-        assert {k: m.rule for k, m in resaved.items()} == {k: m.rule for k, m in t.items()}, name
+        assert_same_checkpoint(folder, again)
     out = str(tmp_path / "pp2ep2")
     result = CliRunner().invoke(cli, ["reshard", folder, out, "--to", "tp1pp2ep2"])
     assert result.exit_code == 0, result.output
@@ -328,21 +331,12 @@ def test_an_moe_layer_pattern_resumes_at_other_layouts(worlds, pattern_saved, tm
 def test_megatrons_save_of_an_moe_layer_pattern_imports(pattern_saved, tmp_path):
     """Per-layer keys import by name too (``layer=i`` rules from converters/megatron_names.py), every tensor
     equal to ckptkit's own save under the same rule; the torch_dist export refuses them clearly."""
-    from ckptkit_converters.megatron import import_torch_dist
     from ckptkit_converters.megatron_export import export_torch_dist
 
-    import ckptkit
     from ckptkit.errors import LayoutError
 
     folder, _, mfolder = pattern_saved
-    out = str(tmp_path / "imported")
-    import_torch_dist(mfolder, out, vocab_size=mm.VOCAB, divisible_by=16)
-    ours, theirs = ckptkit.open(folder), ckptkit.open(out)
-    keys = sorted(k for k in ours.keys() if k.startswith("model/") and not k.endswith(".vocab_padding"))
-    assert sorted(k for k in theirs.keys() if k.startswith("model/")) == keys
-    for k in keys:
-        assert theirs.manifest.tensors[k].rule == ours.manifest.tensors[k].rule, k
-        assert torch.equal(theirs[k].read(), ours[k].read()), k
+    assert_import_equals_ours(mfolder, folder, str(tmp_path / "imported"))
     with pytest.raises(LayoutError, match="per-layer tensor"):
         export_torch_dist(folder, str(tmp_path / "td"), tp=1, pp=1, ep=2)
 
