@@ -202,17 +202,30 @@ def load_state(
             f"per-rank values {keys_pr[:4]} cannot be matched to ranks (LoadOptions(per_rank_on_resize='skip') keeps the current ones)"
         )
     own = {comm.rank} if per_rank_needed and not resized else set()
-    read_plan = session.plan(ops, extra_ranks=own)
     targets = [d.work for d in plan.dests]
+    nbytes = 0
+    reading = False
     try:
+        read_plan = session.plan(ops, extra_ranks=own)  # reads the writers' indexes: may find damage
+        reading = True
         nbytes = session.execute(read_plan, targets)
+        indexes = session.indexes(own)
+        for d in plan.dests:
+            d.finish()
+        _assign_values(flat, manifest, indexes.get(comm.rank) if not resized else None, where,
+                       None if resized else comm.rank)
     except CorruptCheckpointError as exc:
-        raise CorruptCheckpointError(f"{exc} (the state may be partially overwritten; load another checkpoint)") from None
-    indexes = session.indexes(own)
-    for d in plan.dests:
-        d.finish()
-    _assign_values(flat, manifest, indexes.get(comm.rank) if not resized else None, where,
-                   None if resized else comm.rank)
+        error = CorruptCheckpointError(f"{exc} (the state may be partially overwritten; load another checkpoint)") \
+            if reading else exc
+    except Exception as exc:  # noqa: BLE001 - carried through the collective below, then re-raised
+        error = exc
+    # A damaged piece fails only the ranks that read it: every rank learns of it, so a load succeeds
+    # on every rank or on none (a rank that went on would wait forever in the trainer's next collective).
+    if comm.any_flags([error is not None])[0]:
+        if error is not None:
+            raise error
+        raise PeerFailureError(f"loading {where} failed on another rank (the state may be partially "
+                               "overwritten; load another checkpoint); see that rank's error")
     seconds = time.perf_counter() - t0
     log.info(
         "loaded %s: %.3f GiB on rank %d in %.2fs (%.2f GiB/s)",
