@@ -67,7 +67,7 @@ from ckptkit.layout.config import ParallelConfig  # noqa: E402
 from ckptkit.layout.manifest import DTYPES, TensorMeta  # noqa: E402
 from ckptkit.layout.rules import PartitionRule  # noqa: E402
 from ckptkit.storage.url import open_store  # noqa: E402
-from common import exit_on_sigterm, GiB, MiB, drop_page_cache, median, remove_tree, spread, table, tree_bytes, write_results  # noqa: E402
+from common import command_vs_raw_rows, exit_on_sigterm, GiB, MiB, drop_page_cache, median, remove_tree, spread, table, tree_bytes, write_results  # noqa: E402
 
 RAW_COPY = r"""
 import os, sys
@@ -368,13 +368,8 @@ def run(args: argparse.Namespace) -> int:
                 print(f"  rep {rep} {name}: {wall:.2f}s", flush=True)
                 remove_tree(dst)
         rss_target = 3 * largest + 300 * 10**6
-        rows = [
-            ["raw copy (baseline a)", f"{median(raw_t):.2f}", f"{total / MiB / median(raw_t):.0f}", "1.00", "-"],
-            [f"reshard {args.source}->{args.target}", f"{median(rs_t):.2f}", f"{total / MiB / median(rs_t):.0f}",
-             f"{median(rs_t) / median(raw_t):.2f}", f"{max(rs_rss) / MiB:.0f} MiB"],
-            ["  (inside the command)", f"{median(rs_inner):.2f}", f"{total / MiB / median(rs_inner):.0f}",
-             f"{median(rs_inner) / median(raw_t):.2f}", ""],
-        ]
+        rows = command_vs_raw_rows("raw copy (baseline a)", raw_t, f"reshard {args.source}->{args.target}", rs_t,
+                                   rs_inner, total, rs_rss)
         print(f"\npage cache: {'dropped before every run' if cold else 'warm (drop_caches not writable)'}; "
               f"reps {args.reps}, spread raw {spread(raw_t):.2f} reshard {spread(rs_t):.2f}")
         print(table(["method", "seconds", "MiB/s", "x raw", "peak RSS"], rows))

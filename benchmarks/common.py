@@ -82,6 +82,19 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[str]], align: str | No
     return "\n".join([fmt(headers), sep, *(fmt(r) for r in rows)])
 
 
+def command_vs_raw_rows(baseline: str, raw_t: Sequence[float], name: str, t: Sequence[float],
+                        inner: Sequence[float], nbytes: int, rss: Sequence[int]) -> list[list[str]]:
+    """Rows of the house table for a CLI command timed in a subprocess against a raw-I/O baseline of the
+    same bytes: wall, MiB/s, the ratio to the baseline, peak RSS, and the time inside the command."""
+    mib = 2**20
+    raw, wall, within = median(raw_t), median(t), median(inner)
+    return [
+        [baseline, f"{raw:.2f}", f"{nbytes / mib / raw:.0f}", "1.00", "-"],
+        [name, f"{wall:.2f}", f"{nbytes / mib / wall:.0f}", f"{wall / raw:.2f}", f"{max(rss) / mib:.0f} MiB"],
+        ["  (inside the command)", f"{within:.2f}", f"{nbytes / mib / within:.0f}", f"{within / raw:.2f}", ""],
+    ]
+
+
 def exit_on_sigterm() -> None:
     """run_all, torchrun (when another rank fails) or a terminal stop a benchmark with SIGTERM: turn it
     into SystemExit so ``finally`` blocks still remove scratch directories and stop servers."""

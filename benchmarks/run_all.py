@@ -8,6 +8,8 @@
   over fsspec, and both engines on local files) as a plain single-process script;
 * ``bench_modelspace.py`` (a lazy slice vs a full load; zarr export/import vs raw writes) as a plain single-process script;
 * ``bench_reshard.py`` (offline ``ckptkit reshard`` tp2pp2 -> tp4pp2 in a subprocess vs a raw copy of the same bytes) as a plain single-process script, then again with ``--moe`` (a 64-expert MoE GPT, ep8 -> tp2 ep4);
+* ``bench_hf_export.py`` (``ckptkit convert --format hf`` of a 2.6 GiB 64-expert Qwen3-MoE checkpoint in a
+  subprocess vs a raw write of the same bytes; peak RSS vs 2x the largest tensor + 300 MB);
 * every other ``benchmarks/bench_*.py`` that defines ``main()`` (e.g.
   ``bench_plan_scale.py``) as a plain single-process script.
 
@@ -38,7 +40,7 @@ TORCHRUN_BENCHES = (IO_BENCH, ASYNC_BENCH)  # run under torchrun, in this order
 S3_BENCH = "bench_s3.py"  # a plain script that also takes --reps
 VARIANTS = {"bench_reshard.py": [[], ["--moe"]]}  # scripts run more than once, with these extra arguments
 SCRATCH_PREFIXES = ("bench_io-scratch-", "bench_async-scratch-", "bench_s3-scratch-", "bench_modelspace-scratch-", "bench_torchtitan-scratch-",
-                    "bench_deepspeed-scratch-", "bench_reshard-scratch-")
+                    "bench_deepspeed-scratch-", "bench_reshard-scratch-", "bench_hf_export-scratch-")
 
 
 def other_benchmarks() -> list[str]:

@@ -50,7 +50,7 @@ if TYPE_CHECKING:
     from ckptkit.resilience.lr import ScaledLR
     from ckptkit.engine.loader import LoadResult
     from ckptkit.engine.saver import SaveResult
-    from ckptkit.engine.state import PerRank, Sharded
+    from ckptkit.engine.state import Experts, PerRank, Sharded
     from ckptkit.offline import (
         CheckpointView,
         ReshardOptions,
@@ -79,6 +79,7 @@ _LAZY = {
     "LoadResult": "ckptkit.engine.loader",
     "Sharded": "ckptkit.engine.state",
     "PerRank": "ckptkit.engine.state",
+    "Experts": "ckptkit.engine.state",
     "open": "ckptkit.offline",  # not in __all__: a star import must not shadow builtins.open
     "CheckpointView": "ckptkit.offline",
     "list_checkpoints": "ckptkit.offline",
@@ -106,7 +107,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "save", "load", "save_async", "close_async", "SaveHandle", "AsyncOptions", "SaveResult", "LoadResult", "Sharded", "PerRank", "SaveOptions", "LoadOptions",
+    "save", "load", "save_async", "close_async", "SaveHandle", "AsyncOptions", "SaveResult", "LoadResult", "Sharded", "PerRank", "Experts", "SaveOptions", "LoadOptions",
     "Box", "Region", "Piece", "box_piece", "flat_piece", "ParallelConfig", "PartitionRule",
     "CkptkitError", "CheckpointNotFoundError", "CheckpointUnreadableError", "TooLargeError", "UncommittedCheckpointError", "ManifestError",
     "UnsupportedVersionError", "UnsafePathError", "CorruptCheckpointError", "StateMismatchError",

@@ -61,12 +61,14 @@ LATEST = "latest"
 MODEL_STATES_12 = "mp_rank_00_model_states.pt"
 _OPTIM = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 _MODEL3 = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
+EXPP_OPTIM = re.compile(r"^expp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")  # DeepSpeed-MoE without ZeRO
 
 DEEPSPEED_KEYS = frozenset({
     "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
     "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
     "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config",
     "ds_version", "checkpoint_parallel_dimensions", "ds_zero_partition_groups",
+    "num_experts", "ds_autoep_layers",  # DeepSpeed-MoE (engine._save_moe_checkpoint)
 })
 """Keys DeepSpeed writes into a model-states file itself; every other key is the client state."""
 
@@ -133,13 +135,14 @@ def read_tag(folder: str, tag: str | None) -> str:
 
 
 def is_deepspeed_checkpoint(folder: str) -> bool:
-    """True if ``folder`` is a local native DeepSpeed checkpoint folder (``latest`` naming a ZeRO tag)."""
+    """True if ``folder`` is a local native DeepSpeed checkpoint folder (``latest`` naming a ZeRO tag, or
+    a DeepSpeed-MoE tag saved without ZeRO: ``expp_rank_*`` optimizer files)."""
     try:
         tag = read_tag(folder, None)
     except (CheckpointNotFoundError, OSError):
         return False
     where = os.path.join(folder, tag)
-    return os.path.isdir(where) and any(_OPTIM.match(n) for n in os.listdir(where))
+    return os.path.isdir(where) and any(_OPTIM.match(n) or EXPP_OPTIM.match(n) for n in os.listdir(where))
 
 
 def find_files(folder: str, tag: str | None = None) -> NativeFiles:

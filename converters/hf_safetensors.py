@@ -2,121 +2,135 @@
 
 Release engineers hand a trained model to the Hugging Face ecosystem as
 ``model-0000k-of-0000n.safetensors`` shards plus ``model.safetensors.index.json``.
-The weights are read from the checkpoint in model space through
-:func:`ckptkit.open` (whatever layout saved them, one tensor at a time), renamed
-by a declarative key table per model family, transformed where the two
-conventions differ, and written shard by shard, so memory stays at about one
-shard (``max_shard_bytes``) however large the model.
+The weights are read from the checkpoint in model space through :func:`ckptkit.open`
+(whatever layout saved them), renamed by a declarative key table per model family
+(:mod:`ckptkit_converters.hf_families`), transformed where the two conventions differ
+(:mod:`ckptkit_converters.hf_mapping`), and streamed into the shards.
 
-The one transform of the llama family is the rotary layout of the query and
-key projections: torchtitan (like Meta's reference code) rotates interleaved
-pairs of each head's dimensions, Hugging Face rotates the two halves, so the
-rows of ``wq``/``wk`` are permuted per head (``n_heads`` for queries,
-``n_kv_heads`` for keys). The head counts are not in a checkpoint's tensors;
-they come from the caller (or an HF ``config.json``).
+Memory is bounded by the largest single HF tensor, not by a shard or the model: a routed
+expert stack ``[E, F, D]`` (or Megatron's ``[layers, E, 2F, D]``) is read one expert at a
+time (``view[key][e]``), each shard's safetensors header is computed from the plan before any
+data is read, and the tensors are written into the shard as they are read (one read ahead,
+on a second thread, so reading and writing overlap).
 
-Reading back uses ``safetensors`` only (a header of JSON and raw bytes): no
-pickle is involved in either direction. Output goes through a byte store, so
-``dest`` may be a local directory or an ``s3://`` prefix; config and tokenizer
-files are not written (take them from the model's HF repository).
+Where the model sits is detected (:func:`detect_prefix`): under ``model/`` (ckptkit's manager,
+the torchtitan adapter, Megatron imports) or at the top level (a torchtitan DCP checkpoint
+imported as is, beside ``optimizer``, ``train_state``, ``lr_scheduler``, ``dataloader``). Which
+table applies comes from the HF ``config.json``'s ``model_type`` and from the naming the keys
+show (torchtitan or Megatron-core).
+
+Both directions use the safetensors format only (a JSON header and raw bytes): no pickle.
+Output goes through a byte store, so ``dest`` may be a local directory or an ``s3://`` prefix;
+config and tokenizer files are not written (take them from the model's HF repository).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from ckptkit_converters.hf_families import (
+    FAMILIES,
+    MEGATRON,
+    Family,
+    family_for,
+    naming_of,
+)
+from ckptkit_converters.hf_import import import_hf, read_hf
+from ckptkit_converters.hf_mapping import (
+    AttentionHeads,
+    HFConfig,
+    Unit,
+    apply,
+    from_hf_name,
+    is_dropped,
+    match_name,
+    out_shapes,
+    rope_from_hf,
+    rope_to_hf,
+    to_hf_name,
+)
 
 from ckptkit.engine.offline_writer import ConvertResult
+from ckptkit.errors import CkptkitError, MissingKeysError, OptionsError
 from ckptkit.options import Progress
-from ckptkit.errors import CkptkitError, MissingKeysError
 from ckptkit.storage.url import open_store
 
+__all__ = [
+    "FAMILIES",
+    "INDEX_NAME",
+    "SAFETENSORS_DTYPES",
+    "AttentionHeads",
+    "HFConfig",
+    "HFExportOptions",
+    "HFExportResult",
+    "detect_prefix",
+    "export_hf",
+    "from_hf_name",
+    "import_hf",
+    "read_hf",
+    "rope_from_hf",
+    "rope_to_hf",
+    "to_hf_name",
+]
+
 INDEX_NAME = "model.safetensors.index.json"
-
-
-@dataclass(frozen=True)
-class AttentionHeads:
-    """Head counts of the attention layers (needed for the rotary permutation)."""
-
-    n_heads: int
-    n_kv_heads: int
-
-    @staticmethod
-    def from_hf_config(path: str | os.PathLike[str]) -> AttentionHeads:
-        """From a Hugging Face ``config.json`` (``num_attention_heads``, ``num_key_value_heads``)."""
-        with open(path) as f:
-            doc = json.load(f)
-        try:
-            n = int(doc["num_attention_heads"])
-        except (KeyError, TypeError, ValueError):
-            raise CkptkitError(f"{path}: no integer 'num_attention_heads'") from None
-        return AttentionHeads(n, int(doc.get("num_key_value_heads") or n))
-
-
-@dataclass(frozen=True)
-class KeyRule:
-    """One tensor name in the checkpoint (``ours``) and in HF (``hf``); ``{}`` is the layer number.
-
-    ``rope``: the rows are a rotary projection whose per-head layout differs
-    ("n_heads" for queries, "n_kv_heads" for keys), or None.
-    """
-
-    ours: str
-    hf: str
-    rope: str | None = None
-
-
-LLAMA3: tuple[KeyRule, ...] = (
-    KeyRule("tok_embeddings.weight", "model.embed_tokens.weight"),
-    KeyRule("layers.{}.attention.qkv_linear.wq.weight", "model.layers.{}.self_attn.q_proj.weight", "n_heads"),
-    KeyRule("layers.{}.attention.qkv_linear.wk.weight", "model.layers.{}.self_attn.k_proj.weight", "n_kv_heads"),
-    KeyRule("layers.{}.attention.qkv_linear.wv.weight", "model.layers.{}.self_attn.v_proj.weight"),
-    KeyRule("layers.{}.attention.wo.weight", "model.layers.{}.self_attn.o_proj.weight"),
-    KeyRule("layers.{}.feed_forward.w1.weight", "model.layers.{}.mlp.gate_proj.weight"),
-    KeyRule("layers.{}.feed_forward.w3.weight", "model.layers.{}.mlp.up_proj.weight"),
-    KeyRule("layers.{}.feed_forward.w2.weight", "model.layers.{}.mlp.down_proj.weight"),
-    KeyRule("layers.{}.attention_norm.weight", "model.layers.{}.input_layernorm.weight"),
-    KeyRule("layers.{}.ffn_norm.weight", "model.layers.{}.post_attention_layernorm.weight"),
-    KeyRule("norm.weight", "model.norm.weight"),
-    KeyRule("lm_head.weight", "lm_head.weight"),
-    KeyRule("output.weight", "lm_head.weight"),  # torchtitan before 0.3 (read back as lm_head.weight)
-)
-FAMILIES: dict[str, tuple[KeyRule, ...]] = {"llama3": LLAMA3}
 DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+}
+# Top-level state a torchtitan DCP checkpoint keeps beside the model's own keys: never weights.
+NOT_MODEL = ("optimizer", "train_state", "lr_scheduler", "dataloader", "optim", "train", "rng")
 
 
 @dataclass(frozen=True)
 class HFExportOptions:
-    """``prefix``: where the model's parameters sit in the checkpoint's state (torchtitan and the
-    examples save them under ``model``). ``dtype``: cast on export (None keeps each tensor's).
-    ``tie_word_embeddings``: drop the output projection (HF re-ties it to the embedding)."""
+    """How :func:`export_hf` runs.
 
-    family: str = "llama3"
-    prefix: str = "model/"
+    ``family``: a key table by name (:data:`FAMILIES`); None picks it from the config's
+    ``model_type`` and the checkpoint's naming (no ``model_type``: Llama). ``prefix``: where the
+    model's parameters sit in the checkpoint's state (``"model/"``, ``""`` for the top level);
+    None detects it. ``dtype``: cast on export (None keeps each tensor's).
+    ``tie_word_embeddings``: drop the output projection (HF re-ties it to the embedding); None:
+    the config's ``tie_word_embeddings`` (absent: not tied). ``permute_rotary``: apply the table's
+    rotary permutation (None: yes; False for a model whose RoPE already rotates halves).
+    """
+
+    family: str | None = None
+    prefix: str | None = None
     dtype: str | None = None
     max_shard_bytes: int = 5 * 10**9
-    tie_word_embeddings: bool = False
+    tie_word_embeddings: bool | None = None
+    permute_rotary: bool | None = None
 
     def __post_init__(self) -> None:
-        if self.family not in FAMILIES:
-            raise ValueError(f"unknown model family {self.family!r} (known: {', '.join(FAMILIES)})")
+        if self.family is not None and self.family not in FAMILIES:
+            raise OptionsError(f"unknown model family {self.family!r} (known: {', '.join(FAMILIES)})")
         if self.dtype is not None and self.dtype not in DTYPE_NAMES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPE_NAMES)} or None, got {self.dtype!r}")
+            raise OptionsError(f"dtype must be one of {', '.join(DTYPE_NAMES)} or None, got {self.dtype!r}")
         if self.max_shard_bytes < 1:
-            raise ValueError("max_shard_bytes must be positive")
+            raise OptionsError("max_shard_bytes must be positive")
+        if self.prefix not in (None, "") and not self.prefix.endswith("/"):
+            raise OptionsError(f"prefix must end with '/' (a state key such as 'model/'), or be '', got {self.prefix!r}")
 
 
 @dataclass(frozen=True)
 class HFExportResult(ConvertResult):
-    """A conversion's figures (``format`` is ``"hf"``) and the safetensors files written."""
+    """A conversion's figures (``format`` is ``"hf"``), the safetensors files written, the table used,
+    where the model was found, and the checkpoint tensors deliberately not exported."""
 
     shards: tuple[str, ...] = ()
+    family: str = ""
+    prefix: str = ""
+    dropped: tuple[str, ...] = ()
 
     @property
     def dest(self) -> str:  # the names this result had before it was a ConvertResult
@@ -127,64 +141,179 @@ class HFExportResult(ConvertResult):
         return self.nbytes
 
 
-# ------------------------------------------------------------------ names
+# ---------------------------------------------------------------- where the model is
 
 
-def _compile(pattern: str) -> re.Pattern[str]:
-    return re.compile("^" + re.escape(pattern).replace(r"\{\}", r"(\d+)") + "$")
+def detect_prefix(keys: list[str], where: str = "the checkpoint") -> str:
+    """``"model/"`` or ``""``: the state path the model's weights sit under.
+
+    A candidate is ``model/`` (its keys one level below it) or the top level (keys without a
+    ``/`` that do not start with another top-level state's name, :data:`NOT_MODEL`); the one
+    with more keys that any table knows wins. None known: an error listing what was seen.
+    """
+    scores = {}
+    for prefix in ("model/", ""):
+        names = _names_under(keys, prefix)
+        scores[prefix] = sum(1 for n in names if any(match_name(f, n) for f in FAMILIES.values()))
+    best = max(scores, key=lambda p: (scores[p], p == "model/"))
+    if scores[best] == 0:
+        tops = sorted({k.split("/")[0] if "/" in k else k.split(".")[0] for k in keys})[:8]
+        raise MissingKeysError(f"{where}: no model weights found under 'model/' or at the top level (top-level "
+                               f"names: {', '.join(tops) or 'none'}); give the prefix (HFExportOptions.prefix, "
+                               f"CLI --prefix)")
+    return best
 
 
-def to_hf_name(name: str, family: str = "llama3") -> tuple[str, str | None] | None:
-    """(HF name, rope heads) of a checkpoint tensor name, or None if the family has no rule for it."""
-    for rule in FAMILIES[family]:
-        m = _compile(rule.ours).match(name)
-        if m:
-            return rule.hf.format(*m.groups()), rule.rope
-    return None
+def _names_under(keys: list[str], prefix: str) -> list[str]:
+    out = []
+    for k in keys:
+        if not k.startswith(prefix):
+            continue
+        name = k[len(prefix):]
+        if "/" in name or (prefix == "" and name.split(".")[0] in NOT_MODEL):
+            continue
+        out.append(name)
+    return out
 
 
-def from_hf_name(name: str, family: str = "llama3") -> tuple[str, str | None] | None:
-    """The inverse of :func:`to_hf_name` (the first rule wins where two map to one HF name)."""
-    for rule in FAMILIES[family]:
-        m = _compile(rule.hf).match(name)
-        if m:
-            return rule.ours.format(*m.groups()), rule.rope
-    return None
+# ---------------------------------------------------------------- plan
 
 
-# ------------------------------------------------------------- transforms
+@dataclass(frozen=True)
+class _Plan:
+    family: Family
+    prefix: str
+    units: list[Unit]
+    dropped: tuple[str, ...]
+    tie: bool
 
 
-def rope_to_hf(w: torch.Tensor, heads: int) -> torch.Tensor:
-    """Rows of each head from interleaved rotary pairs to HF's rotate-half layout."""
-    rows, cols = w.shape
-    _check_heads(rows, heads)
-    return w.reshape(heads, rows // heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols).contiguous()
+def plan_export(view: Any, cfg: HFConfig, options: HFExportOptions) -> _Plan:
+    """Every unit to write, checked (names, counts, completeness) before any data is read."""
+    keys = [t.key for t in view.tensors()]
+    prefix = options.prefix if options.prefix is not None else detect_prefix(keys, view.url)
+    allowed = set(_names_under(keys, prefix))
+    entries = [t for t in view.tensors() if t.key.startswith(prefix) and t.key[len(prefix):] in allowed]
+    if not entries:
+        raise MissingKeysError(f"{view.url}: no tensors under {prefix!r} (set HFExportOptions.prefix)")
+    names = [t.key[len(prefix):] for t in entries]
+    family = FAMILIES[options.family] if options.family else family_for(cfg.model_type, naming_of(names))
+    tie = options.tie_word_embeddings if options.tie_word_embeddings is not None else (
+        cfg.tie_word_embeddings if cfg.tie_word_embeddings is not None else family.tie_default)
+    units: list[Unit] = []
+    unknown, dropped = [], []
+    has_output = False
+    for t in entries:
+        name = t.key[len(prefix):]
+        m = match_name(family, name)
+        if m is None:
+            (dropped if is_dropped(family, name) else unknown).append(name)
+            continue
+        if m.rule.tied:
+            has_output = True
+            if tie:
+                dropped.append(name)
+                continue
+        view.meta_of(t.key).stored_pieces()  # the coverage check: a missing expert fails here, before writing
+        units.extend(_units(t.key, t.shape, m, cfg, view.url))
+    if unknown:
+        raise MissingKeysError(f"{view.url}: no {family.name} HF name for {len(unknown)} tensor(s) under "
+                               f"{prefix!r}: {', '.join(unknown[:5])}{' ...' if len(unknown) > 5 else ''}")
+    if not tie and not has_output and family.naming == MEGATRON:
+        raise CkptkitError(f"{view.url}: no output_layer.weight (the Megatron model ties it to the embedding), but "
+                           f"{cfg.source} does not set tie_word_embeddings: true")
+    _check_complete(units, family, cfg, view.url)
+    return _Plan(family, prefix, units, tuple(dropped), tie)
 
 
-def rope_from_hf(w: torch.Tensor, heads: int) -> torch.Tensor:
-    """The inverse of :func:`rope_to_hf`."""
-    rows, cols = w.shape
-    _check_heads(rows, heads)
-    return w.reshape(heads, 2, rows // heads // 2, cols).transpose(1, 2).reshape(rows, cols).contiguous()
+def _units(key: str, shape: tuple[int, ...], m: Any, cfg: HFConfig, where: str) -> Iterator[Unit]:
+    rule = m.rule
+    layers: list[int | None] = list(range(shape[0])) if m.stacked else [m.layer]
+    axis = 1 if m.stacked else 0
+    experts: list[int | None] = list(range(shape[axis])) if rule.expert_axis else [None]
+    lead = axis + (1 if rule.expert_axis else 0)
+    shapes = out_shapes(rule, tuple(shape[lead:]), cfg, f"tensor {key!r} of {where}")
+    for li, layer in enumerate(layers):
+        for expert in experts:
+            index = tuple(i for i in ((li if m.stacked else None), expert) if i is not None)
+            names = tuple(o.hf.format(l=layer, e=expert) for o in rule.outs)
+            yield Unit(key, index, rule, layer, expert, names, shapes)
 
 
-def _check_heads(rows: int, heads: int) -> None:
-    if heads < 1 or rows % (2 * heads):
-        raise CkptkitError(f"a rotary projection with {rows} rows cannot have {heads} heads of even size")
+def _check_complete(units: list[Unit], family: Family, cfg: HFConfig, where: str) -> None:
+    """Every layer present (``num_hidden_layers``), every MoE layer with all its expert tensors, each with
+    the config's expert count, and no two tensors writing one HF name."""
+    seen: dict[str, str] = {}
+    for u in units:
+        for n in u.names:
+            if n in seen and seen[n] != u.key:
+                raise CkptkitError(f"{where}: {seen[n]!r} and {u.key!r} both map to HF tensor {n!r}")
+            seen[n] = u.key
+    layers = sorted({u.layer for u in units if u.layer is not None})
+    if layers:
+        n = cfg.num_layers or layers[-1] + 1
+        missing = sorted(set(range(n)) - set(layers))
+        if missing:
+            raise MissingKeysError(f"{where}: no tensors for layer(s) {missing} of {n} "
+                                   f"({'num_hidden_layers in ' + cfg.source if cfg.num_layers else 'by numbering'})")
+        extra = [x for x in layers if x >= n]
+        if extra:
+            raise CkptkitError(f"{where}: tensors for layer {extra[0]}, but {cfg.source} says num_hidden_layers {n}")
+    expert_rules = [r for r in family.rules if r.expert_axis]
+    by_layer: dict[int | None, dict[str, set[int]]] = {}
+    for u in units:
+        if u.rule.expert_axis and u.expert is not None:
+            by_layer.setdefault(u.layer, {}).setdefault(u.rule.ours, set()).add(u.expert)
+    counts = {len(e) for per in by_layer.values() for e in per.values()}
+    want = cfg.num_experts or (max(counts) if counts else 0)
+    for layer, per in sorted(by_layer.items(), key=lambda kv: -1 if kv[0] is None else kv[0]):
+        for rule in expert_rules:
+            got = per.get(rule.ours)
+            if got is None:
+                raise MissingKeysError(f"{where}: layer {layer} has routed experts but no {rule.ours.format(l=layer)!r}")
+            missing = sorted(set(range(want)) - got)
+            if missing or len(got) != want:
+                what = f"{len(got)} experts stored, {cfg.source} says {want}" if got == set(range(len(got))) \
+                    else f"expert {missing[0]} (of {want}) is missing"
+                raise MissingKeysError(f"{where}: layer {layer}, tensor {rule.ours.format(l=layer)!r}: {what}")
 
 
-def _heads_of(rope: str | None, heads: AttentionHeads) -> int | None:
-    return None if rope is None else getattr(heads, rope)
+def _shards(units: list[Unit], dtype: torch.dtype | None, view: Any, limit: int) -> list[list[Unit]]:
+    shards: list[list[Unit]] = [[]]
+    size = 0
+    for u in units:
+        n = _unit_bytes(u, dtype or _dtype_of(view, u.key))
+        if shards[-1] and size + n > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(u)
+        size += n
+    return shards
 
 
-# ----------------------------------------------------------------- export
+def _unit_bytes(u: Unit, dtype: torch.dtype) -> int:
+    size = torch.empty((), dtype=dtype).element_size()
+    return sum(_numel(s) * size for s in u.shapes)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _dtype_of(view: Any, key: str) -> torch.dtype:
+    return view[key].dtype
+
+
+# ---------------------------------------------------------------- export
 
 
 def export_hf(
     source: str | os.PathLike[str],
     dest: str | os.PathLike[str],
-    heads: AttentionHeads,
+    config: HFConfig | AttentionHeads | None = None,
     *,
     options: HFExportOptions = HFExportOptions(),
     storage_options: dict[str, Any] | None = None,
@@ -192,111 +321,90 @@ def export_hf(
 ) -> HFExportResult:
     """Write the model weights of the checkpoint at ``source`` as HF safetensors shards at ``dest``.
 
-    Every tensor under ``options.prefix`` must have a rule in the family's
-    key table (an unknown name is an error naming it, not a silent drop).
+    ``config``: the HF config's facts (:meth:`HFConfig.from_file`), or just head counts
+    (:class:`AttentionHeads`, the Llama table). Every tensor under the prefix must have a rule in
+    the table or be one of its known drops (an unknown name is an error naming it, never a
+    silent drop); counts and completeness are checked before anything is written.
     """
-    from safetensors.torch import save as safetensors_bytes
-
     import ckptkit
 
     t0 = time.perf_counter()
+    cfg = HFConfig.of(config)
     view = ckptkit.open(source, storage_options=storage_options)
     read0 = view.bytes_read
-    plan = _plan(view, options)
+    plan = plan_export(view, cfg, options)
+    cast = DTYPE_NAMES[options.dtype] if options.dtype else None
+    permute = options.permute_rotary is not False
     out = open_store(dest, storage_options)
     if out.exists(INDEX_NAME):
         raise CkptkitError(f"{out.url} already holds an HF export ({INDEX_NAME}); choose an empty destination")
-    names = _shard_names(len(plan))
-    total = sum(size for shard in plan for *_, size in shard)
-    done, weight_map = 0, {}
-    for shard, file_name in zip(plan, names):
-        tensors = {}
-        for key, hf_name, rope, _ in shard:
-            t = view[key][...]
-            if options.dtype is not None:
-                t = t.to(DTYPE_NAMES[options.dtype])
-            n = _heads_of(rope, heads)
-            tensors[hf_name] = rope_to_hf(t, n) if n is not None else t.contiguous()
-            weight_map[hf_name] = file_name
-        out.put_bytes(file_name, safetensors_bytes(tensors, metadata={"format": "pt"}))
-        done += sum(size for *_, size in shard)
-        if progress is not None:
-            progress(done, total)
-    index = {"metadata": {"total_size": total, "ckptkit_source": view.url}, "weight_map": dict(sorted(weight_map.items()))}
+    shards = _shards(plan.units, cast, view, options.max_shard_bytes)
+    names = _shard_names(len(shards))
+    dtypes = {u.key: cast or _dtype_of(view, u.key) for u in plan.units}
+    for d in set(dtypes.values()):
+        if d not in SAFETENSORS_DTYPES:
+            raise CkptkitError(f"{view.url}: safetensors cannot store {d} (tensor "
+                               f"{next(k for k, v in dtypes.items() if v == d)!r})")
+    total = sum(_unit_bytes(u, dtypes[u.key]) for u in plan.units)
+    done, weight_map = [0], {}
+
+    def produce(u: Unit) -> list[torch.Tensor]:
+        t = view[u.key][u.index] if u.index else view[u.key][...]
+        if cast is not None and t.dtype != cast:
+            t = t.to(cast)
+        return apply(u, t, cfg, permute)
+
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptkit-hf-read") as pool:
+        for shard, file_name in zip(shards, names):
+            header = _header(shard, dtypes)
+            out.write_object(file_name, _shard_bytes(shard, header, pool, produce, done, total, progress))
+            for u in shard:
+                for n in u.names:
+                    weight_map[n] = file_name
+    index = {"metadata": {"total_size": total, "ckptkit_source": view.url, "ckptkit_family": plan.family.name},
+             "weight_map": dict(sorted(weight_map.items()))}
     out.put_bytes(INDEX_NAME, json.dumps(index, indent=2).encode())  # written last: the export is complete
     return HFExportResult(view.url, out.url, "hf", len(weight_map), total, view.bytes_read - read0,
-                          time.perf_counter() - t0, tuple(names))
+                          time.perf_counter() - t0, tuple(names), plan.family.name, plan.prefix, plan.dropped)
 
 
-def _plan(view: Any, options: HFExportOptions) -> list[list[tuple[str, str, str | None, int]]]:
-    """Shards of (checkpoint key, HF name, rope heads, bytes), in checkpoint order, each under the limit."""
-    entries = [t for t in view.tensors() if t.key.startswith(options.prefix)]
-    if not entries:
-        raise MissingKeysError(f"{view.url}: no tensors under {options.prefix!r} (set HFExportOptions.prefix)")
-    unknown, rows = [], []
-    for t in entries:
-        name = t.key[len(options.prefix):]
-        mapped = to_hf_name(name, options.family)
-        if mapped is None:
-            unknown.append(name)
-            continue
-        hf_name, rope = mapped
-        if options.tie_word_embeddings and hf_name == "lm_head.weight":
-            continue
-        nbytes = t.numel * torch.empty((), dtype=DTYPE_NAMES[options.dtype]).element_size() if options.dtype else t.nbytes
-        rows.append((t.key, hf_name, rope, nbytes))
-    if unknown:
-        raise MissingKeysError(f"{view.url}: no {options.family} HF name for {len(unknown)} tensor(s): "
-                               f"{', '.join(unknown[:5])}{' ...' if len(unknown) > 5 else ''}")
-    shards: list[list[tuple[str, str, str | None, int]]] = [[]]
-    size = 0
-    for row in rows:
-        if shards[-1] and size + row[3] > options.max_shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(row)
-        size += row[3]
-    return shards
+def _header(shard: list[Unit], dtypes: dict[str, torch.dtype]) -> bytes:
+    """The safetensors header of a shard (computed from the plan: no data is needed), padded to 8 bytes."""
+    doc: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for u in shard:
+        d = dtypes[u.key]
+        size = torch.empty((), dtype=d).element_size()
+        for n, shape in zip(u.names, u.shapes):
+            end = offset + _numel(shape) * size
+            doc[n] = {"dtype": SAFETENSORS_DTYPES[d], "shape": list(shape), "data_offsets": [offset, end]}
+            offset = end
+    body = json.dumps(doc, separators=(",", ":")).encode()
+    body += b" " * (-len(body) % 8)
+    return len(body).to_bytes(8, "little") + body
+
+
+def _shard_bytes(shard: list[Unit], header: bytes, pool: ThreadPoolExecutor, produce: Any, done: list[int],
+                 total: int, progress: Progress | None) -> Iterator[bytes | memoryview]:
+    """The shard's bytes: the header, then each unit's tensors as they are read (one unit read ahead)."""
+    yield header
+    ahead: Future[list[torch.Tensor]] | None = pool.submit(produce, shard[0]) if shard else None
+    for i, u in enumerate(shard):
+        assert ahead is not None
+        tensors = ahead.result()
+        ahead = pool.submit(produce, shard[i + 1]) if i + 1 < len(shard) else None
+        for t, shape in zip(tensors, u.shapes):
+            if tuple(t.shape) != tuple(shape):  # the plan and the data disagree: never write a wrong header
+                raise CkptkitError(f"tensor {u.key!r} gave shape {list(t.shape)} for {u.names}, planned {list(shape)}")
+            if t.numel():
+                yield memoryview(t.reshape(-1).view(torch.uint8).numpy())
+            done[0] += t.numel() * t.element_size()
+        del tensors
+        if progress is not None:
+            progress(done[0], total)
 
 
 def _shard_names(n: int) -> list[str]:
     if n == 1:
         return ["model.safetensors"]
     return [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-
-
-# ------------------------------------------------------------------- read
-
-
-def read_hf(
-    source: str | os.PathLike[str],
-    heads: AttentionHeads,
-    *,
-    family: str = "llama3",
-    storage_options: dict[str, Any] | None = None,
-) -> dict[str, torch.Tensor]:
-    """An HF safetensors export as ``{checkpoint name: tensor}`` (the inverse renaming and permutation).
-
-    Reads ``model.safetensors.index.json`` (or a single ``model.safetensors``)
-    with ``safetensors`` only. Loads everything into memory: meant for models
-    that fit (tests, initial loads of small models).
-    """
-    from safetensors.torch import load as safetensors_load
-
-    store = open_store(source, storage_options)
-    if store.exists(INDEX_NAME):
-        files = sorted(set(json.loads(store.read_bytes(INDEX_NAME))["weight_map"].values()))
-    elif store.exists("model.safetensors"):
-        files = ["model.safetensors"]
-    else:
-        raise CkptkitError(f"{store.url}: neither {INDEX_NAME} nor model.safetensors")
-    out: dict[str, torch.Tensor] = {}
-    for f in files:
-        for hf_name, t in safetensors_load(store.read_bytes(f)).items():
-            mapped = from_hf_name(hf_name, family)
-            if mapped is None:
-                raise MissingKeysError(f"{store.url}/{f}: no checkpoint name for HF tensor {hf_name!r} ({family})")
-            name, rope = mapped
-            n = _heads_of(rope, heads)
-            out[name] = rope_from_hf(t, n) if n is not None else t
-    return out

@@ -63,9 +63,12 @@ class ConvertOptions:
       ``vocab_size`` / ``make_vocab_size_divisible_by`` where its args do not record them,
       ``extra={"skip_unsafe_items": True}`` for DCP, ``{"tag": ...}`` for DeepSpeed);
     * ``zarr``: ``chunk_bytes``, ``shard_bytes``, ``portable``, ``compression``;
-    * ``hf``: the attention head counts (``hf_config``, a Hugging Face ``config.json``, or
-      ``heads`` / ``kv_heads``), ``prefix``, ``dtype``;
-    * ``deepspeed``: ``dp`` (required), ``zero_stage``;
+    * ``hf``: ``hf_config`` (a Hugging Face ``config.json``: its ``model_type`` picks the key table, and
+      head counts, vocabulary, layer and expert counts come from it) or just ``heads`` / ``kv_heads``
+      (Llama); ``prefix`` (None: detected, ``model/`` or the top level), ``dtype``, ``hf_family``
+      (a table by name, overriding ``model_type``);
+    * ``deepspeed``: ``dp`` (required), ``zero_stage``, ``ep`` (MoE models: the expert-parallel size;
+      None keeps the saving job's);
     * ``megatron``: ``layout`` (required: the target tp/pp; an even pipeline split, no vpp, cp or
       ep), and ``imports.make_vocab_size_divisible_by`` to re-pad the vocabulary differently.
     """
@@ -81,10 +84,12 @@ class ConvertOptions:
     hf_config: str | None = None
     heads: int | None = None
     kv_heads: int | None = None
-    prefix: str = "model/"
+    prefix: str | None = None
     dtype: str | None = None
+    hf_family: str | None = None
     dp: int | None = None
     zero_stage: int | None = None
+    ep: int | None = None
     layout: ParallelConfig | None = None
 
     def import_options(self) -> ImportOptions:
@@ -255,21 +260,29 @@ def _to_dcp(source: str, dest: str, o: ConvertOptions) -> ConvertResult:
 
 def _check_hf(o: ConvertOptions) -> None:
     if o.hf_config is None and o.heads is None:
-        raise CkptkitError("the hf export needs the attention head counts: hf_config (a Hugging Face config.json) "
-                           "or heads (CLI: --hf-config config.json, or --heads N [--kv-heads M])")
+        raise CkptkitError("the hf export needs the model's Hugging Face config.json (its model_type picks the key "
+                           "table; head counts, vocabulary and expert counts come from it) or at least the "
+                           "attention head counts: hf_config or heads (CLI: --hf-config config.json, or "
+                           "--heads N [--kv-heads M])")
+
+
+def hf_config_of(o: ConvertOptions) -> Any:
+    """The :class:`~ckptkit_converters.hf_mapping.HFConfig` of these options (the file, then the flags)."""
+    from ckptkit_converters.hf_mapping import HFConfig
+
+    cfg = HFConfig.from_file(o.hf_config) if o.hf_config is not None else HFConfig(source="the head counts given")
+    if o.heads is not None:
+        cfg = dataclasses.replace(cfg, n_heads=o.heads, n_kv_heads=o.kv_heads or o.heads)
+    return cfg
 
 
 def _to_hf(source: str, dest: str, o: ConvertOptions) -> ConvertResult:
-    from ckptkit_converters.hf_safetensors import AttentionHeads, HFExportOptions, export_hf
+    from ckptkit_converters.hf_safetensors import HFExportOptions, export_hf
 
     _check_hf(o)
-    if o.hf_config is not None:
-        counts = AttentionHeads.from_hf_config(o.hf_config)
-    else:
-        assert o.heads is not None
-        counts = AttentionHeads(o.heads, o.kv_heads or o.heads)
-    return export_hf(source, dest, counts, options=HFExportOptions(prefix=o.prefix, dtype=o.dtype),
-                     storage_options=o.storage_options, progress=o.progress)
+    opts = HFExportOptions(family=o.hf_family, prefix=o.prefix, dtype=o.dtype)
+    return export_hf(source, dest, hf_config_of(o), options=opts, storage_options=o.storage_options,
+                     progress=o.progress)
 
 
 def _check_deepspeed(o: ConvertOptions) -> None:
@@ -283,7 +296,7 @@ def _to_deepspeed(source: str, dest: str, o: ConvertOptions) -> ConvertResult:
 
     _check_deepspeed(o)
     assert o.dp is not None
-    return export_deepspeed(source, dest, dp=o.dp, stage=o.zero_stage, storage_options=o.storage_options)
+    return export_deepspeed(source, dest, dp=o.dp, stage=o.zero_stage, ep=o.ep, storage_options=o.storage_options)
 
 
 def check_megatron_target(target: ParallelConfig | None) -> ParallelConfig:

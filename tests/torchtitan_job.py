@@ -132,6 +132,12 @@ class Job:
         optimizer = default_adamw(lr=1e-3)
         optimizer.implementation = "foreach"  # "fused" is the CUDA default
         self.optimizers = optimizer.build(model_parts=[model])
+        self.wire_up(checkpoint)
+
+    def wire_up(self, checkpoint: CkptkitCheckpointManager.Config) -> None:
+        """LR schedule, data loader, train state and the checkpointer, as torchtitan's Trainer builds them
+        once the model and optimizers exist (shared with tests/torchtitan_moe_job.py)."""
+        dp = self.dp
         self.lr_schedulers = LRSchedulersContainer.Config(
             warmup_steps=2, decay_ratio=0.8, decay_type="linear", min_lr_factor=0.0,
         ).build(optimizers=self.optimizers, training_steps=STEPS)
@@ -146,11 +152,11 @@ class Job:
                                                   batch_size=GLOBAL_BATCH // dp)
         self.train_state = TrainState()
         self.checkpointer = checkpoint.build(
-            dataloader=self.dataloader, model_parts=[model], optimizers=self.optimizers,
+            dataloader=self.dataloader, model_parts=[self.model], optimizers=self.optimizers,
             lr_schedulers=self.lr_schedulers, states={"train_state": self.train_state}, sd_adapter=None,
             base_folder="",
         )
-        self.iterator = None
+        self.iterator: Any = None
 
     # --------------------------------------------------------------- training
     def train_step(self) -> tuple[float, list[int]]:
@@ -161,9 +167,10 @@ class Job:
         samples = inputs.pop("sample")
         global_tokens = labels.numel() * self.dp
         pred = self.model(inputs["input"])
-        loss = cross_entropy_loss(pred, labels) / global_tokens
+        loss = self.loss_sum(pred, labels) / global_tokens
         loss.backward()
-        dist_utils.clip_grad_norm_([p for p in self.model.parameters()], 1.0, foreach=True)
+        dist_utils.clip_grad_norm_([p for p in self.model.parameters()], 1.0, foreach=True,
+                                   ep_enabled=self.parallel_dims.ep_enabled)
         self.checkpointer.maybe_wait_for_staging()
         self.optimizers.step()
         self.lr_schedulers.step()
@@ -171,6 +178,10 @@ class Job:
         total = loss.detach().clone()
         dist.all_reduce(total)  # every TP rank of a DP group holds the same local loss
         return total.item() / self.tp, self.global_samples(samples)
+
+    def loss_sum(self, pred: Any, labels: torch.Tensor) -> torch.Tensor:
+        """The summed token loss (torchtitan's cross-entropy, reduction sum)."""
+        return cross_entropy_loss(pred, labels)
 
     def global_samples(self, samples: torch.Tensor) -> list[int]:
         out = [torch.zeros_like(samples) for _ in range(dist.get_world_size())]
@@ -194,7 +205,7 @@ class Job:
         """Mean loss of four fixed held-out samples, the same full batch on every rank."""
         rows = [torch.randint(0, VOCAB, (SEQ + 1,), generator=torch.Generator().manual_seed(9000 + i)) for i in range(4)]
         tokens = torch.stack(rows)
-        loss = cross_entropy_loss(self.model(tokens[:, :-1]), tokens[:, 1:]) / tokens[:, 1:].numel()
+        loss = self.loss_sum(self.model(tokens[:, :-1]), tokens[:, 1:]) / tokens[:, 1:].numel()
         return float(loss.item())
 
     def digests(self) -> dict[str, str]:

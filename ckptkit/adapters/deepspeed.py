@@ -33,10 +33,21 @@ bf16 and fp32 training, directly.
 
 Where the partition facts come from: :mod:`ckptkit.layout.zero_partition`.
 Every live engine's layout is checked against it before anything is saved or
-loaded. Supported: pure data parallelism (ZeRO over the whole world, no
-tensor/pipeline/expert parallelism), no CPU/NVMe offload, bf16 or fp32
-(fp16's loss scaler state is not carried: refused). DeepSpeed is imported here
-only.
+loaded. Supported: data parallelism over the whole world (no tensor/pipeline
+parallelism), with or without DeepSpeed-MoE expert parallelism at ZeRO 1/2,
+no CPU/NVMe offload, bf16 or fp32 (fp16's loss scaler state is not carried:
+refused). DeepSpeed is imported here only.
+
+DeepSpeed-MoE (``deepspeed.moe.layer.MoE``): each EP rank holds its local
+experts as ``<moe>.deepspeed_moe.experts.deepspeed_experts.{local}.<param>``,
+and ZeRO partitions their param group over the expert-data-parallel group.
+In model space they follow ckptkit's expert convention (docs/moe.md): one
+tensor per weight kind, ``<moe>.deepspeed_moe.experts.deepspeed_experts.<param>``
+of shape ``[num_experts, *param]``, the experts stacked along axis 0 by
+*global* id (``ep_rank * local + j``, as DeepSpeed's per-expert files number
+them) with rule ``PartitionRule(expert_axis=0)``. Each rank saves the flat
+fragments of its expert-DP partition as flat pieces of its experts' boxes, so
+a checkpoint saved at one EP / DP size loads at any other.
 """
 
 from __future__ import annotations
@@ -56,6 +67,7 @@ from ckptkit.engine.state import Sharded, dtype_name
 from ckptkit.errors import LayoutError, MissingKeysError, StateMismatchError
 from ckptkit.layout.box import Box
 from ckptkit.layout.pieces import Piece, box_piece, flat_piece
+from ckptkit.layout.rules import PartitionRule
 from ckptkit.layout.values import decode_value, json_ready
 from ckptkit.layout.zero_partition import (
     Fragment,
@@ -70,6 +82,9 @@ META = "deepspeed"
 """State key of the JSON string that describes the engine (counters, scheduler, client state, layout)."""
 FORMAT = 1
 FP32 = "fp32"
+EXPERTS = "deepspeed_moe.experts.deepspeed_experts"
+"""Where ``deepspeed.moe.layer.MoE`` keeps its local experts (a ModuleList indexed by local expert id)."""
+EXPERT_RULE = PartitionRule(expert_axis=0)
 
 
 def model_key(name: str) -> str:
@@ -81,15 +96,32 @@ def optim_key(state: str, name: str) -> str:
 
 
 @dataclass(frozen=True)
+class Space:
+    """Where one live parameter sits in model space: the tensor ``name`` of ``shape``, the ``box`` of it
+    the parameter is (the whole tensor, or one expert's slice of a stacked expert tensor)."""
+
+    name: str
+    shape: tuple[int, ...]
+    box: Box
+
+    @staticmethod
+    def whole(name: str, shape: tuple[int, ...]) -> Space:
+        return Space(name, shape, Box.full(shape))
+
+
+@dataclass(frozen=True)
 class FlatGroup:
     """One flat partition of a live engine: a ZeRO-1/2 group or a ZeRO-3 sub-group on this rank.
 
-    ``names``/``shapes`` are the members in the group's param order;
-    ``fragments`` this rank's pieces of them in ``fp32`` (and the optimizer
-    state tensors, which have its shape); ``lp`` the training-dtype flat
-    partition with the same fragments (ZeRO-1/2) or None (ZeRO-3: the
-    members' ``ds_tensor`` s, see ``lp_params``); ``group`` the base optimizer's
-    param-group index.
+    ``names``/``shapes`` are the members' model-space tensors in the group's
+    param order (several local experts share one stacked name); ``spaces``
+    where each member sits in it; ``fragments`` this rank's pieces of them in
+    ``fp32`` (and the optimizer state tensors, which have its shape); ``lp``
+    the training-dtype flat partition with the same fragments (ZeRO-1/2) or
+    None (ZeRO-3: the members' ``ds_tensor`` s, see ``lp_params``); ``group``
+    the base optimizer's param-group index; ``moe`` the expert group's name
+    (``ep_size_2``) for an expert param group, whose partitions span the
+    expert-DP group, else None.
     """
 
     names: tuple[str, ...]
@@ -99,6 +131,12 @@ class FlatGroup:
     lp: torch.Tensor | None
     lp_params: tuple[Any, ...]
     group: int
+    spaces: tuple[Space, ...] = ()
+    moe: str | None = None
+
+    @property
+    def rule(self) -> PartitionRule | None:
+        return EXPERT_RULE if self.moe is not None else None
 
 
 @dataclass(frozen=True)
@@ -110,6 +148,10 @@ class EngineLayout:
     rank: int
     groups: tuple[FlatGroup, ...]
     lp_dtype: torch.dtype
+    experts: Mapping[int, Space] | None = None
+    """Model-space place of every local expert parameter (by ``id``); empty without MoE layers."""
+    expert_meta: Mapping[str, Any] | None = None
+    """Per stacked expert tensor: MoE layer, number of experts, EP size (recorded in the checkpoint)."""
 
 
 # ------------------------------------------------------------------ layout
@@ -138,10 +180,46 @@ def _check_supported(engine: Any) -> None:
     if engine.zero_cpu_offload() or engine.zero_nvme_offload_optimizer():
         raise StateMismatchError(f"{where}: optimizer offload is not supported by ckptkit's DeepSpeed adapter")
     world = dist.get_world_size() if dist.is_initialized() else 1
-    if engine.mpu is not None or engine.dp_world_size != world or getattr(engine, "has_moe_layers", False):
+    if engine.mpu is not None or engine.dp_world_size != world:
         raise StateMismatchError(
-            f"{where}: data-parallel size {engine.dp_world_size} in a world of {world} (tensor, pipeline or expert "
-            "parallelism); ckptkit's DeepSpeed adapter supports pure data parallelism")
+            f"{where}: data-parallel size {engine.dp_world_size} in a world of {world} (tensor or pipeline "
+            "parallelism); ckptkit's DeepSpeed adapter supports data parallelism over the whole world (with or "
+            "without MoE expert parallelism)")
+    if getattr(engine, "has_moe_layers", False) and stage == 3:
+        raise StateMismatchError(f"{where}: MoE layers with ZeRO stage 3; ckptkit's DeepSpeed adapter handles "
+                                 "DeepSpeed-MoE expert groups at ZeRO stage 1 and 2")
+
+
+def expert_spaces(engine: Any) -> tuple[dict[int, Space], dict[str, Any]]:
+    """Every local expert parameter of the engine's ``deepspeed.moe.layer.MoE`` layers -> its box of the
+    stacked model-space tensor (global expert id ``ep_rank * num_local_experts + j``, DeepSpeed's own
+    numbering of its per-expert files), and per stacked tensor what the checkpoint records of it."""
+    if not getattr(engine, "has_moe_layers", False):
+        return {}, {}
+    from deepspeed.moe.layer import MoE
+    from deepspeed.utils import groups
+
+    spaces: dict[int, Space] = {}
+    meta: dict[str, Any] = {}
+    layer = 0
+    for mname, module in engine.module.named_modules():
+        if not isinstance(module, MoE):
+            continue
+        if getattr(module, "enable_expert_tensor_parallelism", False):
+            raise StateMismatchError(f"DeepSpeed MoE layer {mname!r}: expert tensor parallelism is not supported")
+        local, total = module.num_local_experts, module.num_experts
+        ep_rank = groups._get_expert_parallel_rank(module.expert_group_name)
+        prefix = f"{mname}.{EXPERTS}" if mname else EXPERTS
+        for j, expert in enumerate(module.deepspeed_moe.experts.deepspeed_experts):
+            e = ep_rank * local + j
+            for pname, p in expert.named_parameters():
+                shape = tuple(p.shape)
+                name = f"{prefix}.{pname}"
+                spaces[id(p)] = Space(name, (total, *shape), Box((e,) + (0,) * len(shape), (1, *shape)))
+                meta[name] = {"layer": layer, "module": prefix, "param": pname, "num_experts": total,
+                              "ep": module.ep_size, "group": module.expert_group_name}
+        layer += 1
+    return spaces, meta
 
 
 def engine_layout(engine: Any) -> EngineLayout:
@@ -149,19 +227,37 @@ def engine_layout(engine: Any) -> EngineLayout:
     _check_supported(engine)
     opt = engine.optimizer
     stage = engine.zero_optimization_stage()
+    experts, expert_meta = expert_spaces(engine)
     names = _names(engine)
+    spaces = {i: experts.get(i) or Space.whole(n, _shape(p))
+              for n, p in engine.module.named_parameters() for i in [id(p)]}
     dp = engine.dp_world_size
     rank = dist.get_rank(group=engine.data_parallel_group) if dist.is_initialized() else 0
     groups = []
     if stage < 3:
         for g, params in enumerate(opt.bit16_groups):
-            groups.append(_zero12_group(opt, g, params, names, dp, rank))
+            moe = None
+            g_dp, g_rank = dp, rank
+            if experts and opt.is_moe_param_group[g]:  # partitioned over the expert-data-parallel group
+                moe = str(opt.optimizer.param_groups[g]["name"])
+                g_dp = dist.get_world_size(group=opt.real_dp_process_group[g])
+                g_rank = dist.get_rank(group=opt.real_dp_process_group[g])
+                outside = [names[id(p)] for p in params if id(p) not in experts]
+                if outside or g_dp != opt.partition_count[g]:
+                    raise _mismatch(f"expert param group {g} ({moe})", "expert parameters only, partitioned over "
+                                    f"{g_dp} ranks", f"non-expert {outside[:3]}, partition count {opt.partition_count[g]}")
+            elif any(id(p) in experts for p in params):
+                raise StateMismatchError(
+                    f"DeepSpeed engine (rank {rank}): param group {g} mixes expert parameters "
+                    f"({[names[id(p)] for p in params if id(p) in experts][:3]}) into a non-MoE group; build the "
+                    "optimizer with deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer")
+            groups.append(_zero12_group(opt, g, params, spaces, g_dp, g_rank, moe))
         lp_dtype = opt.bit16_groups[0][0].dtype
     else:
         for j, params in enumerate(opt.fp16_groups):
             groups.append(_zero3_group(opt, j, params, names, dp, rank))
         lp_dtype = opt.fp16_groups[0][0].ds_tensor.dtype
-    return EngineLayout(stage, dp, rank, tuple(groups), lp_dtype)
+    return EngineLayout(stage, dp, rank, tuple(groups), lp_dtype, experts, expert_meta)
 
 
 def _mismatch(what: str, ours: Any, theirs: Any) -> LayoutError:
@@ -169,7 +265,8 @@ def _mismatch(what: str, ours: Any, theirs: Any) -> LayoutError:
                        f"{what}: ckptkit computes {ours}, the engine has {theirs}")
 
 
-def _zero12_group(opt: Any, g: int, params: list, names: dict[int, str], dp: int, rank: int) -> FlatGroup:
+def _zero12_group(opt: Any, g: int, params: list, spaces: dict[int, Space], dp: int, rank: int,
+                  moe: str | None) -> FlatGroup:
     flat_params = opt.round_robin_bit16_groups[g]
     position = {id(p): i for i, p in enumerate(params)}
     order = tuple(position[id(p)] for p in flat_params)
@@ -186,8 +283,9 @@ def _zero12_group(opt: Any, g: int, params: list, names: dict[int, str], dp: int
         raise _mismatch(f"group {g} rank {rank} partition (numel, padding)",
                         (layout.partition_numel, layout.padding(rank)), (fp32.numel(), opt.groups_padding[g]))
     lp = opt.parallel_partitioned_bit16_groups[g][rank]
-    return FlatGroup(tuple(names[id(p)] for p in params), tuple(tuple(p.shape) for p in params),
-                     tuple(layout.fragments(rank)), fp32, lp, tuple(params), g)
+    members = tuple(spaces[id(p)] for p in params)
+    return FlatGroup(tuple(s.name for s in members), tuple(s.shape for s in members),
+                     tuple(layout.fragments(rank)), fp32, lp, tuple(params), g, members, moe)
 
 
 def _zero3_group(opt: Any, j: int, params: list, names: dict[int, str], dp: int, rank: int) -> FlatGroup:
@@ -198,13 +296,16 @@ def _zero3_group(opt: Any, j: int, params: list, names: dict[int, str], dp: int,
     fp32 = opt.fp32_partitioned_groups_flat[j]
     if fp32.numel() != layout.partition_numel:
         raise _mismatch(f"sub-group {j} fp32 partition numel", layout.partition_numel, fp32.numel())
-    return FlatGroup(tuple(names[id(p)] for p in params), tuple(_shape(p) for p in params),
-                     tuple(layout.fragments(rank)), fp32, None, tuple(params), opt.sub_group_to_group_id[j])
+    shapes = tuple(_shape(p) for p in params)
+    return FlatGroup(tuple(names[id(p)] for p in params), shapes, tuple(layout.fragments(rank)), fp32, None,
+                     tuple(params), opt.sub_group_to_group_id[j],
+                     tuple(Space.whole(names[id(p)], s) for p, s in zip(params, shapes)))
 
 
 def _pieces(group: FlatGroup, key: Callable[[str], str]) -> list[Piece]:
-    return [flat_piece(key(group.names[f.param]), group.shapes[f.param], Box.full(group.shapes[f.param]),
-                       f.start, f.stop, local_start=f.local_start) for f in group.fragments]
+    """Flat pieces of the group's fragments (an expert's fragment is a flat run of its box of the stack)."""
+    return [flat_piece(key(s.name), s.shape, s.box, f.start, f.stop, local_start=f.local_start)
+            for f in group.fragments for s in [group.spaces[f.param]]]
 
 
 def _lp_pieces(layout: EngineLayout, group: FlatGroup) -> list[tuple[torch.Tensor, list[Piece]]]:
@@ -226,6 +327,9 @@ def _frozen_and_buffers(engine: Any, layout: EngineLayout) -> dict[str, tuple[to
     for name, p in engine.module.named_parameters():
         if id(p) in optimized:
             continue
+        if layout.experts and id(p) in layout.experts:
+            raise StateMismatchError(f"DeepSpeed engine: expert parameter {name!r} is in no optimizer group (frozen "
+                                     "expert parameters are not supported by ckptkit's DeepSpeed adapter)")
         shape = _shape(p)
         if hasattr(p, "ds_tensor"):
             f = Zero3SubGroup((p.ds_numel,), layout.dp).param_fragment(0, layout.rank)
@@ -235,6 +339,9 @@ def _frozen_and_buffers(engine: Any, layout: EngineLayout) -> dict[str, tuple[to
             out[model_key(name)] = (p.data, [box_piece(model_key(name), shape, (0,) * len(shape), shape,
                                                        replica=(layout.rank, layout.dp))])
     for name, b in engine.module.named_buffers():
+        if layout.experts and f"{EXPERTS}." in name:
+            raise StateMismatchError(f"DeepSpeed engine: expert buffer {name!r}; buffers of routed experts differ "
+                                     "per EP rank and are not supported by ckptkit's DeepSpeed adapter")
         shape = tuple(b.shape)
         out[model_key(name)] = (b, [box_piece(model_key(name), shape, (0,) * len(shape), shape,
                                               replica=(layout.rank, layout.dp))])
@@ -270,11 +377,11 @@ def engine_state(engine: Any, client_state: Mapping[str, Any] | None = None) -> 
     scalars: list[dict[str, Any]] = []
     members = []
     for i, g in enumerate(layout.groups):
-        entry: dict[str, Any] = {FP32: Sharded(g.fp32, _pieces(g, lambda n: optim_key(FP32, n)))}
+        entry: dict[str, Any] = {FP32: Sharded(g.fp32, _pieces(g, lambda n: optim_key(FP32, n)), g.rule)}
         group_scalars: dict[str, Any] = {}
         for key, value in base.state.get(g.fp32, {}).items():
             if isinstance(value, torch.Tensor) and value.shape == g.fp32.shape:
-                entry[key] = Sharded(value, _pieces(g, lambda n, k=key: optim_key(k, n)))
+                entry[key] = Sharded(value, _pieces(g, lambda n, k=key: optim_key(k, n)), g.rule)
             elif isinstance(value, torch.Tensor) and value.numel() == 1:
                 group_scalars[key] = {"dtype": dtype_name(value.dtype), "value": value.item()}
             elif isinstance(value, (int, float)):
@@ -283,10 +390,10 @@ def engine_state(engine: Any, client_state: Mapping[str, Any] | None = None) -> 
                 raise StateMismatchError(f"DeepSpeed optimizer state {key!r} of group {i}: neither a tensor shaped "
                                          f"like the flat partition {tuple(g.fp32.shape)} nor a scalar")
         for j, (local, pieces) in enumerate(_lp_pieces(layout, g)):
-            entry[f"lp{j}"] = Sharded(local, pieces)
+            entry[f"lp{j}"] = Sharded(local, pieces, g.rule)
         state[f"g{i}"] = entry
         scalars.append(group_scalars)
-        members.append({"group": g.group, "names": list(g.names)})
+        members.append({"group": g.group, "names": list(dict.fromkeys(g.names)), "moe": g.moe})
     for key, (local, pieces) in _frozen_and_buffers(engine, layout).items():
         state[key] = Sharded(local, pieces)
     sched = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
@@ -302,6 +409,7 @@ def engine_state(engine: Any, client_state: Mapping[str, Any] | None = None) -> 
         "frozen": [n for n, p in engine.module.named_parameters()
                    if id(p) not in {id(q) for g in layout.groups for q in g.lp_params}],
         "shared": _shared(engine),
+        "experts": dict(layout.expert_meta or {}),
         "ds_config": json_ready(engine.config, "the DeepSpeed config") if isinstance(engine.config, dict) else {},
         "optimizer_state_keys": sorted({k for e in state.values() if isinstance(e, dict) for k in e
                                         if not k.startswith("lp") and k != FP32}),
@@ -338,6 +446,12 @@ def read_meta(path: str | os.PathLike[str], storage_options: dict[str, Any] | No
     return meta
 
 
+_GROUP_IDENTITY = ("name", "moe")
+"""Param-group keys that say which group it is, not how it trains: DeepSpeed-MoE names an expert group
+after its EP size (``ep_size_2``) and looks its process groups up by that name, so a resume at another
+EP size keeps its own."""
+
+
 def _prime_state(base: Any, g: FlatGroup, keys: list[str], scalars: Mapping[str, Any]) -> dict[str, Any]:
     """The base optimizer's state for ``g``, created like the checkpoint's when the optimizer has not stepped."""
     st = base.state.setdefault(g.fp32, {})
@@ -357,15 +471,15 @@ def _prime_state(base: Any, g: FlatGroup, keys: list[str], scalars: Mapping[str,
 def load(engine: Any, path: str | os.PathLike[str], *, load_optimizer_states: bool = True,
          load_lr_scheduler_states: bool = True, options: LoadOptions = LoadOptions(),
          storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Load a checkpoint of this adapter into ``engine`` (collective), at this engine's DP size and ZeRO
-    stage, whatever the saving job's were. Returns the client state."""
+    """Load a checkpoint of this adapter into ``engine`` (collective), at this engine's DP size, ZeRO
+    stage and MoE expert-parallel size, whatever the saving job's were. Returns the client state."""
     meta = read_meta(path, storage_options)
     layout = engine_layout(engine)
     base = engine.optimizer.optimizer
     where = str(path)
-    need = [optim_key(FP32, n) for g in layout.groups for n in g.names]
+    need = [optim_key(FP32, n) for g in layout.groups for n in dict.fromkeys(g.names)]
     keys = list(meta["optimizer_state_keys"]) if load_optimizer_states else []
-    need += [optim_key(k, n) for k in keys for g in layout.groups for n in g.names]
+    need += [optim_key(k, n) for k in keys for g in layout.groups for n in dict.fromkeys(g.names)]
     frozen = _frozen_and_buffers(engine, layout)
     need += list(frozen)
     missing = sorted(k for k in need if k not in meta["_tensors"])
@@ -377,7 +491,7 @@ def load(engine: Any, path: str | os.PathLike[str], *, load_optimizer_states: bo
         engine.optimizer.checkpoint_event_prologue()
     state: dict[str, Any] = {}
     for i, g in enumerate(layout.groups):
-        entry: dict[str, Any] = {FP32: Sharded(g.fp32, _pieces(g, lambda n: optim_key(FP32, n)))}
+        entry: dict[str, Any] = {FP32: Sharded(g.fp32, _pieces(g, lambda n: optim_key(FP32, n)), g.rule)}
         if load_optimizer_states:
             scalars = {}
             for n in g.names:  # every member of a flat group shares its scalars; check the checkpoint agrees
@@ -387,7 +501,7 @@ def load(engine: Any, path: str | os.PathLike[str], *, load_optimizer_states: bo
                 scalars = saved_scalars[n]
             st = _prime_state(base, g, keys, scalars)
             for key in keys:
-                entry[key] = Sharded(st[key], _pieces(g, lambda n, k=key: optim_key(k, n)))
+                entry[key] = Sharded(st[key], _pieces(g, lambda n, k=key: optim_key(k, n)), g.rule)
         state[f"g{i}"] = entry
     for key, (local, pieces) in frozen.items():
         state[key] = Sharded(local, pieces)
@@ -400,6 +514,8 @@ def load(engine: Any, path: str | os.PathLike[str], *, load_optimizer_states: bo
                                      f"{len(base.param_groups)}")
         for pg, saved in zip(base.param_groups, saved_groups):
             for k, v in saved.items():
+                if k in _GROUP_IDENTITY:
+                    continue
                 pg[k] = tuple(v) if isinstance(pg.get(k), tuple) else v
     if load_lr_scheduler_states and engine.lr_scheduler is not None and meta["lr_scheduler"] is not None:
         engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])

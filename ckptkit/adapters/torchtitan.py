@@ -65,6 +65,7 @@ from torchtitan.tools import filesystem
 
 import ckptkit
 from ckptkit.adapters import dataloader_remap as remap
+from ckptkit.adapters.torchtitan_experts import expert_axes, mark_model, mark_optimizer
 from ckptkit.engine.collective import Comm, resolve_comm
 from ckptkit.engine.metadata_io import read_indexes, read_manifest
 from ckptkit.engine.state import PerRank, flatten_state
@@ -248,6 +249,8 @@ class CkptkitCheckpointManager(BaseCheckpointManager):
         self.states = states
         self.states.update({MODEL: ModelWrapper(model_parts), OPTIMIZER: optimizers, DATALOADER: dataloader,
                             LR_SCHEDULER: lr_schedulers})
+        self.expert_axes = expert_axes(model_parts)
+        """Routed-expert parameters (FQN -> expert axis): saved with the expert axis in their rules."""
         self.asynchronous = config.async_mode != "disabled"
         options = AsyncOptions(executor=_EXECUTORS.get(config.async_mode, "thread"),  # type: ignore[arg-type]
                                on_busy=config.on_busy, max_staging_bytes=config.max_staging_bytes)
@@ -382,14 +385,17 @@ class CkptkitCheckpointManager(BaseCheckpointManager):
         if raw is None:  # a ckptkit checkpoint not written by this manager (e.g. an initial_load_path)
             return {"model_only": not any(k.startswith(f"{OPTIMIZER}/") for k in manifest.tensors),
                     "dataloader": None, "present": False}
-        return {**json.loads(decode_value(raw, f"{path}: {META}")), "present": True}
+        meta = {**json.loads(decode_value(raw, f"{path}: {META}")), "present": True}
+        if meta.get("dataloader") is not None and DATALOADER not in manifest.per_rank_keys:
+            meta["loader_dropped"] = path  # saved, then dropped: `ckptkit reshard` drops per-rank values
+        return meta
 
     def _state_to_save(self, *, model_only: bool, export: bool = False) -> dict[str, Any]:
         model = self.states[MODEL].state_dict()
         if export:
             model = {k: v.to(self.export_dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
                      for k, v in model.items()}
-        state: dict[str, Any] = {MODEL: model}
+        state: dict[str, Any] = {MODEL: mark_model(model, self.expert_axes)}
         loader_meta = None
         if not model_only:
             for key, obj in self.states.items():
@@ -398,6 +404,8 @@ class CkptkitCheckpointManager(BaseCheckpointManager):
                 if key == DATALOADER:
                     state[key] = PerRank(loader_record(obj))
                     loader_meta = self._loader_meta(obj)
+                elif key == OPTIMIZER:
+                    state[key] = mark_optimizer(obj.state_dict(), self.expert_axes)
                 else:
                     state[key] = obj.state_dict()
         state[META] = json.dumps({"format": 1, "model_only": model_only, "dataloader": loader_meta})
@@ -430,6 +438,13 @@ class CkptkitCheckpointManager(BaseCheckpointManager):
             if key in (MODEL, *self.exclude_from_loading) or obj is None:
                 continue
             if key == DATALOADER:
+                if meta.get("loader_dropped"):
+                    raise MissingKeysError(
+                        f"{meta['loader_dropped']}: the data loader's state is not in this checkpoint: it was saved, and its per-rank "
+                        "values were then dropped (`ckptkit reshard` does that; they belong to the source's "
+                        "ranks). Set checkpoint.exclude_from_loading=['dataloader'] to resume with a fresh data "
+                        "loader, or resume from the original checkpoint, which loads at any layout with its "
+                        "data-loader positions remapped")
                 if meta.get("dataloader") is None:
                     log.warning("the checkpoint holds no data-loader state; the data loader starts fresh")
                     continue

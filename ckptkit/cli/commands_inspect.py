@@ -61,7 +61,9 @@ def render(out: Output, d: CheckpointDescription, pattern: str | None = None, li
         dims = ", ".join(f"{n}={s}" for n, s in zip(m.dims, m.shape))
         out.text(f"  mesh {escape(m.name)}: ({escape(dims)}) on ranks {ranks_text(m.ranks)}", markup=True)
     if d.values:
-        out.text(f"  values: {escape(', '.join(d.values))}", markup=True)
+        shown = d.values if limit is None else d.values[:limit]
+        more = f" ... ({len(d.values) - len(shown)} more; --limit 0 shows all)" if len(shown) < len(d.values) else ""
+        out.text(f"  values: {escape(', '.join(shown))}{more}", markup=True)
     if d.per_rank_keys:
         out.text(f"  per-rank values: {escape(', '.join(d.per_rank_keys))}", markup=True)
     if meta.get("user"):

@@ -33,6 +33,7 @@ import crc32c
 from ckptkit.engine.metadata_io import read_index, read_manifest
 from ckptkit.errors import CkptkitError, CorruptCheckpointError
 from ckptkit.layout.box import Box, Region
+from ckptkit.layout.coverage import named_axes, region_text
 from ckptkit.layout.manifest import Index, IndexEntry, Manifest
 from ckptkit.layout.pieces import LocalBox
 from ckptkit.plan.load_plan import CopyOp, ReadRequest, Target, match_sources, plan_reads
@@ -127,8 +128,10 @@ class ReadSession:
         """The index entry of the stored piece ``op`` reads (its writer's index must be loaded)."""
         entry = self._entries[op.writer].get((op.tensor, op.source.key()))
         if entry is None:
+            meta = self.manifest.tensors.get(op.tensor)
+            held = region_text(op.source, tuple(meta.shape), named_axes(meta.rule)) if meta is not None else ""
             raise CorruptCheckpointError(
-                f"{self.url}: the index of rank {op.writer} has no piece {op.source.to_json()} of tensor "
+                f"{self.url}: the index of rank {op.writer} has no piece {op.source.to_json()}{held} of tensor "
                 f"{op.tensor!r}, which the manifest says that rank wrote"
             )
         return entry

@@ -126,7 +126,7 @@ def classify(flat: FlatState, rank: int) -> tuple[list[GridDecl], list[GridDecl]
             layout, coord = GridLayout(own, (Replicate(),), tuple(t.shape)), (0,)
         tensors.append(local)
         # a DTensor's layout also as a degree-independent rule, so `reshard --to` can lay it out anew
-        rule = rule_from_grid(layout) if is_dtensor(t) else None
+        rule = rule_from_grid(layout, leaf.expert_axis) if is_dtensor(t) else None
         (grid if is_dtensor(t) else plain).append(
             GridDecl(len(tensors) - 1, leaf.key, dtype_name(t.dtype), t.dtype.itemsize, tuple(local.shape), layout, coord,
                      rule)

@@ -1,7 +1,7 @@
 """Walking a user's state: which leaves are tensors, declared shards, or values.
 
 ``state`` is a nested structure of dicts, lists and tuples whose leaves are
-tensors, DTensors, :class:`Sharded` declarations, ``torch.Generator`` s,
+tensors, DTensors, :class:`Sharded` declarations, :class:`Experts` marks, ``torch.Generator`` s,
 :class:`PerRank` values or JSON-like values. Each leaf is returned with its
 key and the container slot it sits in, so a load can write values back in
 place.
@@ -51,6 +51,28 @@ class Sharded:
             p.check_fits(tuple(local.shape))
 
 
+@dataclass(frozen=True)
+class Experts:
+    """A tensor (usually a DTensor) that stacks routed experts along ``axis``.
+
+    ckptkit's convention for mixture-of-experts weights (docs/moe.md): one tensor per weight kind,
+    experts stacked. A DTensor on an expert-parallel mesh already says so through its ``ep``
+    dimension; at ep = 1 the experts sit on the dense mesh and nothing in the DTensor tells them
+    apart from a dense weight. Wrapping it records the expert axis in the tensor's rule, so an
+    ep = 1 save can be laid out for ep = 4 offline (``ckptkit reshard``) and ``inspect`` shows the
+    experts. It changes nothing else: the tensor is saved and loaded as if unwrapped.
+    """
+
+    tensor: torch.Tensor
+    axis: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.tensor, torch.Tensor):
+            raise LayoutError(f"Experts needs a torch.Tensor, got {type(self.tensor).__name__}")
+        if not 0 <= self.axis < max(self.tensor.dim(), 1):
+            raise LayoutError(f"Experts axis {self.axis} is outside a tensor of shape {list(self.tensor.shape)}")
+
+
 @dataclass
 class PerRank:
     """A value that differs per rank (a data-loader position, a counter).
@@ -69,6 +91,7 @@ class Leaf:
     obj: Any
     parent: Any = None
     slot: Any = None
+    expert_axis: int | None = None  # set by an Experts wrapper
 
     def assign(self, value: Any) -> None:
         if isinstance(self.parent, tuple):
@@ -86,7 +109,7 @@ class FlatState:
 
 
 def _has_state(obj: Any) -> bool:
-    if isinstance(obj, (torch.Tensor, Sharded, torch.Generator, PerRank)):
+    if isinstance(obj, (torch.Tensor, Sharded, torch.Generator, PerRank, Experts)):
         return True
     if isinstance(obj, dict):
         return any(_has_state(v) for v in obj.values())
@@ -107,6 +130,8 @@ def _walk(obj: Any, path: tuple, parent: Any, slot: Any, out: FlatState) -> None
     key = join_key(path)
     if isinstance(obj, torch.Tensor):
         out.tensors.append(Leaf(key, obj, parent, slot))
+    elif isinstance(obj, Experts):
+        out.tensors.append(Leaf(key, obj.tensor, parent, slot, obj.axis))
     elif isinstance(obj, Sharded):
         out.sharded.append(Leaf(key, obj, parent, slot))
     elif isinstance(obj, torch.Generator):

@@ -43,6 +43,18 @@ def describe_indices(name: str, indices: list[int], total: int) -> str:
     return f"{name}{'s' if len(indices) > 1 else ''} {shown} (of {total})"
 
 
+def region_text(region: Region, shape: tuple[int, ...], axes: dict[int, str]) -> str:
+    """`` (experts 4, 5 (of 8))``: what a piece holds along the named axes, for errors about it."""
+    parts = []
+    for axis, name in sorted(axes.items()):
+        if axis >= len(shape):
+            continue
+        held = sorted({j for box in region.boxes() for j in range(box.offsets[axis], box.offsets[axis] + box.sizes[axis])})
+        if held:
+            parts.append(describe_indices(name, held, shape[axis]))
+    return f" ({' and '.join(parts)})" if parts else ""
+
+
 def check_coverage(key: str, shape: tuple[int, ...], pieces: tuple[tuple[Region, int], ...], where: str,
                    axes: dict[int, str] | None = None) -> None:
     """Stored pieces of a tensor must be disjoint and cover every element exactly once.

@@ -138,7 +138,11 @@ class PartitionRule:
             if shape[self.expert_axis] % config.ep:  # type: ignore[index]
                 raise LayoutError(f"{shape[self.expert_axis]} experts do not split evenly over ep={config.ep}")  # type: ignore[index]
             ep = Shard(self.expert_axis)  # type: ignore[arg-type]
-        dp_sf = etp if (self.dp_axis is not None and self.dp_axis == self.tp_axis and etp > 1) else 1
+        # FSDP inside the EP region shards within each EP (and ETP) rank's part of its axis
+        dp_sf = 1
+        if self.dp_axis is not None:
+            dp_sf *= etp if self.dp_axis == self.tp_axis else 1
+            dp_sf *= config.ep if self.dp_axis == self.expert_axis else 1
         edp: Placement = Shard(self.dp_axis, split_factor=dp_sf) if self.dp_axis is not None else Replicate()
         self._check_even_tp(shape, etp, fused is not None)
         tp: Placement = Shard(self.tp_axis) if self.tp_axis is not None else Replicate()
@@ -186,36 +190,61 @@ class PartitionRule:
 # Shard placement along that dimension means in ParallelConfig terms.
 TP_DIM_NAMES = frozenset({"tp", "tensor", "tensor_parallel", "model"})
 DP_SHARD_DIM_NAMES = frozenset({"dp", "dp_shard", "dp_shard_cp", "fsdp", "shard", "data", "data_parallel"})
+# Expert parallelism (torchtitan's sparse mesh: "ep", and FSDP inside the EP region: "efsdp"; the
+# names of earlier torchtitan releases too).
+EP_DIM_NAMES = frozenset({"ep", "expert", "expert_parallel"})
+EDP_DIM_NAMES = frozenset({"efsdp", "edp", "expert_dp", "dp_shard_mod_ep", "dp_shard_in_ep"})
 
 
-def rule_from_grid(layout: GridLayout) -> PartitionRule | None:
+def rule_from_grid(layout: GridLayout, expert_axis: int | None = None) -> PartitionRule | None:
     """The degree-independent rule of a DTensor-style grid, read off its mesh-dimension names.
 
     ``Shard(a)`` along a dimension named like TP is ``tp_axis=a``; along one named like FSDP's data
     dimension, ``dp_axis=a`` (FSDP2 over a TP-sharded axis is ``_StridedShard`` with the TP size as
-    split factor: the same rule); ``Replicate`` anywhere is replication. Anything else (an unknown
-    dimension name that shards, explicit chunk sizes, two dims sharding for one role) has no rule:
-    None, and ``reshard`` copies such a tensor whole, as before. Splits keep ``torch.chunk`` sizing.
+    split factor: the same rule); ``Replicate`` anywhere is replication. Along an expert-parallel
+    dimension (``ep``) it is ``expert_axis=a``, and FSDP inside the EP region (``efsdp``) is
+    ``dp_axis`` over expert data parallel (``_StridedShard`` with the EP size when both split the
+    expert axis, as torchtitan lays out ``GroupedExperts``).
+
+    ``expert_axis``: the caller knows the tensor stacks routed experts along this axis (torchtitan's
+    ``GroupedExperts``: axis 0) even where the mesh does not say so, as at ep = 1, where the experts
+    sit on the dense mesh. Without it, a job saved at ep = 1 would record dense rules and a
+    ``reshard --to ...ep4`` could not spread its experts (docs/moe.md).
+
+    Anything else (an unknown dimension name that shards, explicit chunk sizes, two dims sharding
+    for one role, an EP split of another axis than the declared one) has no rule: None, and
+    ``reshard`` copies such a tensor whole, as before. Splits keep ``torch.chunk`` sizing.
     """
-    tp_axis = dp_axis = None
-    dp_split = 1
-    tp_size = 1
-    for name, size, p in zip(layout.mesh.dims, layout.mesh.shape, layout.placements):
+    roles: dict[str, tuple[int, int, int, int]] = {}  # role -> (mesh position, axis, size, split factor)
+    for i, (name, size, p) in enumerate(zip(layout.mesh.dims, layout.mesh.shape, layout.placements)):
         if isinstance(p, Replicate):
             continue
         if not isinstance(p, Shard) or p.sizes is not None:
             return None
-        if name in TP_DIM_NAMES and tp_axis is None and p.split_factor == 1:
-            tp_axis, tp_size = p.axis, size
-        elif name in DP_SHARD_DIM_NAMES and dp_axis is None:
-            dp_axis, dp_split = p.axis, p.split_factor
-        else:
+        role = ("tp" if name in TP_DIM_NAMES else "ep" if name in EP_DIM_NAMES
+                else "dp" if name in DP_SHARD_DIM_NAMES or name in EDP_DIM_NAMES else None)
+        if role is None or role in roles or (role != "dp" and p.split_factor != 1):
             return None
-    if dp_split != 1 and not (dp_axis == tp_axis and dp_split == tp_size):
+        roles[role] = (i, p.axis, size, p.split_factor)
+    tp_axis = roles["tp"][1] if "tp" in roles else None
+    dp_axis = roles["dp"][1] if "dp" in roles else None
+    ep_axis = roles["ep"][1] if "ep" in roles else None
+    if ep_axis is not None and expert_axis is not None and ep_axis != expert_axis:
         return None
+    expert = ep_axis if ep_axis is not None else expert_axis
+    if "dp" in roles:
+        # FSDP over an axis TP or EP also splits must shard within each TP/EP part: DTensor's
+        # _StridedShard on the outer dimension with the inner split's size as split factor
+        position, _, _, split = roles["dp"]
+        inner = [roles[r] for r in ("tp", "ep") if r in roles and roles[r][1] == dp_axis and roles[r][2] > 1]
+        if len(inner) > 1:
+            return None
+        want = inner[0][2] if inner else 1
+        if split != want or (inner and inner[0][0] < position):
+            return None
     if layout.padded is not None or layout.fused is not None:
         return None
-    return PartitionRule(tp_axis=tp_axis, dp_axis=dp_axis, chunked=True)
+    return PartitionRule(tp_axis=tp_axis, dp_axis=dp_axis, expert_axis=expert, chunked=True)
 
 
 def column_parallel(**kw: int) -> PartitionRule:

@@ -73,8 +73,10 @@ class CheckpointDescription:
     meta: dict[str, Any] = field(default_factory=dict)
 
     def select(self, pattern: str) -> CheckpointDescription:
-        """Only the tensors whose key matches the shell-style ``pattern``."""
-        return replace(self, tensors=tuple(t for t in self.tensors if fnmatch.fnmatchcase(t.key, pattern)))
+        """Only the tensors and values whose key matches the shell-style ``pattern`` (a torchtitan
+        optimizer has a dozen values per parameter: unfiltered they would bury the tensors asked for)."""
+        return replace(self, tensors=tuple(t for t in self.tensors if fnmatch.fnmatchcase(t.key, pattern)),
+                       values=tuple(v for v in self.values if fnmatch.fnmatchcase(v, pattern)))
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

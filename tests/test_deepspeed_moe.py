@@ -1,0 +1,281 @@
+"""DeepSpeed-MoE engines on ckptkit: save at one EP / DP size, resume at others; native MoE checkpoints
+imported, consolidated and exported.
+
+The jobs (tests/deepspeed_moe_job.py) train a model with two ``deepspeed.moe.layer.MoE`` layers
+(4 experts each, top-2) through a real ``deepspeed.initialize`` engine on CPU/gloo with the expert
+param groups DeepSpeed asks for. The saving run (ZeRO 2, DP 4, EP 2, so expert DP 2) is the
+uninterrupted reference: it saves with ckptkit and with DeepSpeed's own ``save_checkpoint`` at
+step 2 and trains on to step 4. A resume builds a fresh engine at another EP / DP size, loads step 2
+and must reproduce: every model-space tensor (saved again at once: equal bit for bit), the LR,
+counters and client state, and the reference's losses (bit for bit where the layout is the saved
+one; within 1e-5 relative elsewhere: the DP size changes the all-reduce's summation order).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+
+pytest.importorskip("deepspeed")
+
+import torch
+
+import ckptkit
+from ckptkit.errors import CoverageError
+from tests import deepspeed_moe_job as job
+
+SAVE_STEP, STEPS, TOL = 2, 4, 1e-5
+EXPERT_KEYS = [f"moe.{L}.deepspeed_moe.experts.deepspeed_experts.{p}" for L in range(job.MOE_LAYERS)
+               for p in ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")]
+
+
+@pytest.fixture(scope="module")
+def saved(worlds, tmp_path_factory):
+    """ZeRO 2 at DP 4 / EP 2 (and ZeRO 1 at DP 4 / EP 4; ZeRO 2 in bf16): ckptkit and native saves at step 2."""
+    out = {}
+    for stage, ep, dtype in [(2, 2, "fp32"), (1, 4, "fp32"), (2, 2, "bf16")]:
+        folder = str(tmp_path_factory.mktemp(f"dsmoe_z{stage}_ep{ep}_{dtype}"))
+        ref = worlds.run(4, job.train_and_save, stage, ep, folder, save_step=SAVE_STEP, steps=STEPS,
+                         dtype=dtype)[0]
+        out[stage if dtype == "fp32" else dtype] = (folder, ref)
+    return out
+
+
+def assert_same_state(a_path: str, b_path: str) -> None:
+    a, b = ckptkit.open(a_path), ckptkit.open(b_path)
+    assert sorted(a.keys()) == sorted(b.keys()) and a.keys()
+    for key in a.keys():
+        x, y = a[key].read(), b[key].read()
+        assert x.dtype == y.dtype and torch.equal(x, y), key
+
+
+def check_resumed(ref: dict, got: dict, *, exact: bool, tol: float = TOL) -> float:
+    """The largest relative loss difference to the reference (after loading and at steps 3-4)."""
+    assert got["lr"] == ref["lr"]
+    assert got["client"] == {"epoch": 7}
+    assert (got["global_steps"], got["global_samples"]) == (SAVE_STEP, SAVE_STEP * job.GLOBAL_BATCH)
+    pairs = [(got["eval"], ref["eval"]), (got["final_eval"], ref["final_eval"])]
+    pairs += [(got["losses"][s], ref["losses"][s]) for s in range(SAVE_STEP + 1, STEPS + 1)]
+    if exact:
+        assert [g for g, _ in pairs] == [r for _, r in pairs]
+    worst = max(abs(g - r) / abs(r) for g, r in pairs)
+    assert worst <= tol, pairs
+    return worst
+
+
+def test_checkpoint_holds_stacked_experts_with_expert_rule(saved):
+    """Experts in ckptkit's convention: one tensor per weight kind, [experts, ...], rule expert_axis=0;
+    no per-expert (local-id) keys."""
+    from ckptkit.layout.rules import PartitionRule
+
+    folder, ref = saved[2]
+    assert ref["committed"]
+    view = ckptkit.open(f"{folder}/ckptkit")
+    keys = set(view.keys())
+    assert not [k for k in keys if ".deepspeed_experts.0." in k or ".deepspeed_experts.1." in k]
+    for name in EXPERT_KEYS:
+        for key in (f"model/{name}", f"optimizer/fp32/{name}", f"optimizer/exp_avg/{name}",
+                    f"optimizer/exp_avg_sq/{name}"):
+            assert key in keys, key
+            assert view[key].shape[0] == job.EXPERTS, key
+            assert view.meta_of(key).rule == PartitionRule(expert_axis=0), key
+    assert view.meta_of("model/inp.weight").rule is None
+    meta = json.loads(view.values["deepspeed_engine/deepspeed"])
+    assert set(meta["experts"]) == set(EXPERT_KEYS)
+    assert {(i["layer"], i["num_experts"], i["ep"]) for i in meta["experts"].values()} == {(0, 4, 2), (1, 4, 2)}
+
+
+def test_same_layout_resume_is_exact(worlds, saved, tmp_path):
+    folder, ref = saved[2]
+    got = worlds.run(4, job.resume, 2, 2, f"{folder}/ckptkit", from_step=SAVE_STEP, steps=STEPS,
+                     resave=str(tmp_path / "re"))[0]
+    check_resumed(ref, got, exact=True)
+    assert_same_state(f"{folder}/ckptkit", str(tmp_path / "re"))
+
+
+@pytest.mark.parametrize("dp,ep", [(4, 4), (4, 1), (2, 1), (2, 2)])
+def test_resume_at_another_ep_and_dp(worlds, saved, tmp_path, dp, ep):
+    """Saved at DP 4 / EP 2 (expert DP 2); loaded at EP 4 (expert DP 1), EP 1 (experts replicated over
+    the whole DP group) and DP 2: the loaded state, saved again, is the checkpoint bit for bit."""
+    folder, ref = saved[2]
+    got = worlds.run(dp, job.resume, 2, ep, f"{folder}/ckptkit", from_step=SAVE_STEP, steps=STEPS,
+                     resave=str(tmp_path / "re"))[0]
+    assert_same_state(f"{folder}/ckptkit", str(tmp_path / "re"))
+    check_resumed(ref, got, exact=False)
+    assert got["group_names"] == ["dense", f"ep_size_{ep}"]  # not the saving job's ep_size_2
+
+
+def test_zero1_ep4_resumes_at_zero2_ep2_dp2_with_accumulation(worlds, saved, tmp_path):
+    folder, ref = saved[1]
+    got = worlds.run(2, job.resume, 2, 2, f"{folder}/ckptkit", from_step=SAVE_STEP, steps=STEPS, gas=2,
+                     resave=str(tmp_path / "re"))[0]
+    assert_same_state(f"{folder}/ckptkit", str(tmp_path / "re"))
+    check_resumed(ref, got, exact=False)
+
+
+def test_bf16_resume_at_ep4_dp2(worlds, saved, tmp_path):
+    """bf16 training (fp32 masters, bf16 weights): the loaded state, saved again, is the checkpoint bit for
+    bit; losses within 1e-3 relative (bf16 weights round after every step)."""
+    folder, ref = saved["bf16"]
+    got = worlds.run(2, job.resume, 2, 2, f"{folder}/ckptkit", from_step=SAVE_STEP, steps=STEPS, dtype="bf16",
+                     resave=str(tmp_path / "re"))[0]
+    assert_same_state(f"{folder}/ckptkit", str(tmp_path / "re"))
+    assert ckptkit.open(str(tmp_path / "re"))[f"model/{EXPERT_KEYS[0]}"].dtype == torch.bfloat16
+    check_resumed(ref, got, exact=False, tol=1e-3)
+
+
+def test_import_native_moe_equals_adapter_save_and_resumes(worlds, saved, tmp_path):
+    """DeepSpeed's own MoE checkpoint (per-expert files + zero_pp_rank optimizer files) imported: every
+    tensor equals ckptkit's save of the same step; it resumes at another EP / DP size."""
+    from ckptkit_converters.deepspeed import import_deepspeed
+
+    for stage in (2, 1, "bf16"):
+        folder, _ = saved[stage]
+        dest = str(tmp_path / f"imported{stage}")
+        import_deepspeed(f"{folder}/native", dest)
+        assert_same_state(f"{folder}/ckptkit", dest)
+        a = json.loads(ckptkit.open(f"{folder}/ckptkit").values["deepspeed_engine/deepspeed"])
+        b = json.loads(ckptkit.open(dest).values["deepspeed_engine/deepspeed"])
+        for key in ("experts", "flat_groups", "param_shapes", "param_groups", "optimizer_scalars",
+                    "global_steps", "lr_scheduler"):
+            assert a[key] == b[key], key
+    got = worlds.run(2, job.resume, 2, 1, str(tmp_path / "imported2"), from_step=SAVE_STEP, steps=STEPS)[0]
+    check_resumed(saved[2][1], got, exact=False)
+
+
+def test_import_refuses_a_missing_expert_file(saved, tmp_path):
+    from ckptkit_converters.deepspeed import import_deepspeed
+
+    folder, _ = saved[2]
+    native = str(tmp_path / "native")
+    shutil.copytree(f"{folder}/native", native)
+    os.remove(os.path.join(native, "global_step2", "layer_1_expert_2_mp_rank_00_model_states.pt"))
+    with pytest.raises(CoverageError, match=r"expert 2 \(of 4\) of MoE layer 1"):
+        import_deepspeed(native, str(tmp_path / "out"))
+    assert not os.path.exists(str(tmp_path / "out" / "manifest.json"))
+
+
+def test_consolidated_fp32_has_every_expert(worlds, saved, tmp_path):
+    """zero_to_fp32's equivalent: one entry per global expert (ep=1 names), equal to the stacked fp32
+    masters; loaded with load_state_dict into a fresh model at EP 1 and at EP 4 it evaluates as the saved
+    one. (DeepSpeed's own zero_to_fp32 refuses MoE folders: it takes the per-expert files for model-states
+    files.)"""
+    from ckptkit_converters.deepspeed import (
+        consolidated_fp32_state_dict,
+        import_deepspeed,
+    )
+
+    folder, ref = saved[2]
+    sd = consolidated_fp32_state_dict(f"{folder}/ckptkit")
+    view = ckptkit.open(f"{folder}/ckptkit")
+    for name in EXPERT_KEYS:
+        stacked = view[f"optimizer/fp32/{name}"].read()
+        stem, param = name.rsplit(".deepspeed_experts.", 1)
+        for e in range(job.EXPERTS):
+            assert torch.equal(sd[f"{stem}.deepspeed_experts.{e}.{param}"], stacked[e])
+    assert len(sd) == 1 + 6 + len(EXPERT_KEYS) * job.EXPERTS  # buffer, dense params, 4 experts x 8 params
+    import_deepspeed(f"{folder}/native", str(tmp_path / "imp"))
+    sd_native = consolidated_fp32_state_dict(str(tmp_path / "imp"))
+    assert sd.keys() == sd_native.keys() and all(torch.equal(sd[k], sd_native[k]) for k in sd)
+    for dp, ep in [(2, 1), (4, 4)]:
+        got = worlds.run(dp, job.consolidated_eval, ep, sd)[0]
+        assert got["eval"] == pytest.approx(ref["eval"], rel=1e-6)
+
+
+REFUSALS = {  # DeepSpeed 0.19.8 loading its own DP 4 / EP 2 checkpoint
+    (4, 4): "RuntimeError: The ZeRO checkpoint parameter-alignment layout does not match",
+    (2, 1): "ZeRORuntimeException: The checkpoint being loaded used a DP world size of 4 but the current world "
+            "size is 2",
+}
+
+
+def test_missing_expert_piece_is_a_coverage_error_naming_the_expert(saved, tmp_path):
+    """Delete the stored piece of expert 2 of one stacked tensor from the manifest: the consolidation (and
+    any read) fails with a CoverageError naming the tensor and the expert, not a silent zero."""
+    from ckptkit_converters.deepspeed import consolidated_fp32_state_dict
+
+    from tests import ckpt_files
+
+    folder, _ = saved[2]
+    broken = tmp_path / "broken"
+    shutil.copytree(f"{folder}/ckptkit", broken)
+    key = f"optimizer/fp32/{EXPERT_KEYS[-2]}"
+
+    def drop(doc):
+        pieces = doc["tensors"][key]["layout"]["pieces"]
+        keep = [p for p in pieces if p[0][0] != 2]  # [offsets, sizes, flat, writer]
+        assert 0 < len(keep) < len(pieces)
+        doc["tensors"][key]["layout"]["pieces"] = keep
+
+    ckpt_files.edit_manifest(broken, drop)
+    with pytest.raises(CoverageError, match=r"moe\.1\..*fc2\.weight.*expert 2 \(of 4\)"):
+        consolidated_fp32_state_dict(str(broken))
+
+
+@pytest.mark.parametrize("dp,ep", [(4, 4), (2, 1)])
+def test_export_is_loaded_by_deepspeed_at_another_ep(worlds, saved, tmp_path, dp, ep):
+    """A native folder for DP/EP sizes the checkpoint was not saved at: DeepSpeed's own load_checkpoint
+    takes it and training continues as the uninterrupted run."""
+    from click.testing import CliRunner
+
+    from ckptkit.cli.main import cli
+
+    folder, ref = saved[2]
+    # DeepSpeed's own checkpoint of DP 4 / EP 2 is refused there
+    said = worlds.run(dp, job.native_load_error, 2, ep, f"{folder}/native")[0]
+    assert said.startswith(REFUSALS[(dp, ep)]), said
+    out = str(tmp_path / "native")
+    done = CliRunner().invoke(cli, ["convert", f"{folder}/ckptkit", out, "--format", "deepspeed",
+                                    "--dp", str(dp), "--ep", str(ep)])
+    assert done.exit_code == 0, done.output
+    names = os.listdir(os.path.join(out, "global_step2"))
+    assert sorted(n for n in names if n.startswith("layer_")) == sorted(
+        f"layer_{L}_expert_{e}_mp_rank_00_model_states.pt" for L in range(2) for e in range(4))
+    got = worlds.run(dp, job.resume, 2, ep, out, from_step=SAVE_STEP, steps=STEPS, native=True)[0]
+    check_resumed(ref, got, exact=dp == 4 and ep == 4)
+
+
+def test_import_stage0_expp_checkpoint(worlds, saved, tmp_path):
+    """Without ZeRO, DeepSpeed-MoE writes per-EP-rank ``expp_rank_*`` optimizer files (no parameter names).
+    The same training at stage 0, imported, holds the same model-space state as the ZeRO-2 run's ckptkit
+    save (experts bit for bit; dense tensors within 1e-6: the two engines reduce gradients in a different
+    order), and a ZeRO-2 engine at DP 2 / EP 1 resumes it as the uninterrupted ZeRO-2 run continues."""
+    from ckptkit_converters.deepspeed import import_deepspeed
+    from ckptkit_converters.deepspeed_format import is_deepspeed_checkpoint
+
+    folder = str(tmp_path / "z0")
+    ref0 = worlds.run(4, job.train_and_save, 0, 2, folder, save_step=SAVE_STEP, steps=STEPS)[0]
+    names = os.listdir(os.path.join(folder, "native", "global_step2"))
+    # one file per EP rank of the largest expert group this process has created: 2 in a fresh process,
+    # 4 once an ep=4 engine was built in it (DeepSpeed's groups are process-global)
+    assert {"expp_rank_0_mp_rank_00_optim_states.pt", "expp_rank_1_mp_rank_00_optim_states.pt"} <= set(names)
+    assert not [n for n in names if n.startswith("zero_pp_rank_")]
+    assert is_deepspeed_checkpoint(f"{folder}/native")
+    import_deepspeed(f"{folder}/native", str(tmp_path / "imported"))
+    zero2_folder, zero2_ref = saved[2]
+    a, b = ckptkit.open(f"{zero2_folder}/ckptkit"), ckptkit.open(str(tmp_path / "imported"))
+    assert sorted(a.keys()) == sorted(b.keys())
+    for key in a.keys():
+        x, y = a[key].read(), b[key].read()
+        if key.split("/", 2)[-1] in EXPERT_KEYS:
+            assert torch.equal(x, y), key
+        else:
+            assert torch.allclose(x, y, rtol=0, atol=1e-6), key
+    got = worlds.run(2, job.resume, 2, 1, str(tmp_path / "imported"), from_step=SAVE_STEP, steps=STEPS)[0]
+    assert got["losses"][SAVE_STEP + 1] == pytest.approx(ref0["losses"][SAVE_STEP + 1], rel=TOL)
+    check_resumed(zero2_ref, got, exact=False)
+
+
+@pytest.mark.parametrize("dp,ep", [(1, 1), (2, 1), (4, 4), (8, 2)])
+def test_export_then_import_is_the_identity(saved, tmp_path, dp, ep):
+    """Native folders written for other DP / EP sizes (including ones never trained here) import back to
+    the same model-space state, bit for bit."""
+    from ckptkit_converters.deepspeed import export_deepspeed, import_deepspeed
+
+    folder, _ = saved[2]
+    export_deepspeed(f"{folder}/ckptkit", str(tmp_path / "native"), dp=dp, ep=ep)
+    import_deepspeed(str(tmp_path / "native"), str(tmp_path / "back"))
+    assert_same_state(f"{folder}/ckptkit", str(tmp_path / "back"))

@@ -1,0 +1,269 @@
+"""Rank-side functions of tests/test_torchtitan_moe.py: torchtitan MoE models trained with FSDP2 + EP
+(+ TP) in real gloo worlds, checkpointed by ``CkptkitCheckpointManager``.
+
+Two model families, each built from torchtitan 0.3's own layer builders at a size a 2-core machine
+trains in seconds, and parallelized by the family's own parallelize function:
+
+* ``qwen3``: Qwen3-MoE blocks (``_build_qwen3_moe_layers``: GQA with q/k norms, softmax router,
+  ``GroupedExperts`` ``w1_EFD``/``w2_EDF``/``w3_EFD``, the ``expert_bias_E`` buffer of
+  auxiliary-loss-free load balancing).
+* ``deepseek_v3``: DeepSeek-V3 blocks (``build_mla_moe_layers``: MLA attention, a dense first layer,
+  shared experts, routed experts with ``expert_bias_E``) and one MTP layer.
+
+Expert parallelism is torchtitan's: experts are DTensors ``(_StridedShard(0), Shard(0))`` on the
+(``efsdp``, ``ep``) mesh; with EP off and TP on, experts are TP-sharded on the dense mesh. The
+training step is ``torchtitan_job``'s (sum loss over the global token count), plus torchtitan's MoE
+load-balancing hook (``register_moe_load_balancing_hook``), which updates ``expert_bias_E`` from
+the all-reduced token counts before every optimizer step.
+
+CPU shims are those of tests/torchtitan_job.py (CPU device module, causal SDPA instead of
+FlexAttention, SUM instead of PREMUL_SUM), see docs/torchtitan.md.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torchtitan.distributed.utils as dist_utils
+from torch.distributed.fsdp import FSDPModule
+from torchtitan.components.optimizer import (
+    default_adamw,
+    register_moe_load_balancing_hook,
+)
+from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+from torchtitan.distributed import ParallelDims
+from torchtitan.models.common import Embedding, Linear
+from torchtitan.models.common.attention import ScaledDotProductAttention
+from torchtitan.models.common.nn_modules import RMSNorm
+from torchtitan.models.common.rope import ComplexRoPE, CosSinRoPE
+
+from tests import torchtitan_job as dense
+from tests.torchtitan_job import GLOBAL_BATCH, SEQ, STEPS, VOCAB
+
+# layout name -> (dp_shard, tp, ep); the world is dp_shard * tp, EP is carved out of it
+LAYOUTS = {
+    "fsdp4_ep2": (4, 1, 2),
+    "fsdp4_ep4": (4, 1, 4),
+    "fsdp4": (4, 1, 1),
+    "fsdp2_ep2": (2, 1, 2),
+    "fsdp2_tp2_ep2": (2, 2, 2),
+    "fsdp2_tp2": (2, 2, 1),
+    "single": (1, 1, 1),
+}
+NUM_EXPERTS = 8
+DIM = 64
+
+
+def _qwen3_config() -> tuple[Any, Any, Any]:
+    from torchtitan.models.qwen3 import (
+        _EMBEDDING_INIT,
+        _LINEAR_INIT,
+        Qwen3StateDictAdapter,
+        _build_qwen3_moe_layers,
+        _qwen3_norm,
+        parallelize_qwen3,
+    )
+    from torchtitan.models.qwen3.model import Qwen3Model
+
+    head_dim = 16
+    cfg = Qwen3Model.Config(
+        vocab_size=VOCAB, dim=DIM, norm=_qwen3_norm(DIM),
+        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM, param_init=_EMBEDDING_INIT),
+        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=_LINEAR_INIT),
+        layers=_build_qwen3_moe_layers(
+            fuse_qkv=True, n_layers=2, dim=DIM, n_heads=4, n_kv_heads=2, head_dim=head_dim, moe_hidden_dim=32,
+            num_experts=NUM_EXPERTS, top_k=2, attn_backend="flex", moe_comm_backend="standard",
+            rope=CosSinRoPE.Config(dim=head_dim, max_seq_len=4 * SEQ, theta=1000000.0)),
+    )
+    return cfg, parallelize_qwen3, Qwen3StateDictAdapter
+
+
+def _deepseek_config() -> tuple[Any, Any, Any]:
+    from torchtitan.models.deepseek_v3 import (
+        _EMBEDDING_INIT,
+        _NORM_INIT,
+        DeepSeekV3Model,
+        DeepSeekV3StateDictAdapter,
+        _build_dsv3_layers,
+        _build_mtp_layers,
+        _output_linear_init,
+        parallelize_deepseekv3,
+    )
+
+    rope_dim = 16
+    layers = _build_dsv3_layers(
+        n_layers=2, n_dense_layers=1, dim=DIM, n_heads=4, q_lora_rank=0, kv_lora_rank=32, qk_nope_head_dim=16,
+        qk_rope_head_dim=rope_dim, v_head_dim=16, mscale=0.70, dense_hidden_dim=128, moe_hidden_dim=32,
+        num_experts=NUM_EXPERTS, num_shared_experts=1, router_top_k=2, router_score_func="softmax",
+        attn_backend="flex", moe_comm_backend="standard", non_blocking_capacity_factor=None,
+        rope=ComplexRoPE.Config(dim=rope_dim, max_seq_len=4 * SEQ, theta=10000.0))
+    cfg = DeepSeekV3Model.Config(
+        vocab_size=VOCAB, dim=DIM,
+        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM, param_init=_EMBEDDING_INIT),
+        norm=RMSNorm.Config(normalized_shape=DIM, param_init=_NORM_INIT),
+        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=_output_linear_init(DIM)),
+        layers=layers, mtp_layers=_build_mtp_layers(layers[-1], dim=DIM, num_mtp_layers=1),
+    )
+    return cfg, parallelize_deepseekv3, DeepSeekV3StateDictAdapter
+
+
+MODELS = {"qwen3": _qwen3_config, "deepseek_v3": _deepseek_config}
+
+
+def model_config(family: str) -> Any:
+    """The tiny model's config, with causal SDPA as inner attention (shim 2)."""
+    cfg, parallelize, adapter = MODELS[family]()
+    for layer in list(cfg.layers) + list(getattr(cfg, "mtp_layers", None) or []):
+        attention = getattr(layer, "attention", None)
+        if attention is not None and hasattr(attention, "inner_attention"):
+            attention.inner_attention = ScaledDotProductAttention.Config()
+    return cfg, parallelize, adapter
+
+
+class MoEJob(dense.Job):
+    """tests/torchtitan_job.Job with an MoE model, expert parallelism and the load-balancing hook."""
+
+    def __init__(self, family: str, layout: str, checkpoint: Any, *, seed: int = 0) -> None:
+        dp, tp, ep = LAYOUTS[layout]
+        self.dp, self.tp, self.ep = dp, tp, ep
+        world = dist.get_world_size()
+        dist_utils.set_spmd_backend("partial_dtensor")
+        cfg, parallelize, adapter = model_config(family)
+        parallelism = ParallelismConfig(data_parallel_shard_degree=dp, tensor_parallel_degree=tp,
+                                        expert_parallel_degree=ep, spmd_backend="partial_dtensor")
+        training = TrainingConfig(local_batch_size=GLOBAL_BATCH // dp, seq_len=SEQ, steps=STEPS,
+                                  mixed_precision_param="float32")
+
+        class _Cfg:
+            pass
+
+        holder = _Cfg()
+        holder.parallelism, holder.training = parallelism, training  # type: ignore[attr-defined]
+        cfg.update_from_config(config=holder)
+        self.parallel_dims = ParallelDims(dp_replicate=1, dp_shard=dp, cp=1, tp=tp, pp=1, ep=ep, world_size=world,
+                                          spmd_backend="partial_dtensor")
+        with torch.device("meta"):
+            model = cfg.build()
+        model = parallelize(model, parallel_dims=self.parallel_dims, training=training, parallelism=parallelism,
+                            compile_config=CompileConfig(), ac_config=None, dump_folder="")
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                m.set_force_sum_reduction_for_comms(True)  # shim 3
+        model.to_empty(device="cpu")
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            model.init_weights(buffer_device=None)
+        model.train()
+        self.model = model
+        self.sd_adapter = adapter
+        optimizer = default_adamw(lr=1e-3)
+        optimizer.implementation = "foreach"
+        self.optimizers = optimizer.build(model_parts=[model])
+        register_moe_load_balancing_hook(self.optimizers, [model], self.parallel_dims)
+        self.wire_up(checkpoint)
+
+
+    def loss_sum(self, pred: Any, labels: torch.Tensor) -> torch.Tensor:
+        """DeepSeek-V3 with MTP layers returns [main logits, one per MTP layer]: torchtitan's MTPLoss
+        (positions: every sample is one document)."""
+        if not isinstance(pred, list):
+            return super().loss_sum(pred, labels)
+        from torchtitan.models.deepseek_v3 import MTPLoss
+
+        positions = torch.arange(labels.shape[1]).expand(labels.shape[0], -1)
+        loss = MTPLoss(MTPLoss.Config())(pred, labels, positions=positions)
+        return loss[0] if isinstance(loss, tuple) else loss
+
+
+def placements(family: str, layout: str) -> dict[str, Any]:
+    """What torchtitan's parallelize made of every model tensor: (type, mesh dims, placements, shape)."""
+    job = MoEJob(family, layout, dense._config("/nonexistent-unused"))
+    out = {}
+    for k, v in job.model.state_dict().items():
+        if hasattr(v, "placements"):
+            out[k] = ("DTensor", list(v.device_mesh.mesh_dim_names), [repr(p) for p in v.placements], list(v.shape))
+        else:
+            out[k] = ("Tensor", None, None, list(v.shape))
+    return out
+
+
+def train(family: str, layout: str, folder: str, *, resume_step: int, **kw: Any) -> dict[str, Any]:
+    """The uninterrupted run, checkpointing every 2 steps (tests/torchtitan_job.train with an MoE job)."""
+    job = MoEJob(family, layout, dense._config(folder, **kw))
+    assert job.checkpointer.load(step=-1) is False
+    out = job.run(resume_step)
+    saved = {"eval": job.eval_loss(), "digests": job.digests(), "train_state": job.train_state.state_dict(),
+             "last_epoch": job.lr_schedulers.state_dict()["last_epoch"]}
+    rest = job.run(STEPS)
+    job.close()
+    return {"losses": {**out["losses"], **rest["losses"]}, "samples": {**out["samples"], **rest["samples"]},
+            "saved": saved}
+
+
+def resume(family: str, layout: str, folder: str, *, load_step: int, **kw: Any) -> dict[str, Any]:
+    """Load ``load_step`` at ``layout`` (load_only), then train to STEPS."""
+    job = MoEJob(family, layout, dense._config(folder, load_step=load_step, load_only=True, **kw), seed=123)
+    assert job.checkpointer.load(step=load_step) is True
+    loaded = {"eval": job.eval_loss(), "digests": job.digests(), "train_state": job.train_state.state_dict(),
+              "last_epoch": job.lr_schedulers.state_dict()["last_epoch"]}
+    out = job.run(STEPS)
+    job.close()
+    return {**out, "loaded": loaded}
+
+
+def parallel_config(layout: str) -> Any:
+    """ckptkit's name for a torchtitan layout: with EP on, torchtitan does not TP-shard experts (etp 1)."""
+    from ckptkit.layout.config import ParallelConfig
+
+    dp, tp, ep = LAYOUTS[layout]
+    return ParallelConfig(tp=tp, dp=dp, ep=ep, etp=1 if ep > 1 else tp)
+
+
+def rules_predict_layout(family: str, layout: str) -> dict[str, Any]:
+    """For every model and optimizer DTensor, as the manager would save it: the rule read off its grid
+    (with the expert mark), evaluated at ckptkit's ParallelConfig for this layout, must give this rank
+    exactly the pieces torchtitan gave it. Returns the rules (as JSON) and the mismatches."""
+    from ckptkit.adapters.torchtitan_experts import mark_model, mark_optimizer
+    from ckptkit.engine.dtensor_grid import grid_of, is_dtensor
+    from ckptkit.engine.state import Experts
+    from ckptkit.layout.rules import rule_from_grid
+
+    job = MoEJob(family, layout, dense._config("/nonexistent-unused"))
+    axes = job.checkpointer.expert_axes
+    config = parallel_config(layout)
+    items = {**{"model/" + k: v for k, v in mark_model(job.model.state_dict(), axes).items()},
+             **{"optimizer/" + k: v for k, v in mark_optimizer(job.optimizers.state_dict(), axes).items()}}
+    rules, wrong = {}, []
+    rank = dist.get_rank()
+    for key, value in items.items():
+        axis = value.axis if isinstance(value, Experts) else None
+        t = value.tensor if isinstance(value, Experts) else value
+        if not (isinstance(t, torch.Tensor) and is_dtensor(t)):
+            continue
+        grid, coord = grid_of(t, key)
+        rule = rule_from_grid(grid, axis)
+        rules[key] = None if rule is None else rule.to_json()
+        if rule is None:
+            wrong.append((key, "no rule"))
+            continue
+        predicted = rule.evaluate(tuple(t.shape), config)
+        have = grid.local_pieces(coord)
+        want = predicted.local_pieces(predicted.mesh.coordinate(rank))
+        if sorted(b for _, b in have[1]) != sorted(b for _, b in want[1]):
+            wrong.append((key, f"{have[1]} vs {want[1]}"))
+    job.close()
+    return {"rules": rules, "wrong": wrong, "expert_keys": sorted(axes)}
+
+
+def load_error(family: str, layout: str, folder: str, *, load_step: int, **kw: Any) -> str:
+    """The message of the error a load of ``load_step`` raises (the test expects one)."""
+    job = MoEJob(family, layout, dense._config(folder, load_step=load_step, load_only=True, **kw), seed=123)
+    try:
+        job.checkpointer.load(step=load_step)
+    except Exception as exc:  # noqa: BLE001 - the message is the result
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        job.close()
+    raise AssertionError("the load succeeded")
