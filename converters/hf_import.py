@@ -17,7 +17,6 @@ models that fit in memory (tests, small models).
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Mapping
@@ -39,10 +38,11 @@ from ckptkit.engine.offline_writer import (
     OfflineWriteOptions,
     write_offline,
 )
-from ckptkit.errors import CkptkitError, CorruptCheckpointError, MissingKeysError
+from ckptkit.errors import CkptkitError, CorruptCheckpointError, ManifestError, MissingKeysError
 from ckptkit.layout.box import Box, Region
 from ckptkit.layout.manifest import ExplicitLayout, TensorMeta
 from ckptkit.layout.rules import PartitionRule
+from ckptkit.layout.strict_json import load_json
 from ckptkit.options import Progress
 from ckptkit.storage.base import ByteStore
 from ckptkit.storage.url import open_store
@@ -81,12 +81,7 @@ class SafetensorsFile:
             raise CorruptCheckpointError(f"{where}: header of {n} bytes in a file of {size}")
         buf = bytearray(n)
         store.read_into(name, 8, memoryview(buf))
-        try:
-            doc = json.loads(bytes(buf))
-        except ValueError as exc:
-            raise CorruptCheckpointError(f"{where}: the header is not JSON ({exc})") from None
-        if not isinstance(doc, dict):
-            raise CorruptCheckpointError(f"{where}: the header is not a JSON object")
+        doc = _json_object(bytes(buf), f"{where}: the header")
         self.entries: dict[str, _Entry] = {}
         data = size - 8 - n
         for key, e in doc.items():
@@ -117,13 +112,22 @@ class SafetensorsFile:
         return torch.empty(e.shape, dtype=e.dtype)
 
 
+def _json_object(data: bytes, where: str) -> dict:
+    """A JSON object from an HF folder, parsed under the limits every checkpoint document gets
+    (depth, duplicate keys, NaN; :mod:`ckptkit.layout.strict_json`): the folder may be hostile."""
+    try:
+        return load_json(data, where)
+    except ManifestError as exc:
+        raise CorruptCheckpointError(str(exc)) from None
+
+
 def open_files(store: ByteStore) -> dict[str, SafetensorsFile]:
     """Every shard an HF folder lists (``model.safetensors.index.json``, or one ``model.safetensors``)."""
     if store.exists(INDEX_NAME):
         try:
-            weight_map = json.loads(store.read_bytes(INDEX_NAME))["weight_map"]
+            weight_map = _json_object(store.read_bytes(INDEX_NAME), f"{store.url}/{INDEX_NAME}")["weight_map"]
             files = sorted(set(weight_map.values()))
-        except (ValueError, KeyError, TypeError, AttributeError):
+        except (KeyError, TypeError, AttributeError):
             raise CorruptCheckpointError(f"{store.url}/{INDEX_NAME}: no weight_map of file names") from None
     elif store.exists("model.safetensors"):
         files = ["model.safetensors"]

@@ -94,16 +94,23 @@ class Job:
 
     def __init__(self, layout: str, checkpoint: CkptkitCheckpointManager.Config, *, seed: int = 0) -> None:
         dp, tp = LAYOUTS[layout]
-        self.dp, self.tp = dp, tp
-        world = dist.get_world_size()
-        dist_utils.set_spmd_backend("partial_dtensor")
         spec = model_registry("debugmodel")
         cfg = spec.model
         cfg.layers = cfg.layers[:N_LAYERS]
         for layer in cfg.layers:
             layer.attention.inner_attention = ScaledDotProductAttention.Config()  # shim 2
+        self.build(cfg, spec.parallelize_fn, checkpoint, dp=dp, tp=tp, ep=1, seed=seed)
+
+    def build(self, cfg: Any, parallelize: Any, checkpoint: CkptkitCheckpointManager.Config, *, dp: int, tp: int,
+              ep: int, seed: int) -> None:
+        """Parallelize ``cfg``'s model with torchtitan's ``parallelize`` function at FSDP ``dp`` x TP ``tp``
+        (expert parallel ``ep`` carved out of them), then optimizer, LR schedule, data loader, train state
+        and the checkpointer, in the order torchtitan's Trainer builds them."""
+        self.dp, self.tp, self.ep = dp, tp, ep
+        world = dist.get_world_size()
+        dist_utils.set_spmd_backend("partial_dtensor")
         parallelism = ParallelismConfig(data_parallel_shard_degree=dp, tensor_parallel_degree=tp,
-                                        spmd_backend="partial_dtensor")
+                                        expert_parallel_degree=ep, spmd_backend="partial_dtensor")
         training = TrainingConfig(local_batch_size=GLOBAL_BATCH // dp, seq_len=SEQ, steps=STEPS,
                                   mixed_precision_param="float32")
 
@@ -113,13 +120,12 @@ class Job:
         holder = _Cfg()
         holder.parallelism, holder.training = parallelism, training  # type: ignore[attr-defined]
         cfg.update_from_config(config=holder)
-        self.parallel_dims = ParallelDims(dp_replicate=1, dp_shard=dp, cp=1, tp=tp, pp=1, ep=1, world_size=world,
+        self.parallel_dims = ParallelDims(dp_replicate=1, dp_shard=dp, cp=1, tp=tp, pp=1, ep=ep, world_size=world,
                                           spmd_backend="partial_dtensor")
         with torch.device("meta"):
             model = cfg.build()
-        model = spec.parallelize_fn(model, parallel_dims=self.parallel_dims, training=training,
-                                    parallelism=parallelism, compile_config=CompileConfig(), ac_config=None,
-                                    dump_folder="")
+        model = parallelize(model, parallel_dims=self.parallel_dims, training=training, parallelism=parallelism,
+                            compile_config=CompileConfig(), ac_config=None, dump_folder="")
         for m in model.modules():
             if isinstance(m, FSDPModule):
                 m.set_force_sum_reduction_for_comms(True)  # shim 3
@@ -132,12 +138,7 @@ class Job:
         optimizer = default_adamw(lr=1e-3)
         optimizer.implementation = "foreach"  # "fused" is the CUDA default
         self.optimizers = optimizer.build(model_parts=[model])
-        self.wire_up(checkpoint)
-
-    def wire_up(self, checkpoint: CkptkitCheckpointManager.Config) -> None:
-        """LR schedule, data loader, train state and the checkpointer, as torchtitan's Trainer builds them
-        once the model and optimizers exist (shared with tests/torchtitan_moe_job.py)."""
-        dp = self.dp
+        self.after_optimizers()
         self.lr_schedulers = LRSchedulersContainer.Config(
             warmup_steps=2, decay_ratio=0.8, decay_type="linear", min_lr_factor=0.0,
         ).build(optimizers=self.optimizers, training_steps=STEPS)
@@ -157,6 +158,9 @@ class Job:
             base_folder="",
         )
         self.iterator: Any = None
+
+    def after_optimizers(self) -> None:
+        """What a model family's ``post_optimizer_build_fn`` does (nothing for llama3)."""
 
     # --------------------------------------------------------------- training
     def train_step(self) -> tuple[float, list[int]]:

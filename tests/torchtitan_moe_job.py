@@ -26,21 +26,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torchtitan.distributed.utils as dist_utils
-from torch.distributed.fsdp import FSDPModule
-from torchtitan.components.optimizer import (
-    default_adamw,
-    register_moe_load_balancing_hook,
-)
-from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
-from torchtitan.distributed import ParallelDims
+from torchtitan.components.optimizer import register_moe_load_balancing_hook
 from torchtitan.models.common import Embedding, Linear
 from torchtitan.models.common.attention import ScaledDotProductAttention
 from torchtitan.models.common.nn_modules import RMSNorm
 from torchtitan.models.common.rope import ComplexRoPE, CosSinRoPE
 
 from tests import torchtitan_job as dense
-from tests.torchtitan_job import GLOBAL_BATCH, SEQ, STEPS, VOCAB
+from tests.torchtitan_job import SEQ, STEPS, VOCAB
 
 # layout name -> (dp_shard, tp, ep); the world is dp_shard * tp, EP is carved out of it
 LAYOUTS = {
@@ -56,11 +49,10 @@ NUM_EXPERTS = 8
 DIM = 64
 
 
-def _qwen3_config() -> tuple[Any, Any, Any]:
+def _qwen3_config() -> tuple[Any, Any]:
     from torchtitan.models.qwen3 import (
         _EMBEDDING_INIT,
         _LINEAR_INIT,
-        Qwen3StateDictAdapter,
         _build_qwen3_moe_layers,
         _qwen3_norm,
         parallelize_qwen3,
@@ -77,15 +69,14 @@ def _qwen3_config() -> tuple[Any, Any, Any]:
             num_experts=NUM_EXPERTS, top_k=2, attn_backend="flex", moe_comm_backend="standard",
             rope=CosSinRoPE.Config(dim=head_dim, max_seq_len=4 * SEQ, theta=1000000.0)),
     )
-    return cfg, parallelize_qwen3, Qwen3StateDictAdapter
+    return cfg, parallelize_qwen3
 
 
-def _deepseek_config() -> tuple[Any, Any, Any]:
+def _deepseek_config() -> tuple[Any, Any]:
     from torchtitan.models.deepseek_v3 import (
         _EMBEDDING_INIT,
         _NORM_INIT,
         DeepSeekV3Model,
-        DeepSeekV3StateDictAdapter,
         _build_dsv3_layers,
         _build_mtp_layers,
         _output_linear_init,
@@ -106,20 +97,20 @@ def _deepseek_config() -> tuple[Any, Any, Any]:
         lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=_output_linear_init(DIM)),
         layers=layers, mtp_layers=_build_mtp_layers(layers[-1], dim=DIM, num_mtp_layers=1),
     )
-    return cfg, parallelize_deepseekv3, DeepSeekV3StateDictAdapter
+    return cfg, parallelize_deepseekv3
 
 
 MODELS = {"qwen3": _qwen3_config, "deepseek_v3": _deepseek_config}
 
 
-def model_config(family: str) -> Any:
-    """The tiny model's config, with causal SDPA as inner attention (shim 2)."""
-    cfg, parallelize, adapter = MODELS[family]()
+def model_config(family: str) -> tuple[Any, Any]:
+    """The tiny model's config and its parallelize function, with causal SDPA as inner attention (shim 2)."""
+    cfg, parallelize = MODELS[family]()
     for layer in list(cfg.layers) + list(getattr(cfg, "mtp_layers", None) or []):
         attention = getattr(layer, "attention", None)
         if attention is not None and hasattr(attention, "inner_attention"):
             attention.inner_attention = ScaledDotProductAttention.Config()
-    return cfg, parallelize, adapter
+    return cfg, parallelize
 
 
 class MoEJob(dense.Job):
@@ -127,43 +118,12 @@ class MoEJob(dense.Job):
 
     def __init__(self, family: str, layout: str, checkpoint: Any, *, seed: int = 0) -> None:
         dp, tp, ep = LAYOUTS[layout]
-        self.dp, self.tp, self.ep = dp, tp, ep
-        world = dist.get_world_size()
-        dist_utils.set_spmd_backend("partial_dtensor")
-        cfg, parallelize, adapter = model_config(family)
-        parallelism = ParallelismConfig(data_parallel_shard_degree=dp, tensor_parallel_degree=tp,
-                                        expert_parallel_degree=ep, spmd_backend="partial_dtensor")
-        training = TrainingConfig(local_batch_size=GLOBAL_BATCH // dp, seq_len=SEQ, steps=STEPS,
-                                  mixed_precision_param="float32")
+        cfg, parallelize = model_config(family)
+        self.build(cfg, parallelize, checkpoint, dp=dp, tp=tp, ep=ep, seed=seed)
 
-        class _Cfg:
-            pass
-
-        holder = _Cfg()
-        holder.parallelism, holder.training = parallelism, training  # type: ignore[attr-defined]
-        cfg.update_from_config(config=holder)
-        self.parallel_dims = ParallelDims(dp_replicate=1, dp_shard=dp, cp=1, tp=tp, pp=1, ep=ep, world_size=world,
-                                          spmd_backend="partial_dtensor")
-        with torch.device("meta"):
-            model = cfg.build()
-        model = parallelize(model, parallel_dims=self.parallel_dims, training=training, parallelism=parallelism,
-                            compile_config=CompileConfig(), ac_config=None, dump_folder="")
-        for m in model.modules():
-            if isinstance(m, FSDPModule):
-                m.set_force_sum_reduction_for_comms(True)  # shim 3
-        model.to_empty(device="cpu")
-        torch.manual_seed(seed)
-        with torch.no_grad():
-            model.init_weights(buffer_device=None)
-        model.train()
-        self.model = model
-        self.sd_adapter = adapter
-        optimizer = default_adamw(lr=1e-3)
-        optimizer.implementation = "foreach"
-        self.optimizers = optimizer.build(model_parts=[model])
-        register_moe_load_balancing_hook(self.optimizers, [model], self.parallel_dims)
-        self.wire_up(checkpoint)
-
+    def after_optimizers(self) -> None:
+        """The MoE families' ``post_optimizer_build_fn``: expert-bias updates before every optimizer step."""
+        register_moe_load_balancing_hook(self.optimizers, [self.model], self.parallel_dims)
 
     def loss_sum(self, pred: Any, labels: torch.Tensor) -> torch.Tensor:
         """DeepSeek-V3 with MTP layers returns [main logits, one per MTP layer]: torchtitan's MTPLoss
