@@ -36,11 +36,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torchtitan.distributed.parallel_dims as _parallel_dims
 import torchtitan.distributed.utils as dist_utils
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.fsdp import FSDPModule
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
+from torchtitan.components.checkpointer.base import ModelWrapper
 from torchtitan.components.dataloader import ParallelAwareDataloader
 from torchtitan.components.loss import cross_entropy_loss
 from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
@@ -158,16 +160,25 @@ class Job:
             base_folder="",
         )
         self.iterator: Any = None
+        self.replay: list[Any] | None = None
+        """Batches to train on instead of the data loader's (the reference run replays the resumed run's)."""
+        self.consumed: list[Any] = []
+        """This rank's batches, in the order the steps took them."""
 
     def after_optimizers(self) -> None:
         """What a model family's ``post_optimizer_build_fn`` does (nothing for llama3)."""
 
     # --------------------------------------------------------------- training
     def train_step(self) -> tuple[float, list[int]]:
-        if self.iterator is None:
-            self.iterator = iter(self.dataloader)
+        if self.replay is not None:
+            inputs, labels = self.replay.pop(0)
+        else:
+            if self.iterator is None:
+                self.iterator = iter(self.dataloader)
+            inputs, labels = next(self.iterator)
+        self.consumed.append((dict(inputs), labels))
         self.optimizers.zero_grad()
-        inputs, labels = next(self.iterator)
+        inputs = dict(inputs)
         samples = inputs.pop("sample")
         global_tokens = labels.numel() * self.dp
         pred = self.model(inputs["input"])
@@ -225,6 +236,17 @@ class Job:
                 out[key] = repr(value)
         return out
 
+    def state_record(self) -> dict[str, Any]:
+        """What a test compares after a save or a load: held-out loss, digests, train state, LR position."""
+        return {"eval": self.eval_loss(), "digests": self.digests(), "train_state": self.train_state.state_dict(),
+                "last_epoch": self.lr_schedulers.state_dict()["last_epoch"]}
+
+    def dcp_state(self) -> dict[str, Any]:
+        """The state as torchtitan's own checkpointer hands it to ``torch.distributed.checkpoint``: the
+        reference run's route, independent of ckptkit."""
+        return {"model": ModelWrapper([self.model]), "optimizer": self.optimizers,
+                "lr_scheduler": self.lr_schedulers, "train_state": self.train_state}
+
     def close(self) -> None:
         self.checkpointer.close()
 
@@ -234,14 +256,20 @@ def _config(folder: str, **kw: Any) -> CkptkitCheckpointManager.Config:
     return CkptkitCheckpointManager.Config(enable=True, folder=folder, **{**options, **kw})
 
 
-def train(layout: str, folder: str, *, resume_step: int, **kw: Any) -> dict[str, Any]:
+def train(layout: str, folder: str, *, resume_step: int, reference: str | None = None, **kw: Any) -> dict[str, Any]:
     """The uninterrupted run (STEPS steps) that also checkpoints every 2 steps: per-step losses and samples,
     and the state at ``resume_step`` and at the end."""
-    job = Job(layout, _config(folder, **kw))
+    return train_job(Job(layout, _config(folder, **kw)), resume_step=resume_step, reference=reference)
+
+
+def train_job(job: Job, *, resume_step: int, reference: str | None) -> dict[str, Any]:
+    """Run ``job`` to ``resume_step``, record its state (and, given ``reference``, save it there with
+    torch's own DCP), then on to STEPS."""
     assert job.checkpointer.load(step=-1) is False  # fresh start
     out = job.run(resume_step)
-    saved = {"eval": job.eval_loss(), "digests": job.digests(), "train_state": job.train_state.state_dict(),
-             "last_epoch": job.lr_schedulers.state_dict()["last_epoch"]}
+    saved = job.state_record()
+    if reference is not None:
+        dcp.save(job.dcp_state(), checkpoint_id=reference)
     rest = job.run(STEPS)
     final = {k: v for k, v in job.digests().items() if k.startswith("model/")}
     job.close()
@@ -250,16 +278,53 @@ def train(layout: str, folder: str, *, resume_step: int, **kw: Any) -> dict[str,
             "saved": saved, "final_model": final, "committed": committed}
 
 
-def resume(layout: str, folder: str, *, load_step: int, **kw: Any) -> dict[str, Any]:
+def resume(layout: str, folder: str, *, load_step: int, reference: str | None = None, control: str | None = None,
+           **kw: Any) -> dict[str, Any]:
     """Load ``load_step`` at ``layout`` (load_only: this run never saves), then train to STEPS."""
-    job = Job(layout, _config(folder, load_step=load_step, load_only=True, **kw), seed=123)
+    return resume_job(lambda config, seed: Job(layout, config, seed=seed), folder, load_step=load_step,
+                      reference=reference, control=control, **kw)
+
+
+CONTROLS = ("perturb", "fresh_optimizer")
+"""Resumes that lose state on purpose, to show the reference comparison sees it: the final norm's weight
+scaled by 1.001 after the load, or the optimizer's state not loaded."""
+
+
+def resume_job(make: Any, folder: str, *, load_step: int, reference: str | None, control: str | None,
+               **kw: Any) -> dict[str, Any]:
+    """``make(config, seed)`` builds the job. Load ``load_step`` through ckptkit, train to STEPS; given
+    ``reference`` (torch's own DCP save of the same step), also run the reference: a job at this same
+    layout that loads the step through ``dcp.load`` and trains on the very batches this run took. The
+    two runs do the same arithmetic, so the test can demand equal bits on any machine."""
+    assert control in (None, *CONTROLS), control
+    if control == "fresh_optimizer":
+        kw = {**kw, "exclude_from_loading": [*kw.get("exclude_from_loading", []), "optimizer"]}
+    job = make(_config(folder, load_step=load_step, load_only=True, **kw), 123)
     assert job.checkpointer.load(step=load_step) is True
-    loaded = {"eval": job.eval_loss(), "digests": job.digests(), "train_state": job.train_state.state_dict(),
-              "last_epoch": job.lr_schedulers.state_dict()["last_epoch"]}
+    if control == "perturb":
+        with torch.no_grad():
+            weight = dict(job.model.named_parameters())["norm.weight"]
+            (weight.to_local() if hasattr(weight, "to_local") else weight).mul_(1.001)
+    loaded = job.state_record()
     report = job.checkpointer.last_remap
     out = job.run(STEPS)
     job.close()
-    return {**out, "loaded": loaded, "remap": None if report is None else report.__dict__}
+    result = {**out, "loaded": loaded, "remap": None if report is None else report.__dict__}
+    if reference is not None:
+        result["reference"] = reference_run(make, reference, job.consumed)
+    return result
+
+
+def reference_run(make: Any, reference: str, batches: list[Any]) -> dict[str, Any]:
+    """A job whose checkpointer is off, loaded from ``reference`` by ``dcp.load`` (torch's resharding),
+    trained on ``batches``: its held-out loss and digests after the load, and its losses."""
+    job = make(CkptkitCheckpointManager.Config(enable=False), 321)
+    dcp.load(job.dcp_state(), checkpoint_id=reference)
+    loaded = job.state_record()
+    job.replay = list(batches)
+    out = job.run(STEPS)
+    assert not job.replay
+    return {**loaded, "losses": out["losses"]}
 
 
 def load_model(layout: str, folder: str, **kw: Any) -> dict[str, Any]:

@@ -149,28 +149,19 @@ def placements(family: str, layout: str) -> dict[str, Any]:
     return out
 
 
-def train(family: str, layout: str, folder: str, *, resume_step: int, **kw: Any) -> dict[str, Any]:
-    """The uninterrupted run, checkpointing every 2 steps (tests/torchtitan_job.train with an MoE job)."""
-    job = MoEJob(family, layout, dense._config(folder, **kw))
-    assert job.checkpointer.load(step=-1) is False
-    out = job.run(resume_step)
-    saved = {"eval": job.eval_loss(), "digests": job.digests(), "train_state": job.train_state.state_dict(),
-             "last_epoch": job.lr_schedulers.state_dict()["last_epoch"]}
-    rest = job.run(STEPS)
-    job.close()
-    return {"losses": {**out["losses"], **rest["losses"]}, "samples": {**out["samples"], **rest["samples"]},
-            "saved": saved}
+def train(family: str, layout: str, folder: str, *, resume_step: int, reference: str | None = None,
+          **kw: Any) -> dict[str, Any]:
+    """The uninterrupted run, checkpointing every 2 steps (tests/torchtitan_job.train_job with an MoE job)."""
+    return dense.train_job(MoEJob(family, layout, dense._config(folder, **kw)), resume_step=resume_step,
+                           reference=reference)
 
 
-def resume(family: str, layout: str, folder: str, *, load_step: int, **kw: Any) -> dict[str, Any]:
-    """Load ``load_step`` at ``layout`` (load_only), then train to STEPS."""
-    job = MoEJob(family, layout, dense._config(folder, load_step=load_step, load_only=True, **kw), seed=123)
-    assert job.checkpointer.load(step=load_step) is True
-    loaded = {"eval": job.eval_loss(), "digests": job.digests(), "train_state": job.train_state.state_dict(),
-              "last_epoch": job.lr_schedulers.state_dict()["last_epoch"]}
-    out = job.run(STEPS)
-    job.close()
-    return {**out, "loaded": loaded}
+def resume(family: str, layout: str, folder: str, *, load_step: int, reference: str | None = None,
+           control: str | None = None, **kw: Any) -> dict[str, Any]:
+    """Load ``load_step`` at ``layout`` (load_only), then train to STEPS; with ``reference``, also the
+    reference run at this layout (tests/torchtitan_job.resume_job)."""
+    return dense.resume_job(lambda config, seed: MoEJob(family, layout, config, seed=seed), folder,
+                            load_step=load_step, reference=reference, control=control, **kw)
 
 
 def parallel_config(layout: str) -> Any:

@@ -27,7 +27,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# One thread per rank, set before torch is imported: the ranks of a world share this machine's cores,
+# and a thread count that followed the machine would change how CPU kernels split their sums.
+_THREADS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+
+
 def _worker(rank: int, world: int, port: int, conn: Any, env: dict[str, str]) -> None:
+    os.environ.update(_THREADS)
     os.environ.update(env)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
@@ -35,6 +41,7 @@ def _worker(rank: int, world: int, port: int, conn: Any, env: dict[str, str]) ->
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    torch.set_num_interop_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
     conn.send(("ready", None))
     while True:
