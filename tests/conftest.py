@@ -21,20 +21,32 @@ def trials(default: int, slow: int) -> int:
     return slow if SLOW["on"] else default
 
 
+_SESSION: dict[str, Worlds] = {}
+
+
 @pytest.fixture(scope="session")
 def worlds():
     w = Worlds()
+    _SESSION["worlds"] = w
     yield w
+    _SESSION.pop("worlds", None)
     w.close()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def retire_heavy_worlds():
+    """After every module, worlds whose ranks imported a framework are closed (tests/worlds.py
+    ``retire_heavy``): no module leaves idle Megatron/DeepSpeed/torchtitan ranks behind, and the
+    Megatron CPU shims (a TorchFunctionMode that slows every torch call) never reach a later module."""
+    yield
+    if "worlds" in _SESSION:
+        _SESSION["worlds"].retire_heavy()
 
 
 @pytest.fixture(scope="module")
 def retire_megatron_world(worlds):
-    """For Megatron modules: the CPU shims (tests/megatron_cpu_shims.py) stay installed in the world's
-    processes, including a TorchFunctionMode that slows every torch call, so after the module the
-    4-rank world is closed and no later module shares it."""
+    """Kept for the Megatron modules' marks: every module now retires its heavy worlds (above)."""
     yield
-    worlds.retire(4)
 
 
 @pytest.fixture(scope="session")

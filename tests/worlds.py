@@ -56,6 +56,16 @@ def _worker(rank: int, world: int, port: int, conn: Any, env: dict[str, str]) ->
     dist.destroy_process_group()
 
 
+HEAVY = ("megatron", "deepspeed", "torchtitan", "transformers")
+"""Frameworks whose import makes a rank heavy (hundreds of MB, patched by test shims)."""
+
+
+def imported_frameworks() -> list[str]:
+    import sys
+
+    return [name for name in HEAVY if name in sys.modules]
+
+
 class WorldError(AssertionError):
     pass
 
@@ -148,6 +158,22 @@ class Worlds:
         w = self._worlds.pop(size, None)
         if w is not None:
             w.close()
+
+    def retire_heavy(self) -> list[int]:
+        """Close every world whose ranks imported a framework (Megatron, DeepSpeed, torchtitan,
+        transformers): such ranks hold hundreds of MB each and may carry a module's CPU shims, so they
+        never outlive the test module that loaded them. Bare torch worlds stay for the next module.
+        Returns the sizes closed."""
+        closed = []
+        for size, world in list(self._worlds.items()):
+            try:
+                heavy = world.broken or any(world.run(imported_frameworks, timeout=30))
+            except WorldError:
+                heavy = True
+            if heavy:
+                self.retire(size)
+                closed.append(size)
+        return closed
 
     def close(self) -> None:
         for w in self._worlds.values():
