@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from ckptkit.manager import CheckpointManager, SavePolicy
     from ckptkit.run_folder import StepNaming
     from ckptkit.resilience.controller import ResilienceController, TrainingStopped
+    from ckptkit.resilience.incidents import IncidentLogOptions
     from ckptkit.resilience.lr import ScaledLR
     from ckptkit.engine.loader import LoadResult
     from ckptkit.engine.saver import SaveResult
@@ -73,6 +74,7 @@ _LAZY = {
     "SavePolicy": "ckptkit.manager",
     "StepNaming": "ckptkit.run_folder",
     "ResilienceController": "ckptkit.resilience.controller",
+    "IncidentLogOptions": "ckptkit.resilience.incidents",
     "TrainingStopped": "ckptkit.resilience.controller",
     "ScaledLR": "ckptkit.resilience.lr",
     "SaveResult": "ckptkit.engine.saver",
@@ -113,7 +115,7 @@ __all__ = [
     "UnsupportedVersionError", "UnsafePathError", "CorruptCheckpointError", "StateMismatchError",
     "MissingKeysError", "UnexpectedKeysError", "DTypeMismatchError", "ShapeMismatchError",
     "CoverageError", "LayoutError", "StorageError", "SaveError", "PeerFailureError", "CheckpointManager",
-    "ResilienceController", "TrainingStopped", "ScaledLR", "SpikePolicy", "CheckpointView",
+    "ResilienceController", "IncidentLogOptions", "TrainingStopped", "ScaledLR", "SpikePolicy", "CheckpointView",
     "SavePolicy", "RetentionPolicy", "BestK", "StepNaming",
     "list_checkpoints", "describe", "verify", "diff", "reshard", "plan_reshard", "ReshardOptions",
     "__version__",

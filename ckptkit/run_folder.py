@@ -154,8 +154,12 @@ class RunFolder:
         return removed
 
     def gc(self, keep: frozenset[str] = frozenset()) -> list[str]:
-        """Remove step folders known to hold no manifest (checked again right before), except
-        ``keep`` (a save in flight); damaged and unreadable ones are left for a human."""
+        """Remove step folders known to hold no manifest, except ``keep`` (a save in flight);
+        damaged and unreadable ones are left for a human.
+
+        Never deletes a manifest: :func:`remove_uncommitted` leaves ``manifest.json`` out of what
+        it deletes and checks for one again after listing the folder, so a checkpoint committed
+        while gc runs stays whole."""
         removed: list[str] = []
         for rec in self.records():
             if rec.status != "uncommitted" or rec.name in keep:
@@ -165,7 +169,7 @@ class RunFolder:
                 removed.append(rec.name)
                 log.info("gc: removed uncommitted %s", rec.name)
             except CkptkitError as exc:
-                log.warning("gc: left %s in place: %s", rec.name, exc)
+                log.warning("gc: %s: %s", rec.name, exc)
         return removed
 
     # ------------------------------------------------------------ leases

@@ -4,8 +4,8 @@ It listens on 127.0.0.1 (a free port) in front of the moto server and forwards
 requests one by one over kept-alive client connections. For requests that
 match the current :class:`Faults` policy it can:
 
-* answer ``500 InternalError`` / ``503 SlowDown`` itself (an S3 XML error body,
-  ``Connection: close``) instead of forwarding;
+* answer ``500 InternalError`` / ``503 SlowDown`` / ``409 ConditionalRequestConflict`` itself
+  (an S3 XML error body, ``Connection: close``) instead of forwarding;
 * drop the connection *before* forwarding (the server never sees the request);
 * drop the connection *after* forwarding (the server did the work, the client
   never hears back: the dangerous case for non-idempotent requests);
@@ -50,7 +50,10 @@ from urllib.parse import urlsplit
 _BODY_FAULTS = ("truncate", "reset", "short")
 _HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "expect", "proxy-connection", "te", "upgrade"}
 _ERRORS = {500: ("Internal Server Error", "InternalError", "We encountered an internal error. Please try again."),
-           503: ("Slow Down", "SlowDown", "Please reduce your request rate.")}
+           503: ("Slow Down", "SlowDown", "Please reduce your request rate."),
+           # what S3 answers a conditional write racing another conditional write to the same key
+           409: ("Conflict", "ConditionalRequestConflict",
+                 "A conflicting operation occurred. If using PutObject, you can retry the request.")}
 
 
 @dataclass(frozen=True)

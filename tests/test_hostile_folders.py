@@ -4,6 +4,11 @@ One test per class of hostile input (docs/trust.md gives the policy for each), e
 through every reader — ``load``, ``open(...)[key][...]``, ``verify``, ``describe`` (``inspect``),
 ``list_checkpoints`` (``ls``) — and through the CLI, which must answer with exit code 1 or 2 and
 one error line, never a traceback. ``test_hostile_counts`` prints the tally the issue note quotes.
+
+The readers of a case run in a fresh child process (tests/peak_memory.py) whose peak resident set
+and address space the kernel reports: tracemalloc, used before, never saw torch's allocator, so a
+reader that allocated a tensor from a hostile size passed. ``test_the_memory_bound_sees_torch``
+shows the bound trips on a deliberate ``torch.empty`` of 1 GiB.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import os
 import socket
 import tempfile
 import time
-import tracemalloc
+import tracemalloc  # only to show what it cannot see (test_the_memory_bound_sees_torch)
 from collections import Counter
 from pathlib import Path
 from typing import Any, Callable
@@ -23,11 +28,13 @@ import torch
 from click.testing import CliRunner
 
 import ckptkit
-from ckptkit.cli.main import cli
+from ckptkit.cli.main import cli as cli_main
 from tests.ckpt_files import data_object, edit_index, edit_manifest, index_file, manifest_doc, write_manifest_doc
+from tests.peak_memory import section, zygote
 
 pytestmark = pytest.mark.timeout(120)
 TALLY: Counter[str] = Counter()
+PEAKS: Counter[str] = Counter()  # the largest peak RSS of one reader, and address space of one case, in bytes
 
 
 def make_state(blank: bool = False) -> dict:
@@ -35,6 +42,11 @@ def make_state(blank: bool = False) -> dict:
     w = torch.randn(16, 8, generator=g)
     return {"model": {"w": torch.zeros_like(w) if blank else w}, "train": {"step": 0 if blank else 9},
             "rng": torch.Generator().manual_seed(1)}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _warm_zygote():
+    zygote()  # started now, its imports overlap the first fixtures
 
 
 @pytest.fixture
@@ -72,34 +84,67 @@ READERS: dict[str, Reader] = {
 }
 
 
+def _allocate_then_refuse(p: Path, nbytes: int, touch: bool) -> Any:
+    t = torch.empty(nbytes, dtype=torch.uint8)  # through torch's allocator: invisible to tracemalloc
+    if touch:
+        t.fill_(1)
+    raise ckptkit.CorruptCheckpointError(f"{p}: control case (allocated {nbytes >> 20} MiB first)")
+
+
+#: Deliberate over-allocations: the memory bound must trip on them (they never count in the tally).
+CONTROLS: dict[str, Reader] = {
+    "empty-1GiB": lambda p: _allocate_then_refuse(p, 1 << 30, touch=False),
+    "filled-300MiB": lambda p: _allocate_then_refuse(p, 300 << 20, touch=True),
+}
+
+
+def run_readers(path: str, names: list[str]) -> list[dict]:
+    """In the child process: each reader on ``path`` — its outcome, seconds and peak RSS."""
+    out = []
+    for name in names:
+        with section(name) as entry:
+            try:
+                {**READERS, **CONTROLS}[name](Path(path))
+                entry["outcome"] = "ok"
+            except ckptkit.CkptkitError:
+                entry["outcome"] = "error"
+            except Exception as exc:  # noqa: BLE001 - what the test is here to find
+                entry["outcome"] = f"crash: {type(exc).__name__}: {exc}"[:500]
+        out.append(entry)
+    return out
+
+
 def refused_by_every_reader(path: Path, case: str, allow: frozenset[str] = frozenset({"ls"}),
-                            limit_s: float = 10.0, memory: int = 256 << 20) -> None:
+                            limit_s: float = 10.0, memory: int = 256 << 20,
+                            readers: tuple[str, ...] = tuple(READERS), cli: bool = True) -> None:
     """Every reader raises a CkptkitError (``allow``: readers for which a clean answer is also
-    right, e.g. ``ls`` listing a damaged checkpoint as not committed), in bounded time and memory;
-    the CLI exits 1 or 2 with no traceback."""
-    for name, reader in READERS.items():
-        tracemalloc.start()
-        t0 = time.monotonic()
-        try:
-            reader(path)
-            outcome = "ok"
-        except ckptkit.CkptkitError:
-            outcome = "error"
-        except Exception as exc:  # noqa: BLE001 - what the test is here to find
-            outcome = f"crash: {type(exc).__name__}: {exc}"
-        finally:
-            _, peak = tracemalloc.get_traced_memory()
-            tracemalloc.stop()
-        elapsed = time.monotonic() - t0
-        TALLY["tried"] += 1
-        TALLY["clear errors" if outcome == "error" else "crashes" if outcome.startswith("crash") else "answered"] += 1
-        TALLY["hangs"] += elapsed > limit_s
+    right, e.g. ``ls`` listing a damaged checkpoint as not committed), in bounded time and memory
+    (peak RSS of each reader, peak address space of all, in a fresh process); the CLI exits 1 or 2
+    with no traceback."""
+    control = not set(readers) <= set(READERS)
+    measured = zygote().run(run_readers, str(path), list(readers), timeout=limit_s * len(readers) + 30)
+    if not control:
+        TALLY["hangs"] += measured.hung
+    assert not measured.hung, f"{case}: the readers did not finish within {limit_s * len(readers) + 30:.0f}s"
+    if not control:
+        PEAKS["vm"] = max(PEAKS["vm"], measured.vm)
+    for entry in measured.result:
+        name, outcome, elapsed, rss = entry["name"], entry["outcome"], entry["seconds"], entry["rss"]
+        if not control:
+            PEAKS["rss"] = max(PEAKS["rss"], rss)
+            TALLY["tried"] += 1
+            TALLY["clear errors" if outcome == "error" else "crashes" if outcome.startswith("crash") else "answered"] += 1
+            TALLY["hangs"] += elapsed > limit_s
         assert not outcome.startswith("crash"), f"{case}: {name}: {outcome}"
         assert outcome == "error" or name in allow, f"{case}: {name} accepted a damaged checkpoint"
         assert elapsed < limit_s, f"{case}: {name} took {elapsed:.1f}s"
-        assert peak < memory, f"{case}: {name} allocated {peak >> 20} MiB"
+        assert rss < memory, f"{case}: {name} used {rss >> 20} MiB of memory (peak RSS; bound {memory >> 20} MiB)"
+    assert measured.vm < memory, (f"{case}: the readers reserved {measured.vm >> 20} MiB of address space "
+                                  f"(bound {memory >> 20} MiB)")
+    if not cli:
+        return
     for args in (["inspect", str(path)], ["verify", str(path)], ["ls", str(path.parent)], ["inspect", str(path), "--json"]):
-        result = CliRunner().invoke(cli, args)
+        result = CliRunner().invoke(cli_main, args)
         TALLY["cli runs"] += 1
         text = result.output + (result.stderr if result.stderr_bytes is not None else "")
         assert "Traceback" not in text and (result.exception is None or isinstance(result.exception, SystemExit)), \
@@ -107,6 +152,22 @@ def refused_by_every_reader(path: Path, case: str, allow: frozenset[str] = froze
         assert result.exit_code in (0, 1, 2), f"{case}: exit code {result.exit_code}"
         if {"inspect": "describe"}.get(args[0], args[0]) not in allow:
             assert result.exit_code in (1, 2), f"{case}: ckptkit {args[0]} accepted it"
+
+
+@pytest.mark.parametrize("control", sorted(CONTROLS))
+def test_the_memory_bound_sees_torch(ckpt, control):
+    """The measurement catches what tracemalloc could not: a 1 GiB ``torch.empty`` (address space,
+    never touched) and 300 MiB filled (resident) trip the bound every case above runs under."""
+    with pytest.raises(AssertionError, match=r"MiB of (memory|address space)"):
+        refused_by_every_reader(ckpt, f"control {control}", readers=(control,), cli=False)
+    tracemalloc.start()
+    try:
+        t = torch.empty(1 << 30, dtype=torch.uint8)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    del t
+    assert peak < 1 << 20  # what the old measurement saw of the same allocation
 
 
 # ---------------------------------------------------------------- numbers
@@ -174,7 +235,7 @@ def test_huge_numbers_in_user_values_and_metrics_are_values(ckpt):
     infos = ckptkit.list_checkpoints(str(ckpt.parent))
     assert infos[0].metrics["loss"] == 10**400
     for args in (["ls", str(ckpt.parent)], ["ls", str(ckpt.parent), "--json"], ["inspect", str(ckpt)]):
-        result = CliRunner().invoke(cli, args)
+        result = CliRunner().invoke(cli_main, args)
         assert result.exit_code == 0, result.output
     state = make_state()
     state["train"]["big"] = 10**400
@@ -247,18 +308,18 @@ def test_duplicate_json_keys(ckpt, where):
 
 def test_a_mesh_of_2_to_the_40_ranks_is_refused_before_it_is_built(ckpt):
     edit_manifest(ckpt, lambda d: d["meshes"]["m0"].update(shape=[2**40], ranks={"start": 0, "step": 1}))
-    refused_by_every_reader(ckpt, "2**40 mesh", limit_s=2.0, memory=16 << 20)
+    refused_by_every_reader(ckpt, "2**40 mesh", limit_s=2.0, memory=64 << 20)
 
 
 def test_a_world_of_a_million_ranks_with_one_index_is_refused(ckpt):
     edit_manifest(ckpt, lambda d: d.update(world_size=1 << 20))
-    refused_by_every_reader(ckpt, "claimed world", limit_s=2.0, memory=16 << 20)
+    refused_by_every_reader(ckpt, "claimed world", limit_s=2.0, memory=64 << 20)
 
 
 def test_a_tensor_of_2_to_the_80_elements_is_refused_without_allocating(ckpt):
     edit_manifest(ckpt, lambda d: d["tensors"]["model/w"].update(shape=[2**40, 2**40]))
     # describe reports what the manifest says (a 2**80-element tensor); the readers of data refuse it
-    refused_by_every_reader(ckpt, "huge tensor", allow=frozenset({"ls", "describe"}), memory=16 << 20)
+    refused_by_every_reader(ckpt, "huge tensor", allow=frozenset({"ls", "describe"}), memory=64 << 20)
 
 
 @pytest.mark.parametrize("name", ["manifest", "index"])
@@ -266,7 +327,7 @@ def test_oversized_metadata_files_are_refused_unread(ckpt, name):
     path = ckpt / "manifest.json" if name == "manifest" else index_file(ckpt)
     with open(path, "r+b") as f:
         f.truncate(600 << 20)  # a sparse 600 MB file
-    refused_by_every_reader(ckpt, f"600 MB {name}", limit_s=3.0, memory=16 << 20)
+    refused_by_every_reader(ckpt, f"600 MB {name}", limit_s=3.0, memory=64 << 20)
 
 
 # ---------------------------------------------------------------- files that are not files
@@ -332,7 +393,7 @@ def test_zarr_array_paths_leaving_the_group(tmp_path):
     meta.write_text(json.dumps(doc))
     with pytest.raises(ckptkit.UnsafePathError, match="not a plain relative path inside the group"):
         import_zarr(tmp_path / "z", tmp_path / "back")
-    result = CliRunner().invoke(cli, ["convert", str(tmp_path / "z"), str(tmp_path / "back2"), "--format", "ckptkit"])
+    result = CliRunner().invoke(cli_main, ["convert", str(tmp_path / "z"), str(tmp_path / "back2"), "--format", "ckptkit"])
     assert result.exit_code == 2 and "Traceback" not in result.output
 
 
@@ -345,10 +406,10 @@ def test_inspect_of_a_manifest_with_many_tensors_finishes(tmp_path):
         doc["tensors"][f"layers.{i}.w"] = doc["tensors"]["w"]
     write_manifest_doc(path, doc)
     t0 = time.monotonic()
-    result = CliRunner().invoke(cli, ["inspect", str(path)])
+    result = CliRunner().invoke(cli_main, ["inspect", str(path)])
     assert result.exit_code == 0 and "... 49501 more" in result.output
     assert time.monotonic() - t0 < 30
-    result = CliRunner().invoke(cli, ["inspect", str(path), "--json"])
+    result = CliRunner().invoke(cli_main, ["inspect", str(path), "--json"])
     assert len(json.loads(result.output)["tensors"]) == 50_001
 
 
@@ -356,5 +417,6 @@ def test_hostile_counts():
     """Runs last in this module: the tally of every hostile case above."""
     print(f"\nhostile cases: {TALLY['tried']} reader runs, {TALLY['clear errors']} clear errors, "
           f"{TALLY['answered']} clean answers (ls or inspect reporting what damaged metadata says), {TALLY['crashes']} crashes, "
-          f"{TALLY['hangs']} hangs; {TALLY['cli runs']} CLI runs without a traceback")
+          f"{TALLY['hangs']} hangs; {TALLY['cli runs']} CLI runs without a traceback; largest peak RSS of a reader "
+          f"{PEAKS['rss'] >> 20} MiB, largest address-space growth of a case {PEAKS['vm'] >> 20} MiB")
     assert TALLY["crashes"] == 0 and TALLY["hangs"] == 0

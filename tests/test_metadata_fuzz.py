@@ -10,33 +10,39 @@ then every reader runs on it: ``load``, a lazy view of every tensor and value, `
   every change, so a load either fails with a ckptkit error or returns exactly what was saved;
 * *resealed*: the digests recomputed after the mutation, as a hostile writer would — the parser
   itself is reached, and must answer with a ckptkit error (or load what the edit says), never a
-  crash, a hang or unbounded memory. Time and Python memory per example are bounded.
+  crash, a hang or unbounded memory. Time and memory per example are bounded.
+
+The readers of each example run in a fresh child process (tests/peak_memory.py): its peak resident
+set and peak address space are what is bounded, so torch's allocator counts (tracemalloc, used
+before, saw only Python's; ``test_the_memory_bound_sees_torch`` shows a 1 GiB ``torch.empty`` trips
+the bound).
 """
 
 from __future__ import annotations
 
 import json
 import shutil
-import time
-import tracemalloc
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ckptkit
 from ckptkit.layout.manifest import seal, sha256_hex, unseal
 from tests.conftest import trials
+from tests.peak_memory import zygote
 from tests.test_bitflips import WORLD, expected, identical, load_whole, save_rank
 
 TIME_LIMIT = 20.0  # seconds per example, for all readers together
-MEMORY_LIMIT = 512 << 20  # peak Python allocations per example
+MEMORY_LIMIT = 512 << 20  # peak RSS, and peak address space, of the process running the readers
 
 
 @pytest.fixture(scope="module")
 def pristine(worlds, tmp_path_factory) -> Path:
+    zygote()  # started now, its imports overlap the world's save
     ckpt = tmp_path_factory.mktemp("fuzz") / "run" / "step-0001234"
     worlds.run(WORLD, save_rank, str(ckpt))
     return ckpt
@@ -133,6 +139,25 @@ def run_every_reader(ckpt: Path) -> dict | Exception:
     return got
 
 
+def check_readers(ckpt: str, reseal: bool) -> str:
+    """In the child process: every reader on ``ckpt``; a raw edit must load identically or fail."""
+    got = run_every_reader(Path(ckpt))
+    if not reseal and not isinstance(got, Exception):
+        want = expected()
+        per_rank = {0: {"loader": {"pos": 77}}, 1: {"loader": {"pos": 78}}}
+        assert identical(got, want, per_rank), "the edit changed what a load returns without an error"
+    return "error" if isinstance(got, Exception) else "loaded"
+
+
+PEAKS = {"examples": 0, "rss": 0, "vm": 0}  # the largest peaks of one example's readers, in bytes
+
+
+def check_bounds(measured, what: Any) -> None:
+    assert not measured.hung and measured.seconds < TIME_LIMIT, f"readers took {measured.seconds:.1f}s on {what}"
+    assert measured.rss < MEMORY_LIMIT, f"readers used {measured.rss >> 20} MiB of memory (peak RSS) on {what}"
+    assert measured.vm < MEMORY_LIMIT, f"readers reserved {measured.vm >> 20} MiB of address space on {what}"
+
+
 def fuzz(pristine: Path, tmp_path_factory, mutation: tuple, reseal: bool) -> None:
     ckpt = tmp_path_factory.mktemp("case") / "run" / pristine.name
     shutil.copytree(pristine, ckpt)
@@ -140,20 +165,24 @@ def fuzz(pristine: Path, tmp_path_factory, mutation: tuple, reseal: bool) -> Non
     docs = {"manifest.json": json.loads(unseal(raw["manifest.json"], "x")[0])}
     docs.update({k: json.loads(v) for k, v in raw.items() if k != "manifest.json"})
     apply(ckpt, docs, raw, mutation, reseal)
-    tracemalloc.start()
-    t0 = time.monotonic()
-    try:
-        got = run_every_reader(ckpt)
-    finally:
-        _, peak = tracemalloc.get_traced_memory()
-        tracemalloc.stop()
-    elapsed = time.monotonic() - t0
-    assert elapsed < TIME_LIMIT, f"readers took {elapsed:.1f}s on {mutation[:2]}"
-    assert peak < MEMORY_LIMIT, f"readers allocated {peak >> 20} MiB on {mutation[:2]}"
-    if not reseal and not isinstance(got, Exception):
-        want = expected()
-        per_rank = {0: {"loader": {"pos": 77}}, 1: {"loader": {"pos": 78}}}
-        assert identical(got, want, per_rank), f"{mutation[:2]} changed what a load returns without an error"
+    measured = zygote().run(check_readers, str(ckpt), reseal, timeout=TIME_LIMIT + 10)
+    PEAKS.update(examples=PEAKS["examples"] + 1, rss=max(PEAKS["rss"], measured.rss), vm=max(PEAKS["vm"], measured.vm))
+    check_bounds(measured, mutation[:2])
+
+
+def allocate_then_read(ckpt: str, nbytes: int) -> str:
+    """The control: a reader run that first allocates ``nbytes`` with torch, never touching them."""
+    held = torch.empty(nbytes, dtype=torch.uint8)
+    out = check_readers(ckpt, False)
+    del held
+    return out
+
+
+def test_the_memory_bound_sees_torch(pristine):
+    """The bound every example runs under trips on a 1 GiB ``torch.empty`` beside the readers."""
+    check_bounds(zygote().run(allocate_then_read, str(pristine), 0), "the pristine checkpoint")
+    with pytest.raises(AssertionError, match="MiB of address space"):
+        check_bounds(zygote().run(allocate_then_read, str(pristine), 1 << 30), "a control")
 
 
 def _docs_of(pristine: Path) -> dict[str, Any]:
@@ -178,3 +207,9 @@ def test_mutated_metadata_is_refused_or_harmless(pristine, tmp_path_factory, res
         fuzz(pristine, tmp_path_factory, mutation, reseal)
 
     one()
+
+
+def test_fuzz_figures():
+    """Runs last in this module: the peaks the bounds were checked against."""
+    print(f"\nmetadata fuzz: {PEAKS['examples']} examples in a fresh process each; largest peak RSS "
+          f"{PEAKS['rss'] >> 20} MiB, largest address-space growth {PEAKS['vm'] >> 20} MiB (bound {MEMORY_LIMIT >> 20} MiB)")

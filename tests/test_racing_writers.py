@@ -10,8 +10,10 @@ loser's objects overwrote the winner's and the committed checkpoint failed its d
 from __future__ import annotations
 
 import random
+import re
 import threading
 import time
+import traceback
 
 import pytest
 import torch
@@ -37,35 +39,48 @@ def blank(numel: int) -> dict:
     return {"model": {"w": torch.zeros(numel), "b": torch.zeros(33, dtype=torch.bfloat16)}, "train": {"seed": -1, "lr": 0.0}}
 
 
-def race(url: str, seeds: list[int], delays: list[float], numel: int, storage_options: dict | None) -> dict[int, str]:
-    """Start one save per seed after its delay; return seed -> "committed" or the error text."""
+def race(url: str, seeds: list[int], delays: list[float], numel: int, storage_options: dict | None,
+         make_state=state_of) -> dict[int, str]:
+    """Start one save per seed after its delay; return seed -> "committed" or the SaveError's text.
+
+    Every writer must finish, and with one of those two outcomes: a writer that raised anything
+    else, or did not finish, fails the race (it used to vanish from the outcome unnoticed)."""
     outcome: dict[int, str] = {}
+    unexpected: dict[int, str] = {}
     go = threading.Barrier(len(seeds))
 
     def run(seed: int, delay: float) -> None:
-        go.wait()
-        time.sleep(delay)
         try:
-            ckptkit.save(state_of(seed, numel), url, storage_options=storage_options)
+            go.wait()
+            time.sleep(delay)
+            ckptkit.save(make_state(seed, numel), url, storage_options=storage_options)
             outcome[seed] = "committed"
         except ckptkit.SaveError as exc:
             outcome[seed] = str(exc)
+        except BaseException:  # noqa: BLE001 - reported below, failing the race
+            unexpected[seed] = traceback.format_exc()
 
     threads = [threading.Thread(target=run, args=(s, d)) for s, d in zip(seeds, delays)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=300)
+    assert not any(t.is_alive() for t in threads), f"a writer did not finish within 300 s: {outcome}"
+    assert not unexpected, "writers failed with something other than SaveError:\n" + "\n".join(
+        f"seed {seed}: {text}" for seed, text in unexpected.items())
+    assert sorted(outcome) == sorted(seeds), f"writers without an outcome: {sorted(set(seeds) - set(outcome))}"
     return outcome
 
 
 def check_trial(url: str, outcome: dict[int, str], numel: int, storage_options: dict | None) -> None:
     winners = [s for s, o in outcome.items() if o == "committed"]
-    assert len(winners) == 1, outcome
+    assert len(winners) == 1, outcome  # every writer is in `outcome` (race() checks): one commit, the rest lost
     (winner,) = winners
+    store = open_store(url, storage_options)
+    attempt = read_manifest(store).attempt
     for seed, text in outcome.items():
         if seed != winner:
-            assert "committed this checkpoint first" in text or "already holds a committed checkpoint" in text, text
+            assert lost(text, attempt), f"writer {seed} lost with an unexplained SaveError: {text}"
     report = ckptkit.verify(url) if storage_options is None else None
     assert report is None or report.ok, report
     target = blank(numel)
@@ -73,10 +88,18 @@ def check_trial(url: str, outcome: dict[int, str], numel: int, storage_options: 
     want = state_of(winner, numel)
     assert torch.equal(target["model"]["w"], want["model"]["w"]) and torch.equal(target["model"]["b"], want["model"]["b"])
     assert target["train"] == want["train"]
-    store = open_store(url, storage_options)
-    attempt = read_manifest(store).attempt
     leftover = [k for k in store.list_keys() if k != MANIFEST_NAME and attempt_of(k) != attempt]
     assert leftover == [], f"objects of other attempts left behind: {leftover}"
+
+
+def lost(text: str, committed: str) -> bool:
+    """Whether a loser's SaveError says why it lost: at the commit, or mid-write because the
+    winner's commit removed the other attempts' objects (its own file being written among them: the
+    error then names an object of the loser's attempt, never one of the committed attempt)."""
+    if "committed this checkpoint first" in text or "already holds a committed checkpoint" in text:
+        return True
+    own = re.findall(r"rank-\d{5}-([0-9a-f]{12})\.(?:json|bin)", text)
+    return bool(own) and committed not in own and "No such file or directory" in text
 
 
 def test_racing_saves_on_local_disk(tmp_path):
@@ -131,3 +154,15 @@ def test_a_crashed_attempts_leftovers_never_reach_the_committed_checkpoint(tmp_p
     ckptkit.load(target, url)
     assert torch.equal(target["model"]["w"], state_of(2, 1000)["model"]["w"])
     assert ckptkit.verify(str(url)).ok
+
+
+def _broken_state(seed: int, numel: int) -> dict:
+    """For odd seeds, a state ckptkit refuses with a LayoutError (not a SaveError)."""
+    return [state_of(seed, numel)] if seed % 2 else state_of(seed, numel)  # type: ignore[return-value]
+
+
+def test_a_writer_failing_with_anything_but_save_error_fails_the_race(tmp_path):
+    """The harness itself: the winner commits, the other writer raises a LayoutError. Before,
+    that writer vanished from the outcome and check_trial passed with one writer."""
+    with pytest.raises(AssertionError, match="other than SaveError"):
+        race(str(tmp_path / "step-0001"), [2, 3], [0.0, 0.0], 1000, None, make_state=_broken_state)

@@ -47,22 +47,38 @@ def foreign_keys(store: ByteStore) -> list[str]:
 def remove_uncommitted(store: ByteStore) -> list[str]:
     """Delete the leftovers of an uncommitted save; refuse if anything else is there.
 
-    Returns the removed keys. Never called on a committed checkpoint.
+    Returns the removed keys. Never deletes a manifest: ``manifest.json`` is never in the delete
+    set, and the manifest is looked for again *after* the listing and before the first deletion,
+    so a save that commits while this runs (between the first check and the listing) keeps its
+    checkpoint. A commit landing after that second check, while the objects are being deleted,
+    cannot be undone here: it is reported (SaveError naming the folder) rather than left silent.
     """
-    if store.exists(MANIFEST_NAME):
-        raise SaveError(f"{store.url} holds a committed checkpoint; refusing to remove it")
-    foreign = foreign_keys(store)
+    _refuse_committed(store)
+    keys = store.list_keys()
+    foreign = [k for k in keys if not _OWN_KEY.match(k)]
     if foreign:
         shown = ", ".join(foreign[:5]) + (" ..." if len(foreign) > 5 else "")
         raise SaveError(
             f"{store.url} is not empty and holds files ckptkit did not write ({shown}); "
             "refusing to save there (is it a run directory rather than a checkpoint path?)"
         )
-    keys = store.list_keys()
-    for key in keys:
+    doomed = [k for k in keys if k != MANIFEST_NAME]
+    _refuse_committed(store)  # again: a manifest committed since the first check is listed with the rest
+    for key in doomed:
         store.delete(key)
     store.prune_empty()  # the now-empty directories; never an object another writer just added
-    return keys
+    if store.exists(MANIFEST_NAME):
+        raise SaveError(
+            f"{store.url}: a save committed here while its folder was being removed as uncommitted; "
+            "its objects may be gone: run `ckptkit verify` on it (a folder another job is still saving "
+            "to must not be cleaned)"
+        )
+    return doomed
+
+
+def _refuse_committed(store: ByteStore) -> None:
+    if store.exists(MANIFEST_NAME):
+        raise SaveError(f"{store.url} holds a committed checkpoint; refusing to remove it")
 
 
 def remove_attempt(store: ByteStore, attempt: str) -> list[str]:

@@ -40,14 +40,18 @@ MAX_LAYOUT_INT = 2**62
 MAX_WORLD = 1 << 20
 
 
-def load_json(data: bytes, where: str) -> dict:
-    """``data`` as a JSON object, or ManifestError naming ``where`` and what is wrong."""
+def load_json(data: bytes, where: str, *, nonfinite: bool = False) -> dict:
+    """``data`` as a JSON object, or ManifestError naming ``where`` and what is wrong.
+
+    ``nonfinite=True`` reads the constants ``NaN``/``Infinity``/``-Infinity`` as floats: only for
+    documents ckptkit itself once wrote with them (incident records before their floats were tagged),
+    which a resume must still read. Numbers that overflow are refused either way."""
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ManifestError(f"{where}: not valid UTF-8 ({exc})") from None
     try:
-        doc = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float,
+        doc = json.loads(text, parse_constant=float if nonfinite else _reject_constant, parse_float=_finite_float,
                          object_pairs_hook=_unique_keys)
     except RecursionError:
         raise ManifestError(f"{where}: JSON nested too deeply") from None

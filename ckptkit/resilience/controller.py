@@ -40,7 +40,7 @@ from typing import Any
 from ckptkit.engine.async_save import SaveHandle
 from ckptkit.errors import OptionsError, TrainingStopped
 from ckptkit.manager import CheckpointManager
-from ckptkit.resilience.incidents import Incident, IncidentLog
+from ckptkit.resilience.incidents import Incident, IncidentLog, IncidentLogOptions
 from ckptkit.resilience.ladder import Decision, Flags, Ladder
 from ckptkit.resilience.planner import young_daly_interval
 from ckptkit.resilience.policy import SpikePolicy
@@ -81,12 +81,15 @@ class ResilienceController:
         watchdog_seconds: float | None = 1800.0,
         mtbf_hours: float | None = None,
         name: str | None = None,
+        incident_log: IncidentLogOptions = IncidentLogOptions(),
     ) -> None:
         if not isinstance(batch_size, int) or batch_size < 1:
             raise OptionsError(f"batch_size must be an integer >= 1 (samples per step, all ranks together), "
                                f"got {batch_size!r}")
         if not isinstance(policy, SpikePolicy):
             raise OptionsError(f"policy must be a SpikePolicy, got {type(policy).__name__}")
+        if not isinstance(incident_log, IncidentLogOptions):
+            raise OptionsError(f"incident_log must be IncidentLogOptions(...), got {incident_log!r}")
         if name is not None and (not isinstance(name, str) or not name.strip()):
             raise OptionsError(f"name must be a non-empty string (the run's name in reports), got {name!r}")
         self.manager = manager
@@ -96,6 +99,7 @@ class ResilienceController:
         self.watchdog_seconds = watchdog_seconds
         self.mtbf_hours = mtbf_hours
         self.name = name  # recorded for `ckptkit report` (default: the checkpoint folder's name)
+        self.incident_log = incident_log  # how resume() reads the log (skip_damaged: go on without a damaged record)
         self.ladder = Ladder(policy)
         self.skips = SkipRanges()
         self.step = 0  # last completed step
@@ -170,11 +174,18 @@ class ResilienceController:
         any rollback decided after the checkpoint was saved (its re-warm, the
         ladder's memory of it, a lowered learning rate). A crash is logged as a
         ``restart`` incident with the steps it lost.
+
+        The incident log is read by one rank and broadcast, so every rank resumes with the same
+        skip ranges and rollback state. A record the store cannot return raises StorageError on
+        every rank; a damaged record raises CorruptCheckpointError naming it, unless the controller
+        was made with ``incident_log=IncidentLogOptions(skip_damaged=True)`` (then a warning names it).
         """
         self.attach(state)
         if self.name is not None:
             self.log.write_name(self.name)
-        incidents = self.log.read()  # every rank reads before the collective restore; rank 0 writes after it
+        # one rank reads, every rank gets the same records or the same error (before the collective
+        # restore; rank 0 writes after it)
+        incidents = self.log.read_agreed(self.manager._comm, self.incident_log)
         previous = self.progress.read() if self.log.writer else None  # only rank 0 reports the restart
         for incident in incidents:
             if incident.kind == "rollback" and incident.data.get("skip"):

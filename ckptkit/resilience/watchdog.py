@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import faulthandler
 import logging
+import math
 import os
 import sys
 import threading
@@ -42,6 +43,8 @@ class Watchdog:
         os._exit(self.exit_code)
 
     def __enter__(self) -> Watchdog:
+        if not math.isfinite(self.timeout):
+            return self  # no limit: no thread (Event.wait(inf) raises OverflowError in the thread)
         self._thread = threading.Thread(target=self._watch, name="ckptkit-watchdog", daemon=True)
         self._thread.start()
         return self

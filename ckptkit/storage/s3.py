@@ -7,7 +7,12 @@
 * The commit is a conditional PUT (``If-None-Match: *``): S3 has no rename,
   and two writers can never both create the manifest. If the answer to a
   conditional PUT is lost and the retry sees 412, the stored object is read
-  back: if it is ours, the commit succeeded.
+  back: if it is ours, the commit succeeded. A ``409 ConditionalRequestConflict``
+  (another conditional write to the key was in progress) decides nothing: if the
+  read-back finds no object yet, the conditional PUT is tried again, with backoff,
+  until one writer's object is visible — bounded by ``commit_attempts`` and
+  ``commit_seconds``, then a StorageError (nothing was created by this writer).
+  Two writers that both met 409 would otherwise both give up, and neither commits.
 * Retries: every HTTP request is retried by botocore's "standard" retry mode
   (5xx, throttling, connection resets and timeouts, with exponential backoff
   and jitter; up to ``MAX_ATTEMPTS`` retries after the first attempt, so a
@@ -33,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable
@@ -47,6 +53,11 @@ MAX_CONCURRENCY = 8
 MAX_ATTEMPTS = 10  # botocore: retries after the first attempt
 SHORT_READ_RETRIES = 3  # retries of a GET whose body broke off, after the first attempt
 SHORT_READ_BACKOFF = 0.05  # seconds before the first such retry; doubled before each next one
+COMMIT_ATTEMPTS = 12  # conditional PUTs of one commit, while each answers 409 and nothing is visible
+COMMIT_SECONDS = 60.0  # and at most this long in all
+COMMIT_BACKOFF = 0.05  # seconds before the first retry after a 409; doubled (with jitter) up to 5 s
+_PRECONDITION = ("PreconditionFailed", "412")
+_CONFLICT = ("ConditionalRequestConflict", "409")
 
 
 class _CutResponse(Exception):
@@ -112,7 +123,8 @@ class S3Store(ByteStore):
     streams_writes = True  # each chunk is copied into the part buffer before the next is taken
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None, *, _fs: Any = None,
-                 part_size: int = PART_SIZE, max_concurrency: int = MAX_CONCURRENCY) -> None:
+                 part_size: int = PART_SIZE, max_concurrency: int = MAX_CONCURRENCY,
+                 commit_attempts: int = COMMIT_ATTEMPTS, commit_seconds: float = COMMIT_SECONDS) -> None:
         import s3fs
 
         path = url.split("://", 1)[1] if "://" in url else url
@@ -121,6 +133,8 @@ class S3Store(ByteStore):
         self.url = f"s3://{self.bucket}/{self.prefix}".rstrip("/")
         self.part_size = part_size
         self.max_concurrency = max_concurrency
+        self.commit_attempts = max(1, int(commit_attempts))
+        self.commit_seconds = float(commit_seconds)
         self.fs = _fs if _fs is not None else _filesystem(s3fs, storage_options)
         self._storage_options = storage_options
 
@@ -146,7 +160,8 @@ class S3Store(ByteStore):
 
     def child(self, name: str) -> S3Store:
         url = f"s3://{self.bucket}/{self._key(name)}"
-        return S3Store(url, _fs=self.fs, part_size=self.part_size, max_concurrency=self.max_concurrency)
+        return S3Store(url, _fs=self.fs, part_size=self.part_size, max_concurrency=self.max_concurrency,
+                       commit_attempts=self.commit_attempts, commit_seconds=self.commit_seconds)
 
     # ----------------------------------------------------------------- writing
     def write_object(self, key: str, chunks: Iterable[memoryview | bytes]) -> int:
@@ -227,17 +242,38 @@ class S3Store(ByteStore):
             raise self._error(exc, f"writing {key}") from exc
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
-        try:
-            self._run(self._call("put_object", Key=self._key(key), Body=bytes(data), IfNoneMatch="*"))
-            return True
-        except Exception as exc:
-            if _code(exc) not in ("PreconditionFailed", "412", "ConditionalRequestConflict", "409"):
-                raise self._error(exc, f"committing {key}") from exc
-        # Someone created it first — or our own first attempt did and its answer was lost.
-        try:
-            return self.read_bytes(key) == bytes(data)
-        except CheckpointNotFoundError:
-            return False
+        """The commit (see the module docstring): True if ``key`` now holds ``data`` because of this
+        call, False if another writer's object is there. 409 answers are retried while no object is
+        visible; StorageError once ``commit_attempts`` or ``commit_seconds`` run out."""
+        body = bytes(data)
+        start = time.monotonic()
+        deadline = start + self.commit_seconds
+        backoff = COMMIT_BACKOFF
+        for attempt in range(1, self.commit_attempts + 1):
+            try:
+                self._run(self._call("put_object", Key=self._key(key), Body=body, IfNoneMatch="*"))
+                return True
+            except Exception as exc:
+                code = _code(exc)
+                if code not in _PRECONDITION + _CONFLICT:
+                    raise self._error(exc, f"committing {key}") from exc
+            # Someone created it first, or our own earlier attempt did and its answer was lost — or,
+            # on 409, a concurrent conditional write was in progress and nothing may exist yet.
+            try:
+                return self.read_bytes(key) == body
+            except CheckpointNotFoundError:
+                if code in _PRECONDITION:
+                    return False  # it existed when S3 answered; it was deleted since (not ours)
+            pause = min(backoff, 5.0) * random.uniform(0.5, 1.0)
+            if attempt == self.commit_attempts or time.monotonic() + pause > deadline:
+                break
+            time.sleep(pause)
+            backoff *= 2
+        raise StorageError(
+            f"committing {key} in {self.url}: every conditional PUT answered 409 ConditionalRequestConflict "
+            f"and no object became visible ({attempt} attempts in {time.monotonic() - start:.1f} s); "
+            "nothing was committed by this writer"
+        )
 
     # ----------------------------------------------------------------- reading
     def read_into(self, key: str, offset: int, out: memoryview) -> None:
