@@ -56,6 +56,7 @@ from ckptkit.errors import (
 )
 from ckptkit.layout.box import Box, Region
 from ckptkit.layout.manifest import DTYPES, pieces_by_writer
+from ckptkit.layout.strict_json import MAX_METADATA_BYTES
 from ckptkit.layout.values import encode_value
 from ckptkit.offline.view import CheckpointView, ViewOptions
 from ckptkit.offline.view import open as open_view
@@ -210,7 +211,7 @@ def read_dcp_metadata(src: ByteStore) -> DcpCheckpoint:
     """The validated metadata of the DCP checkpoint in ``src`` (through the allow-list unpickler)."""
     where = f"{src.url}/{METADATA_NAME}"
     try:
-        data = src.read_bytes(METADATA_NAME)
+        data = src.read_bytes(METADATA_NAME, limit=MAX_METADATA_BYTES)  # parsed whole: bounded like ours
     except CheckpointNotFoundError:
         raise CheckpointNotFoundError(
             f"{src.url} has no {METADATA_NAME}: not a DCP checkpoint, or one whose save did not finish "
@@ -252,12 +253,12 @@ def _decode_items(src: ByteStore, ckpt: DcpCheckpoint, skip: bool) -> tuple[dict
             refused.append((fqn, f"{where}: decodes to a value ckptkit cannot store as JSON ({exc})"))
             continue
         decoded[fqn] = value
-    if refused and not skip:
-        shown = "\n  ".join(reason for _, reason in refused[:5])
-        more = f"\n  (and {len(refused) - 5} more)" if len(refused) > 5 else ""
+    if refused and not skip:  # one line: every reason, the first five in full
+        shown = "; ".join(reason for _, reason in refused[:5])
+        more = f" (and {len(refused) - 5} more)" if len(refused) > 5 else ""
         raise UnsafeCheckpointError(
             f"{src.url}: {len(refused)} non-tensor item(s) do not decode safely: "
-            f"{', '.join(repr(f) for f, _ in refused[:10])}\n  {shown}{more}\n"
+            f"{', '.join(repr(f) for f, _ in refused[:10])}: {shown}{more}. "
             "Nothing was written. Pass skip_unsafe_items=True (CLI: --skip-unsafe-items) to import without them.")
     return decoded, tuple(f for f, _ in refused)
 

@@ -19,8 +19,8 @@ tested with 2.13; torchtitan's ``step-N`` folders) is a directory holding:
 :func:`parse_metadata` turns the unpickled metadata (see
 :mod:`converters.safe_unpickle`) into plain frozen dataclasses, checking every
 field it uses (types, dtypes, chunk boxes inside the tensor, safe relative
-paths, no stream transforms). :func:`load_blob` decodes a blob with
-``torch.load(weights_only=True)`` only. :func:`build_metadata` is the export
+paths, no stream transforms). :func:`load_blob` decodes a blob admitting only what
+``torch.load(weights_only=True)`` admits by default. :func:`build_metadata` is the export
 side. Key mapping (both directions) is in :mod:`converters.dcp_keys`.
 """
 
@@ -37,10 +37,10 @@ from typing import Any
 import torch
 
 from ckptkit.engine.state import dtype_name, torch_dtype
-from ckptkit.errors import CorruptCheckpointError, ManifestError
+from ckptkit.errors import CkptkitError, CorruptCheckpointError, ManifestError
 from ckptkit.layout.box import Box
 from ckptkit.layout.manifest import DTYPES, check_object_key
-from ckptkit_converters.safe_unpickle import UnsafeCheckpointError, weights_only_load
+from ckptkit_converters.safe_unpickle import UnsafeCheckpointError, restricted_torch_load
 
 METADATA_NAME = ".metadata"
 DCP_VERSION = "1.0.0"  # what torch 2.13's FileSystemWriter records
@@ -266,17 +266,20 @@ class _BufferReader(io.RawIOBase):
 
 
 def load_blob(data: bytes | bytearray | memoryview, where: str) -> Any:
-    """Decode one ``torch.save`` blob with ``torch.load(weights_only=True)``: tensors and plain
-    containers only; anything else raises :class:`UnsafeCheckpointError` (nothing is executed)."""
+    """Decode one ``torch.save`` blob admitting exactly what ``torch.load(weights_only=True)`` admits by
+    default (tensors and plain containers; :func:`converters.safe_unpickle.restricted_torch_load`, which
+    neither trusts nor touches the process-wide ``add_safe_globals`` set, as blobs decode on reader
+    threads); anything else raises :class:`UnsafeCheckpointError` (nothing is executed)."""
     try:
-        return weights_only_load(_BufferReader(data))  # nothing beyond torch's own allow-list
+        return restricted_torch_load(_BufferReader(data), where=where)
+    except UnsafeCheckpointError as exc:
+        detail = str(exc).removeprefix(f"{where}: ")
+        raise UnsafeCheckpointError(f"{where}: refused by torch.load(weights_only=True)'s allow-list, which admits "
+                                    f"only tensors and plain containers: {detail}") from None
+    except CkptkitError:
+        raise
     except Exception as exc:  # noqa: BLE001 - torch reports damaged archives with plain RuntimeErrors
         lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
-        if isinstance(exc, pickle.UnpicklingError) and lines and lines[0].startswith("Weights only load failed"):
-            detail = next((line for line in lines if "Unsupported" in line or "global" in line.lower()), lines[0])
-            raise UnsafeCheckpointError(
-                f"{where}: refused by torch.load(weights_only=True), which admits only tensors and plain "
-                f"containers: {detail}") from None
         raise CorruptCheckpointError(
             f"{where}: not a readable torch.save archive ({type(exc).__name__}: {lines[0] if lines else ''}); "
             "the file may be damaged, or written by a non-default DCP writer (e.g. serialization_format=SAFETENSORS)"

@@ -32,7 +32,7 @@ import json
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,7 +48,7 @@ from ckptkit.engine.offline_writer import (
 from ckptkit.engine.state import dtype_name
 from ckptkit.errors import LayoutError, ManifestError, StateMismatchError
 from ckptkit.layout.box import Box, Region
-from ckptkit.layout.values import encode_value
+from ckptkit.layout.values import encode_value, json_ready
 from ckptkit.layout.zero_partition import (
     Fragment,
     Zero3SubGroup,
@@ -60,6 +60,7 @@ from ckptkit.layout.zero_partition import (
 from ckptkit.storage.url import open_store
 from ckptkit_converters import deepspeed_format as fmt
 from ckptkit_converters import deepspeed_moe as dsm
+from ckptkit_converters.source_paths import plain_name
 
 META_KEY = f"deepspeed_engine/{META}"
 DEFAULT_SUB_GROUP_SIZE = 1_000_000_000  # DeepSpeed's zero_optimization.sub_group_size default
@@ -110,40 +111,64 @@ def flat_layouts(groups: Sequence[Sequence[tuple[str, tuple[int, ...]]]], stage:
     return out
 
 
-def _jsonable(value: Any) -> Any:
-    return json.loads(json.dumps(value, default=lambda v: list(v) if isinstance(v, (tuple, set)) else str(v)))
+def _count(record: Mapping[str, Any], key: str, where: str, default: int, minimum: int = 0) -> int:
+    """An integer counter of a native record (``global_steps`` ...), refused by name when it is not one."""
+    value = record.get(key, default)
+    value = default if value is None else value
+    if type(value) is not int or value < minimum:
+        raise ManifestError(f"{where}: {key} is {value!r}; expected an integer >= {minimum}")
+    return value
+
+
+def _names(mapping: Any, where: str, what: str) -> dict[str, str]:
+    """A name -> name map of a native record (``shared_params``), kept as it is or refused by name."""
+    mapping = mapping or {}
+    if not isinstance(mapping, Mapping) or not all(isinstance(a, str) and isinstance(b, str)
+                                                   for a, b in mapping.items()):
+        raise ManifestError(f"{where}: {what} is not a map of parameter names to parameter names")
+    return dict(mapping)
 
 
 # ---------------------------------------------------------------- import
-def _record(model0: dict[str, Any], *, stage: int, dp: int, lp_dtype: torch.dtype, param_groups: list[dict[str, Any]],
-            scalars: list[dict[str, Any]], flat_groups: list[dict[str, Any]], param_shapes: dict[str, list[int]],
-            buffers: list[str], keys: list[str], experts: dict[str, Any],
+def _record(model0: dict[str, Any], *, where: str, optim_where: str, stage: int, dp: int, lp_dtype: torch.dtype,
+            param_groups: list[dict[str, Any]], scalars: list[dict[str, Any]], flat_groups: list[dict[str, Any]],
+            param_shapes: dict[str, list[int]], buffers: list[str], keys: list[str], experts: dict[str, Any],
             frozen: Sequence[str] = ()) -> tuple[dict[str, Any], list[str]]:
     """The adapter's JSON record of an imported native checkpoint (what every import path shares), and the
-    client-state keys skipped for not being JSON-representable."""
+    client-state keys skipped for not being JSON-representable.
+
+    Param groups (read from ``optim_where``), the LR scheduler state and ``ds_config`` (from the model-states
+    file ``where``) go through :func:`ckptkit.layout.values.json_ready`, the rule the live adapter applies to
+    the same records: kept exactly, or refused naming the file and the key path — never turned into strings."""
     ds_config = model0.get("ds_config") or {}
-    gas = int(ds_config.get("gradient_accumulation_steps", 1) or 1)
+    if not isinstance(ds_config, Mapping):
+        raise ManifestError(f"{where}: ds_config is a {type(ds_config).__name__}, not the DeepSpeed config dict")
+    gas = _count(ds_config, "gradient_accumulation_steps", f"{where}: ds_config", 1, minimum=1)
+    steps = _count(model0, "global_steps", where, 0)
     meta = {
         "format": FORMAT, "stage": stage, "dp": dp, "lp_dtype": dtype_name(lp_dtype),
-        "global_steps": int(model0.get("global_steps", 0)), "global_samples": int(model0.get("global_samples", 0)),
-        "skipped_steps": int(model0.get("skipped_steps", 0)),
-        "micro_steps": int(model0.get("global_steps", 0)) * gas, "gradient_accumulation_steps": gas,
-        "param_groups": [_jsonable({k: v for k, v in pg.items() if k != "params"}) for pg in param_groups],
+        "global_steps": steps, "global_samples": _count(model0, "global_samples", where, 0),
+        "skipped_steps": _count(model0, "skipped_steps", where, 0),
+        "micro_steps": steps * gas, "gradient_accumulation_steps": gas,
+        "param_groups": [json_ready({k: v for k, v in pg.items() if k != "params"},
+                                    f"{optim_where}: optimizer param group {g}") for g, pg in enumerate(param_groups)],
         "optimizer_scalars": scalars, "flat_groups": flat_groups, "param_shapes": param_shapes,
         "buffers": list(buffers), "frozen": list(frozen),
-        "shared": {str(a): str(b) for a, b in (model0.get("shared_params") or {}).items()},
+        "shared": _names(model0.get("shared_params"), where, "shared_params"),
         "experts": experts, "optimizer_state_keys": list(keys),
-        "lr_scheduler": _jsonable(model0.get("lr_scheduler")),
-        "client_state": {}, "ds_config": _jsonable(ds_config),
+        "lr_scheduler": json_ready(model0.get("lr_scheduler"), f"{where}: lr_scheduler"),
+        "client_state": {}, "ds_config": json_ready(ds_config, f"{where}: ds_config"),
     }
     skipped = []
     for k, v in model0.items():
         if k in fmt.DEEPSPEED_KEYS:
             continue
         try:
-            meta["client_state"][k] = json.loads(json.dumps(v))
-        except (TypeError, ValueError):
-            skipped.append(k)
+            if not isinstance(k, str):
+                raise StateMismatchError(f"client state key {k!r} is not a string")
+            meta["client_state"][k] = json_ready(v, f"{where}: client state {k!r}")
+        except StateMismatchError:
+            skipped.append(k if isinstance(k, str) else ascii(k))  # listed in the result, never stored
     return meta, skipped
 
 
@@ -155,8 +180,8 @@ def import_deepspeed(source: str | os.PathLike[str], dest: str | os.PathLike[str
     t0 = time.perf_counter()
     from ckptkit_converters import deepspeed_expp
 
-    tag = fmt.read_tag(os.fspath(source), tag)
-    if deepspeed_expp.expp_files(os.path.join(os.fspath(source), tag)):  # DeepSpeed-MoE without ZeRO
+    tag = fmt.read_tag(os.fspath(source), tag)  # one plain name, from the option or 'latest'
+    if deepspeed_expp.expp_files(os.fspath(source), fmt.tag_dir(os.fspath(source), tag)):  # MoE without ZeRO
         return deepspeed_expp.import_expp(os.fspath(source), tag, dest, _record, options=options,
                                           storage_options=storage_options)
     files = fmt.find_files(os.fspath(source), tag)
@@ -164,23 +189,28 @@ def import_deepspeed(source: str | os.PathLike[str], dest: str | os.PathLike[str
     where = files.model[0]
     shapes = fmt.param_shapes(model0, where)
     ds_config = model0.get("ds_config") or {}
-    zcfg = ds_config.get("zero_optimization") or {}
+    zcfg = ds_config.get("zero_optimization") if isinstance(ds_config, dict) else None
+    zcfg = zcfg or {}
     module = model0.get("module") or {}
-    if int(model0.get("dp_world_size", files.dp)) != files.dp:
+    if not isinstance(zcfg, dict) or not isinstance(module, dict):
+        raise ManifestError(f"{where}: 'module' must be a state dict and ds_config['zero_optimization'] a dict")
+    if _count(model0, "dp_world_size", where, files.dp, minimum=1) != files.dp:
         raise ManifestError(f"{where}: dp_world_size {model0.get('dp_world_size')} but {files.dp} optimizer files")
     if files.stage == 3 and model0.get("frozen_param_shapes"):
         raise StateMismatchError(f"{where}: frozen parameters in a ZeRO-3 checkpoint are not supported by the import")
-    first = next(n for g in shapes for n in g)
-    if first not in module:
-        raise ManifestError(f"{where}: module state has no entry for parameter {first!r}")
+    first = next((n for g in shapes for n in g), None)
+    if first is None or not isinstance(module.get(first), torch.Tensor):
+        raise ManifestError(f"{where}: module state has no tensor for the first parameter {first!r} of param_shapes")
     rec0 = fmt.optimizer_record(fmt.load_file(files.optim[0]), files.optim[0])
     base0 = fmt.base_optimizer_state(rec0, files.stage, files.optim[0])
     tag_dir = os.path.join(files.folder, files.tag)
-    moe = dsm.native_moe(tag_dir, model0, shapes, rec0, base0["param_groups"], files.dp, files.stage, where)
+    moe = dsm.native_moe(files.folder, tag_dir, model0, shapes, rec0, base0["param_groups"], files.dp, files.stage,
+                         where)
     lp_dtype = module[first].dtype
     cut = {"round_robin": bool(zcfg.get("round_robin_gradients")),
            "align": param_alignment(torch.tensor([], dtype=lp_dtype).element_size(), bool(zcfg.get("parameter_alignment"))),
-           "sub_group_size": int(zcfg.get("sub_group_size", DEFAULT_SUB_GROUP_SIZE))}
+           "sub_group_size": _count(zcfg, "sub_group_size", f"{where}: ds_config['zero_optimization']",
+                                    DEFAULT_SUB_GROUP_SIZE, minimum=1)}
     if moe is None:
         layouts = flat_layouts([list(g.items()) for g in shapes], files.stage, files.dp, **cut)
     else:  # an expert group is cut over its expert-data-parallel group (ZeRO 1/2: one flat partition per group)
@@ -201,9 +231,10 @@ def import_deepspeed(source: str | os.PathLike[str], dest: str | os.PathLike[str
     state_keys, scalars = [], []
     for k in range(len(layouts)):
         st = base0["state"].get(k, {})
+        if not isinstance(st, dict):
+            raise ManifestError(f"{files.optim[0]}: optimizer state of flat group {k} is not a dict")
         state_keys.append(sorted(key for key, v in st.items() if isinstance(v, torch.Tensor) and v.dim() == 1))
-        scalars.append({key: ({"dtype": dtype_name(v.dtype), "value": v.item()} if isinstance(v, torch.Tensor)
-                              else {"dtype": None, "value": v})
+        scalars.append({key: fmt.scalar(v, f"{files.optim[0]}: optimizer state {key!r} of flat group {k}")
                         for key, v in st.items() if not (isinstance(v, torch.Tensor) and v.dim() == 1)})
     keys = sorted(set(state_keys[0]))
     if any(sorted(set(s)) != keys for s in state_keys):
@@ -251,7 +282,7 @@ def import_deepspeed(source: str | os.PathLike[str], dest: str | os.PathLike[str
         pieces[0].append((model_key(n), Region(Box.full(specs[model_key(n)].shape))))
         getters[0].append(lambda d, n=n: module[n].reshape(specs[model_key(n)].shape))
     if moe is not None:  # routed experts in the training dtype: from the per-expert files, each expert's box
-        experts = dsm.ExpertFiles(tag_dir, moe)
+        experts = dsm.ExpertFiles(files.folder, tag_dir, moe)
         for stacked, box, layer, e, local_key in experts.boxes(shapes):
             pieces[0].append((model_key(stacked), Region(box)))
             getters[0].append(lambda d, layer=layer, e=e, local_key=local_key, box=box:
@@ -290,10 +321,10 @@ def import_deepspeed(source: str | os.PathLike[str], dest: str | os.PathLike[str
             return getters[self.rank][ref](self.data).contiguous()
 
     meta, skipped = _record(
-        model0, stage=files.stage, dp=files.dp, lp_dtype=lp_dtype, param_groups=base0["param_groups"],
+        model0, where=where, optim_where=files.optim[0], stage=files.stage, dp=files.dp, lp_dtype=lp_dtype, param_groups=base0["param_groups"],
         scalars=scalars, keys=keys, buffers=buffers, frozen=frozen, experts={} if moe is None else moe.expert_meta(shapes),
         flat_groups=[{"group": lay.group, "names": list(members[k]),
-                      "moe": str(pg["name"]) if moe is not None and pg.get("moe") else None}
+                      "moe": fmt.group_name(pg, files.optim[0]) if moe is not None and pg.get("moe") else None}
                      for k, lay in enumerate(layouts) for pg in [base0["param_groups"][lay.group]]],
         param_shapes={n: list(specs[optim_key(FP32, n)].shape) for names in members for n in names})
     out = open_store(dest, storage_options)
@@ -410,7 +441,7 @@ def export_deepspeed(source: str | os.PathLike[str], dest: str | os.PathLike[str
         for i, n in enumerate(lay.names):
             scal.setdefault(n, scal.get(src(k, 0, i)[0], {}))
     ds_config = ds_config if ds_config is not None else meta.get("ds_config", {})
-    tag = tag or f"global_step{meta['global_steps']}"
+    tag = plain_name(tag, f"{dest}: the tag option") if tag is not None else f"global_step{meta['global_steps']}"
     folder = os.path.join(os.fspath(dest), tag)
     os.makedirs(folder, exist_ok=False)
     version = deepspeed.__version__

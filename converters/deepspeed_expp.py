@@ -54,6 +54,7 @@ from ckptkit.layout.values import encode_value
 from ckptkit.storage.url import open_store
 from ckptkit_converters import deepspeed_format as fmt
 from ckptkit_converters import deepspeed_moe as dsm
+from ckptkit_converters.source_paths import regular_file
 
 EXPP = fmt.EXPP_OPTIM
 
@@ -74,8 +75,9 @@ class _Param(NamedTuple):
     expert: bool
 
 
-def expp_files(tag_dir: str) -> dict[int, str]:
-    """The ``expp_rank_*`` optimizer files of a tag directory, by EP rank (empty: not such a checkpoint)."""
+def expp_files(folder: str, tag_dir: str) -> dict[int, str]:
+    """The ``expp_rank_*`` optimizer files of a tag directory of ``folder``, by EP rank (empty: not such a
+    checkpoint); each checked to be a regular file inside ``folder``."""
     out = {}
     if not os.path.isdir(tag_dir):
         return out
@@ -85,8 +87,15 @@ def expp_files(tag_dir: str) -> dict[int, str]:
             continue
         if int(m[2]) != 0:
             raise ManifestError(f"{tag_dir}/{name}: model-parallel rank {m[2]}; only mp_rank_00 is supported")
-        out[int(m[1])] = os.path.join(tag_dir, name)
+        out[int(m[1])] = regular_file(folder, os.path.join(tag_dir, name))
     return out
+
+
+def _dp_world(model0: dict[str, Any], where: str, default: int) -> int:
+    value = model0.get("dp_world_size", default)
+    if type(value) is not int or value < 1:
+        raise ManifestError(f"{where}: dp_world_size is {value!r}; expected a positive integer")
+    return value
 
 
 def _optimizer(path: str) -> dict[str, Any]:
@@ -102,15 +111,15 @@ def import_expp(folder: str, tag: str, dest: str | os.PathLike[str], meta_of: Ca
     """Import the stage-0 MoE checkpoint ``folder/tag`` into ckptkit at ``dest``. ``meta_of`` builds the
     adapter's JSON record from the fields both import paths share (:func:`converters.deepspeed._record`)."""
     t0 = time.perf_counter()
-    tag_dir = os.path.join(folder, tag)
-    files = expp_files(tag_dir)
+    tag_dir = fmt.tag_dir(folder, tag)
+    files = expp_files(folder, tag_dir)
     if not files or sorted(files) != list(range(len(files))):
         raise ManifestError(f"{tag_dir}: expp_rank optimizer files for EP ranks {sorted(files)}, expected "
                             f"0..{len(files) - 1}")
     model_path = os.path.join(tag_dir, fmt.MODEL_STATES_12)
-    if not os.path.exists(model_path):
+    if not os.path.lexists(model_path):
         raise CheckpointNotFoundError(f"{tag_dir}: {fmt.MODEL_STATES_12} is missing")
-    model0 = fmt.load_file(model_path)
+    model0 = fmt.load_file(regular_file(folder, model_path))
     module = model0.get("module")
     if not isinstance(module, dict):
         raise ManifestError(f"{model_path}: no 'module' state dict")
@@ -119,7 +128,7 @@ def import_expp(folder: str, tag: str, dest: str | os.PathLike[str], meta_of: Ca
     buffers = list(model0.get("buffer_names") or [])
     groups = _optimizer(files[0])["param_groups"]
     moe_groups = [g for g, pg in enumerate(groups) if pg.get("moe")]
-    name = str(groups[moe_groups[0]].get("name")) if len(moe_groups) == 1 else ""
+    name = fmt.group_name(groups[moe_groups[0]], files[0]) if len(moe_groups) == 1 else ""
     ep = int(name[len("ep_size_"):]) if re.fullmatch(r"ep_size_[1-9]\d*", name) else 0
     # DeepSpeed numbers the files by EP rank in the *largest* expert group the process has ever created
     # (groups._get_max_expert_size_name); with consecutive EP groups, files 0..ep-1 are EP ranks 0..ep-1
@@ -136,15 +145,16 @@ def import_expp(folder: str, tag: str, dest: str | os.PathLike[str], meta_of: Ca
     layers = {}
     for layer, total in enumerate(num_experts):
         path = dsm.expert_file(tag_dir, layer, 0)
-        if not os.path.exists(path):
+        if not os.path.lexists(path):
             raise CoverageError(f"{path}: missing: nothing stored for expert 0 (of {total}) of MoE layer {layer}")
-        prefixes = {p[0] for p in map(dsm.split_expert_name, fmt.load_file(path)) if p is not None}
+        prefixes = {p[0] for p in map(dsm.split_expert_name, fmt.load_file(regular_file(folder, path)))
+                    if p is not None}
         if len(prefixes) != 1 or total % ep:
             raise ManifestError(f"{path}: expected one MoE layer's expert 0 with experts divisible by EP {ep}")
         prefix = prefixes.pop()
         layers[prefix] = dsm.MoELayer(layer, prefix, total, ep, f"ep_size_{ep}")
     moe = dsm.NativeMoE(layers, tuple(ep if g == gm else 1 for g in range(len(groups))), ep)
-    experts = dsm.ExpertFiles(tag_dir, moe)  # every expert file present, else CoverageError naming it
+    experts = dsm.ExpertFiles(folder, tag_dir, moe)  # every expert file present, else CoverageError naming it
 
     dense = [n for n in module if n not in buffers]
     params_of: dict[int, list[_Param]] = {r: [] for r in range(ep)}
@@ -192,8 +202,8 @@ def import_expp(folder: str, tag: str, dest: str | os.PathLike[str], meta_of: Ca
                 raise ManifestError(f"{files[r]}: optimizer state {idx} ({sp.name}) has {tensors} shaped "
                                     f"{[tuple(st[k].shape) for k in tensors]}; expected {keys} shaped like the "
                                     f"parameter {list(pshape)}")
-            sc = {k: ({"dtype": dtype_name(v.dtype), "value": v.item()} if isinstance(v, torch.Tensor)
-                      else {"dtype": None, "value": v}) for k, v in st.items() if k not in tensors}
+            sc = {k: fmt.scalar(v, f"{files[r]}: optimizer state {k!r} of {sp.name}") for k, v in st.items()
+                  if k not in tensors}
             g = group_of[idx]
             if scalars[g] and scalars[g] != sc:
                 raise StateMismatchError(f"{files[r]}: optimizer scalars of {sp.name} ({sc}) differ from the rest "
@@ -239,10 +249,10 @@ def import_expp(folder: str, tag: str, dest: str | os.PathLike[str], meta_of: Ca
             shapes[sp.name] = list(sp.shape)
     expert_meta = moe.expert_meta([{p.src: () for r in range(ep) for p in params_of[r] if p.expert}])
     meta, skipped = meta_of(
-        model0, stage=0, dp=int(model0.get("dp_world_size", ep)), lp_dtype=torch.float32, param_groups=groups,
+        model0, where=model_path, optim_where=files[0], stage=0, dp=int(_dp_world(model0, model_path, ep)),
+        lp_dtype=torch.float32, param_groups=groups,
         scalars=scalars, param_shapes=shapes, buffers=buffers, keys=keys, experts=expert_meta,
-        flat_groups=[{"group": g, "names": names[g], "moe": str(pg["name"]) if g == gm else None}
-                     for g, pg in enumerate(groups)])
+        flat_groups=[{"group": g, "names": names[g], "moe": name if g == gm else None} for g in range(len(groups))])
 
     class _Source:
         def __init__(self, rank: int) -> None:

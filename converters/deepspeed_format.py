@@ -23,11 +23,13 @@ and ``<dir>/<tag>/``:
 ``stage3.py``. How partitions are cut: :mod:`ckptkit.layout.zero_partition`.)
 
 What is trusted when reading: every file goes through
-:func:`converters.safe_unpickle.load_pt` — ``torch.load(..., weights_only=True)``,
-PyTorch's restricted unpickler (tensors, containers, numbers, strings,
-``torch.Size``, ``OrderedDict``), with torch's process-wide allow-list replaced by
-exactly the stand-ins below for the load (so a class another library registered
-with ``add_safe_globals`` is not trusted here). Optimizer files name
+:func:`converters.safe_unpickle.load_pt` — ``torch.load`` with ckptkit's own allow-list
+unpickler: what ``weights_only=True`` admits by default (tensors, containers, numbers,
+strings, ``torch.Size``, ``OrderedDict``) plus exactly the stand-ins below, for this call
+only (a class another library registered with ``add_safe_globals`` is not trusted here, and
+torch's process-wide set is never touched). Which folder and files are read: the tag is one
+plain name (``latest`` or the ``tag`` option, :mod:`converters.source_paths`), and every file
+a regular file inside the checkpoint folder, checked before it is opened. Optimizer files name
 three DeepSpeed globals; each is mapped to an inert stand-in defined here, so
 no DeepSpeed code runs and DeepSpeed need not be installed to import:
 
@@ -53,9 +55,13 @@ from typing import Any
 
 import torch
 
-from ckptkit.errors import CheckpointNotFoundError, ManifestError
+from ckptkit.engine.state import dtype_name
+from ckptkit.errors import CheckpointNotFoundError, CkptkitError, ManifestError, StateMismatchError
+from ckptkit.layout.strict_json import MAX_LAYOUT_INT
+from ckptkit.layout.values import json_ready
 from ckptkit_converters import safe_unpickle
 from ckptkit_converters.safe_unpickle import UnsafeCheckpointError  # noqa: F401 - what load_file raises
+from ckptkit_converters.source_paths import inside, plain_name, read_pointer, regular_file
 
 LATEST = "latest"
 MODEL_STATES_12 = "mp_rank_00_model_states.pt"
@@ -124,31 +130,47 @@ class NativeFiles:
 
 
 def read_tag(folder: str, tag: str | None) -> str:
+    """The tag to import: ``tag`` when given (the ``tag`` option, CLI ``--tag``), else what ``folder/latest``
+    names. Either way it must be one plain folder name (:func:`converters.source_paths.plain_name`),
+    checked before any file of the tag is opened: ``latest`` naming ``../elsewhere/global_step1`` is an
+    error naming ``latest``, never a read outside ``folder``."""
     if tag is not None:
-        return tag
+        return plain_name(tag, f"{folder}: the tag option (CLI --tag)")
     latest = os.path.join(folder, LATEST)
-    if not os.path.exists(latest):
+    text = read_pointer(folder, LATEST)
+    if text is None:
         raise CheckpointNotFoundError(f"{folder}: no '{LATEST}' file and no tag given (is this a DeepSpeed "
                                       "checkpoint directory, the one passed to engine.save_checkpoint?)")
-    with open(latest, encoding="utf-8") as f:
-        return f.read().strip()
+    return plain_name(text, latest)
+
+
+def tag_dir(folder: str, tag: str) -> str:
+    """``folder/tag``, refused (naming it) when it is a link that leaves ``folder``."""
+    return inside(folder, os.path.join(folder, tag), "tag folder")
 
 
 def is_deepspeed_checkpoint(folder: str) -> bool:
     """True if ``folder`` is a local native DeepSpeed checkpoint folder (``latest`` naming a ZeRO tag, or
-    a DeepSpeed-MoE tag saved without ZeRO: ``expp_rank_*`` optimizer files)."""
+    a DeepSpeed-MoE tag saved without ZeRO: ``expp_rank_*`` optimizer files) — and also when its ``latest``
+    file names something that is not a plain tag, or cannot be read safely: detected, the import then fails
+    with an error naming ``latest`` instead of the folder looking like no checkpoint at all."""
     try:
         tag = read_tag(folder, None)
-    except (CheckpointNotFoundError, OSError):
+        where = tag_dir(folder, tag)
+    except CheckpointNotFoundError:
         return False
-    where = os.path.join(folder, tag)
+    except CkptkitError:
+        return True
+    except OSError:
+        return False
     return os.path.isdir(where) and any(_OPTIM.match(n) or EXPP_OPTIM.match(n) for n in os.listdir(where))
 
 
 def find_files(folder: str, tag: str | None = None) -> NativeFiles:
-    """Which files make up the checkpoint ``folder``/``tag`` (default: the ``latest`` tag)."""
+    """Which files make up the checkpoint ``folder``/``tag`` (default: the ``latest`` tag). Every file is
+    checked to be a regular file inside ``folder`` before anything is read."""
     tag = read_tag(folder, tag)
-    where = os.path.join(folder, tag)
+    where = tag_dir(folder, tag)
     if not os.path.isdir(where):
         raise CheckpointNotFoundError(f"{where}: no such checkpoint tag directory")
     optim: dict[int, str] = {}
@@ -165,7 +187,7 @@ def find_files(folder: str, tag: str | None = None) -> NativeFiles:
         target = optim if name.endswith("_optim_states.pt") else model3
         if rank in target:
             raise ManifestError(f"{where}: two optimizer files for DP rank {rank} (bf16_ and plain)")
-        target[rank] = os.path.join(where, name)
+        target[rank] = regular_file(folder, os.path.join(where, name))
     if not optim:
         raise CheckpointNotFoundError(f"{where}: no *zero_pp_rank_*_optim_states.pt files (not a ZeRO checkpoint)")
     dp = len(optim)
@@ -177,11 +199,15 @@ def find_files(folder: str, tag: str | None = None) -> NativeFiles:
         return NativeFiles(folder, tag, 3, dp, tuple(optim[r] for r in range(dp)),
                            tuple(model3[r] for r in range(dp)))
     model = os.path.join(where, MODEL_STATES_12)
-    if not os.path.exists(model):
+    if not os.path.lexists(model):
         raise CheckpointNotFoundError(f"{where}: {MODEL_STATES_12} is missing")
+    regular_file(folder, model)
     # stage 1 and 2 write the same files; the optimizer file records which
-    stage = int(optimizer_record(load_file(optim[0]), optim[0])["zero_stage"])
-    return NativeFiles(folder, tag, stage, dp, tuple(optim[r] for r in range(dp)), (model,))
+    stage = optimizer_record(load_file(optim[0]), optim[0]).get("zero_stage")
+    if type(stage) not in (int, ZeroStage) or stage not in (1, 2):
+        raise ManifestError(f"{optim[0]}: zero_stage {stage!r}; expected 1 or 2 (there are no per-rank ZeRO-3 "
+                            "model-states files)")
+    return NativeFiles(folder, tag, int(stage), dp, tuple(optim[r] for r in range(dp)), (model,))
 
 
 def optimizer_record(data: Mapping[str, Any], where: str) -> dict[str, Any]:
@@ -195,7 +221,8 @@ def base_optimizer_state(rec: Mapping[str, Any], stage: int, where: str) -> dict
     """The base (torch) optimizer's state dict inside a ZeRO optimizer record."""
     key = "base_optimizer_state" if stage < 3 else "optimizer_state_dict"
     sd = rec.get(key)
-    if not isinstance(sd, dict) or "state" not in sd or "param_groups" not in sd:
+    if not isinstance(sd, dict) or not isinstance(sd.get("state"), dict) or not isinstance(sd.get("param_groups"), list) \
+            or not all(isinstance(pg, dict) for pg in sd["param_groups"]):
         raise ManifestError(f"{where}: '{key}' is not an optimizer state dict (a rigid ZeRO checkpoint); "
                             "elastic or universal checkpoints are not supported here")
     return sd
@@ -213,6 +240,37 @@ def param_shapes(model: Mapping[str, Any], where: str) -> list[dict[str, tuple[i
     groups = model.get("param_shapes")
     if isinstance(groups, dict):
         groups = [groups]
-    if not isinstance(groups, list):
+    if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
         raise ManifestError(f"{where}: 'param_shapes' is not a list of per-group name -> shape maps")
-    return [{str(n): tuple(int(d) for d in s) for n, s in g.items()} for g in groups]
+    out = []
+    for i, g in enumerate(groups):
+        shapes = {}
+        for n, s in g.items():
+            if not isinstance(n, str) or not isinstance(s, (tuple, list)) or not all(
+                    type(d) is int and 0 <= d <= MAX_LAYOUT_INT for d in s):
+                raise ManifestError(f"{where}: param_shapes group {i}: {n!r} -> {s!r} is not a parameter name "
+                                    "with a shape of non-negative integers")
+            shapes[n] = tuple(s)
+        out.append(shapes)
+    return out
+
+
+def scalar(value: Any, where: str) -> dict[str, Any]:
+    """One non-tensor-shaped entry of a base optimizer's per-parameter state (Adam's ``step``) as the
+    adapter records it: a one-element tensor by dtype and value, any other value kept exactly as JSON
+    (:func:`ckptkit.layout.values.json_ready`) — else refused, naming ``where``, as the live adapter does."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise StateMismatchError(f"{where}: a tensor of shape {list(value.shape)}, neither a flat 1-D state "
+                                     "tensor nor a scalar")
+        return {"dtype": dtype_name(value.dtype), "value": value.item()}
+    return {"dtype": None, "value": json_ready(value, where)}
+
+
+def group_name(param_group: Mapping[str, Any], where: str) -> str:
+    """The ``name`` of a DeepSpeed-MoE expert param group (``ep_size_<EP>``), refused when it is not a string."""
+    name = param_group.get("name")
+    if not isinstance(name, str):
+        raise ManifestError(f"{where}: expert param group name {name!r} is not a string (DeepSpeed names it "
+                            "ep_size_<EP>)")
+    return name

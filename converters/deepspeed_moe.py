@@ -39,6 +39,7 @@ from ckptkit.errors import CoverageError, ManifestError, StateMismatchError
 from ckptkit.layout.box import Box, Region
 from ckptkit.layout.manifest import ExplicitLayout, TensorMeta
 from ckptkit_converters import deepspeed_format as fmt
+from ckptkit_converters.source_paths import regular_file
 
 _LOCAL = re.compile(rf"^(?P<prefix>(?:.+\.)?{re.escape(EXPERTS)})\.(?P<j>\d+)\.(?P<param>.+)$")
 
@@ -113,11 +114,11 @@ class NativeMoE:
         return out
 
 
-def native_moe(folder: str, model0: Mapping[str, Any], shapes: Sequence[Mapping[str, tuple[int, ...]]],
+def native_moe(root: str, folder: str, model0: Mapping[str, Any], shapes: Sequence[Mapping[str, tuple[int, ...]]],
                rec0: Mapping[str, Any], param_groups: Sequence[Mapping[str, Any]], dp: int, stage: int,
                where: str) -> NativeMoE | None:
-    """The MoE facts of the native checkpoint in ``folder`` (a tag directory) from its model-states and
-    rank-0 optimizer records; None when the checkpoint has no MoE layers."""
+    """The MoE facts of the native checkpoint in ``folder`` (a tag directory of the checkpoint folder
+    ``root``) from its model-states and rank-0 optimizer records; None when the checkpoint has no MoE layers."""
     num_experts = model0.get("num_experts")
     moe_groups = [bool(pg.get("moe")) for pg in param_groups]
     if not any(moe_groups):
@@ -159,9 +160,9 @@ def native_moe(folder: str, model0: Mapping[str, Any], shapes: Sequence[Mapping[
     layers = {}
     for layer, total in enumerate(num_experts):
         path = expert_file(folder, layer, 0)
-        if not os.path.exists(path):
+        if not os.path.lexists(path):
             raise CoverageError(f"{path}: missing: nothing stored for expert 0 (of {total}) of MoE layer {layer}")
-        found = {p for p in (split_expert_name(k) for k in fmt.load_file(path)) if p is not None}
+        found = {p for p in (split_expert_name(k) for k in fmt.load_file(regular_file(root, path))) if p is not None}
         prefix = {p[0] for p in found}
         if len(prefix) != 1 or next(iter(prefix)) not in prefixes or {p[1] for p in found} != {0}:
             raise ManifestError(f"{path}: expected the parameters of expert 0 of one MoE layer, found keys of "
@@ -171,21 +172,22 @@ def native_moe(folder: str, model0: Mapping[str, Any], shapes: Sequence[Mapping[
         ep = group_ep[g]
         if total % ep:
             raise ManifestError(f"{where}: MoE layer {layer} has {total} experts, not divisible by EP {ep}")
-        layers[prefix_] = MoELayer(layer, prefix_, total, ep, str(param_groups[g].get("name")))
+        layers[prefix_] = MoELayer(layer, prefix_, total, ep, fmt.group_name(param_groups[g], where))
     return NativeMoE(layers, tuple(group_ep), dp)
 
 
-def check_expert_files(folder: str, moe: NativeMoE) -> dict[tuple[int, int], str]:
-    """Every ``layer_{L}_expert_{E}`` file of the checkpoint; a missing one is a CoverageError naming the
-    layer, the expert and the file."""
+def check_expert_files(root: str, folder: str, moe: NativeMoE) -> dict[tuple[int, int], str]:
+    """Every ``layer_{L}_expert_{E}`` file of the tag directory ``folder`` of ``root``; a missing one is a
+    CoverageError naming the layer, the expert and the file; one that is not a regular file inside
+    ``root`` is refused before it is read."""
     out = {}
     for layer in moe.layers.values():
         for e in range(layer.num_experts):
             path = expert_file(folder, layer.layer, e)
-            if not os.path.exists(path):
+            if not os.path.lexists(path):
                 raise CoverageError(f"{path}: missing: nothing stored for expert {e} (of {layer.num_experts}) of "
                                     f"MoE layer {layer.layer} ({layer.prefix})")
-            out[(layer.layer, e)] = path
+            out[(layer.layer, e)] = regular_file(root, path)
     return out
 
 
@@ -205,9 +207,9 @@ def layouts_with_rules(specs: Mapping[str, Any], pieces: Mapping[int, Sequence[t
 class ExpertFiles:
     """The ``layer_{L}_expert_{E}`` files of a native checkpoint, each read on first use (the last few kept)."""
 
-    def __init__(self, folder: str, moe: NativeMoE, keep: int = 4) -> None:
+    def __init__(self, root: str, folder: str, moe: NativeMoE, keep: int = 4) -> None:
         self.moe = moe
-        self.paths = check_expert_files(folder, moe)
+        self.paths = check_expert_files(root, folder, moe)
         self.keep = keep
         self.cache: OrderedDict[tuple[int, int], dict[str, Any]] = OrderedDict()
 

@@ -46,11 +46,13 @@ from ckptkit.engine.offline_writer import (
     OfflineWriteOptions,
     write_offline,
 )
-from ckptkit.errors import LayoutError, ManifestError
+from ckptkit.errors import CheckpointNotFoundError, LayoutError, ManifestError
 from ckptkit.layout.box import Box, Region
 from ckptkit.layout.manifest import ExplicitLayout, TensorMeta
+from ckptkit.layout.strict_json import MAX_METADATA_BYTES
 from ckptkit.layout.values import encode_value
 from ckptkit.options import Progress
+from ckptkit.storage.local import LocalStore
 from ckptkit.storage.url import open_store
 from ckptkit_converters import megatron_format as fmt
 from ckptkit_converters.megatron_format import META_KEY, MODEL, MegatronConvertResult
@@ -62,6 +64,7 @@ from ckptkit_converters.dcp_format import (
     parse_metadata,
     writer_ranks,
 )
+from ckptkit_converters.source_paths import regular_file
 
 @dataclass(frozen=True)
 class _Spec:
@@ -183,13 +186,15 @@ def read_torch_dist(folder: str) -> tuple[DcpCheckpoint, dict[str, Any]]:
     """The validated DCP metadata and the decoded ``common.pt`` of a torch_dist directory."""
     fmt.read_config(folder)
     where = os.path.join(folder, METADATA_NAME)
-    try:
-        with open(where, "rb") as f:
-            data = f.read()
-    except FileNotFoundError:
+    try:  # through the store: a regular file inside the folder, within the metadata size limit
+        data = LocalStore(folder).read_bytes(METADATA_NAME, limit=MAX_METADATA_BYTES)
+    except CheckpointNotFoundError:
         raise ManifestError(f"{where}: missing (the torch_dist save did not finish: DCP writes it last)") from None
     ckpt = parse_metadata(fmt.load_metadata_pickle(data, where), where)
-    common = fmt.load_pt(os.path.join(folder, fmt.COMMON_NAME))
+    common_path = os.path.join(folder, fmt.COMMON_NAME)
+    if not os.path.lexists(common_path):
+        raise CheckpointNotFoundError(f"{common_path}: missing (every torch_dist save writes it)")
+    common = fmt.load_pt(regular_file(folder, common_path))
     if not isinstance(common, dict):
         raise ManifestError(f"{folder}/{fmt.COMMON_NAME}: expected a dict, got {type(common).__name__}")
     return ckpt, common
@@ -364,8 +369,8 @@ def import_legacy(source: str | os.PathLike[str], dest: str | os.PathLike[str], 
     (a tied model's last stage holds a copy of the embedding, dropped here).
     """
     t0 = time.perf_counter()
-    folder = fmt.resolve_legacy_dir(os.fspath(source))
-    files = fmt.legacy_files(folder)
+    folder = fmt.resolve_legacy_dir(os.fspath(source))  # the tracker's iteration: one plain name, inside source
+    files = fmt.legacy_files(folder, os.fspath(source))
     tp = max(f.tp for f in files) + 1
     pp = max(f.pp for f in files) + 1
     # pass 1 (memory-mapped): names, shapes and layer counts of every rank's chunks

@@ -22,17 +22,18 @@ Megatron-LM ``megatron/training/checkpointing.py``):
   torch and CUDA RNG states), ``num_floating_point_operations_so_far``.
 
 Trust: every ``.pt`` is read by :func:`converters.safe_unpickle.load_pt` —
-``torch.load(weights_only=True)`` with exactly the inert stand-ins of
-:data:`FOREIGN_GLOBALS` (``args`` becomes a :class:`~converters.safe_unpickle.NamespaceRecord`
+``torch.load`` with ckptkit's call-local allow-list unpickler: ``weights_only``'s default
+globals and exactly the inert stand-ins of :data:`FOREIGN_GLOBALS` (``args`` becomes a :class:`~converters.safe_unpickle.NamespaceRecord`
 holding its attributes; :class:`SavedArgs` reads the few it needs); ``.metadata`` with the
 allow-list unpickler of the same module (DCP's classes plus
 :data:`MEGATRON_METADATA_EXTRA`). Anything else a file names is refused before
-it runs (docs/megatron.md, "Importing Megatron checkpoints").
+it runs (docs/megatron.md, "Importing Megatron checkpoints"). The tracker names an
+iteration (ASCII digits) or ``release`` and nothing else; every file and folder read is
+checked to lie inside the source folder (:mod:`converters.source_paths`).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections.abc import Mapping
@@ -40,7 +41,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptkit.engine.offline_writer import ConvertResult
-from ckptkit.errors import CheckpointNotFoundError, ManifestError
+from ckptkit.errors import (
+    CheckpointNotFoundError,
+    CkptkitError,
+    CorruptCheckpointError,
+    ManifestError,
+    UnsafePathError,
+)
+from ckptkit.layout.strict_json import load_json
+from ckptkit.storage.local import LocalStore
 from ckptkit_converters import safe_unpickle
 from ckptkit_converters.safe_unpickle import (  # noqa: F401 - re-exported: UnsafeCheckpointError
     ForeignRecord,
@@ -49,6 +58,7 @@ from ckptkit_converters.safe_unpickle import (  # noqa: F401 - re-exported: Unsa
     load_dcp_metadata,
     namespace_fields,
 )
+from ckptkit_converters.source_paths import inside, plain_name, read_pointer, regular_file
 
 META_KEY = "megatron/meta"
 MODEL = "model/"
@@ -65,6 +75,7 @@ CONFIG_NAME = "metadata.json"
 COMMON_NAME = "common.pt"
 LEGACY_FILE = "model_optim_rng.pt"
 TRACKER = "latest_checkpointed_iteration.txt"
+MAX_CONFIG_BYTES = 1 << 20  # metadata.json: a few fields
 _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 
 
@@ -123,27 +134,38 @@ def load_metadata_pickle(data: bytes, where: str) -> Any:
     return load_dcp_metadata(data, where, extra=_planner_classes())
 
 
-def is_torch_dist(folder: str | os.PathLike[str]) -> bool:
-    """True for a local Megatron torch_dist directory (``metadata.json`` naming torch_dist)."""
-    path = os.path.join(folder, CONFIG_NAME)
+def _config_doc(folder: str) -> dict[str, Any] | None:
+    """``metadata.json`` of ``folder`` through the store (regular file, inside, bounded) and the strict JSON
+    loader; None when there is none."""
+    if not os.path.lexists(os.path.join(folder, CONFIG_NAME)):
+        return None
     try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f).get("sharded_backend") == "torch_dist"
-    except (OSError, ValueError, AttributeError):
+        data = LocalStore(folder).read_bytes(CONFIG_NAME, limit=MAX_CONFIG_BYTES)
+    except CheckpointNotFoundError:
+        return None
+    return load_json(data, os.path.join(folder, CONFIG_NAME))
+
+
+def is_torch_dist(folder: str | os.PathLike[str]) -> bool:
+    """True for a local Megatron torch_dist directory (``metadata.json`` naming torch_dist) — and when its
+    ``metadata.json`` is a link out of the folder, a FIFO or device, or too large: detected, so that the
+    import fails naming it (a folder with an unrelated or unparsable ``metadata.json`` is not Megatron's)."""
+    try:
+        config = _config_doc(os.fspath(folder))
+    except (UnsafePathError, CorruptCheckpointError):
+        return True
+    except (CkptkitError, OSError):
         return False
+    return config is not None and config.get("sharded_backend") == "torch_dist"
 
 
 def read_config(folder: str) -> dict[str, Any]:
     path = os.path.join(folder, CONFIG_NAME)
-    try:
-        with open(path, encoding="utf-8") as f:
-            config = json.load(f)
-    except FileNotFoundError:
-        raise CheckpointNotFoundError(f"{path}: missing (not a Megatron dist_checkpointing directory)") from None
-    except ValueError as exc:
-        raise ManifestError(f"{path}: not JSON ({exc})") from None
-    if not isinstance(config, dict) or config.get("sharded_backend") != "torch_dist":
-        raise ManifestError(f"{path}: sharded_backend is {config.get('sharded_backend') if isinstance(config, dict) else config!r}, "
+    config = _config_doc(folder)
+    if config is None:
+        raise CheckpointNotFoundError(f"{path}: missing (not a Megatron dist_checkpointing directory)")
+    if config.get("sharded_backend") != "torch_dist":
+        raise ManifestError(f"{path}: sharded_backend is {config.get('sharded_backend')!r}, "
                             "only 'torch_dist' is supported (zarr and other Megatron backends are not)")
     return config
 
@@ -196,10 +218,13 @@ class LegacyFile:
     path: str
 
 
-def legacy_files(iter_dir: str) -> list[LegacyFile]:
-    """Every ``mp_rank_*/model_optim_rng.pt`` of a legacy iteration directory, checked complete."""
+def legacy_files(iter_dir: str, root: str | None = None) -> list[LegacyFile]:
+    """Every ``mp_rank_*/model_optim_rng.pt`` of a legacy iteration directory, checked complete, each a
+    regular file inside ``root`` (the source folder the user gave; default ``iter_dir``)."""
+    root = iter_dir if root is None else root
     if not os.path.isdir(iter_dir):
         raise CheckpointNotFoundError(f"{iter_dir}: no such directory (expected a Megatron iter_XXXXXXX folder)")
+    inside(root, iter_dir, "iteration folder")
     found: dict[tuple[int, int], str] = {}
     for name in sorted(os.listdir(iter_dir)):
         m = _RANK_DIR.match(name)
@@ -208,9 +233,9 @@ def legacy_files(iter_dir: str) -> list[LegacyFile]:
         if m.group(3) is not None:
             raise ManifestError(f"{iter_dir}/{name}: expert-parallel legacy checkpoints are not supported")
         path = os.path.join(iter_dir, name, LEGACY_FILE)
-        if not os.path.exists(path):
+        if not os.path.lexists(path):
             raise CheckpointNotFoundError(f"{path}: missing ({name} has no {LEGACY_FILE})")
-        found[(int(m.group(1)), int(m.group(2) or 0))] = path
+        found[(int(m.group(1)), int(m.group(2) or 0))] = regular_file(root, path)
     if not found:
         raise CheckpointNotFoundError(f"{iter_dir}: no mp_rank_*/{LEGACY_FILE} (not a legacy Megatron checkpoint)")
     tp = max(t for t, _ in found) + 1
@@ -221,23 +246,53 @@ def legacy_files(iter_dir: str) -> list[LegacyFile]:
     return [LegacyFile(t, p, found[(t, p)]) for p in range(pp) for t in range(tp)]
 
 
-def resolve_legacy_dir(path: str) -> str:
-    """A legacy save root (with the tracker file) resolves to its latest ``iter_XXXXXXX``."""
+_ITERATION = re.compile(r"[0-9]{1,18}")
+"""What Megatron-LM writes into its tracker: ``str(iteration)`` (ASCII digits), or ``release``."""
+
+
+def tracker_iteration(path: str) -> str | None:
+    """The folder a legacy save root's tracker names (``iter_XXXXXXX`` or ``release``); None without a tracker.
+
+    Megatron-LM's ``read_metadata`` takes ``int(text)`` or the word ``release``; here the text must be
+    ASCII digits (at most 18: not ``+5``, ``5.0``, ``0x10``, ``٣`` or ``1_000``, which ``int`` would
+    take) or exactly ``release``, and the folder it gives one plain name
+    (:func:`converters.source_paths.plain_name`) — checked before anything is opened."""
     tracker = os.path.join(path, TRACKER)
-    if os.path.exists(tracker):
-        with open(tracker, encoding="utf-8") as f:
-            text = f.read().strip()
-        sub = "release" if text == "release" else f"iter_{int(text):07d}" if text.isdigit() else None
-        if sub is None:
-            raise ManifestError(f"{tracker}: {text!r} is neither an iteration number nor 'release'")
-        return os.path.join(path, sub)
-    return path
+    text = read_pointer(path, TRACKER)
+    if text is None:
+        return None
+    if text == "release":
+        sub = "release"
+    elif _ITERATION.fullmatch(text):
+        sub = f"iter_{int(text):07d}"
+    else:
+        raise ManifestError(f"{tracker}: {text[:80]!a} is neither an iteration number (ASCII digits, at most 18) "
+                            "nor 'release'")
+    return plain_name(sub, tracker, "iteration folder")
+
+
+def resolve_legacy_dir(path: str) -> str:
+    """A legacy save root (with the tracker file) resolves to its latest ``iter_XXXXXXX``, refused (naming
+    the tracker) when that folder is a link out of the save root."""
+    sub = tracker_iteration(path)
+    if sub is None:
+        return path
+    return inside(path, os.path.join(path, sub), f"iteration folder named by {TRACKER}")
 
 
 def is_legacy(path: str) -> bool:
-    """True for a local legacy Megatron save root or iteration directory."""
+    """True for a local legacy Megatron save root or iteration directory. A save root is recognised by its
+    tracker file alone — also when the tracker names an iteration that is not there, or something that is
+    not an iteration, or cannot be read safely: detected, so that the import fails naming the tracker or
+    the missing folder rather than the folder looking like no checkpoint at all."""
     try:
-        d = resolve_legacy_dir(path)
-        return os.path.isdir(d) and any(_RANK_DIR.match(n) for n in os.listdir(d))
-    except (OSError, ManifestError, ValueError):
+        if tracker_iteration(path) is not None:
+            return True
+    except CkptkitError:
+        return True
+    except (OSError, ValueError):
+        return False
+    try:
+        return os.path.isdir(path) and any(_RANK_DIR.match(n) for n in os.listdir(path))
+    except OSError:
         return False

@@ -1,15 +1,23 @@
 """The one place where ckptkit decides what a foreign pickle may build.
 
-Two kinds of pickle reach ckptkit, both only through :mod:`ckptkit_converters`:
+Two kinds of pickle reach ckptkit, both only through :mod:`ckptkit_converters`, and both
+through one unpickler, :class:`RestrictedUnpickler`, each load with its own allow-list:
 
 * **DCP's ``.metadata``** (plain DCP, and Megatron's torch_dist on top of it), read by
-  :class:`RestrictedUnpickler` / :func:`load_dcp_metadata` — an allow-list of classes;
-* **``torch.save`` files** (``.pt``: Megatron's ``common.pt`` and ``model_optim_rng.pt``,
-  DeepSpeed's ``*_model_states.pt`` / ``*_optim_states.pt``), read by :func:`load_pt` —
-  ``torch.load(weights_only=True)`` plus a per-format table of *inert stand-ins*
-  (:class:`ForeignRecord`, :class:`NamespaceRecord`, or a format's own empty classes)
-  for the few foreign globals those files name. Nothing else torch may have been told to
-  trust in this process counts (see :func:`load_pt`).
+  :func:`load_dcp_metadata` — an allow-list of DCP's classes;
+* **``torch.save`` archives** (``.pt``: Megatron's ``common.pt`` and ``model_optim_rng.pt``,
+  DeepSpeed's ``*_model_states.pt`` / ``*_optim_states.pt`` / expert files, and every blob of a
+  ``.distcp``), read by :func:`restricted_torch_load` / :func:`load_pt` — torch's archive
+  reader with our unpickler inside: torch's default ``weights_only`` globals plus a per-format
+  table of *inert stand-ins* (:class:`ForeignRecord`, :class:`NamespaceRecord`, or a format's
+  own empty classes) for the few foreign globals those files name.
+
+**Call-local, never process-wide.** torch keeps the globals ``weights_only`` trusts beyond its
+defaults in one process-wide set (``add_safe_globals``; its ``safe_globals`` context manager
+adds to and removes from that same set). ckptkit neither reads nor writes it: a class another
+library or the user registered is not trusted here, and a load here never changes what another
+thread's ``torch.load(weights_only=True)`` trusts — DCP blobs decode on reader threads while
+the user's program may be loading its own files (see :func:`restricted_torch_load`).
 
 Every refusal is an :class:`UnsafeCheckpointError` naming the file and the global, raised
 before the global is resolved: nothing of the pickle runs.
@@ -47,23 +55,36 @@ No ``builtins`` global is admitted (protocol 3+ pickles of DCP metadata need
 none: containers, strings, numbers and bytes are opcodes). Everything the
 unpickler returns is validated field by field afterwards
 (:mod:`converters.dcp_format`); admitting a class only lets a pickle build an
-instance of it. Tensor data in ``.distcp`` files never goes through this
-unpickler: it is read with ``torch.load(weights_only=True)``.
+instance of it. Blobs in ``.distcp`` files are ``torch.save`` archives, read like any
+``.pt`` (torch's defaults only, no stand-ins).
 """
 
 from __future__ import annotations
 
+import _compat_pickle
 import collections
 import io
+import os
 import pathlib
 import pickle
+import stat
+import struct
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+import types
+import zipfile
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
-from ckptkit.errors import CheckpointNotFoundError, CkptkitError, ManifestError, UnsafeCheckpointError
+from ckptkit.errors import (
+    CheckpointNotFoundError,
+    CkptkitError,
+    CorruptCheckpointError,
+    ManifestError,
+    UnsafeCheckpointError,
+)
 
+
+_DCP_WHAT = ("a DCP .metadata needs (the file may be malicious or written by an unsupported DCP extension)")
 
 # A resolver returns the object a (module, name) global stands for, or None to refuse it.
 Resolver = Callable[[str, str], Any]
@@ -72,24 +93,41 @@ Resolver = Callable[[str, str], Any]
 class RestrictedUnpickler(pickle._Unpickler):
     """An unpickler whose globals come only from ``allow`` (see the module docstring).
 
-    The pure-Python unpickler, not the C one, because one more opcode needs a
-    guard: ``BUILD`` on an admitted *class* (or function) rather than on an
-    instance would set attributes on the class itself — a pickle could
-    redefine ``Metadata.__reduce_ex__`` for the rest of the process. It is
-    refused. (About 3x slower than the C unpickler: ~6 s for 17 MiB of
-    metadata describing 128k chunks.)
+    The pure-Python unpickler, not the C one, because more opcodes need a guard than
+    ``find_class`` alone gives (the same ones torch's own ``weights_only`` unpickler guards):
+
+    * ``REDUCE``, ``NEWOBJ``, ``NEWOBJ_EX``, ``OBJ`` and ``INST`` call or instantiate only an
+      object this unpickler resolved from its allow-list, never something else that reached the
+      stack;
+    * ``BUILD`` on an admitted *class* (or function) rather than on an instance would set
+      attributes on the class itself — a pickle could redefine ``Metadata.__reduce_ex__`` for
+      the rest of the process. It is refused;
+    * ``APPEND(S)``, ``SETITEM(S)`` and ``ADDITEMS`` only fill lists, dicts and sets (not call
+      ``append`` / ``__setitem__`` / ``add`` of whatever object is there).
+
+    Everything an instance needs (the allow-list, where it reads from) is its own: nothing here
+    touches process-wide state, so any number of loads with different tables may run at once
+    on different threads, next to anyone else's ``torch.load``. (About 3x slower than the C
+    unpickler: ~6 s for 17 MiB of DCP metadata describing 128k chunks; as fast as torch's
+    ``weights_only`` unpickler, which is pure Python too.)
     """
 
     dispatch: ClassVar[dict[int, Callable[..., Any]]] = dict(pickle._Unpickler.dispatch)
 
-    def __init__(self, data: bytes, allow: Mapping[tuple[str, str], Any], where: str,
-                 resolvers: tuple[Resolver, ...] = ()) -> None:
-        super().__init__(io.BytesIO(data))
+    def __init__(self, file: Any, allow: Mapping[tuple[str, str], Any], where: str,
+                 resolvers: tuple[Resolver, ...] = (), *, what: str = _DCP_WHAT, **kwargs: Any) -> None:
+        super().__init__(file, **kwargs)
         self._allow = allow
         self._resolvers = resolvers
         self._where = where
+        self._what = what
+        self._callable_ids = {id(v) for v in allow.values()}
 
     def find_class(self, module: str, name: str) -> Any:
+        if self.proto < 3 and (module, name) in _compat_pickle.NAME_MAPPING:  # what pickle itself maps
+            module, name = _compat_pickle.NAME_MAPPING[(module, name)]
+        elif self.proto < 3 and module in _compat_pickle.IMPORT_MAPPING:
+            module = _compat_pickle.IMPORT_MAPPING[module]
         found = self._allow.get((module, name))
         if found is None:
             for resolve in self._resolvers:
@@ -97,12 +135,39 @@ class RestrictedUnpickler(pickle._Unpickler):
                 if found is not None:
                     break
         if found is None:
-            raise UnsafeCheckpointError(
-                f"{self._where}: refusing to unpickle global {module}.{name}: it is not among the classes a "
-                "DCP .metadata needs (the file may be malicious or written by an unsupported DCP extension); "
-                "nothing was executed"
-            )
+            raise UnsafeCheckpointError(self._refusal(f"{module}.{name}"))
         return found
+
+    def _refusal(self, name: str) -> str:
+        return f"{self._where}: refusing to unpickle global {name}: it is not among the classes {self._what}; nothing was executed"
+
+    def _check_callable(self, obj: Any, how: str) -> None:
+        if id(obj) not in self._callable_ids:
+            shown = getattr(obj, "__qualname__", type(obj).__name__)
+            raise UnsafeCheckpointError(f"{self._where}: refusing to {how} {shown!r}: only the allow-listed globals "
+                                        "may be called or instantiated; nothing was executed")
+
+    def _target(self, kind: type, opcode: str, target: Any) -> Any:
+        if not isinstance(target, kind):
+            raise UnsafeCheckpointError(f"{self._where}: refusing a pickle {opcode} on a {type(target).__name__} "
+                                        f"(only a {kind.__name__} may be filled that way)")
+        return target
+
+    def _load_reduce_guarded(self) -> None:
+        self._check_callable(self.stack[-2], "call")
+        pickle._Unpickler.load_reduce(self)
+
+    def _load_newobj_guarded(self) -> None:
+        self._check_callable(self.stack[-2], "instantiate")
+        pickle._Unpickler.load_newobj(self)
+
+    def _load_newobj_ex_guarded(self) -> None:
+        self._check_callable(self.stack[-3], "instantiate")
+        pickle._Unpickler.load_newobj_ex(self)
+
+    def _instantiate(self, klass: Any, args: Any) -> None:  # OBJ and INST
+        self._check_callable(klass, "instantiate")
+        super()._instantiate(klass, args)
 
     def _load_build_guarded(self) -> None:
         target = self.stack[-2]
@@ -113,7 +178,43 @@ class RestrictedUnpickler(pickle._Unpickler):
             )
         pickle._Unpickler.load_build(self)
 
+    def _load_append_guarded(self) -> None:
+        value = self.stack.pop()
+        self._target(list, "APPEND", self.stack[-1]).append(value)
+
+    def _load_appends_guarded(self) -> None:
+        items = self.pop_mark()
+        self._target(list, "APPENDS", self.stack[-1]).extend(items)
+
+    def _load_setitem_guarded(self) -> None:
+        value = self.stack.pop()
+        key = self.stack.pop()
+        self._target(dict, "SETITEM", self.stack[-1])[key] = value
+
+    def _load_setitems_guarded(self) -> None:
+        items = self.pop_mark()
+        target = self._target(dict, "SETITEMS", self.stack[-1])
+        for i in range(0, len(items), 2):
+            target[items[i]] = items[i + 1]
+
+    def _load_additems_guarded(self) -> None:
+        items = self.pop_mark()
+        self._target(set, "ADDITEMS", self.stack[-1]).update(items)
+
+    dispatch[pickle.REDUCE[0]] = _load_reduce_guarded
+    dispatch[pickle.NEWOBJ[0]] = _load_newobj_guarded
+    dispatch[pickle.NEWOBJ_EX[0]] = _load_newobj_ex_guarded
     dispatch[pickle.BUILD[0]] = _load_build_guarded
+    dispatch[pickle.APPEND[0]] = _load_append_guarded
+    dispatch[pickle.APPENDS[0]] = _load_appends_guarded
+    dispatch[pickle.SETITEM[0]] = _load_setitem_guarded
+    dispatch[pickle.SETITEMS[0]] = _load_setitems_guarded
+    dispatch[pickle.ADDITEMS[0]] = _load_additems_guarded
+
+
+_MALFORMED = (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, KeyError, IndexError,
+              RuntimeError, RecursionError, MemoryError, OverflowError, struct.error)
+"""What the pure-Python unpickler raises for a malformed or truncated pickle."""
 
 
 def restricted_loads(data: bytes, allow: Mapping[tuple[str, str], Any], where: str,
@@ -125,15 +226,14 @@ def restricted_loads(data: bytes, allow: Mapping[tuple[str, str], Any], where: s
     (the file) starts every message.
     """
     try:
-        return RestrictedUnpickler(data, allow, where, resolvers).load()
+        return RestrictedUnpickler(io.BytesIO(data), allow, where, resolvers).load()
     except UnsafeCheckpointError as exc:
         if str(exc).startswith(where):
             raise
         raise UnsafeCheckpointError(f"{where}: {exc}") from None
     except CkptkitError:
         raise
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, KeyError, IndexError,
-            RuntimeError, RecursionError, MemoryError) as exc:
+    except _MALFORMED as exc:
         raise ManifestError(f"{where}: not a readable pickle of DCP metadata ({type(exc).__name__}: {exc})") from None
 
 
@@ -258,89 +358,143 @@ StandIns = Sequence[tuple[Any, str]]
 """``(stand-in, "module.name")`` pairs, as ``torch.serialization.add_safe_globals`` takes them."""
 
 
-class _TrustedSet:
-    """Who holds torch's process-wide ``weights_only`` allow-list, and set to what.
+def _torch_defaults() -> dict[tuple[str, str], Any]:
+    """What ``torch.load(weights_only=True)`` admits by default — torch's own table, never the globals
+    anyone registered with ``torch.serialization.add_safe_globals`` (those live in another set)."""
+    from torch._weights_only_unpickler import _get_allowed_globals
 
-    Loads that want the same stand-ins share it (DCP chunks decode concurrently on reader
-    threads); a load that wants another table waits until the set is free, swaps it, and the
-    last load out restores what the process had registered before.
-    """
+    return {tuple(full.rsplit(".", 1)): obj for full, obj in _get_allowed_globals().items()}  # type: ignore[misc]
 
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._table: tuple[tuple[int, str], ...] | None = None
-        self._users = 0
-        self._saved: list[Any] = []
 
-    @contextmanager
-    def exactly(self, stand_ins: StandIns) -> Iterator[None]:
-        import torch
+_TABLES: dict[tuple[tuple[int, str], ...], dict[tuple[str, str], Any]] = {}
+_TABLES_LOCK = threading.Lock()
 
-        key = tuple((id(obj), name) for obj, name in stand_ins)
-        with self._cond:
-            while self._users and self._table != key:
-                self._cond.wait()
-            if not self._users:
-                self._saved = torch.serialization.get_safe_globals()
-                torch.serialization.clear_safe_globals()
-                torch.serialization.add_safe_globals(list(stand_ins))
-                self._table = key
-            self._users += 1
+
+def _pt_table(stand_ins: StandIns) -> dict[tuple[str, str], Any]:
+    """torch's default ``weights_only`` globals plus ``stand_ins``, built once per table (never mutated)."""
+    key = tuple((id(obj), name) for obj, name in stand_ins)
+    with _TABLES_LOCK:
+        table = _TABLES.get(key)
+        if table is None:
+            table = _torch_defaults()
+            for obj, name in stand_ins:
+                table[tuple(name.rsplit(".", 1))] = obj  # type: ignore[index]
+            _TABLES[key] = table
+        return table
+
+
+def _pickle_module(table: Mapping[tuple[str, str], Any], where: str, what: str) -> Any:
+    """A ``pickle_module`` for ``torch.load`` whose ``Unpickler`` is a :class:`RestrictedUnpickler` over
+    ``table``: built for this one call, so the allow-list travels with the call and nothing else."""
+
+    class _Unpickler(RestrictedUnpickler):
+        def __init__(self, file: Any, **kwargs: Any) -> None:
+            super().__init__(file, table, where, what=what, **kwargs)
+
+    def load(file: Any, **kwargs: Any) -> Any:
+        return _Unpickler(file, **kwargs).load()
+
+    return types.SimpleNamespace(__name__=__name__, Unpickler=_Unpickler, load=load,
+                                 UnpicklingError=pickle.UnpicklingError)
+
+
+_ZIP_MAGIC = b"PK\x03\x04"
+
+
+def _open_regular(path: str | os.PathLike[str], where: str) -> Any:
+    """``path`` opened for reading if it is a regular file: a FIFO, device or socket in its place fails at
+    once (opened non-blocking, then ``fstat``), rather than hanging or streaming forever."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CorruptCheckpointError(f"{where} is not a regular file (a FIFO, device, socket or directory)")
+    return os.fdopen(fd, "rb")
+
+
+def _check_archive(f: Any, where: str) -> None:
+    """Only a ``torch.save`` zip archive (torch >= 1.6, what DeepSpeed, Megatron and DCP write) goes on
+    to ``torch.load``: torch would hand a TorchScript archive to ``torch.jit.load`` and read a legacy
+    file (a tar that is *extracted*, or the pre-1.6 stream format) by other code paths, none of which
+    :func:`restricted_torch_load` means to open. ``f`` is a path or a seekable file (rewound after)."""
+    opened = _open_regular(f, where) if isinstance(f, (str, os.PathLike)) else f
+    start = opened.tell()
+    try:
+        if opened.read(len(_ZIP_MAGIC)) != _ZIP_MAGIC:
+            raise CorruptCheckpointError(
+                f"{where}: not a readable torch.save archive (no zip signature at its start): damaged, or a legacy "
+                "(torch < 1.6) tar or stream-format file, which is not opened (re-save it with a recent torch)")
+        opened.seek(start)
         try:
-            yield
-        finally:
-            with self._cond:
-                self._users -= 1
-                if not self._users:
-                    torch.serialization.clear_safe_globals()
-                    torch.serialization.add_safe_globals(self._saved)
-                    self._table, self._saved = None, []
-                    self._cond.notify_all()
+            names = zipfile.ZipFile(opened).namelist()
+        except (zipfile.BadZipFile, zipfile.LargeZipFile, ValueError, EOFError, OSError) as exc:
+            raise CorruptCheckpointError(f"{where}: not a readable torch.save archive ({type(exc).__name__}: {exc})"
+                                         ) from None
+        if any(n.rsplit("/", 1)[-1] == "constants.pkl" for n in names):
+            raise UnsafeCheckpointError(f"{where}: a TorchScript archive (it holds constants.pkl), not a torch.save "
+                                        "file; TorchScript is never loaded")
+    finally:
+        if opened is f:
+            opened.seek(start)
+        else:
+            opened.close()
 
 
-_TRUSTED = _TrustedSet()
+def restricted_torch_load(f: Any, stand_ins: StandIns = (), *, where: str | None = None,
+                          what: str = "torch.load(weights_only=True) admits by default (tensors and plain containers)",
+                          mmap: bool = False) -> Any:
+    """``torch.load`` of one ``torch.save`` archive whose pickle may name exactly torch's default
+    ``weights_only`` globals and ``stand_ins``, and nothing else.
 
+    The allow-list travels with the call: ``torch.load(pickle_module=...)`` gets a module built
+    for this call whose ``Unpickler`` is a :class:`RestrictedUnpickler` over that table (torch then
+    runs its own archive reader, storages and tensor rebuilding around it; ``weights_only=False``
+    only because torch refuses an explicit ``pickle_module`` otherwise — the restriction is ours
+    and stricter). Why not ``weights_only=True``: torch keeps the globals it trusts beyond its
+    defaults in **one process-wide set** (``add_safe_globals``, ``clear_safe_globals``, and the
+    ``safe_globals`` context manager, which adds to that set and removes on exit — process-global
+    too). Using it for our stand-ins means either trusting whatever else the process registered
+    (importing ``megatron.core`` registers Megatron's real classes under the names our stand-ins
+    take; a user's script registers its own) or replacing the set for the duration of the load,
+    which makes another thread's ``torch.load(weights_only=True)`` — ours or the user's — lose its
+    registrations in that window. Here nothing process-wide is read or written.
 
-def weights_only_load(f: Any, stand_ins: StandIns = (), *, mmap: bool = False) -> Any:
-    """``torch.load(f, weights_only=True)`` with exactly ``stand_ins`` beside torch's own allow-list.
-
-    torch keeps user-allowed globals in one process-wide set, which anything in the process may
-    have added to: importing ``megatron.core`` registers Megatron's *real* classes under the names
-    the Megatron stand-ins take (``megatron/core/safe_globals.py``), a training script may register
-    its own. Which of two entries for one name wins would depend on set order, and a class someone
-    else trusted would be trusted here too. So for the load the set is *replaced* by
-    ``stand_ins`` (none for a DCP blob) and restored afterwards. (torch's ``safe_globals`` context
-    manager instead *adds* to the set, and on exit removes entries that another thread, or the
-    process, still needs.) Errors are torch's own; :func:`load_pt` and
-    :func:`converters.dcp_format.load_blob` turn them into ckptkit's.
+    ``where`` names the file in errors (default: ``f``). Refusals are
+    :class:`UnsafeCheckpointError`, raised before the refused global is resolved.
     """
     import torch
 
-    with _TRUSTED.exactly(stand_ins):
-        return torch.load(f, map_location="cpu", weights_only=True, mmap=mmap)
+    where = where if where is not None else os.fspath(f) if isinstance(f, (str, os.PathLike)) else "<buffer>"
+    _check_archive(f, where)
+    try:
+        return torch.load(f, map_location="cpu", pickle_module=_pickle_module(_pt_table(stand_ins), where, what),
+                          weights_only=False, mmap=mmap)
+    except RuntimeError as exc:
+        if "explicit pickle_module" in str(exc):  # TORCH_FORCE_WEIGHTS_ONLY_LOAD=1 in the environment
+            raise UnsafeCheckpointError(
+                f"{where}: not opened: TORCH_FORCE_WEIGHTS_ONLY_LOAD is set, and it makes torch.load refuse "
+                "ckptkit's own allow-list unpickler (stricter than weights_only); unset it for the import") from None
+        raise
 
 
 def load_pt(path: str, stand_ins: StandIns, *, what: str, mmap: bool = False) -> Any:
-    """One ``torch.save`` file through ``torch.load(weights_only=True)`` and exactly ``stand_ins``.
+    """One ``torch.save`` file through :func:`restricted_torch_load` with exactly ``stand_ins``.
 
-    What may be built: what ``weights_only`` itself allows (tensors and storages, containers,
-    numbers, strings, ``torch.Size``, ``torch`` dtypes, ``OrderedDict``, ``_codecs.encode``),
-    and for each ``(stand_in, "module.name")`` pair the stand-in in place of that global. A
-    file naming any other global is refused by torch's restricted unpickler before the global
-    is resolved, reported as :class:`UnsafeCheckpointError` with the file and the global
-    (``what`` names the format's table in the message). ``mmap``: tensors stay in the file
-    until read. A missing file is :class:`CheckpointNotFoundError`, an unreadable one
-    :class:`ManifestError`.
+    What may be built: what ``weights_only`` itself allows by default (tensors and storages,
+    containers, numbers, strings, ``torch.Size``, ``torch`` dtypes, ``OrderedDict``,
+    ``_codecs.encode``), and for each ``(stand_in, "module.name")`` pair the stand-in in place of
+    that global. A file naming any other global is refused before the global is resolved,
+    reported as :class:`UnsafeCheckpointError` with the file and the global (``what`` names the
+    format in the message). ``mmap``: tensors stay in the file until read. A missing file is
+    :class:`CheckpointNotFoundError`, an unreadable one :class:`ManifestError`.
     """
     try:
-        return weights_only_load(path, stand_ins, mmap=mmap)
-    except pickle.UnpicklingError as exc:
-        lines = [ln for ln in str(exc).splitlines() if "GLOBAL" in ln or "Unsupported" in ln] or str(exc).splitlines()[:1]
-        raise UnsafeCheckpointError(f"{path}: refused by torch.load(weights_only=True) with ckptkit's {what} "
-                                    f"stand-ins (nothing was executed): {' '.join(lines)[:400]}") from None
+        return restricted_torch_load(path, stand_ins, where=path, mmap=mmap,
+                                     what=f"ckptkit trusts in a {what} .pt (torch's weights_only defaults and inert stand-ins)")
     except FileNotFoundError:
         raise CheckpointNotFoundError(f"{path}: missing") from None
     except CkptkitError:
         raise
-    except (RuntimeError, EOFError, ValueError, TypeError, AttributeError, KeyError, IndexError) as exc:
+    except OSError as exc:
+        raise ManifestError(f"{path}: cannot be read ({type(exc).__name__}: {exc})") from None
+    except _MALFORMED as exc:
         raise ManifestError(f"{path}: not a readable torch.save file ({type(exc).__name__}: {exc})") from None

@@ -402,7 +402,7 @@ def engine_state(engine: Any, client_state: Mapping[str, Any] | None = None) -> 
         "global_steps": engine.global_steps, "global_samples": engine.global_samples,
         "skipped_steps": engine.skipped_steps, "micro_steps": engine.micro_steps,
         "gradient_accumulation_steps": engine.gradient_accumulation_steps(),
-        "param_groups": [_hyper(pg) for pg in base.param_groups],
+        "param_groups": [json_ready(_hyper(pg), f"the optimizer's param group {i}") for i, pg in enumerate(base.param_groups)],
         "optimizer_scalars": scalars, "flat_groups": members,
         "param_shapes": {n: list(sh) for g in layout.groups for n, sh in zip(g.names, g.shapes)},
         "buffers": [n for n, _ in engine.module.named_buffers()],

@@ -27,15 +27,65 @@ MAX_INT_BITS = 14000
 
 
 def json_ready(value: Any, what: str) -> Any:
-    """``value`` as plain JSON data (tuples become lists), or StateMismatchError naming ``what``:
-    framework records (schedulers, client state) are stored as JSON, never pickle."""
-    import json
+    """``value`` as plain JSON data, kept exactly, or StateMismatchError naming ``what`` and the key path
+    of the first part that cannot be: framework records (optimizer param groups, LR schedulers, configs,
+    client state) are stored as JSON, never pickle — and never turned into strings. The one rule the
+    live adapters (``ckptkit.adapters``) and the importers (``ckptkit_converters``) apply to such records.
 
+    Kept: None, bool, int (up to :data:`MAX_INT_BITS`), float (nan and inf too), str, lists, and dicts
+    with string keys; tuples become lists (adapters restore the tuples they know, e.g. Adam's betas);
+    subclasses of int, float and str (enums) become the plain value. Refused: anything else (a tensor,
+    a set, bytes, an object), a dict key that is not a string (``json.dumps`` would silently write
+    ``{1: x}`` as ``{"1": x}``), a string that is not valid Unicode, nesting deeper than
+    :data:`MAX_VALUE_DEPTH`."""
+    return _json_ready(value, what, (), 0)
+
+
+def _json_ready(value: Any, what: str, path: tuple[Any, ...], depth: int) -> Any:
+    def refuse(problem: str) -> StateMismatchError:
+        at = what + "".join(f"[{_short(p)}]" for p in path)
+        return StateMismatchError(f"{at} {problem}; ckptkit stores such records as JSON, never pickle, and never "
+                                  "as strings: keep it to numbers, strings, lists and dicts with string keys")
+
+    if depth > MAX_VALUE_DEPTH:
+        raise refuse(f"nests deeper than {MAX_VALUE_DEPTH} levels")
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        if not _valid_text(value):
+            raise refuse(f"is a string that is not valid Unicode ({value[:40]!a})")
+        return str(value)
+    if isinstance(value, int):
+        if value.bit_length() > MAX_INT_BITS:
+            raise refuse(f"is an integer of {value.bit_length()} bits, too large for JSON")
+        return int(value)
+    if isinstance(value, float):
+        return float(value)
+    if isinstance(value, (list, tuple)):
+        return [_json_ready(v, what, (*path, i), depth + 1) for i, v in enumerate(value)]
+    if isinstance(value, dict):
+        out = {}
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise refuse(f"has the key {_short(k)} ({type(k).__name__}) where JSON needs a string")
+            if not _valid_text(k):
+                raise refuse(f"has a key that is not valid Unicode ({k[:40]!a})")
+            out[str(k)] = _json_ready(v, what, (*path, k), depth + 1)
+        return out
+    raise refuse(f"is a {type(value).__module__}.{type(value).__qualname__}, not a JSON value")
+
+
+def _short(key: Any) -> str:
+    text = ascii(key)
+    return text if len(text) <= 60 else text[:50] + "...'"
+
+
+def _valid_text(s: str) -> bool:
     try:
-        return json.loads(json.dumps(value))
-    except (TypeError, ValueError) as exc:
-        raise StateMismatchError(f"{what} is not JSON-representable ({exc}); ckptkit stores it as JSON, never "
-                                 "pickle: keep it to numbers, strings, lists and dicts") from exc
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def join_key(parts: tuple[str | int, ...]) -> str:
