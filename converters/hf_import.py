@@ -8,9 +8,12 @@ every layer and expert), and that grouping must be complete: a missing expert, l
 :class:`~ckptkit.errors.MissingKeysError` naming the layer, the expert and the HF key, never a
 tensor with a hole.
 
-Files are read through a byte store with ranged reads (:class:`SafetensorsFile`: the JSON header
-is parsed and checked, then one tensor's bytes are read at a time): no pickle, no mmap, and
-``s3://`` works like a local path. :func:`import_hf` writes a ckptkit checkpoint piece by piece
+The folder is untrusted input: files are read through a byte store with ranged reads
+(:mod:`ckptkit_converters.hf_files`: each header checked as the ``safetensors`` package checks it,
+and by the package itself where the file is local; a hub cache snapshot read through its repo
+folder), then checked against the config (:mod:`ckptkit_converters.hf_expect`: every tensor
+present once, of the implied shape and dtype, nothing else) before anything is written. No pickle,
+and ``s3://`` works like a local path. :func:`import_hf` writes a ckptkit checkpoint piece by piece
 (one piece per layer / expert slice: memory is one slice); :func:`read_hf` returns a dict, for
 models that fit in memory (tests, small models).
 """
@@ -31,6 +34,15 @@ from ckptkit_converters.hf_families import (
     Rule,
     family_for,
 )
+from ckptkit_converters.hf_expect import HF_ONLY, check_folder
+from ckptkit_converters.hf_files import (
+    INDEX_NAME,
+    SafetensorsFile,
+    check_index,
+    open_files,
+    open_folder,
+    open_source,
+)
 from ckptkit_converters.hf_mapping import AttentionHeads, HFConfig, invert, match_hf
 
 from ckptkit.engine.offline_writer import (
@@ -38,105 +50,14 @@ from ckptkit.engine.offline_writer import (
     OfflineWriteOptions,
     write_offline,
 )
-from ckptkit.errors import CkptkitError, CorruptCheckpointError, ManifestError, MissingKeysError
+from ckptkit.errors import CkptkitError, MissingKeysError
 from ckptkit.layout.box import Box, Region
 from ckptkit.layout.manifest import ExplicitLayout, TensorMeta
 from ckptkit.layout.rules import PartitionRule
-from ckptkit.layout.strict_json import load_json
 from ckptkit.options import Progress
-from ckptkit.storage.base import ByteStore
 from ckptkit.storage.url import open_store
 
-INDEX_NAME = "model.safetensors.index.json"
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-           "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
-_MAX_HEADER = 100 << 20  # safetensors' own limit
-HF_ONLY = (".rotary_emb.inv_freq",)
-"""HF tensors that are not model state (older Llama exports store the RoPE frequencies): skipped on import,
-as torchtitan's adapters skip them."""
-
-
-@dataclass(frozen=True)
-class _Entry:
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    begin: int
-    end: int
-
-
-class SafetensorsFile:
-    """One ``.safetensors`` file read lazily through a byte store: the header now, tensors on demand."""
-
-    def __init__(self, store: ByteStore, name: str) -> None:
-        self.store, self.name = store, name
-        where = f"{store.url}/{name}"
-        size = store.checked_size(name)
-        if size < 8:
-            raise CorruptCheckpointError(f"{where}: {size} bytes, too short for a safetensors file")
-        head = bytearray(8)
-        store.read_into(name, 0, memoryview(head))
-        n = int.from_bytes(head, "little")
-        if n > _MAX_HEADER or 8 + n > size:
-            raise CorruptCheckpointError(f"{where}: header of {n} bytes in a file of {size}")
-        buf = bytearray(n)
-        store.read_into(name, 8, memoryview(buf))
-        doc = _json_object(bytes(buf), f"{where}: the header")
-        self.entries: dict[str, _Entry] = {}
-        data = size - 8 - n
-        for key, e in doc.items():
-            if key == "__metadata__":
-                continue
-            try:
-                dtype = _DTYPES[e["dtype"]]
-                shape = tuple(int(s) for s in e["shape"])
-                begin, end = (int(x) for x in e["data_offsets"])
-            except (KeyError, TypeError, ValueError):
-                raise CorruptCheckpointError(f"{where}: tensor {key!r} has a malformed header entry {e!r}") from None
-            numel = 1
-            for s in shape:
-                if s < 0:
-                    raise CorruptCheckpointError(f"{where}: tensor {key!r} has a negative dimension")
-                numel *= s
-            if not 0 <= begin <= end <= data or end - begin != numel * torch.empty((), dtype=dtype).element_size():
-                raise CorruptCheckpointError(f"{where}: tensor {key!r} ({e['dtype']} {list(shape)}) has data offsets "
-                                             f"[{begin}, {end}) that do not fit it or the file")
-            self.entries[key] = _Entry(dtype, shape, 8 + n + begin, 8 + n + end)
-
-    def read(self, key: str) -> torch.Tensor:
-        e = self.entries[key]
-        buf = bytearray(e.end - e.begin)
-        if buf:
-            self.store.read_into(self.name, e.begin, memoryview(buf))
-            return torch.frombuffer(buf, dtype=e.dtype).reshape(e.shape)
-        return torch.empty(e.shape, dtype=e.dtype)
-
-
-def _json_object(data: bytes, where: str) -> dict:
-    """A JSON object from an HF folder, parsed under the limits every checkpoint document gets
-    (depth, duplicate keys, NaN; :mod:`ckptkit.layout.strict_json`): the folder may be hostile."""
-    try:
-        return load_json(data, where)
-    except ManifestError as exc:
-        raise CorruptCheckpointError(str(exc)) from None
-
-
-def open_files(store: ByteStore) -> dict[str, SafetensorsFile]:
-    """Every shard an HF folder lists (``model.safetensors.index.json``, or one ``model.safetensors``)."""
-    if store.exists(INDEX_NAME):
-        try:
-            weight_map = _json_object(store.read_bytes(INDEX_NAME), f"{store.url}/{INDEX_NAME}")["weight_map"]
-            files = sorted(set(weight_map.values()))
-        except (KeyError, TypeError, AttributeError):
-            raise CorruptCheckpointError(f"{store.url}/{INDEX_NAME}: no weight_map of file names") from None
-    elif store.exists("model.safetensors"):
-        files = ["model.safetensors"]
-    else:
-        raise CkptkitError(f"{store.url}: neither {INDEX_NAME} nor model.safetensors")
-    for f in files:
-        if not isinstance(f, str) or "/" in f or f.startswith(".") or not f.endswith(".safetensors"):
-            raise CorruptCheckpointError(f"{store.url}/{INDEX_NAME}: {f!r} is not a plain .safetensors file name")
-    return {f: SafetensorsFile(store, f) for f in files}
+__all__ = ["HF_ONLY", "INDEX_NAME", "SafetensorsFile", "import_hf", "open_files", "plan_import", "read_hf"]
 
 
 # ---------------------------------------------------------------- grouping
@@ -163,39 +84,31 @@ class Target:
     pieces: tuple[Piece, ...]
 
 
-def plan_import(files: Mapping[str, SafetensorsFile], family: Family, cfg: HFConfig, where: str) -> list[Target]:
-    """Every checkpoint tensor the HF tensors form, checked complete."""
+def plan_import(files: Mapping[str, SafetensorsFile], family: Family, cfg: HFConfig, where: str,
+                weight_map: Mapping[str, str] | None = None) -> list[Target]:
+    """Every checkpoint tensor the HF tensors form, once the folder is checked to be the model its config
+    describes (:func:`~ckptkit_converters.hf_expect.check_folder`: presence, counts, shapes, dtypes) and
+    the index to agree with the shards."""
+    counts = check_folder(files, family, cfg, where, weight_map)
+    if weight_map is not None:
+        check_index(dict(weight_map), dict(files), f"{where}/{INDEX_NAME}")
     found: dict[tuple[str, int | None], dict[tuple[int | None, int | None], dict[int, tuple[str, str]]]] = {}
     rules: dict[str, Rule] = {}
-    unknown = []
     for fname, f in files.items():
         for name in f.entries:
             if name.endswith(HF_ONLY):
                 continue
-            hits = match_hf(family, name)
-            if not hits:
-                unknown.append(name)
-                continue
-            rule, out, layer, expert = hits[0]
+            rule, out, layer, expert = match_hf(family, name)[0]
             key = rule.ours.format(l=layer) if rule.per_layer else rule.ours
             group = (key, layer if rule.layer_axis else None)
             slot = found.setdefault(group, {}).setdefault((layer if rule.layer_axis else None, expert), {})
-            i = rule.outs.index(out)
-            if i in slot:
-                raise CorruptCheckpointError(f"{where}: HF tensor {name!r} is in both {slot[i][0]} and {fname}")
-            slot[i] = (fname, name)
+            slot[rule.outs.index(out)] = (fname, name)
             rules[key] = rule
-    if unknown:
-        raise MissingKeysError(f"{where}: no {family.name} checkpoint name for {len(unknown)} HF tensor(s): "
-                               f"{', '.join(sorted(unknown)[:5])}{' ...' if len(unknown) > 5 else ''}")
     by_key: dict[str, dict[tuple[int | None, int | None], dict[int, tuple[str, str]]]] = {}
     for (key, _), slots in found.items():
         by_key.setdefault(key, {}).update(slots)
-    experts = cfg.num_experts or max((e + 1 for slots in by_key.values() for (_, e) in slots if e is not None),
-                                     default=0)
-    layers = cfg.num_layers or max((layer + 1 for slots in by_key.values() for (layer, _) in slots
-                                    if layer is not None), default=0)
-    return [_target(key, rules[key], slots, files, experts, layers, cfg, where) for key, slots in sorted(by_key.items())]
+    return [_target(key, rules[key], slots, files, counts.experts, counts.layers, cfg, where)
+            for key, slots in sorted(by_key.items())]
 
 
 def _target(key: str, rule: Rule, slots: dict[tuple[int | None, int | None], dict[int, tuple[str, str]]],
@@ -277,9 +190,9 @@ def read_hf(
     ``config`` / ``family`` / ``naming`` pick the table as the export does (no ``model_type``: Llama).
     """
     cfg = HFConfig.of(config)
-    store = open_store(source, storage_options)
-    files = open_files(store)
-    targets = plan_import(files, _family(cfg, family, naming), cfg, store.url)
+    store = open_source(source, storage_options)
+    files, weight_map = open_folder(store)
+    targets = plan_import(files, _family(cfg, family, naming), cfg, store.url, weight_map)
     out = {}
     for t in targets:
         full = torch.empty(t.shape, dtype=t.dtype)
@@ -360,9 +273,9 @@ def import_hf(
     """
     t0 = time.perf_counter()
     cfg = HFConfig.of(config)
-    src = open_store(source, storage_options)
-    files = open_files(src)
-    targets = plan_import(files, _family(cfg, family, naming), cfg, src.url)
+    src = open_source(source, storage_options)
+    files, weight_map = open_folder(src)
+    targets = plan_import(files, _family(cfg, family, naming), cfg, src.url, weight_map)
     tensors = {prefix + t.key: _Spec(str(t.dtype).removeprefix("torch."), t.shape) for t in targets}
     order: list[tuple[Target, Piece]] = []
     items: list[tuple[str, Region]] = []

@@ -2,9 +2,11 @@
 
 * :class:`HFConfig`: what a Hugging Face ``config.json`` says that the tensors do not (head
   counts for the rotary permutation and Megatron's fused QKV, the true vocabulary size, the
-  expert and layer counts to check completeness against, whether embeddings are tied). A
-  field is asked for only where a conversion needs it (:meth:`HFConfig.need`), and a missing
-  one is an error naming the file, the field and why it is needed.
+  expert and layer counts to check completeness against, whether embeddings are tied, the sizes
+  an import checks every tensor's shape against). Each field is checked as it is read (the JSON
+  type, sizes positive, head counts that divide); a field is asked for only where a conversion
+  needs it (:meth:`HFConfig.need`), and a missing one is an error naming the file, the field and
+  why it is needed.
 * :class:`Unit`: one read of the checkpoint (a tensor, or one layer / one expert slice of a
   stacked tensor, ``view[key][l, e]``) and the HF tensors made from it. Units are what bounds
   memory: the export never holds more than a unit or two.
@@ -15,7 +17,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from functools import cache
 
 import torch
 from ckptkit_converters.hf_families import FAMILIES, Family, Out, Rule
+from ckptkit_converters.hf_files import read_local_json, shown
 
 from ckptkit.errors import CkptkitError
 
@@ -53,7 +55,10 @@ class HFConfig:
     ``model_type`` picks the key table; ``n_heads`` / ``n_kv_heads`` (``num_attention_heads``,
     ``num_key_value_heads``), ``vocab_size``, ``num_layers`` (``num_hidden_layers``),
     ``num_experts`` (``num_experts``, ``num_local_experts`` or ``n_routed_experts``: the
-    family's own name), ``tie_word_embeddings``. ``source`` names the file in errors.
+    family's own name, kept in ``experts_field``), ``tie_word_embeddings``. ``source`` names the
+    file in errors. The rest are the sizes an import checks every tensor's shape against
+    (:mod:`ckptkit_converters.hf_expect`): ``q_lora_rank`` is 0 where the config says null (no
+    low-rank query), None where it does not say; ``dtype`` is ``torch_dtype`` / ``dtype``.
     """
 
     model_type: str | None = None
@@ -64,39 +69,85 @@ class HFConfig:
     num_experts: int | None = None
     tie_word_embeddings: bool | None = None
     source: str = "the HF config"
+    hidden_size: int | None = None
+    intermediate_size: int | None = None
+    head_dim: int | None = None
+    moe_intermediate_size: int | None = None
+    shared_expert_intermediate_size: int | None = None
+    n_shared_experts: int | None = None
+    q_lora_rank: int | None = None
+    kv_lora_rank: int | None = None
+    qk_nope_head_dim: int | None = None
+    qk_rope_head_dim: int | None = None
+    v_head_dim: int | None = None
+    first_k_dense_replace: int | None = None
+    decoder_sparse_step: int | None = None
+    mlp_only_layers: tuple[int, ...] | None = None
+    attention_bias: bool | None = None
+    dtype: str | None = None
+    experts_field: str = "num_experts"
 
     @staticmethod
     def from_file(path: str | os.PathLike[str]) -> HFConfig:
-        where = os.fspath(path)
-        try:
-            with open(where) as f:
-                doc = json.load(f)
-        except (OSError, ValueError) as exc:
-            raise CkptkitError(f"{where}: not a readable JSON config ({exc})") from None
-        if not isinstance(doc, dict):
-            raise CkptkitError(f"{where}: not a JSON object")
-        return HFConfig.from_dict(doc, where)
+        """From a local ``config.json``: a regular file (links followed: a hub snapshot's is one), parsed
+        strictly (no duplicate keys, NaN or deep nesting) and checked (:meth:`from_dict`)."""
+        return HFConfig.from_dict(read_local_json(path), os.fspath(path))
 
     @staticmethod
     def from_dict(doc: dict[str, object], source: str = "the HF config") -> HFConfig:
-        def integer(name: str) -> int | None:
+        """The fields, each of the JSON type it must have, and a model they can describe: sizes positive,
+        ``num_attention_heads`` a multiple of ``num_key_value_heads``, ``hidden_size`` a multiple of
+        ``num_attention_heads`` where the head size comes from it (no ``head_dim``)."""
+        def integer(name: str, minimum: int = 1) -> int | None:
             v = doc.get(name)
             if v is None:
                 return None
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise CkptkitError(f"{source}: {name!r} must be a positive integer, got {v!r}")
+            if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+                what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+                raise CkptkitError(f"{source}: {name!r} must be {what}, got {shown(v)}")
             return v
 
-        tie = doc.get("tie_word_embeddings")
-        if tie is not None and not isinstance(tie, bool):
-            raise CkptkitError(f"{source}: 'tie_word_embeddings' must be true or false, got {tie!r}")
-        mt = doc.get("model_type")
-        if mt is not None and not isinstance(mt, str):
-            raise CkptkitError(f"{source}: 'model_type' must be a string, got {mt!r}")
-        experts = next((integer(f) for f in _EXPERT_FIELDS if doc.get(f) is not None), None)
+        def flag(name: str) -> bool | None:
+            v = doc.get(name)
+            if v is not None and not isinstance(v, bool):
+                raise CkptkitError(f"{source}: {name!r} must be true or false, got {shown(v)}")
+            return v
+
+        def text(name: str) -> str | None:
+            v = doc.get(name)
+            if v is not None and not isinstance(v, str):
+                raise CkptkitError(f"{source}: {name!r} must be a string, got {shown(v)}")
+            return v
+
+        field = next((f for f in _EXPERT_FIELDS if doc.get(f) is not None), "num_experts")
         n = integer("num_attention_heads")
-        return HFConfig(mt, n, integer("num_key_value_heads") or n, integer("vocab_size"),
-                        integer("num_hidden_layers"), experts, tie, source)
+        kv = integer("num_key_value_heads") or n
+        return HFConfig(text("model_type"), n, kv, integer("vocab_size"), integer("num_hidden_layers"),
+                       integer(field), flag("tie_word_embeddings"), source,
+                       hidden_size=integer("hidden_size"), intermediate_size=integer("intermediate_size"),
+                       head_dim=integer("head_dim"), moe_intermediate_size=integer("moe_intermediate_size"),
+                       shared_expert_intermediate_size=integer("shared_expert_intermediate_size"),
+                       n_shared_experts=integer("n_shared_experts"),
+                       q_lora_rank=(0 if "q_lora_rank" in doc and doc["q_lora_rank"] is None
+                                    else integer("q_lora_rank")),
+                       kv_lora_rank=integer("kv_lora_rank"), qk_nope_head_dim=integer("qk_nope_head_dim"),
+                       qk_rope_head_dim=integer("qk_rope_head_dim"), v_head_dim=integer("v_head_dim"),
+                       first_k_dense_replace=integer("first_k_dense_replace", 0),
+                       decoder_sparse_step=integer("decoder_sparse_step"),
+                       mlp_only_layers=_layer_list(doc.get("mlp_only_layers"), source),
+                       attention_bias=flag("attention_bias"), dtype=text("torch_dtype") or text("dtype"),
+                       experts_field=field)
+
+    def __post_init__(self) -> None:
+        """Sizes that must divide do (CkptkitError naming the fields), however the config was made."""
+        n, kv = self.n_heads, self.n_kv_heads
+        if n is not None and kv is not None and n % kv:
+            raise CkptkitError(f"{self.source}: num_attention_heads {n} is not a multiple of num_key_value_heads "
+                               f"{kv} (each key/value head serves a whole group of query heads)")
+        if (n is not None and self.hidden_size is not None and self.head_dim is None
+                and self.model_type != "deepseek_v3" and self.hidden_size % n):
+            raise CkptkitError(f"{self.source}: hidden_size {self.hidden_size} is not a multiple of "
+                               f"num_attention_heads {n}, and no head_dim says the head size")
 
     @staticmethod
     def of(heads: HFConfig | AttentionHeads | None) -> HFConfig:
@@ -280,6 +331,14 @@ def invert(rule: Rule, parts: list[torch.Tensor], cfg: HFConfig, permute: bool, 
     if takes == ["gate", "up"]:
         return torch.cat(xs, 0)
     return xs[0]
+
+
+def _layer_list(v: object, source: str) -> tuple[int, ...] | None:
+    if v is None:
+        return None
+    if not isinstance(v, list) or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v):
+        raise CkptkitError(f"{source}: 'mlp_only_layers' must be a list of layer numbers, got {shown(v)}")
+    return tuple(v)
 
 
 def _heads(cfg: HFConfig, rope: str, where: str) -> int:
