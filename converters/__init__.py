@@ -8,7 +8,9 @@ type (``ckptkit.engine.offline_writer.ConvertResult``). Its importers are regist
 
 This is the only place where foreign pickle-based formats may be opened, and only through
 :mod:`ckptkit_converters.safe_unpickle`: an allow-list unpickler for DCP's ``.metadata``, and
-``torch.load(weights_only=True)`` with exactly each format's inert stand-ins for ``.pt`` files;
+``torch.load`` with an allow-list unpickler built for that call (torch's ``weights_only`` globals
+plus exactly each format's inert stand-ins; torch's process-wide ``safe_globals`` is never used) for
+``.pt`` files;
 ``ckptkit/`` itself never unpickles (docs/converters.md, "What is trusted"). DCP:
 :mod:`ckptkit_converters.dcp`; DeepSpeed ZeRO: :mod:`ckptkit_converters.deepspeed`; Megatron:
 :mod:`ckptkit_converters.megatron` (docs/megatron.md); Hugging Face safetensors export:
