@@ -8,6 +8,12 @@ AdamW passed in by the caller or DeepSpeed's config Adam with
 scheduler. The global batch is 8 samples at every DP size (micro batch
 8 / dp), so runs at different DP sizes take the same optimizer steps.
 Reported losses are global means (all-reduced), comparable across DP sizes.
+
+ZeRO-3 runs with ``memory_efficient_linear`` off, so every stage computes
+``torch.nn.functional.linear`` itself (ZeRO-3's own linear autograd function
+rounds differently): engines at different stages then do the same arithmetic
+on the same DP size, which is what lets tests/test_deepspeed.py compare a
+resume at another stage with a reference bit for bit.
 """
 
 from __future__ import annotations
@@ -101,6 +107,8 @@ def config(stage: int, dtype: str, *, config_optimizer: bool = False, gas: int =
     }
     if config_optimizer:
         cfg["optimizer"] = {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True, "weight_decay": 0.01}}
+    if stage == 3:
+        cfg["zero_optimization"]["memory_efficient_linear"] = False  # see the module docstring
     if dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
     cfg.update(extra)
@@ -175,9 +183,11 @@ def eval_loss(engine: Any) -> float:
 
 
 def train_and_save(stage: int, dtype: str, folder: str, *, save_step: int, steps: int,
-                   config_optimizer: bool = False, native: bool = True, model: str = "mlp") -> dict[str, Any]:
+                   config_optimizer: bool = False, native: bool = True, model: str = "mlp",
+                   universal: bool = False) -> dict[str, Any]:
     """The uninterrupted reference run: saves asynchronously with ckptkit at ``save_step``
-    (and natively with DeepSpeed), keeps training to ``steps``."""
+    (and natively with DeepSpeed; ``universal``: that converted by DeepSpeed's ds_to_universal, see
+    :func:`resume_universal`), keeps training to ``steps``."""
     from ckptkit.adapters import deepspeed as ds_ckpt
 
     engine = build(stage, dtype, config_optimizer=config_optimizer, model=model)
@@ -193,6 +203,8 @@ def train_and_save(stage: int, dtype: str, folder: str, *, save_step: int, steps
             if native:
                 engine.save_checkpoint(f"{folder}/native", tag=f"global_step{step}",
                                        client_state={"epoch": 7, "note": "x"})
+                if universal:
+                    to_universal(f"{folder}/native", f"{folder}/universal", f"global_step{step}")
     # steps 3 and 4 ran while the checkpoint persisted: the snapshot must not see them
     out["committed"] = handle.committed.result() is not None
     out["losses"] = losses
@@ -202,21 +214,85 @@ def train_and_save(stage: int, dtype: str, folder: str, *, save_step: int, steps
 
 def resume(stage: int, dtype: str, path: str, *, from_step: int, steps: int,
            config_optimizer: bool = False, gas: int = 1, model: str = "mlp",
-           resave: str | None = None) -> dict[str, Any]:
+           resave: str | None = None, load_optimizer_states: bool = True, perturb: bool = False) -> dict[str, Any]:
     """Load ``path`` into a fresh engine (``resave``: then save it again right away, so the test can
-    compare the two checkpoints in model space), evaluate, and train on."""
+    compare the two checkpoints in model space), evaluate, and train on. Negative controls: ``perturb`` scales
+    the fp32 master of ``fc2.weight`` by 1.001 after the load; ``load_optimizer_states=False`` keeps a fresh Adam."""
     from ckptkit.adapters import deepspeed as ds_ckpt
 
     engine = build(stage, dtype, config_optimizer=config_optimizer, gas=gas, model=model)
-    client = ds_ckpt.load(engine, path)
+    client = ds_ckpt.load(engine, path, load_optimizer_states=load_optimizer_states)
+    if perturb:
+        _scale_master(engine, "fc2.weight", 1.001)
     if resave is not None:
         ds_ckpt.save(engine, resave, client_state=client)
-    out: dict[str, Any] = {"client": client, "eval": eval_loss(engine), "lr": engine.get_lr(),
-                           "global_steps": engine.global_steps, "global_samples": engine.global_samples}
+    return _train_on(engine, {"client": client}, from_step, steps)
+
+
+def _train_on(engine: Any, out: dict[str, Any], from_step: int, steps: int) -> dict[str, Any]:
+    """Report what a resumed engine is compared on (eval, LR, counters), then train to ``steps``."""
+    out.update({"eval": eval_loss(engine), "lr": engine.get_lr(), "global_steps": engine.global_steps,
+                "global_samples": engine.global_samples})
     out["losses"] = {step: train_step(engine, step) for step in range(from_step + 1, steps + 1)}
     out["final_eval"] = eval_loss(engine)
     out["micro_steps"] = engine.micro_steps
     return out
+
+
+def controls(stage: int, dtype: str, path: str, *, from_step: int, steps: int) -> dict[str, Any]:
+    """The negative controls of the reference comparison in one call: one tensor perturbed, a fresh optimizer."""
+    return {"perturbed": resume(stage, dtype, path, from_step=from_step, steps=steps, perturb=True),
+            "fresh_optimizer": resume(stage, dtype, path, from_step=from_step, steps=steps,
+                                      load_optimizer_states=False)}
+
+
+def _scale_master(engine: Any, name: str, factor: float) -> None:
+    """Scale one parameter's fp32 master through DeepSpeed's own fragment API and re-derive the training weights."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_set_full_fp32_param
+
+    assert engine.zero_optimization_stage() < 3, "the control runs at ZeRO 1/2"
+    param = dict(engine.module.named_parameters())[name]
+    safe_set_full_fp32_param(param, safe_get_full_fp32_param(param) * factor)
+    engine.optimizer.update_lp_params()
+
+
+# ---- DeepSpeed's own route to another DP size: the reference a resume there is compared with
+#
+# DeepSpeed's native loader refuses another DP size; its universal checkpoint is its own way there: the native
+# save converted by deepspeed.checkpoint.ds_to_universal into one file per parameter and state, loaded with
+# "load_universal". An engine resumed that way at a DP size does the arithmetic a ckptkit resume there does,
+# so the two must be bit-equal on any machine. (DeepSpeed's converter does not handle DeepSpeed-MoE, whose
+# expert files it merges across EP ranks; tests/test_deepspeed_moe.py uses DeepSpeed's native loader instead.)
+
+
+def to_universal(native: str, out: str, tag: str) -> None:
+    """``ds_to_universal`` of ``native``/``tag`` into ``out`` (rank 0; the others wait). The checkpoints here do
+    not come from Megatron-DeepSpeed, which records the ``universal_checkpoint_info`` the converter asks for:
+    ``inject_missing_state`` supplies DeepSpeed's default for a model without tensor parallelism."""
+    if dist.get_rank() == 0:
+        import argparse
+        import contextlib
+        import io
+
+        from deepspeed.checkpoint import ds_to_universal
+
+        args = argparse.Namespace(input_folder=os.path.join(native, tag), output_folder=os.path.join(out, tag),
+                                  num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False, strict=True,
+                                  inject_missing_state=True)
+        with contextlib.redirect_stdout(io.StringIO()):
+            ds_to_universal.main(args)
+        with open(os.path.join(out, "latest_universal"), "w") as f:
+            f.write(tag)
+    dist.barrier()
+
+
+def resume_universal(stage: int, dtype: str, path: str, *, from_step: int, steps: int,
+                     config_optimizer: bool = False, gas: int = 1) -> dict[str, Any]:
+    """DeepSpeed's own resume of a universal checkpoint at this world's DP size (the reference run)."""
+    engine = build(stage, dtype, config_optimizer=config_optimizer, gas=gas, checkpoint={"load_universal": True})
+    _, client = engine.load_checkpoint(path)
+    return _train_on(engine, {"client": {k: client[k] for k in ("epoch", "note", "last") if k in client}},
+                     from_step, steps)
 
 
 def layout_facts(stage: int, dtype: str, zero_extra: dict[str, Any]) -> dict[str, Any]:
@@ -279,8 +355,10 @@ def resume_native(stage: int, dtype: str, folder: str, *, from_step: int, steps:
     return out
 
 
-def checkpointer_run(stage: int, dtype: str, root: str, *, steps: int, resume: bool) -> dict[str, Any]:
-    """Train with DeepSpeedCheckpointer (every 2 steps, keep 2), optionally resuming from ``root`` first."""
+def checkpointer_run(stage: int, dtype: str, root: str, *, steps: int, resume: bool,
+                     universal: str | None = None) -> dict[str, Any]:
+    """Train with DeepSpeedCheckpointer (every 2 steps, keep 2), optionally resuming from ``root`` first
+    (``universal``: at the end also save natively and convert that for :func:`resume_universal`)."""
     from ckptkit.adapters.deepspeed import DeepSpeedCheckpointer
 
     engine = build(stage, dtype)
@@ -292,6 +370,9 @@ def checkpointer_run(stage: int, dtype: str, root: str, *, steps: int, resume: b
         losses[step] = train_step(engine, step)
         ckpt.maybe_save(client_state={"last": step})
     ckpt.close()
+    if universal is not None:
+        engine.save_checkpoint(f"{universal}/native", tag=f"global_step{steps}", client_state={"last": steps})
+        to_universal(f"{universal}/native", f"{universal}/universal", f"global_step{steps}")
     return {"client": client, "start": start, "losses": losses, "eval": eval_loss(engine)}
 
 

@@ -156,7 +156,8 @@ def dtype_config(dtype: str) -> dict[str, Any]:
 def train_and_save(stage: int, ep: int, folder: str, *, save_step: int, steps: int,
                    dtype: str = "fp32") -> dict[str, Any]:
     """The uninterrupted reference run: saves with ckptkit (asynchronously) and natively with DeepSpeed
-    at ``save_step``, keeps training to ``steps``."""
+    at ``save_step``, keeps training to ``steps``. Without ZeRO (stage 0, which the adapter does not save) it
+    also reports what the engine held for its dense parameters then (:func:`dense_state`)."""
     from ckptkit.adapters import deepspeed as ds_ckpt
 
     engine = build(stage, ep, **dtype_config(dtype))
@@ -171,9 +172,28 @@ def train_and_save(stage: int, ep: int, folder: str, *, save_step: int, steps: i
             out["eval"] = eval_loss(engine)
             out["lr"] = engine.get_lr()
             engine.save_checkpoint(f"{folder}/native", tag=f"global_step{step}", client_state={"epoch": 7})
+            if stage == 0:
+                out["dense_state"] = dense_state(engine)
     out["committed"] = handle is None or handle.committed.result() is not None
     out["losses"] = losses
     out["final_eval"] = eval_loss(engine)
+    return out
+
+
+def dense_state(engine: Any) -> dict[str, torch.Tensor]:
+    """A stage-0 engine's dense parameters and buffers under the keys of ckptkit's DeepSpeed adapter: the
+    weights (without ZeRO they are the fp32 masters) and the torch optimizer's moments. Dense parameters are
+    replicated, so any rank's copy is the model's."""
+    from ckptkit.adapters.deepspeed import FP32, model_key, optim_key
+
+    opt = engine.optimizer
+    out = {}
+    for name, p in engine.module.named_parameters():
+        if getattr(p, "allreduce", True):  # DeepSpeed marks expert parameters allreduce=False
+            out[model_key(name)] = out[optim_key(FP32, name)] = p.detach().clone()
+            for key in ("exp_avg", "exp_avg_sq"):
+                out[optim_key(key, name)] = opt.state[p][key].clone()
+    out.update({model_key(name): b.clone() for name, b in engine.module.named_buffers()})
     return out
 
 

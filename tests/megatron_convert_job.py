@@ -68,7 +68,9 @@ def _global_tensors(modules: list[Any]) -> dict[str, torch.Tensor]:
 
 
 def train_and_save(folder: str, tied: bool) -> dict[str, Any]:
-    """Train at tp2pp2, save torch_dist and legacy; then load torch_dist at tp1pp1 as the reference."""
+    """Train at tp2pp2, save torch_dist and legacy; then load torch_dist at tp1pp1 as the reference. Also
+    Megatron's load of torch_dist back at tp2pp2: its eval is the trained model's (the same weights, the same
+    arithmetic), which is what makes the tp1pp1 load the trained model."""
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
 
@@ -105,15 +107,16 @@ def train_and_save(folder: str, tied: bool) -> dict[str, Any]:
         with open(os.path.join(folder, "legacy", "latest_checkpointed_iteration.txt"), "w") as f:
             f.write(str(it))
     dist.barrier()
+    reload_loss = load_and_eval(tdir, layout.tp, layout.pp, tied)
     ref_trainer = mm.setup(mm.Layout(tp=1, pp=1, tied=tied))
     ref = ref_trainer.model[0].module
     # load() returns common.pt's items (iteration, args ...) beside the sharded ones: wrap like Megatron-LM
     ref.load_state_dict(dist_checkpointing.load({"model": ref.sharded_state_dict()}, tdir)["model"])
-    ref_loss = mm.eval_loss(ref_trainer)
     tensors = _global_tensors([ref])
     mm.teardown()
     first = dist.get_rank() == 0
-    return {"loss": loss, "ref_loss": ref_loss, "iteration": it, "tensors": tensors if first else None,
+    return {"loss": loss, "reload_loss": reload_loss, "iteration": it,
+            "tensors": tensors if first else None,
             "optimizer": optimizer if first else None}
 
 

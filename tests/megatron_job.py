@@ -20,9 +20,10 @@ def _options(divisible_by: int) -> Any:
 
 
 def train_and_save(layout: mm.Layout, folder: str, *, save_step: int, steps: int, asynchronous: bool = True,
-                   megatron_folder: str | None = None) -> dict[str, Any]:
-    """The uninterrupted reference run: train to ``steps``, saving with ckptkit after ``save_step``
-    (and, if asked, with Megatron's own dist_checkpointing, model weights only)."""
+                   megatron_folder: str | None = None, megatron_model_folder: str | None = None) -> dict[str, Any]:
+    """The uninterrupted reference run: train to ``steps``, saving with ckptkit after ``save_step`` (and, if
+    asked, with Megatron's own dist_checkpointing: the whole training state, see :func:`megatron_save`, and
+    the model weights alone: what ckptkit's torch_dist import takes for a ChainedOptimizer's MoE job)."""
     from ckptkit.adapters import megatron as mckpt
 
     t = mm.setup(layout)
@@ -37,9 +38,11 @@ def train_and_save(layout: mm.Layout, folder: str, *, save_step: int, steps: int
                             extra={"consumed_samples": 8 * t.iteration}, options=_options(layout.divisible_by),
                             asynchronous=asynchronous)
         if megatron_folder is not None:
+            megatron_save(t, megatron_folder)
+        if megatron_model_folder is not None:
             from megatron.core import dist_checkpointing
 
-            dist_checkpointing.save(_model_sd(t), megatron_folder)
+            dist_checkpointing.save(_model_sd(t), megatron_model_folder)
         for _ in range(save_step, steps):  # training goes on while the checkpoint persists
             step = t.iteration + 1
             out["losses"][step] = mm.train_step(t)
@@ -49,6 +52,7 @@ def train_and_save(layout: mm.Layout, folder: str, *, save_step: int, steps: int
 
             ckptkit.close_async()
         out["final_eval"] = mm.eval_loss(t)
+        out["grad_norms"] = t.grad_norms
         return out
     finally:
         mm.teardown()
@@ -62,31 +66,196 @@ def _model_sd(t: mm.Trainer) -> dict[str, Any]:
 
 
 def resume(layout: mm.Layout, folder: str, *, steps: int, load_optimizer: bool = True,
-           save_again: str | None = None) -> dict[str, Any]:
-    """A fresh job at ``layout`` loads the checkpoint, reports its eval loss, and trains on to ``steps``."""
+           save_again: str | None = None, perturb: bool = False) -> dict[str, Any]:
+    """A fresh job at ``layout`` loads the checkpoint, reports its eval loss, and trains on to ``steps``.
+
+    ``perturb`` (negative control): scale the final norm's weight by 1.001 right after the load."""
     from ckptkit.adapters import megatron as mckpt
 
     t = mm.setup(layout, seed=999)  # other initial weights: everything must come from the checkpoint
     try:
         info = mckpt.load(t.model, folder, optimizer=t.optimizer if load_optimizer else None, scheduler=t.scheduler)
         t.iteration = info.iteration
-        out: dict[str, Any] = {"eval": mm.eval_loss(t), "iteration": info.iteration, "extra": info.extra,
-                               "rng_restored": info.rng_restored, "lr": t.optimizer.param_groups[0]["lr"],
-                               "losses": {}}
+        if perturb:
+            _scale_final_norm(t, 1.001)
+        out: dict[str, Any] = {"extra": info.extra, "rng_restored": info.rng_restored}
         if save_again is not None:
             mckpt.save(t.model, save_again, optimizer=t.optimizer, scheduler=t.scheduler, iteration=t.iteration,
                        extra=info.extra, options=_options(layout.divisible_by))
-        while t.iteration < steps:
-            step = t.iteration + 1
-            out["losses"][step] = mm.train_step(t)
-        out["final_eval"] = mm.eval_loss(t)
-        return out
+        return _train_on(t, out, steps)
     finally:
         mm.teardown()
 
 
+def controls(layout: mm.Layout, folder: str, *, steps: int) -> dict[str, Any]:
+    """The negative controls of the reference comparison, in one call: a resume with the final norm's weight
+    scaled by 1.001 after the load, and one that does not load the optimizer (a fresh Adam)."""
+    return {"perturbed": resume(layout, folder, steps=steps, perturb=True),
+            "fresh_optimizer": resume(layout, folder, steps=steps, load_optimizer=False)}
+
+
+def _scale_final_norm(t: mm.Trainer, factor: float) -> None:
+    from ckptkit.adapters.megatron.model_space import unwrap
+
+    for chunk in t.model:  # the last pipeline stage holds it; with fp32 weights the optimizer's copy is a view
+        for name, p in unwrap(chunk).named_parameters():
+            if name == "decoder.final_layernorm.weight":
+                with torch.no_grad():
+                    p.mul_(factor)
+
+
+def _train_on(t: mm.Trainer, out: dict[str, Any], steps: int) -> dict[str, Any]:
+    """Report what a resumed job is compared on (eval, LR, iteration), then train to ``steps``."""
+    out.update({"eval": mm.eval_loss(t), "iteration": t.iteration, "lr": t.optimizer.param_groups[0]["lr"],
+                "losses": {}})
+    while t.iteration < steps:
+        step = t.iteration + 1
+        out["losses"][step] = mm.train_step(t)
+    out["final_eval"] = mm.eval_loss(t)
+    out["grad_norms"] = t.grad_norms
+    return out
+
+
+# ---- Megatron's own checkpointing: the independent route a cross-layout resume is compared with
+#
+# A resume at another layout reduces in another order, so its losses are not the saving run's to the last bit.
+# What it must equal is a run at the *same* layout that starts from the same state by a route that shares no
+# code with ckptkit: Megatron's dist_checkpointing save of the whole training state at the saving layout, and
+# its load at the new one. Both runs then do the same arithmetic: eval, losses and final eval are == on any
+# machine. Megatron-core 0.16 on CPU (torch's Adam, no Apex/TE) needs three fixes on its load path, marked below.
+
+_MEGATRON_OPTIM = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
+def _train_state_sd(t: mm.Trainer, *, loading: bool) -> dict[str, Any]:
+    """Megatron's sharded state dict of the training state, as Megatron-LM's trainer builds it: every model chunk
+    and the optimizer in model space (the distributed optimizer's ``fully_reshardable`` form)."""
+    model = _model_sd(t)
+    if loading:
+        _create_adam_states(t.optimizer)
+    return {**model, "optimizer": t.optimizer.sharded_state_dict(model, is_loading=loading, metadata=_MEGATRON_OPTIM)}
+
+
+def megatron_save(t: mm.Trainer, megatron_folder: str) -> None:
+    """Megatron's own save of the whole training state: model, optimizer, scheduler and iteration."""
+    from megatron.core import dist_checkpointing
+
+    if torch.distributed.get_rank() == 0:
+        import os
+
+        os.makedirs(megatron_folder, exist_ok=True)
+    torch.distributed.barrier()
+    dist_checkpointing.save({**_train_state_sd(t, loading=False), "scheduler": t.scheduler.state_dict(),
+                             "iteration": t.iteration}, megatron_folder)
+
+
+def megatron_reference(layout: mm.Layout, megatron_folder: str, *, steps: int, zero_padding_eval: bool = False,
+                       weights_only: bool = False) -> dict[str, Any]:
+    """The reference run at ``layout``: Megatron's own load of :func:`megatron_save`'s checkpoint, then the
+    resumed job's steps. ``zero_padding_eval``: also the eval with the vocabulary padding rows zeroed (what an
+    import without them loads). ``weights_only``: load the model alone (where Megatron cannot load the optimizer
+    at ``layout``): only its first forward is a reference then."""
+    from megatron.core import dist_checkpointing
+
+    from ckptkit.adapters.megatron.model_space import unwrap
+
+    t = mm.setup(layout, seed=999)
+    try:
+        if weights_only:
+            loaded = dist_checkpointing.load(_model_sd(t), megatron_folder)
+            for i, chunk in enumerate(t.model):
+                unwrap(chunk).load_state_dict(loaded[f"model{i}"], strict=False)
+        else:
+            with _step_kept_on_load():
+                loaded = dist_checkpointing.load(_train_state_sd(t, loading=True), megatron_folder)
+                for i, chunk in enumerate(t.model):
+                    unwrap(chunk).load_state_dict(loaded[f"model{i}"])
+                t.optimizer.load_state_dict(loaded["optimizer"])
+            _unshare_adam_steps(t.optimizer)
+        common = dist_checkpointing.load_common_state_dict(megatron_folder)
+        t.scheduler.load_state_dict(common["scheduler"])
+        t.iteration = common["iteration"]
+        out: dict[str, Any] = {}
+        if zero_padding_eval:
+            out["eval_zero_padding"] = _eval_with_zero_padding(t)
+        return _train_on(t, out, steps)
+    finally:
+        mm.teardown()
+
+
+def _sub_optimizers(optimizer: Any) -> list[Any]:
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _create_adam_states(optimizer: Any) -> None:
+    """Fix 1: DistributedOptimizer.state_dict() asserts one Adam 'step' over the per-parameter states, which a
+    fresh optimizer has not created yet, so ``sharded_state_dict(is_loading=True)`` fails before loading; create
+    them as a first step would (the load overwrites every value)."""
+    for o in _sub_optimizers(optimizer):
+        o.init_state_fn(o.optimizer, o.config)
+        for st in o.optimizer.state.values():
+            st.setdefault("step", torch.tensor(0.0))
+
+
+class _step_kept_on_load:
+    """Fix 2: DistributedOptimizer.load_state_dict() puts the param groups' 'step' into every per-parameter state,
+    then copies the loaded parameter state over every key of it; the loaded parameter state has no 'step' (it
+    travels in the param groups), a KeyError. While loading, keep the step the first half restored."""
+
+    def __enter__(self) -> None:
+        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+        self.cls, self.orig = DistributedOptimizer, DistributedOptimizer._set_main_param_and_optimizer_states
+        orig = self.orig
+
+        def keep_step(opt: Any, model_param: Any, tensors: dict[str, torch.Tensor]) -> None:
+            g, o = opt.model_param_group_index_map[model_param]
+            state = opt.optimizer.state[opt.optimizer.param_groups[g]["params"][o]]
+            step = state.pop("step", None)
+            try:
+                orig(opt, model_param, tensors)
+            finally:
+                if step is not None:
+                    state["step"] = step
+
+        DistributedOptimizer._set_main_param_and_optimizer_states = keep_step
+
+    def __exit__(self, *exc: Any) -> None:
+        self.cls._set_main_param_and_optimizer_states = self.orig
+
+
+def _unshare_adam_steps(optimizer: Any) -> None:
+    """Fix 3: that restored 'step' is one tensor object shared by every parameter's state, and torch's Adam
+    increments it in place once per parameter: give each state its own copy, as a trained optimizer has."""
+    for o in _sub_optimizers(optimizer):
+        for st in o.optimizer.state.values():
+            if isinstance(st.get("step"), torch.Tensor):
+                st["step"] = st["step"].clone()
+
+
+def _eval_with_zero_padding(t: mm.Trainer) -> float:
+    """The eval loss with the vocabulary padding rows of the embedding and output layer zeroed, then restored."""
+    from megatron.core import parallel_state as ps
+
+    from ckptkit.adapters.megatron.model_space import unwrap
+
+    saved = []
+    for chunk in t.model:
+        for name, p in unwrap(chunk).named_parameters():
+            if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+                first = ps.get_tensor_model_parallel_rank() * p.shape[0]
+                rows = p.data[max(0, mm.VOCAB - first):]
+                saved.append((rows, rows.clone()))
+                rows.zero_()
+    try:
+        return mm.eval_loss(t)
+    finally:
+        for rows, value in saved:
+            rows.copy_(value)
+
+
 def megatron_reference_eval(layout: mm.Layout, megatron_folder: str) -> float:
-    """Megatron's own round trip: dist_checkpointing.load of its torch_dist save, at ``layout``."""
+    """Megatron's own load of the model alone (e.g. a torch_dist export, which has no optimizer) at ``layout``."""
     from megatron.core import dist_checkpointing
 
     from ckptkit.adapters.megatron.model_space import unwrap
@@ -127,8 +296,10 @@ def embedding_after_load(layout: mm.Layout, folder: str) -> dict[str, Any]:
         mm.teardown()
 
 
-def checkpointer_run(layout: mm.Layout, root: str, *, steps: int) -> dict[str, Any]:
-    """Train with MegatronCheckpointer saving every step (async, keep 2), or resume its newest step."""
+def checkpointer_run(layout: mm.Layout, root: str, *, steps: int, save_again: str | None = None) -> dict[str, Any]:
+    """Train with MegatronCheckpointer saving every step (async, keep 2), or resume its newest step
+    (``save_again``: save what was restored with the adapter right away, for a bit-exact comparison)."""
+    from ckptkit.adapters import megatron as mckpt
     from ckptkit.adapters.megatron import MegatronCheckpointer
 
     t = mm.setup(layout, seed=999)
@@ -138,6 +309,9 @@ def checkpointer_run(layout: mm.Layout, root: str, *, steps: int) -> dict[str, A
         info = ckpt.restore_latest()
         if info is not None:
             t.iteration = info.iteration
+            if save_again is not None:
+                mckpt.save(t.model, save_again, optimizer=t.optimizer, scheduler=t.scheduler, iteration=t.iteration,
+                           extra=info.extra, options=_options(layout.divisible_by))
         start = t.iteration
         losses = {}
         while t.iteration < steps:

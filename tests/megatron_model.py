@@ -11,7 +11,7 @@ replica ids the adapter sees are Megatron's own.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -24,6 +24,7 @@ SEQ = 16
 MICRO_BATCH = 2
 NUM_MICRO = 4
 LAYERS = 4
+CLIP_GRAD = 1.0
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,7 @@ class Trainer:
     optimizer: Any
     scheduler: Any
     iteration: int = 0
+    grad_norms: list[float] = field(default_factory=list)  # per step, before clipping (clip_grad = CLIP_GRAD)
 
 
 def setup(layout: Layout, seed: int = 1234) -> Trainer:
@@ -107,7 +109,7 @@ def setup(layout: Layout, seed: int = 1234) -> Trainer:
             model = Float16Module(config, model)
         chunks.append(DistributedDataParallel(config, ddp, model))
     opt_config = OptimizerConfig(optimizer="adam", lr=3e-3, min_lr=3e-4, weight_decay=0.01, use_distributed_optimizer=layout.dist_opt,
-                                 clip_grad=1.0, bf16=layout.bf16, fp16=False)
+                                 clip_grad=CLIP_GRAD, bf16=layout.bf16, fp16=False)
     # what Megatron's trainer sets: the schedule then all-reduces (or, for the distributed optimizer,
     # reduce-scatters) gradients over DP and the tied embedding's across the first and last stage
     config.finalize_model_grads_func = finalize_model_grads
@@ -244,8 +246,9 @@ def train_step(trainer: Trainer) -> float:
         chunk.zero_grad_buffer()
     trainer.optimizer.zero_grad()
     loss = _run(trainer, trainer.iteration + 1, forward_only=False)
-    ok, _, _ = trainer.optimizer.step()
+    ok, grad_norm, _ = trainer.optimizer.step()
     assert ok, "optimizer step skipped"
+    trainer.grad_norms.append(float(grad_norm))
     trainer.scheduler.step(increment=1)
     trainer.iteration += 1
     return loss

@@ -10,7 +10,7 @@ import sys
 import tempfile
 import time
 
-import pytest
+import torch
 
 import ckptkit
 from ckptkit.resilience.incidents import IncidentLog
@@ -139,18 +139,28 @@ def test_rank_0_killed_in_a_rewarm_window_resumes_at_another_world_size_like_the
 
     reference: list = []
     ref_run = str(tmp_path / "reference")
-    model, optim, sched = rm.build()
-    ctl = ckptkit.ResilienceController(ckptkit.CheckpointManager(ref_run, save=ckptkit.SavePolicy(every_steps=10),
-                                                                 keep=ckptkit.RetentionPolicy(keep_last=20)),
-                                       rm.spike_policy(), batch_size=rm.BATCH, signals=())
-    rm.run(ctl, model, optim, sched, steps=120, on_step=lambda *r: reference.append(r))
-    ctl.close()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the job's ranks run (tests/resilience_job.py): the same arithmetic
+    try:
+        model, optim, sched = rm.build()
+        ctl = ckptkit.ResilienceController(
+            ckptkit.CheckpointManager(ref_run, save=ckptkit.SavePolicy(every_steps=10),
+                                      keep=ckptkit.RetentionPolicy(keep_last=20)),
+            rm.spike_policy(), batch_size=rm.BATCH, signals=())
+        rm.run(ctl, model, optim, sched, steps=120, on_step=lambda *r: reference.append(r))
+        ctl.close()
+    finally:
+        torch.set_num_threads(threads)
 
     got, want = rm.final([r[1:] for r in trajectory(run)]), rm.final(reference)
-    assert [(s, p, lr) for s, p, lr, _ in got] == [(s, p, lr) for s, p, lr, _ in want]  # exactly
-    assert [loss for *_, loss in got] == pytest.approx([loss for *_, loss in want], rel=1e-5)
+    # exactly, losses too: every rank trains the whole batch alone (no gradient is reduced across ranks), so
+    # the job at 2 ranks, its restart at 1 and this run do the same single-threaded arithmetic
+    assert got == want
     assert [r[2] for r in got[70:90]] != [r[2] for r in got[50:70]]  # (there was a re-warm to repeat)
     restart = next(i for i in incidents(run) if i.kind == "restart")
-    assert restart.step == 70 and restart.data["steps_lost"] == 7, restart
-    assert restart.data["exact"] or restart.data["steps_lost_max"] == 8
+    # steps 71-77 were lost; rank 0's progress marker is written by a background thread, so on a busy machine
+    # the kill can land before it records the last step or two: the account must bracket the truth, and be
+    # it when it says it is exact
+    assert restart.step == 70 and restart.data["steps_lost"] <= 7 <= restart.data["steps_lost_max"], restart
+    assert not restart.data["exact"] or restart.data["steps_lost"] == 7, restart
     shutil.rmtree(os.path.dirname(run), ignore_errors=True)
