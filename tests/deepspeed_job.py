@@ -287,9 +287,10 @@ def to_universal(native: str, out: str, tag: str) -> None:
 
 
 def resume_universal(stage: int, dtype: str, path: str, *, from_step: int, steps: int,
-                     config_optimizer: bool = False, gas: int = 1) -> dict[str, Any]:
+                     config_optimizer: bool = False, gas: int = 1, model: str = "mlp") -> dict[str, Any]:
     """DeepSpeed's own resume of a universal checkpoint at this world's DP size (the reference run)."""
-    engine = build(stage, dtype, config_optimizer=config_optimizer, gas=gas, checkpoint={"load_universal": True})
+    engine = build(stage, dtype, config_optimizer=config_optimizer, gas=gas, checkpoint={"load_universal": True},
+                   model=model)
     _, client = engine.load_checkpoint(path)
     return _train_on(engine, {"client": {k: client[k] for k in ("epoch", "note", "last") if k in client}},
                      from_step, steps)
