@@ -21,10 +21,10 @@ reported; the page cache dropped before every read when
   raw write    (baseline of the export) every tensor's bytes from memory,
                ndarray.tofile into one file per tensor, each fsynced, then the
                directory
-  zarr export  ckptkit_converters.zarr_io.export_zarr (default options: tensorstore,
+  zarr export  ckptkit_converters.zarr.convert.export_zarr (default options: tensorstore,
                sharding codec, CRC32C per chunk, file_io_sync) — reads the
                checkpoint through the lazy view *and* writes the group
-  zarr import  ckptkit_converters.zarr_io.import_zarr back to a committed checkpoint
+  zarr import  ckptkit_converters.zarr.convert.import_zarr back to a committed checkpoint
 
 Bytes read are what ckptkit fetched from storage (checksum-block widening
 included). Ratios: time / baseline time (< 1: faster); throughput in MiB/s of
@@ -55,7 +55,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import ckptkit  # noqa: E402
-from ckptkit_converters.zarr_io import export_zarr, import_zarr  # noqa: E402
+from ckptkit_converters.zarr.convert import export_zarr, import_zarr  # noqa: E402
 from common import exit_on_sigterm, GiB, MiB, drop_page_cache, fsync_dir, median, remove_tree, spread, table, tree_bytes  # noqa: E402
 from gpt_shapes import ModelConfig, param_shapes  # noqa: E402
 
@@ -213,7 +213,7 @@ def run(args: argparse.Namespace) -> int:
 def _ts_slice(zarr_dir: str, key: str, lo: int, hi: int) -> np.ndarray:
     import tensorstore as ts
 
-    from ckptkit_converters.zarr_layout import node_path
+    from ckptkit_converters.zarr.layout import node_path
 
     arr = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": os.path.join(zarr_dir, node_path(key))}}).result()
     return arr[lo:hi].read().result()

@@ -126,14 +126,14 @@ class MegatronFormat:
     def detect(self, url: str, storage_options: dict[str, Any] | None = None) -> bool:
         if not _local_dir(url):
             return False
-        from ckptkit_converters.megatron_format import is_legacy, is_torch_dist
+        from ckptkit_converters.megatron.files import is_legacy, is_torch_dist
 
         return is_torch_dist(_local(url)) or is_legacy(_local(url))
 
     def import_to(self, source: str, dest: str, options: ImportOptions,
                   storage_options: dict[str, Any] | None = None) -> ConvertResult:
-        from ckptkit_converters.megatron import import_legacy, import_torch_dist
-        from ckptkit_converters.megatron_format import is_torch_dist
+        from ckptkit_converters.megatron.importer import import_legacy, import_torch_dist
+        from ckptkit_converters.megatron.files import is_torch_dist
 
         path = _local(source)
         common: dict[str, Any] = {
@@ -155,14 +155,14 @@ class DeepSpeedFormat:
     def detect(self, url: str, storage_options: dict[str, Any] | None = None) -> bool:
         if not _local_dir(url):
             return False
-        from ckptkit_converters.deepspeed_format import is_deepspeed_checkpoint
+        from ckptkit_converters.deepspeed.files import is_deepspeed_checkpoint
 
         return is_deepspeed_checkpoint(_local(url))
 
     def import_to(self, source: str, dest: str, options: ImportOptions,
                   storage_options: dict[str, Any] | None = None) -> ConvertResult:
         from ckptkit.engine.offline_writer import OfflineWriteOptions
-        from ckptkit_converters.deepspeed import import_deepspeed
+        from ckptkit_converters.deepspeed.convert import import_deepspeed
 
         return import_deepspeed(_local(source), dest, tag=options.extra.get("tag"),
                                 options=OfflineWriteOptions(threads=options.threads or 1),
@@ -178,14 +178,14 @@ class DcpFormat:
     priority: int = 30
 
     def detect(self, url: str, storage_options: dict[str, Any] | None = None) -> bool:
-        from ckptkit_converters.dcp_format import METADATA_NAME
+        from ckptkit_converters.dcp.files import METADATA_NAME
         from ckptkit.storage.url import open_store
 
         return open_store(url, storage_options).exists(METADATA_NAME)
 
     def import_to(self, source: str, dest: str, options: ImportOptions,
                   storage_options: dict[str, Any] | None = None) -> ConvertResult:
-        from ckptkit_converters.dcp import DcpImportOptions, import_dcp
+        from ckptkit_converters.dcp.convert import DcpImportOptions, import_dcp
 
         opts = DcpImportOptions(threads=options.threads or DcpImportOptions.threads,
                                 skip_unsafe_items=bool(options.extra.get("skip_unsafe_items", False)))
@@ -207,7 +207,7 @@ class ZarrFormat:
 
     def import_to(self, source: str, dest: str, options: ImportOptions,
                   storage_options: dict[str, Any] | None = None) -> ConvertResult:
-        from ckptkit_converters.zarr_io import ZarrImportOptions, import_zarr
+        from ckptkit_converters.zarr.convert import ZarrImportOptions, import_zarr
 
         opts = ZarrImportOptions(threads=options.threads or ZarrImportOptions.threads)
         return import_zarr(source, dest, options=opts, storage_options=storage_options, progress=options.progress)
@@ -242,7 +242,7 @@ def detect(url: str | os.PathLike[str], storage_options: dict[str, Any] | None =
 
 
 def _to_zarr(source: str, dest: str, o: ConvertOptions) -> ConvertResult:
-    from ckptkit_converters.zarr_io import ZarrExportOptions, export_zarr
+    from ckptkit_converters.zarr.convert import ZarrExportOptions, export_zarr
 
     d = ZarrExportOptions()
     opts = ZarrExportOptions(chunk_bytes=o.chunk_bytes or d.chunk_bytes, shard_bytes=o.shard_bytes or d.shard_bytes,
@@ -252,7 +252,7 @@ def _to_zarr(source: str, dest: str, o: ConvertOptions) -> ConvertResult:
 
 
 def _to_dcp(source: str, dest: str, o: ConvertOptions) -> ConvertResult:
-    from ckptkit_converters.dcp import DcpExportOptions, export_dcp
+    from ckptkit_converters.dcp.convert import DcpExportOptions, export_dcp
 
     opts = DcpExportOptions(threads=o.threads or DcpExportOptions.threads)
     return export_dcp(source, dest, options=opts, storage_options=o.storage_options, progress=o.progress)
@@ -267,8 +267,8 @@ def _check_hf(o: ConvertOptions) -> None:
 
 
 def hf_config_of(o: ConvertOptions) -> Any:
-    """The :class:`~ckptkit_converters.hf_mapping.HFConfig` of these options (the file, then the flags)."""
-    from ckptkit_converters.hf_mapping import HFConfig
+    """The :class:`~ckptkit_converters.hf.mapping.HFConfig` of these options (the file, then the flags)."""
+    from ckptkit_converters.hf.mapping import HFConfig
 
     cfg = HFConfig.from_file(o.hf_config) if o.hf_config is not None else HFConfig(source="the head counts given")
     if o.heads is not None:
@@ -277,7 +277,7 @@ def hf_config_of(o: ConvertOptions) -> Any:
 
 
 def _to_hf(source: str, dest: str, o: ConvertOptions) -> ConvertResult:
-    from ckptkit_converters.hf_safetensors import HFExportOptions, export_hf
+    from ckptkit_converters.hf.exporter import HFExportOptions, export_hf
 
     _check_hf(o)
     opts = HFExportOptions(family=o.hf_family, prefix=o.prefix, dtype=o.dtype)
@@ -292,7 +292,7 @@ def _check_deepspeed(o: ConvertOptions) -> None:
 
 
 def _to_deepspeed(source: str, dest: str, o: ConvertOptions) -> ConvertResult:
-    from ckptkit_converters.deepspeed import export_deepspeed
+    from ckptkit_converters.deepspeed.convert import export_deepspeed
 
     _check_deepspeed(o)
     assert o.dp is not None
@@ -311,7 +311,7 @@ def check_megatron_target(target: ParallelConfig | None) -> ParallelConfig:
 
 
 def _to_megatron(source: str, dest: str, o: ConvertOptions) -> ConvertResult:
-    from ckptkit_converters.megatron_export import export_torch_dist
+    from ckptkit_converters.megatron.exporter import export_torch_dist
 
     target = check_megatron_target(o.layout)
     return export_torch_dist(source, dest, tp=target.tp, pp=target.pp, ep=target.ep, etp=target.etp,

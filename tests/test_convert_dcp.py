@@ -29,9 +29,9 @@ from ckptkit.layout.manifest import ExplicitLayout
 from ckptkit.layout.values import join_key
 from ckptkit.offline import diff
 from ckptkit.storage import open_store
-from ckptkit_converters.dcp import DcpImportOptions, export_dcp, import_dcp, read_dcp_metadata
-from ckptkit_converters.dcp_keys import import_keys, value_leaves
-from ckptkit_converters.safe_unpickle import UnsafeCheckpointError, load_dcp_metadata
+from ckptkit_converters.dcp.convert import DcpImportOptions, export_dcp, import_dcp, read_dcp_metadata
+from ckptkit_converters.dcp.keys import import_keys, value_leaves
+from ckptkit_converters.common.safe_unpickle import UnsafeCheckpointError, load_dcp_metadata
 from tests import dcp_job
 from tests import modelspace_job as msjob
 from tests.s3_server import s3_env, s3_server  # noqa: F401 - fixtures

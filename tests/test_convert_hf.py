@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import ckptkit
-from ckptkit_converters.hf_safetensors import (
+from ckptkit_converters.hf.exporter import (
     INDEX_NAME,
     AttentionHeads,
     HFExportOptions,

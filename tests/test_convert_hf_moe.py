@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from ckptkit_converters.hf_import import import_hf, read_hf
-from ckptkit_converters.hf_mapping import HFConfig
-from ckptkit_converters.hf_safetensors import INDEX_NAME, HFExportOptions, export_hf
+from ckptkit_converters.hf.importer import import_hf, read_hf
+from ckptkit_converters.hf.mapping import HFConfig
+from ckptkit_converters.hf.exporter import INDEX_NAME, HFExportOptions, export_hf
 from ckptkit_converters.registry import ConvertOptions, convert
 
 import ckptkit

@@ -14,8 +14,8 @@ import json
 
 import pytest
 import torch
-from ckptkit_converters.hf_mapping import HFConfig
-from ckptkit_converters.hf_safetensors import HFExportOptions, export_hf
+from ckptkit_converters.hf.mapping import HFConfig
+from ckptkit_converters.hf.exporter import HFExportOptions, export_hf
 
 import ckptkit
 

@@ -22,13 +22,13 @@ pytest.importorskip("deepspeed")
 
 import torch
 
-from ckptkit_converters.deepspeed import (
+from ckptkit_converters.deepspeed.convert import (
     consolidated_fp32_state_dict,
     export_deepspeed,
     export_fp32,
     import_deepspeed,
 )
-from ckptkit_converters.deepspeed_format import find_files
+from ckptkit_converters.deepspeed.files import find_files
 from tests import deepspeed_job as job
 from tests.test_deepspeed import SAVE_STEP, STEPS, assert_same_state, check_same_run
 

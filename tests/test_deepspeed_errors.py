@@ -10,9 +10,9 @@ import torch
 import ckptkit
 from ckptkit.adapters import deepspeed as ds_ckpt
 from ckptkit.errors import CheckpointNotFoundError, ManifestError, MissingKeysError
-from ckptkit_converters.deepspeed import import_deepspeed
-from ckptkit_converters.deepspeed_format import find_files, is_deepspeed_checkpoint, load_file
-from ckptkit_converters.safe_unpickle import UnsafeCheckpointError
+from ckptkit_converters.deepspeed.convert import import_deepspeed
+from ckptkit_converters.deepspeed.files import find_files, is_deepspeed_checkpoint, load_file
+from ckptkit_converters.common.safe_unpickle import UnsafeCheckpointError
 
 
 class NotAllowed:
@@ -61,7 +61,7 @@ def test_stand_ins_are_inert(tmp_path):
     path = tmp_path / "x.pt"
     torch.save({"s": LossScaler(4.0), "z": ZeroStageEnum.gradients, "f": fragment_address(numel=3, start=5)}, path)
     got = load_file(str(path))
-    assert type(got["s"]).__module__ == "ckptkit_converters.deepspeed_format"
+    assert type(got["s"]).__module__ == "ckptkit_converters.deepspeed.files"
     assert got["z"] == 2 and type(got["z"]).__name__ == "ZeroStage"
     assert (got["f"].numel, got["f"].start) == (3, 5)
 

@@ -81,7 +81,7 @@ def resumed(worlds, saved, tmp_path_factory):
 def reference(worlds, tmp_path_factory):
     """DeepSpeed's own resume (ZeRO 2) of the ckptkit checkpoint ``path`` at DP ``dp`` / EP ``ep``: its native
     load_checkpoint of the folder exported for that layout (see the module docstring), once per setting."""
-    from ckptkit_converters.deepspeed import export_deepspeed
+    from ckptkit_converters.deepspeed.convert import export_deepspeed
 
     cache: dict = {}
 
@@ -168,7 +168,7 @@ def test_import_native_moe_equals_adapter_save_and_resumes(worlds, saved, refere
     """DeepSpeed's own MoE checkpoint (per-expert files + zero_pp_rank optimizer files) imported: every
     tensor equals ckptkit's save of the same step; it resumes at another EP / DP size as that save does
     there (the same state, the same arithmetic)."""
-    from ckptkit_converters.deepspeed import import_deepspeed
+    from ckptkit_converters.deepspeed.convert import import_deepspeed
 
     for stage in (2, 1, "bf16"):
         folder, _ = saved[stage]
@@ -185,7 +185,7 @@ def test_import_native_moe_equals_adapter_save_and_resumes(worlds, saved, refere
 
 
 def test_import_refuses_a_missing_expert_file(saved, tmp_path):
-    from ckptkit_converters.deepspeed import import_deepspeed
+    from ckptkit_converters.deepspeed.convert import import_deepspeed
 
     folder, _ = saved[2]
     native = str(tmp_path / "native")
@@ -201,7 +201,7 @@ def test_consolidated_fp32_has_every_expert(worlds, saved, resumed, tmp_path):
     masters; loaded with load_state_dict into a fresh model at DP 2 / EP 1 and DP 4 / EP 4 it evaluates as
     ckptkit's load of the checkpoint there (the same weights at the same layout: bit for bit). (DeepSpeed's
     own zero_to_fp32 refuses MoE folders: it takes the per-expert files for model-states files.)"""
-    from ckptkit_converters.deepspeed import (
+    from ckptkit_converters.deepspeed.convert import (
         consolidated_fp32_state_dict,
         import_deepspeed,
     )
@@ -233,7 +233,7 @@ REFUSALS = {  # DeepSpeed 0.19.8 loading its own DP 4 / EP 2 checkpoint
 def test_missing_expert_piece_is_a_coverage_error_naming_the_expert(saved, tmp_path):
     """Delete the stored piece of expert 2 of one stacked tensor from the manifest: the consolidation (and
     any read) fails with a CoverageError naming the tensor and the expert, not a silent zero."""
-    from ckptkit_converters.deepspeed import consolidated_fp32_state_dict
+    from ckptkit_converters.deepspeed.convert import consolidated_fp32_state_dict
 
     from tests import ckpt_files
 
@@ -283,8 +283,8 @@ def test_import_stage0_expp_checkpoint(worlds, saved, reference, tmp_path):
     DP 2 in both: one addition of two terms, whatever the order; the dense ones over DP 4, where the two
     engines' orders differ, so those are compared with the engine itself). A ZeRO-2 engine at DP 2 / EP 1
     resumes the import as DeepSpeed's own resume of it there does."""
-    from ckptkit_converters.deepspeed import import_deepspeed
-    from ckptkit_converters.deepspeed_format import is_deepspeed_checkpoint
+    from ckptkit_converters.deepspeed.convert import import_deepspeed
+    from ckptkit_converters.deepspeed.files import is_deepspeed_checkpoint
 
     folder = str(tmp_path / "z0")
     ref0 = worlds.run(4, job.train_and_save, 0, 2, folder, save_step=SAVE_STEP, steps=STEPS)[0]
@@ -313,7 +313,7 @@ def test_import_stage0_expp_checkpoint(worlds, saved, reference, tmp_path):
 def test_export_then_import_is_the_identity(saved, tmp_path, dp, ep):
     """Native folders written for other DP / EP sizes (including ones never trained here) import back to
     the same model-space state, bit for bit."""
-    from ckptkit_converters.deepspeed import export_deepspeed, import_deepspeed
+    from ckptkit_converters.deepspeed.convert import export_deepspeed, import_deepspeed
 
     folder, _ = saved[2]
     export_deepspeed(f"{folder}/ckptkit", str(tmp_path / "native"), dp=dp, ep=ep)

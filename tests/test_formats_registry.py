@@ -29,7 +29,7 @@ from ckptkit.errors import CkptkitError, LayoutError
 from ckptkit.layout.config import ParallelConfig
 from ckptkit.offline import formats
 from ckptkit_converters import registry
-from ckptkit_converters.hf_safetensors import HFExportResult
+from ckptkit_converters.hf.exporter import HFExportResult
 from ckptkit_converters.registry import ConvertOptions, convert
 
 
@@ -106,8 +106,8 @@ def test_impossible_directions_fail_before_reading(tmp_path: Path):
 
 def test_every_direction_returns_a_convert_result():
     assert issubclass(HFExportResult, ConvertResult)
-    from ckptkit_converters.dcp import DcpConvertResult
-    from ckptkit_converters.megatron_format import MegatronConvertResult
+    from ckptkit_converters.dcp.convert import DcpConvertResult
+    from ckptkit_converters.megatron.files import MegatronConvertResult
 
     assert issubclass(DcpConvertResult, ConvertResult) and issubclass(MegatronConvertResult, ConvertResult)
     assert set(registry.targets()) == {"ckptkit", "zarr", "dcp", "hf", "deepspeed", "megatron"}

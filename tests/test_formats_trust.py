@@ -1,4 +1,4 @@
-"""One trusted-unpickling rule for every ``.pt`` the converters open (converters/safe_unpickle.py),
+"""One trusted-unpickling rule for every ``.pt`` the converters open (converters/common/safe_unpickle.py),
 and the Megatron-LM ``args`` facts read through it. No Megatron or DeepSpeed install needed.
 
 * Megatron's and DeepSpeed's loaders (and DCP's blob decoder) trust exactly their stand-ins on top
@@ -25,11 +25,13 @@ import torch
 
 from ckptkit.errors import LayoutError, ManifestError
 from ckptkit.offline.formats import MissingImportOptions
-from ckptkit_converters import deepspeed_format, megatron_format, safe_unpickle
-from ckptkit_converters.dcp_format import load_blob
-from ckptkit_converters.megatron import resolve_vocab
-from ckptkit_converters.megatron_format import SavedArgs
-from ckptkit_converters.safe_unpickle import NamespaceRecord, UnsafeCheckpointError
+from ckptkit_converters.common import safe_unpickle
+from ckptkit_converters.deepspeed import files as deepspeed_format
+from ckptkit_converters.megatron import files as megatron_format
+from ckptkit_converters.dcp.files import load_blob
+from ckptkit_converters.megatron.importer import resolve_vocab
+from ckptkit_converters.megatron.files import SavedArgs
+from ckptkit_converters.common.safe_unpickle import NamespaceRecord, UnsafeCheckpointError
 
 
 class Registered:

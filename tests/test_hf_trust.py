@@ -33,9 +33,9 @@ import ckptkit
 from ckptkit.cli.main import cli
 from ckptkit.storage.local import LocalStore
 from ckptkit.storage.url import open_store
-from ckptkit_converters.hf_files import DTYPES, ITEMSIZE, MAX_HEADER, SafetensorsFile
-from ckptkit_converters.hf_import import import_hf
-from ckptkit_converters.hf_mapping import HFConfig
+from ckptkit_converters.hf.files import DTYPES, ITEMSIZE, MAX_HEADER, SafetensorsFile
+from ckptkit_converters.hf.importer import import_hf
+from ckptkit_converters.hf.mapping import HFConfig
 from tests.conftest import trials
 
 pytestmark = pytest.mark.timeout(300)
@@ -514,7 +514,7 @@ def test_the_package_check_runs_on_the_file_read_and_must_agree(tmp_path, built)
     from ours is refused, and a file swapped for a FIFO or another size is never handed to it."""
     from safetensors.torch import save_file
 
-    from ckptkit_converters.hf_files import check_with_package, parse_header
+    from ckptkit_converters.hf.files import check_with_package, parse_header
 
     path = built("llama") / "model.safetensors"
     raw = path.read_bytes()

@@ -67,8 +67,8 @@ def _names(src: Path) -> list[str]:
 @pytest.fixture(scope="module")
 def pristine(built, tmp_path_factory) -> Callable[[str], Tensors]:
     """What the untouched folders import as (the reference of the cases that must import)."""
-    from ckptkit_converters.hf_import import import_hf
-    from ckptkit_converters.hf_mapping import HFConfig
+    from ckptkit_converters.hf.importer import import_hf
+    from ckptkit_converters.hf.mapping import HFConfig
 
     root, out = tmp_path_factory.mktemp("pristine"), {}
 
@@ -113,8 +113,8 @@ def test_a_weight_deleted_from_a_shard_names_the_index_and_the_file(tmp_path, bu
     for name, shard in sorted(index.items()):
         folder = variant(src, tmp_path, tensors=lambda sd: sd.pop(name), shard=shard)
         refused("llama sharded: tensor deleted", folder, tmp_path, name)
-    from ckptkit_converters.hf_import import import_hf
-    from ckptkit_converters.hf_mapping import HFConfig
+    from ckptkit_converters.hf.importer import import_hf
+    from ckptkit_converters.hf.mapping import HFConfig
 
     name, shard = sorted(index.items())[3]
     folder = variant(src, tmp_path, tensors=lambda sd: sd.pop(name), shard=shard)

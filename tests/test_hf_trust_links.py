@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from ckptkit_converters.hf_import import import_hf
-from ckptkit_converters.hf_mapping import HFConfig
+from ckptkit_converters.hf.importer import import_hf
+from ckptkit_converters.hf.mapping import HFConfig
 from tests.test_hf_trust import attempt, built, checkpoint_tensors, report  # noqa: F401 - built: a fixture
 
 pytestmark = pytest.mark.timeout(300)

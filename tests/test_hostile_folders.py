@@ -383,7 +383,7 @@ def test_garbage_generator_state(ckpt, garbage):
 
 
 def test_zarr_array_paths_leaving_the_group(tmp_path):
-    from ckptkit_converters.zarr_io import export_zarr, import_zarr
+    from ckptkit_converters.zarr.convert import export_zarr, import_zarr
 
     ckptkit.save({"w": torch.randn(4, 4)}, tmp_path / "c")
     export_zarr(tmp_path / "c", tmp_path / "z")

@@ -1,4 +1,4 @@
-"""Names and paths a foreign folder hands the importers (converters/source_paths.py): a tag is one plain name.
+"""Names and paths a foreign folder hands the importers (converters/common/source_paths.py): a tag is one plain name.
 
 Every case runs with a *bait* folder next to the source holding a valid checkpoint of the same
 kind, and an audit hook recording every file opened and folder listed under it
@@ -33,7 +33,7 @@ import ckptkit
 from ckptkit.layout.config import ParallelConfig
 from ckptkit.offline.formats import ImportOptions
 from ckptkit.offline.resharding import ReshardOptions
-from ckptkit_converters.deepspeed import import_deepspeed
+from ckptkit_converters.deepspeed.convert import import_deepspeed
 from ckptkit_converters.registry import ConvertOptions, convert
 from tests.conftest import trials
 from tests.test_import_trust_folders import (

@@ -1,5 +1,5 @@
 """ckptkit's pickle loads are call-local: they neither read nor change torch's process-wide
-``weights_only`` allow-list (converters/safe_unpickle.py), so they can run on many threads next to
+``weights_only`` allow-list (converters/common/safe_unpickle.py), so they can run on many threads next to
 a user's own ``torch.load(weights_only=True)``.
 
 While worker threads run ckptkit's loads (Megatron and DeepSpeed ``.pt`` files, DCP blobs, whole
@@ -8,7 +8,7 @@ threads keep loading their own file, which names a class they registered with
 ``torch.serialization.add_safe_globals`` (or inside the ``safe_globals`` context manager):
 
 * the user's loads never fail (a load that cleared or swapped the process-wide set for its duration,
-  as converters/safe_unpickle.py did before, makes them fail in that window);
+  as converters/common/safe_unpickle.py did before, makes them fail in that window);
 * ckptkit never accepts the user's class, registered or not (nor anything else off its allow-list);
 * the user's registration is exactly what it was afterwards.
 """
@@ -24,10 +24,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckptkit_converters import deepspeed_format, megatron_format
-from ckptkit_converters.dcp_format import load_blob
+from ckptkit_converters.deepspeed import files as deepspeed_format
+from ckptkit_converters.megatron import files as megatron_format
+from ckptkit_converters.dcp.files import load_blob
 from ckptkit_converters.registry import convert
-from ckptkit_converters.safe_unpickle import UnsafeCheckpointError
+from ckptkit_converters.common.safe_unpickle import UnsafeCheckpointError
 from tests.conftest import trials
 from tests.test_import_trust_folders import dcp_folder
 

@@ -34,7 +34,7 @@ from click.testing import CliRunner
 
 from ckptkit.cli.main import cli
 from ckptkit.errors import CkptkitError
-from ckptkit_converters.deepspeed import flat_layouts
+from ckptkit_converters.deepspeed.convert import flat_layouts
 
 # ---------------------------------------------------------------- payloads
 

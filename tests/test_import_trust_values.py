@@ -29,8 +29,8 @@ from hypothesis import strategies as st
 from ckptkit.adapters import deepspeed as ds_adapter
 from ckptkit.errors import StateMismatchError
 from ckptkit.layout.values import json_ready
-from ckptkit_converters import deepspeed as ds_converter
-from ckptkit_converters.deepspeed import import_deepspeed
+from ckptkit_converters.deepspeed import convert as ds_converter
+from ckptkit_converters.deepspeed.convert import import_deepspeed
 from tests.conftest import trials
 from tests.test_import_trust_folders import deepspeed_folder
 

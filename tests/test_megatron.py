@@ -290,9 +290,9 @@ def test_ckptkit_reshard_cli_then_resume(worlds, saved, resumed, reference, tmp_
 
 
 def test_converter_name_table_agrees_with_the_live_rules(saved):
-    """converters/megatron_names.py (offline imports, by name) and the adapter (live, from parameter
+    """converters/megatron/names.py (offline imports, by name) and the adapter (live, from parameter
     attributes) must give every tensor the same rule, or an import would reshard differently."""
-    from ckptkit_converters.megatron_names import rule_for
+    from ckptkit_converters.megatron.names import rule_for
 
     from ckptkit.engine.metadata_io import read_manifest
     from ckptkit.storage.url import open_store
@@ -327,7 +327,7 @@ def test_torch_dist_import_equals_the_adapter_checkpoint_and_loads(worlds, saved
     model-space tensors (weights and Adam moments) equal the adapter's bit for bit, and the adapter loads the
     import's weights at tp1pp4. The import drops Megatron's trained padding rows (zeros on load): its eval is
     Megatron's own load at tp1pp4 with those rows zeroed, to the last bit."""
-    from ckptkit_converters.megatron import import_torch_dist
+    from ckptkit_converters.megatron.importer import import_torch_dist
 
     folder, _, mfolder = saved["A"]
     out = str(tmp_path / "imported")

@@ -43,11 +43,11 @@ from ckptkit.cli.main import cli
 from ckptkit.errors import CkptkitError, CorruptCheckpointError, LayoutError
 from ckptkit.layout.config import ParallelConfig
 from ckptkit.offline.formats import MissingImportOptions
-from ckptkit_converters import megatron_names as names
-from ckptkit_converters.megatron import import_legacy, import_torch_dist
-from ckptkit_converters.megatron_export import export_torch_dist
-from ckptkit_converters.megatron_format import META_KEY
-from ckptkit_converters.safe_unpickle import UnsafeCheckpointError
+from ckptkit_converters.megatron import names as names
+from ckptkit_converters.megatron.importer import import_legacy, import_torch_dist
+from ckptkit_converters.megatron.exporter import export_torch_dist
+from ckptkit_converters.megatron.files import META_KEY
+from ckptkit_converters.common.safe_unpickle import UnsafeCheckpointError
 from tests import megatron_convert_job as job
 
 VOCAB = 250

@@ -80,7 +80,7 @@ def assert_same_checkpoint(a_folder: str, b_folder: str) -> None:
 def assert_import_equals_ours(mfolder: str, folder: str, out: str) -> list[str]:
     """Import Megatron's torch_dist save ``mfolder`` to ``out``: every model tensor equal to ckptkit's own save
     ``folder`` under the same rule (vocab padding aside: Megatron stores it inside the vocab tensors)."""
-    from ckptkit_converters.megatron import import_torch_dist
+    from ckptkit_converters.megatron.importer import import_torch_dist
 
     import ckptkit
 
@@ -373,9 +373,9 @@ def test_an_moe_layer_pattern_resumes_at_other_layouts(worlds, pattern_saved, tm
 
 
 def test_megatrons_save_of_an_moe_layer_pattern_imports(pattern_saved, tmp_path):
-    """Per-layer keys import by name too (``layer=i`` rules from converters/megatron_names.py), every tensor
+    """Per-layer keys import by name too (``layer=i`` rules from converters/megatron/names.py), every tensor
     equal to ckptkit's own save under the same rule; the torch_dist export refuses them clearly."""
-    from ckptkit_converters.megatron_export import export_torch_dist
+    from ckptkit_converters.megatron.exporter import export_torch_dist
 
     from ckptkit.errors import LayoutError
 

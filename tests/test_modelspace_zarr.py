@@ -18,8 +18,8 @@ from ckptkit.cli.main import cli
 from ckptkit.engine.metadata_io import read_index, read_manifest
 from ckptkit.layout.box import Box
 from ckptkit.offline import diff
-from ckptkit_converters.zarr_io import ZarrExportOptions, export_zarr, import_zarr
-from ckptkit_converters.zarr_layout import (
+from ckptkit_converters.zarr.convert import ZarrExportOptions, export_zarr, import_zarr
+from ckptkit_converters.zarr.layout import (
     choose_chunking,
     from_stored,
     node_path,

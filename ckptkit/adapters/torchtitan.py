@@ -218,7 +218,7 @@ class CkptkitCheckpointManager(BaseCheckpointManager):
             if self.initial_load_in_hf or self.last_save_in_hf:
                 raise OptionsError(
                     "CkptkitCheckpointManager reads and writes ckptkit checkpoints only; for Hugging Face "
-                    "safetensors use ckptkit's converters (ckptkit_converters.hf_safetensors / `ckptkit convert`)"
+                    "safetensors use ckptkit's converters (ckptkit_converters.hf.exporter / `ckptkit convert`)"
                 )
             if self.dataloader_resize not in ("exact", "approximate"):
                 raise OptionsError(f"dataloader_resize must be 'exact' or 'approximate', got {self.dataloader_resize!r}")

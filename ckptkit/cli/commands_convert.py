@@ -124,7 +124,7 @@ def convert_cmd(source: str, dest: str, fmt: str | None, chunk_mib: float, shard
 
     out = Output(as_json)
     if hf_family is not None:
-        from ckptkit_converters.hf_families import FAMILIES
+        from ckptkit_converters.hf.families import FAMILIES
 
         if hf_family not in FAMILIES:
             raise click.BadParameter(f"unknown table {hf_family!r} (known: {', '.join(FAMILIES)})",
@@ -149,7 +149,7 @@ def convert_cmd(source: str, dest: str, fmt: str | None, chunk_mib: float, shard
 def _from_hf(source: str, dest: str, fmt: str | None, options: Any, cfg: Any) -> ConvertResult:
     """``--from hf``: an HF safetensors folder into a ckptkit checkpoint (the only target: convert that on)."""
     from ckptkit.errors import CkptkitError
-    from ckptkit_converters.hf_import import import_hf
+    from ckptkit_converters.hf.importer import import_hf
 
     if fmt not in (None, "ckptkit"):
         raise CkptkitError(f"--from hf writes a ckptkit checkpoint; convert that to --format {fmt} next")

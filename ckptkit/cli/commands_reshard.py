@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from ckptkit.layout.config import ParallelConfig
     from ckptkit.offline import ReshardResult
 
-FORMATS = ["ckptkit", "megatron"]  # megatron: a torch_dist directory, written by converters/megatron_export.py
+FORMATS = ["ckptkit", "megatron"]  # megatron: a torch_dist directory, written by converters/megatron/exporter.py
 
 
 @click.command("reshard", short_help="Rewrite a checkpoint for another layout (tp/pp/dp/vpp), offline.")

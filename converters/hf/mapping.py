@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from functools import cache
 
 import torch
-from ckptkit_converters.hf_families import FAMILIES, Family, Out, Rule
-from ckptkit_converters.hf_files import read_local_json, shown
+from ckptkit_converters.hf.families import FAMILIES, Family, Out, Rule
+from ckptkit_converters.hf.files import read_local_json, shown
 
 from ckptkit.errors import CkptkitError
 
@@ -57,7 +57,7 @@ class HFConfig:
     ``num_experts`` (``num_experts``, ``num_local_experts`` or ``n_routed_experts``: the
     family's own name, kept in ``experts_field``), ``tie_word_embeddings``. ``source`` names the
     file in errors. The rest are the sizes an import checks every tensor's shape against
-    (:mod:`ckptkit_converters.hf_expect`): ``q_lora_rank`` is 0 where the config says null (no
+    (:mod:`ckptkit_converters.hf.expect`): ``q_lora_rank`` is 0 where the config says null (no
     low-rank query), None where it does not say; ``dtype`` is ``torch_dtype`` / ``dtype``.
     """
 

@@ -14,7 +14,7 @@ concurrent writers. zarr-python 3.1 reads every non-bf16/float8 array.
 Chunking follows the common read — one stored piece (a TP shard, an FSDP
 shard) per inner chunk, the sharding codec packing chunks into objects of
 about ``shard_bytes`` so object counts on S3 stay low — and each inner chunk
-carries a CRC32C (see :mod:`ckptkit_converters.zarr_layout`).
+carries a CRC32C (see :mod:`ckptkit_converters.zarr.layout`).
 
 The group's root attributes (``attributes.ckptkit``, versioned JSON) hold the
 checkpoint's manifest without its index list — every tensor's dtype, global
@@ -61,7 +61,7 @@ from ckptkit.layout.box import Box, Region
 from ckptkit.layout.manifest import DTYPES, Manifest, TensorMeta, pieces_by_writer
 from ckptkit.offline.view import CheckpointView, ViewOptions
 from ckptkit.offline.view import open as open_view
-from ckptkit_converters.zarr_layout import (
+from ckptkit_converters.zarr.layout import (
     ATTRIBUTE,
     FORMAT,
     GROUP_METADATA,

@@ -4,8 +4,8 @@ Release engineers hand a trained model to the Hugging Face ecosystem as
 ``model-0000k-of-0000n.safetensors`` shards plus ``model.safetensors.index.json``.
 The weights are read from the checkpoint in model space through :func:`ckptkit.open`
 (whatever layout saved them), renamed by a declarative key table per model family
-(:mod:`ckptkit_converters.hf_families`), transformed where the two conventions differ
-(:mod:`ckptkit_converters.hf_mapping`), and streamed into the shards.
+(:mod:`ckptkit_converters.hf.families`), transformed where the two conventions differ
+(:mod:`ckptkit_converters.hf.mapping`), and streamed into the shards.
 
 Memory is bounded by the largest single HF tensor, not by a shard or the model: a routed
 expert stack ``[E, F, D]`` (or Megatron's ``[layers, E, 2F, D]``) is read one expert at a
@@ -35,15 +35,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from ckptkit_converters.hf_families import (
+from ckptkit_converters.hf.families import (
     FAMILIES,
     MEGATRON,
     Family,
     family_for,
     naming_of,
 )
-from ckptkit_converters.hf_import import import_hf, read_hf
-from ckptkit_converters.hf_mapping import (
+from ckptkit_converters.hf.importer import import_hf, read_hf
+from ckptkit_converters.hf.mapping import (
     AttentionHeads,
     HFConfig,
     Unit,

@@ -3,7 +3,7 @@ there, once, of the shape and dtype the config implies, and nothing else is.
 
 ``transformers`` answers a folder that disagrees with its config with "missing keys" or "size
 mismatch" when the model is built; an import has no model to build, so it derives the same
-expectations itself, from the key table of the family (:mod:`ckptkit_converters.hf_families`: which
+expectations itself, from the key table of the family (:mod:`ckptkit_converters.hf.families`: which
 HF names the family has) and :data:`TABLE` here (what each name's shape is, in the config's terms):
 
 * **presence**: every layer ``0 .. num_hidden_layers - 1`` holds its tensors, every routed-expert
@@ -33,9 +33,9 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from ckptkit_converters.hf_families import Family
-from ckptkit_converters.hf_files import SafetensorsFile, shown
-from ckptkit_converters.hf_mapping import HFConfig, match_hf
+from ckptkit_converters.hf.families import Family
+from ckptkit_converters.hf.files import SafetensorsFile, shown
+from ckptkit_converters.hf.mapping import HFConfig, match_hf
 
 from ckptkit.errors import DTypeMismatchError, MissingKeysError, ShapeMismatchError, UnexpectedKeysError
 

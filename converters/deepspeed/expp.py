@@ -52,9 +52,9 @@ from ckptkit.errors import (
 from ckptkit.layout.box import Box, Region
 from ckptkit.layout.values import encode_value
 from ckptkit.storage.url import open_store
-from ckptkit_converters import deepspeed_format as fmt
-from ckptkit_converters import deepspeed_moe as dsm
-from ckptkit_converters.source_paths import regular_file
+from ckptkit_converters.deepspeed import files as fmt
+from ckptkit_converters.deepspeed import moe as dsm
+from ckptkit_converters.common.source_paths import regular_file
 
 EXPP = fmt.EXPP_OPTIM
 

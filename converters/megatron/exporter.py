@@ -24,9 +24,9 @@ from ckptkit.layout.box import Box
 from ckptkit.layout.config import ParallelConfig
 from ckptkit.offline.view import open as open_view
 from ckptkit.options import Progress, progress_counter
-from ckptkit_converters import megatron_format as fmt
-from ckptkit_converters import megatron_names as names
-from ckptkit_converters.megatron_format import META_KEY, MODEL, MegatronConvertResult
+from ckptkit_converters.megatron import files as fmt
+from ckptkit_converters.megatron import names as names
+from ckptkit_converters.megatron.files import META_KEY, MODEL, MegatronConvertResult
 
 _LINEAR_MODULES = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2",
                    "mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2")

@@ -63,7 +63,7 @@ from ckptkit.offline.view import open as open_view
 from ckptkit.plan.merge import check_coverage
 from ckptkit.storage.base import ByteStore
 from ckptkit.storage.url import open_store
-from ckptkit_converters.dcp_format import (
+from ckptkit_converters.dcp.files import (
     METADATA_NAME,
     Blob,
     Chunk,
@@ -80,7 +80,7 @@ from ckptkit_converters.dcp_format import (
     save_blob,
     writer_ranks,
 )
-from ckptkit_converters.dcp_keys import (
+from ckptkit_converters.dcp.keys import (
     ObjPath,
     check_unique,
     dcp_key,
@@ -88,7 +88,7 @@ from ckptkit_converters.dcp_keys import (
     import_keys,
     value_leaves,
 )
-from ckptkit_converters.safe_unpickle import UnsafeCheckpointError, load_dcp_metadata
+from ckptkit_converters.common.safe_unpickle import UnsafeCheckpointError, load_dcp_metadata
 
 
 

@@ -1,6 +1,6 @@
 """Hugging Face safetensors back to checkpoint names: routed experts stacked again, QKV fused again.
 
-The inverse of :func:`ckptkit_converters.hf_safetensors.export_hf`, with the same key tables.
+The inverse of :func:`ckptkit_converters.hf.exporter.export_hf`, with the same key tables.
 Each HF tensor name is matched to the rule (and layer, expert) it comes from; the tensors of one
 rule are grouped into the checkpoint tensor they form (``w1_EFD`` ``[E, F, D]`` from E
 ``...experts.{e}.gate_proj.weight``; Megatron's ``[layers, E, 2F, D]`` fc1 from gate and up of
@@ -9,9 +9,9 @@ every layer and expert), and that grouping must be complete: a missing expert, l
 tensor with a hole.
 
 The folder is untrusted input: files are read through a byte store with ranged reads
-(:mod:`ckptkit_converters.hf_files`: each header checked as the ``safetensors`` package checks it,
+(:mod:`ckptkit_converters.hf.files`: each header checked as the ``safetensors`` package checks it,
 and by the package itself where the file is local; a hub cache snapshot read through its repo
-folder), then checked against the config (:mod:`ckptkit_converters.hf_expect`: every tensor
+folder), then checked against the config (:mod:`ckptkit_converters.hf.expect`: every tensor
 present once, of the implied shape and dtype, nothing else) before anything is written. No pickle,
 and ``s3://`` works like a local path. :func:`import_hf` writes a ckptkit checkpoint piece by piece
 (one piece per layer / expert slice: memory is one slice); :func:`read_hf` returns a dict, for
@@ -27,15 +27,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from ckptkit_converters.hf_families import (
+from ckptkit_converters.hf.families import (
     FAMILIES,
     TORCHTITAN,
     Family,
     Rule,
     family_for,
 )
-from ckptkit_converters.hf_expect import HF_ONLY, check_folder
-from ckptkit_converters.hf_files import (
+from ckptkit_converters.hf.expect import HF_ONLY, check_folder
+from ckptkit_converters.hf.files import (
     INDEX_NAME,
     SafetensorsFile,
     check_index,
@@ -43,7 +43,7 @@ from ckptkit_converters.hf_files import (
     open_folder,
     open_source,
 )
-from ckptkit_converters.hf_mapping import AttentionHeads, HFConfig, invert, match_hf
+from ckptkit_converters.hf.mapping import AttentionHeads, HFConfig, invert, match_hf
 
 from ckptkit.engine.offline_writer import (
     ConvertResult,
@@ -87,7 +87,7 @@ class Target:
 def plan_import(files: Mapping[str, SafetensorsFile], family: Family, cfg: HFConfig, where: str,
                 weight_map: Mapping[str, str] | None = None) -> list[Target]:
     """Every checkpoint tensor the HF tensors form, once the folder is checked to be the model its config
-    describes (:func:`~ckptkit_converters.hf_expect.check_folder`: presence, counts, shapes, dtypes) and
+    describes (:func:`~ckptkit_converters.hf.expect.check_folder`: presence, counts, shapes, dtypes) and
     the index to agree with the shards."""
     counts = check_folder(files, family, cfg, where, weight_map)
     if weight_map is not None:
@@ -232,7 +232,7 @@ class _Pieces:
 
 def _rule(t: Target, tensors: Mapping[str, _Spec], prefix: str, divisible_by: int) -> PartitionRule | None:
     if t.rule.layer_axis or t.key.startswith(("embedding.", "output_layer.", "decoder.")):
-        from ckptkit_converters import megatron_names as names
+        from ckptkit_converters.megatron import names as names
 
         shapes = {k[len(prefix):]: s.shape for k, s in tensors.items() if k.startswith(prefix)}
         return names.rule_for(t.key, divisible_by=divisible_by, ffn=names.gated_ffn(t.key, shapes))
@@ -268,7 +268,7 @@ def import_hf(
     its own: memory is one slice, not the model. ``ckptkit.load`` then reads it at any layout.
     The tensors carry partition rules (docs/moe.md): routed experts ``expert_axis`` (0 for torchtitan's
     ``[E, ...]``; Megatron's ``[layers, E, ...]``: ``layer_axis=0, expert_axis=1``), and for Megatron
-    names the rules of :func:`ckptkit_converters.megatron_names.rule_for` (``divisible_by``: the
+    names the rules of :func:`ckptkit_converters.megatron.names.rule_for` (``divisible_by``: the
     vocabulary padding multiple a later Megatron export pads to; Megatron's default 128).
     """
     t0 = time.perf_counter()

@@ -40,7 +40,7 @@ from ckptkit.engine.state import dtype_name, torch_dtype
 from ckptkit.errors import CkptkitError, CorruptCheckpointError, ManifestError
 from ckptkit.layout.box import Box
 from ckptkit.layout.manifest import DTYPES, check_object_key
-from ckptkit_converters.safe_unpickle import UnsafeCheckpointError, restricted_torch_load
+from ckptkit_converters.common.safe_unpickle import UnsafeCheckpointError, restricted_torch_load
 
 METADATA_NAME = ".metadata"
 DCP_VERSION = "1.0.0"  # what torch 2.13's FileSystemWriter records

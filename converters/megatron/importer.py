@@ -54,17 +54,17 @@ from ckptkit.layout.values import encode_value
 from ckptkit.options import Progress
 from ckptkit.storage.local import LocalStore
 from ckptkit.storage.url import open_store
-from ckptkit_converters import megatron_format as fmt
-from ckptkit_converters.megatron_format import META_KEY, MODEL, MegatronConvertResult
-from ckptkit_converters import megatron_names as names
-from ckptkit_converters.dcp import _check_files, _DcpPieces
-from ckptkit_converters.dcp_format import (
+from ckptkit_converters.megatron import files as fmt
+from ckptkit_converters.megatron.files import META_KEY, MODEL, MegatronConvertResult
+from ckptkit_converters.megatron import names as names
+from ckptkit_converters.dcp.convert import _check_files, _DcpPieces
+from ckptkit_converters.dcp.files import (
     METADATA_NAME,
     DcpCheckpoint,
     parse_metadata,
     writer_ranks,
 )
-from ckptkit_converters.source_paths import regular_file
+from ckptkit_converters.common.source_paths import regular_file
 
 @dataclass(frozen=True)
 class _Spec:
@@ -299,7 +299,7 @@ def _megatron_key(key: str) -> str:
 
 
 def _file_rank(name: str) -> int | None:
-    from ckptkit_converters.dcp_format import file_rank
+    from ckptkit_converters.dcp.files import file_rank
 
     return file_rank(name)
 

@@ -38,8 +38,8 @@ from ckptkit.adapters.deepspeed import EXPERT_RULE, EXPERTS, Space
 from ckptkit.errors import CoverageError, ManifestError, StateMismatchError
 from ckptkit.layout.box import Box, Region
 from ckptkit.layout.manifest import ExplicitLayout, TensorMeta
-from ckptkit_converters import deepspeed_format as fmt
-from ckptkit_converters.source_paths import regular_file
+from ckptkit_converters.deepspeed import files as fmt
+from ckptkit_converters.common.source_paths import regular_file
 
 _LOCAL = re.compile(rf"^(?P<prefix>(?:.+\.)?{re.escape(EXPERTS)})\.(?P<j>\d+)\.(?P<param>.+)$")
 

@@ -58,9 +58,9 @@ from ckptkit.layout.zero_partition import (
     zero3_sub_groups,
 )
 from ckptkit.storage.url import open_store
-from ckptkit_converters import deepspeed_format as fmt
-from ckptkit_converters import deepspeed_moe as dsm
-from ckptkit_converters.source_paths import plain_name
+from ckptkit_converters.deepspeed import files as fmt
+from ckptkit_converters.deepspeed import moe as dsm
+from ckptkit_converters.common.source_paths import plain_name
 
 META_KEY = f"deepspeed_engine/{META}"
 DEFAULT_SUB_GROUP_SIZE = 1_000_000_000  # DeepSpeed's zero_optimization.sub_group_size default
@@ -178,7 +178,7 @@ def import_deepspeed(source: str | os.PathLike[str], dest: str | os.PathLike[str
     """Write the native DeepSpeed checkpoint ``source`` (tag ``tag``, default ``latest``) as a ckptkit
     checkpoint at ``dest``. Memory holds about ``options.threads`` ranks' optimizer files at a time."""
     t0 = time.perf_counter()
-    from ckptkit_converters import deepspeed_expp
+    from ckptkit_converters.deepspeed import expp as deepspeed_expp
 
     tag = fmt.read_tag(os.fspath(source), tag)  # one plain name, from the option or 'latest'
     if deepspeed_expp.expp_files(os.fspath(source), fmt.tag_dir(os.fspath(source), tag)):  # MoE without ZeRO

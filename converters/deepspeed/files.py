@@ -59,9 +59,9 @@ from ckptkit.engine.state import dtype_name
 from ckptkit.errors import CheckpointNotFoundError, CkptkitError, ManifestError, StateMismatchError
 from ckptkit.layout.strict_json import MAX_LAYOUT_INT
 from ckptkit.layout.values import json_ready
-from ckptkit_converters import safe_unpickle
-from ckptkit_converters.safe_unpickle import UnsafeCheckpointError  # noqa: F401 - what load_file raises
-from ckptkit_converters.source_paths import inside, plain_name, read_pointer, regular_file
+from ckptkit_converters.common import safe_unpickle as safe_unpickle
+from ckptkit_converters.common.safe_unpickle import UnsafeCheckpointError  # noqa: F401 - what load_file raises
+from ckptkit_converters.common.source_paths import inside, plain_name, read_pointer, regular_file
 
 LATEST = "latest"
 MODEL_STATES_12 = "mp_rank_00_model_states.pt"

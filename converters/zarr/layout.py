@@ -1,7 +1,7 @@
 """How a checkpoint maps onto a zarr v3 group: chunking, node names, stored dtypes, root attributes.
 
 Pure decisions and the versioned JSON schema, kept apart from the
-tensorstore I/O in :mod:`ckptkit_converters.zarr_io` so they can be tested
+tensorstore I/O in :mod:`ckptkit_converters.zarr.convert` so they can be tested
 (and read) on their own; nothing here imports tensorstore.
 
 * **Chunking** follows the common read, one stored piece (a TP shard, an

@@ -93,7 +93,7 @@ def layer_tp_axis(name: str) -> int | None:
     if name in _EXPERT_TP:
         return _EXPERT_TP[name]
     if name not in _LAYER_TP:
-        raise LayoutError(f"unknown Megatron per-layer tensor 'decoder.layers.{name}' (not in converters/megatron_names.py)")
+        raise LayoutError(f"unknown Megatron per-layer tensor 'decoder.layers.{name}' (not in converters/megatron/names.py)")
     return _LAYER_TP[name]
 
 
@@ -166,7 +166,7 @@ def rule_for(key: str, *, divisible_by: int, ffn: int | None = None) -> Partitio
         if name in _FC1 and ffn is not None:
             return PartitionRule(tp_axis=axis + prepend, layer_axis=0, fused=(ffn, ffn), **experts)
         return PartitionRule(tp_axis=axis + prepend, layer_axis=0, **experts)
-    raise LayoutError(f"unknown Megatron tensor {key!r}: no partition rule in converters/megatron_names.py")
+    raise LayoutError(f"unknown Megatron tensor {key!r}: no partition rule in converters/megatron/names.py")
 
 
 def legacy_key(name: str) -> tuple[str, int | None] | None:

@@ -4,7 +4,7 @@ A table is data, not code, so a reviewer can check it against the HF modeling fi
 line and a new family is a new table. Each :class:`Rule` names one checkpoint tensor (a
 pattern: ``{l}`` is the layer number) and the HF tensor(s) it becomes (:class:`Out`; ``{l}``
 the layer, ``{e}`` the routed expert). What a rule says about the tensor's axes drives the
-slicing in :mod:`ckptkit_converters.hf_safetensors`:
+slicing in :mod:`ckptkit_converters.hf.exporter`:
 
 * ``layer_axis``: axis 0 is the layer (Megatron stacks ``decoder.layers.*`` along it);
 * ``expert_axis``: the next axis is the routed expert (docs/moe.md: experts are stacked; HF
@@ -20,7 +20,7 @@ slicing in :mod:`ckptkit_converters.hf_safetensors`:
 Sources of two namings have tables: torchtitan's module names (``layers.3.attention.wq``,
 facts taken from torchtitan 0.3.0's own ``state_dict_adapter.py`` files) and Megatron-core
 GPT's sharded keys (``decoder.layers.self_attention.linear_qkv.weight``, megatron-core 0.16.1;
-see :mod:`ckptkit_converters.megatron_names`). A family is picked by the HF ``config.json``'s
+see :mod:`ckptkit_converters.megatron.names`). A family is picked by the HF ``config.json``'s
 ``model_type`` and the naming the checkpoint's keys show (:func:`family_for`).
 """
 

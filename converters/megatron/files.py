@@ -50,15 +50,15 @@ from ckptkit.errors import (
 )
 from ckptkit.layout.strict_json import load_json
 from ckptkit.storage.local import LocalStore
-from ckptkit_converters import safe_unpickle
-from ckptkit_converters.safe_unpickle import (  # noqa: F401 - re-exported: UnsafeCheckpointError
+from ckptkit_converters.common import safe_unpickle as safe_unpickle
+from ckptkit_converters.common.safe_unpickle import (  # noqa: F401 - re-exported: UnsafeCheckpointError
     ForeignRecord,
     NamespaceRecord,
     UnsafeCheckpointError,
     load_dcp_metadata,
     namespace_fields,
 )
-from ckptkit_converters.source_paths import inside, plain_name, read_pointer, regular_file
+from ckptkit_converters.common.source_paths import inside, plain_name, read_pointer, regular_file
 
 META_KEY = "megatron/meta"
 MODEL = "model/"

@@ -1,0 +1,1 @@
+"""What every format's package shares: path and name checks, the allow-list unpickler, the old module names."""

@@ -1,0 +1,1 @@
+"""Hugging Face safetensors folders (dense and MoE families)."""

@@ -1,0 +1,1 @@
+"""zarr v3 groups written by tensorstore."""
