@@ -33,6 +33,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from math import prod
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -54,7 +55,7 @@ from common import (
     write_results,
 )
 
-from ckptkit.engine.offline_writer import write_offline
+from ckptkit.engine.offline_writer import OfflineCheckpoint, write_offline
 from ckptkit.layout.box import Box, Region
 from ckptkit.layout.manifest import DTYPES
 from ckptkit.storage.url import open_store
@@ -141,17 +142,10 @@ def build_source(path: str, m: Model) -> tuple[int, int]:
             items += [(key, Region(Box((e, 0, 0), (1, *shape[1:])))) for e in range(shape[0])]
         else:
             items.append((key, Region(Box(tuple(0 for _ in shape), shape))))
-    write_offline(open_store(path), world_size=1, tensors=tensors, pieces={0: items},
-                  source=lambda rank, its: _Random(list(its)), values={"step": 1000})
-    sizes = [_numel(s) * DTYPES["bfloat16"] for s in shapes.values()]
+    write_offline(open_store(path), OfflineCheckpoint(1, tensors, {0: items}, values={"step": 1000}),
+                  lambda rank, its: _Random(list(its)))
+    sizes = [prod(s) * DTYPES["bfloat16"] for s in shapes.values()]
     return sum(sizes), max(sizes)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def check_equal(src: str, dst: str, m: Model) -> None:

@@ -61,7 +61,7 @@ sys.path.insert(1, ROOT)
 import torch  # noqa: E402
 
 import ckptkit  # noqa: E402
-from ckptkit.engine.offline_writer import write_offline  # noqa: E402
+from ckptkit.engine.offline_writer import OfflineCheckpoint, write_offline  # noqa: E402
 from ckptkit.layout.box import Region  # noqa: E402
 from ckptkit.layout.config import ParallelConfig  # noqa: E402
 from ckptkit.layout.manifest import DTYPES, TensorMeta  # noqa: E402
@@ -161,9 +161,9 @@ def build_source(path: str, m: Model, config: ParallelConfig) -> tuple[int, int]
                 pieces.setdefault(layout.writer_rank(cell, 0), []).append((key, Region(box)))
         metas[key] = TensorMeta(key, dtype, shape, layout, 0, rule)
     dtypes = {k: meta.dtype for k, meta in metas.items()}
-    write_offline(open_store(path), world_size=config.world_size, tensors=metas, pieces=pieces,
-                  source=lambda rank, items: _Random(list(items), dtypes, rank), values={"step": 1000},
-                  parallel=str(config), layouts=metas)
+    checkpoint = OfflineCheckpoint(config.world_size, metas, pieces, values={"step": 1000}, parallel=str(config),
+                                   layouts=metas)
+    write_offline(open_store(path), checkpoint, lambda rank, items: _Random(list(items), dtypes, rank))
     sizes = [meta.numel * DTYPES[meta.dtype] for meta in metas.values()]
     return sum(sizes), max(sizes)
 

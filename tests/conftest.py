@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from tests.worlds import Worlds
@@ -21,7 +23,24 @@ def trials(default: int, slow: int) -> int:
     return slow if SLOW["on"] else default
 
 
-_SESSION: dict[str, Worlds] = {}
+_SESSION: dict[str, Any] = {}
+
+FAMILIES = {"retire_megatron_world": "megatron", "torchtitan_worlds": "torchtitan"}
+"""Fixtures a module requests (``pytestmark = pytest.mark.usefixtures(...)``) to say which framework its
+worlds' ranks carry, shims included: consecutive modules of one family share those worlds."""
+
+
+def world_family(item: pytest.Item | None) -> str | None:
+    """The family of ``item``'s module (:data:`FAMILIES`), None for a module of none (or no item)."""
+    if item is None:
+        return None
+    return next((family for name, family in FAMILIES.items() if name in item.fixturenames), None)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """Note, before the module's fixtures are finalized, whether the next test runs in the same family."""
+    _SESSION["same_family_next"] = world_family(item) is not None and world_family(item) == world_family(nextitem)
 
 
 @pytest.fixture(scope="session")
@@ -37,15 +56,23 @@ def worlds():
 def retire_heavy_worlds():
     """After every module, worlds whose ranks imported a framework are closed (tests/worlds.py
     ``retire_heavy``): no module leaves idle Megatron/DeepSpeed/torchtitan ranks behind, and the
-    Megatron CPU shims (a TorchFunctionMode that slows every torch call) never reach a later module."""
+    Megatron CPU shims (a TorchFunctionMode that slows every torch call) never reach a later module. The
+    one exception: the next module is of the same family (:data:`FAMILIES`), which needs those very ranks,
+    shims and all; it then skips importing the framework into fresh ranks again."""
     yield
-    if "worlds" in _SESSION:
+    if "worlds" in _SESSION and not _SESSION.pop("same_family_next", False):
         _SESSION["worlds"].retire_heavy()
 
 
 @pytest.fixture(scope="module")
 def retire_megatron_world(worlds):
-    """Kept for the Megatron modules' marks: every module now retires its heavy worlds (above)."""
+    """Marks a Megatron module (its ranks install tests/megatron_cpu_shims.py): see :data:`FAMILIES`."""
+    yield
+
+
+@pytest.fixture(scope="module")
+def torchtitan_worlds(worlds):
+    """Marks a torchtitan module (its ranks carry tests/torchtitan_job.py's shims): see :data:`FAMILIES`."""
     yield
 
 

@@ -131,24 +131,6 @@ def eval_loss(engine: Any) -> float:
     return (loss / dp).item()
 
 
-def probe(stage: int, ep: int, folder: str) -> dict[str, Any]:
-    """Step 1 of the issue: what of DeepSpeed-MoE runs here (build, train, native save/load)."""
-    import os
-
-    engine = build(stage, ep)
-    out: dict[str, Any] = {"losses": [train_step(engine, s) for s in (1, 2)]}
-    out["groups"] = [(pg.get("name"), pg.get("moe", False), len(pg["params"]))
-                     for pg in engine.optimizer.optimizer.param_groups]
-    out["names"] = [n for n, _ in engine.module.named_parameters()]
-    engine.save_checkpoint(folder, tag="t")
-    dist.barrier()
-    out["files"] = sorted(os.listdir(os.path.join(folder, "t")))
-    engine2 = build(stage, ep)
-    engine2.load_checkpoint(folder, tag="t")
-    out["eval"] = (eval_loss(engine), eval_loss(engine2))
-    return out
-
-
 def dtype_config(dtype: str) -> dict[str, Any]:
     return {"bf16": {"enabled": True}} if dtype == "bf16" else {}
 
@@ -243,14 +225,3 @@ def consolidated_eval(ep: int, state_dict: dict[str, torch.Tensor]) -> dict[str,
     with torch.no_grad():
         engine.module.load_state_dict(own, strict=True)
     return {"eval": eval_loss(engine)}
-
-
-def native_load_error(stage: int, ep: int, path: str) -> str:
-    """What DeepSpeed's own ``load_checkpoint`` says when given ``path`` at this world's DP size and ``ep``
-    ("" when it loads)."""
-    engine = build(stage, ep)
-    try:
-        engine.load_checkpoint(path)
-    except Exception as exc:  # noqa: BLE001 - reported to the test, which checks what DeepSpeed said
-        return f"{type(exc).__name__}: {exc}"
-    return ""

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ckptkit.engine.offline_writer import write_offline
+from ckptkit.engine.offline_writer import OfflineCheckpoint, write_offline
 from ckptkit.engine.state import dtype_name
 from ckptkit.layout.box import Box, Region
 from ckptkit.layout.config import ParallelConfig
@@ -111,14 +111,15 @@ def write_at(path: Path | str, tensors: Mapping[str, tuple[torch.Tensor, Partiti
                 pieces.setdefault(layout.writer_rank(cell, 0), []).append((key, Region(box)))
         metas[key] = TensorMeta(key, dtype, shape, layout, 0, rule)
     data = {k: t for k, (t, _) in tensors.items()}
-    write_offline(
-        open_store(path), world_size=world,
+    checkpoint = OfflineCheckpoint(
+        world_size=world,
         tensors={k: _Spec(m.dtype, m.shape) for k, m in metas.items()},
-        pieces=pieces, source=lambda rank, items: _Slices(data, items),
+        pieces=pieces,
         values={k: encode_value(v, k) for k, v in (values or {}).items()},
         per_rank_values={r: {per_rank: encode_value({"rank": r}, per_rank)} for r in range(world)} if per_rank else None,
         parallel=str(config), layouts=metas,
     )
+    write_offline(open_store(path), checkpoint, lambda rank, items: _Slices(data, items))
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,8 @@
 * commands never import one another (ckptkit/cli/commands_*.py), and nothing renders outside
   ckptkit/cli/output.py's sink;
 * ``ckptkit --help`` imports neither torch, rich nor the library; ``ckptkit ls``, ``inspect`` and
-  ``verify`` run without importing torch (nor numpy, nor the converters) at all;
+  ``verify`` run without importing torch (nor numpy, nor the converters) at all (checked in one fresh
+  interpreter with the other import promises: tests/test_import_costs.py);
 * sizes, layouts, layer counts and ``--storage-option KEY=VALUE`` parse one way everywhere;
 * every command's help carries examples; an unexpected exception is one line and exit code 3.
 """
@@ -11,9 +12,6 @@
 from __future__ import annotations
 
 import ast
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import click
@@ -53,43 +51,6 @@ def test_rich_only_in_the_output_sink():
     for path in CLI_DIR.glob("*.py"):
         if path.name != "output.py":
             assert not any(m.split(".")[0] == "rich" for m in _imports(path)), f"{path.name} imports rich"
-
-
-def _modules_after(argv: list[str]) -> tuple[int, list[str], str]:
-    """Run ``ckptkit ARGV`` in a fresh interpreter; its exit code, the heavy modules it imported, stdout."""
-    code = (
-        "import sys\n"
-        "from ckptkit.cli.main import main\n"
-        "try:\n"
-        f"    main({argv!r})\n"
-        "except SystemExit as e:\n"
-        "    rc = e.code\n"
-        "heavy = sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'numpy', 'pickle', 'rich', "
-        "'ckptkit_converters', 'tensorstore', 's3fs'} | {m for m in sys.modules if m.startswith('ckptkit.offline.')})\n"
-        "print('MODULES', rc, ' '.join(heavy), file=sys.stderr)\n"
-    )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
-    line = [ln for ln in proc.stderr.splitlines() if ln.startswith("MODULES ")][-1].split()
-    return int(line[1]), line[2:], proc.stdout
-
-
-def test_help_imports_no_torch_no_rich_no_library():
-    rc, heavy, out = _modules_after(["--help"])
-    assert rc == 0 and "ckptkit verify runs/exp1" in out
-    assert heavy == [], heavy
-
-
-def test_ls_inspect_and_verify_import_no_torch(tmp_path: Path):
-    ckpt = tmp_path / "run" / "step-0000001"
-    save_single(ckpt, metadata={"step": 1})
-    for argv in (["ls", str(ckpt.parent)], ["inspect", str(ckpt)], ["verify", str(ckpt)],
-                 ["ls", str(ckpt.parent), "--json"], ["inspect", str(ckpt), "--json"], ["verify", str(ckpt), "--json"]):
-        rc, heavy, out = _modules_after(argv)
-        assert rc in (0, None), (argv, out)
-        # (rich's console imports the pickle *module*; nothing unpickles: tests/test_cli.py patches pickle.load)
-        assert not {"torch", "numpy", "ckptkit_converters", "tensorstore"} & set(heavy), (argv, heavy)
-        if "--json" in argv:
-            json.loads(out)
 
 
 @pytest.mark.parametrize("cmd", COMMANDS)
@@ -158,4 +119,4 @@ def test_json_output_is_one_document_and_errors_go_to_stderr(tmp_path: Path):
     save_single(tmp_path / "c")
     result = CliRunner().invoke(cli, ["convert", str(tmp_path / "c"), str(tmp_path / "x"), "--format", "ckptkit",
                                       "--json"])
-    assert result.exit_code == 2 and result.stdout == "" and "is not a zarr group" in result.stderr
+    assert result.exit_code == 2 and result.stdout == "" and "a zarr group" in result.stderr

@@ -23,8 +23,9 @@ import torch
 pytest.importorskip("megatron.core")
 transformers = pytest.importorskip("transformers")
 
-from ckptkit.offline.formats import ImportOptions  # noqa: E402
-from ckptkit_converters.registry import ConvertOptions, convert  # noqa: E402
+from ckptkit_converters.hf.options import HFExportOptions  # noqa: E402
+from ckptkit_converters.megatron.options import MegatronImportOptions  # noqa: E402
+from ckptkit_converters.registry import convert  # noqa: E402
 
 VOCAB, SEQ = 250, 16
 
@@ -81,8 +82,8 @@ def test_megatron_torch_dist_exports_to_transformers_with_the_same_logits(worlds
     config = hf_config(moe)
     (tmp_path / "config.json").write_text(json.dumps(config))
     result = convert(folder, tmp_path / "hf", to_format="hf",
-                     options=ConvertOptions(hf_config=str(tmp_path / "config.json"),
-                                            imports=ImportOptions(vocab_size=VOCAB)))
+                     source_options=MegatronImportOptions(vocab_size=VOCAB),
+                     target_options=HFExportOptions(config=str(tmp_path / "config.json")))
     assert result.family == ("megatron_mixtral" if moe else "megatron_llama")
     (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
     cls = transformers.MixtralForCausalLM if moe else transformers.LlamaForCausalLM

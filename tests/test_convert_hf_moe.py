@@ -18,7 +18,7 @@ import torch
 from ckptkit_converters.hf.importer import import_hf, read_hf
 from ckptkit_converters.hf.mapping import HFConfig
 from ckptkit_converters.hf.exporter import INDEX_NAME, HFExportOptions, export_hf
-from ckptkit_converters.registry import ConvertOptions, convert
+from ckptkit_converters.registry import convert
 
 import ckptkit
 from tests import ckpt_files
@@ -272,7 +272,7 @@ def test_the_model_is_found_at_the_top_level_of_a_torchtitan_dcp_checkpoint(tmp_
              "dataloader": {"pos": torch.tensor(3)}}
     dcp.save(state, checkpoint_id=str(tmp_path / "dcp"))
     result = convert(tmp_path / "dcp", tmp_path / "hf", to_format="hf",
-                     options=ConvertOptions(hf_config=write_config(tmp_path / "config.json", hf_cfg)))
+                     target_options=HFExportOptions(config=write_config(tmp_path / "config.json", hf_cfg)))
     assert result.prefix == "" and result.family == "qwen3_moe"
     assert_same(load_export(tmp_path / "hf"), spec.state_dict_adapter(cfg, None).to_hf(dict(sd)))
     # the same state saved by ckptkit with the model at the top level; and an explicit prefix still wins
@@ -312,7 +312,7 @@ def test_the_table_comes_from_the_configs_model_type_via_the_cli(tmp_path):
     llama = write_config(tmp_path / "llama.json", {**hf_cfg, "model_type": "llama"})
     res = CliRunner().invoke(cli, ["convert", str(tmp_path / "ckpt"), str(tmp_path / "y"), "--format", "hf",
                                    "--hf-config", llama])
-    assert res.exit_code != 0 and "no llama3 HF name" in res.output and "wkv_a" in res.output
+    assert res.exit_code != 0 and "no llama HF name" in res.output and "wkv_a" in res.output
     assert not (tmp_path / "y" / INDEX_NAME).exists()
 
 

@@ -22,12 +22,9 @@ pytest.importorskip("deepspeed")
 
 import torch
 
-from ckptkit_converters.deepspeed.convert import (
-    consolidated_fp32_state_dict,
-    export_deepspeed,
-    export_fp32,
-    import_deepspeed,
-)
+from ckptkit_converters.deepspeed.exporter import export_deepspeed
+from ckptkit_converters.deepspeed.fp32 import consolidated_fp32_state_dict, export_fp32
+from ckptkit_converters.deepspeed.importer import import_deepspeed
 from ckptkit_converters.deepspeed.files import find_files
 from tests import deepspeed_job as job
 from tests.test_deepspeed import SAVE_STEP, STEPS, assert_same_state, check_same_run
@@ -104,7 +101,7 @@ def test_export_native_at_dp2_loads_in_deepspeed(worlds, saved, tmp_path, case, 
         src = str(tmp_path / "imported")
         import_deepspeed(f"{folder}/native", src)
     dest = str(tmp_path / "native_dp2")
-    export_deepspeed(src, dest, dp=2, stage=target_stage)
+    export_deepspeed(src, dest, dp=2, zero_stage=target_stage)
     got = worlds.run(2, job.resume_native, target_stage, case[1], dest, from_step=SAVE_STEP, steps=STEPS)[0]
     check_same_run(got, universal_reference(worlds, _REFERENCES, folder, case))
 

@@ -9,10 +9,14 @@ import torch
 
 import ckptkit
 from ckptkit.adapters import deepspeed as ds_ckpt
-from ckptkit.errors import CheckpointNotFoundError, ManifestError, MissingKeysError
-from ckptkit_converters.deepspeed.convert import import_deepspeed
+from ckptkit.errors import CheckpointNotFoundError, CoverageError, ManifestError, MissingKeysError
+from ckptkit_converters.deepspeed.importer import import_deepspeed
 from ckptkit_converters.deepspeed.files import find_files, is_deepspeed_checkpoint, load_file
+from ckptkit_converters.deepspeed.record import read_meta
 from ckptkit_converters.common.safe_unpickle import UnsafeCheckpointError
+from tests.test_import_trust_folders import deepspeed_folder
+
+TAG = "global_step3"
 
 
 class NotAllowed:
@@ -70,5 +74,117 @@ def test_missing_rank_files_are_named(tmp_path):
     folder = _native(tmp_path, {"optimizer_state_dict": {"zero_stage": 2}})
     os.rename(os.path.join(folder, "global_step1", "zero_pp_rank_0_mp_rank_00_optim_states.pt"),
               os.path.join(folder, "global_step1", "zero_pp_rank_1_mp_rank_00_optim_states.pt"))
-    with pytest.raises(ManifestError, match=r"DP ranks \[1\], expected 0..0"):
+    with pytest.raises(ManifestError, match=r"DP ranks \[1\], expected 0..1: missing .*global_step1/"
+                                            r"zero_pp_rank_0_mp_rank_00_optim_states\.pt"):
         find_files(folder)
+
+
+# ---------------------------------------------------------------- files lost from a tag folder
+
+
+def test_a_lost_last_optimizer_file_is_named(tmp_path):
+    """The files alone look like a complete DP-1 checkpoint; ``dp_world_size`` says a rank is missing."""
+    src = deepspeed_folder(tmp_path / "src", dp=3)
+    (src / TAG / "zero_pp_rank_2_mp_rank_00_optim_states.pt").unlink()
+    with pytest.raises(CoverageError, match=r"global_step3/zero_pp_rank_2_mp_rank_00_optim_states\.pt: missing: "
+                                            r".*mp_rank_00_model_states\.pt records dp_world_size 3"):
+        import_deepspeed(src, tmp_path / "out")
+    assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+def test_a_lost_zero3_rank_names_both_of_its_files(tmp_path):
+    src = deepspeed_folder(tmp_path / "src", stage=3, dp=2)
+    for name in ("zero_pp_rank_1_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_model_states.pt"):
+        (src / TAG / name).unlink()
+    with pytest.raises(CoverageError) as caught:
+        import_deepspeed(src, tmp_path / "out")
+    assert "zero_pp_rank_1_mp_rank_00_optim_states.pt" in str(caught.value)
+    assert "zero_pp_rank_1_mp_rank_00_model_states.pt" in str(caught.value)
+
+
+def test_a_lost_zero3_model_states_file_is_named(tmp_path):
+    src = deepspeed_folder(tmp_path / "src", stage=3, dp=2)
+    (src / TAG / "zero_pp_rank_1_mp_rank_00_model_states.pt").unlink()
+    with pytest.raises(ManifestError, match=r"missing .*global_step3/zero_pp_rank_1_mp_rank_00_model_states\.pt"):
+        find_files(str(src))
+
+
+def test_a_lost_zero12_model_states_file_is_named(tmp_path):
+    src = deepspeed_folder(tmp_path / "src")
+    (src / TAG / "mp_rank_00_model_states.pt").unlink()
+    with pytest.raises(CheckpointNotFoundError, match=r"global_step3/mp_rank_00_model_states\.pt: missing"):
+        find_files(str(src))
+
+
+def test_latest_naming_no_folder_names_latest(tmp_path):
+    """A truncated ``latest`` ("global_step3" cut to "global") names a folder that is not there: the error
+    must send the user to ``latest``, not to the folder that never existed."""
+    src = deepspeed_folder(tmp_path / "src")
+    (src / "latest").write_text("global")
+    with pytest.raises(CheckpointNotFoundError, match=r"/latest names tag 'global', which is not a folder of "):
+        import_deepspeed(src, tmp_path / "out")
+    with pytest.raises(CheckpointNotFoundError, match=r"the tag option \(CLI --tag\) names tag 'global_step9'"):
+        import_deepspeed(src, tmp_path / "out", tag="global_step9")
+    assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------- module state against param_shapes
+
+
+def _edit_model_states(src, edit, name: str = "mp_rank_00_model_states.pt") -> None:
+    path = src / TAG / name
+    data = torch.load(path, weights_only=True)  # the test's own file
+    edit(data)
+    torch.save(data, path)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_parameter_missing_from_module_is_named_before_writing(tmp_path, stage):
+    """Not only the first parameter: every one ``param_shapes`` lists (here the last, ``fc.bias``)."""
+    src = deepspeed_folder(tmp_path / "src", stage=stage)
+    name = "mp_rank_00_model_states.pt" if stage < 3 else "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    _edit_model_states(src, lambda d: d["module"].pop("fc.bias"), name)
+    with pytest.raises(ManifestError, match=rf"{name}: module state has no tensor for 'fc.bias', "
+                                            "which param_shapes lists"):
+        import_deepspeed(src, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_buffer_missing_from_module_is_named(tmp_path):
+    src = deepspeed_folder(tmp_path / "src")
+    _edit_model_states(src, lambda d: d["module"].pop("scale"))
+    with pytest.raises(ManifestError, match=r"module state has no tensor for 'scale', which buffer_names lists"):
+        import_deepspeed(src, tmp_path / "out")
+
+
+def test_a_module_tensor_of_another_shape_is_named(tmp_path):
+    src = deepspeed_folder(tmp_path / "src")
+    _edit_model_states(src, lambda d: d["module"].__setitem__("fc.bias", torch.ones(5)))
+    with pytest.raises(ManifestError, match=r"module tensor 'fc.bias' is torch.float32 \[5\]; .* \[4\]"):
+        import_deepspeed(src, tmp_path / "out")
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_weight_no_table_lists_is_refused_naming_it(tmp_path, stage):
+    """DeepSpeed's strict ``load_checkpoint`` refuses an unexpected key; the import used to drop it."""
+    src = deepspeed_folder(tmp_path / "src", stage=stage)
+    _edit_model_states(src, lambda d: d["module"].__setitem__("stray.weight", torch.ones(2)))
+    with pytest.raises(ManifestError, match=r"mp_rank_00_model_states\.pt: module state holds \['stray.weight'\], "
+                                            "which neither param_shapes"):
+        import_deepspeed(src, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_tied_aliases_buffers_and_moe_experts_are_not_extra(tmp_path):
+    """What DeepSpeed legitimately keeps in ``module`` besides ``param_shapes``: buffers, tied aliases
+    (``shared_params``); and a MoE module without its routed experts (they have their own files)."""
+
+    def tie(d):
+        d["module"]["head.weight"] = d["module"]["fc.weight"]
+        d["shared_params"] = {"head.weight": "fc.weight"}
+
+    src = deepspeed_folder(tmp_path / "src")
+    _edit_model_states(src, tie)
+    import_deepspeed(src, tmp_path / "out")
+    assert read_meta(ckptkit.open(tmp_path / "out"))["shared"] == {"head.weight": "fc.weight"}
+    import_deepspeed(deepspeed_folder(tmp_path / "moe", moe=True), tmp_path / "moe_out")

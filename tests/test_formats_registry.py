@@ -1,6 +1,6 @@
 """The converter registry (ckptkit_converters.registry) and the ``ckptkit.formats`` entry points.
 
-* the installed package registers megatron, deepspeed, dcp and zarr, detected in that order
+* the installed package registers megatron, deepspeed, dcp, zarr and hf, detected in that order
   (a Megatron torch_dist directory is a DCP checkpoint too), and loading them imports no torch;
 * ``registry.convert`` is one table: imports, exports, a foreign source to another format through
   a temporary import, identity conversions refused, each exporter's requirements checked first;
@@ -30,7 +30,10 @@ from ckptkit.layout.config import ParallelConfig
 from ckptkit.offline import formats
 from ckptkit_converters import registry
 from ckptkit_converters.hf.exporter import HFExportResult
+from ckptkit_converters.dcp.options import DcpExportOptions
+from ckptkit_converters.megatron.options import MegatronExportOptions
 from ckptkit_converters.registry import ConvertOptions, convert
+from ckptkit_converters.zarr.options import ZarrExportOptions
 
 
 def _dcp(path: Path) -> str:
@@ -41,12 +44,12 @@ def _dcp(path: Path) -> str:
 
 
 def test_installed_entry_points_in_detection_order_and_cheap():
-    assert [f.name for f in formats.source_formats()] == ["megatron", "deepspeed", "dcp", "zarr"]
-    assert [f.name for f in registry.formats()] == ["megatron", "deepspeed", "dcp", "zarr"]
+    assert [f.name for f in formats.source_formats()] == ["megatron", "deepspeed", "dcp", "zarr", "hf"]
+    assert [f.name for f in registry.formats()] == ["megatron", "deepspeed", "dcp", "zarr", "hf"]
     code = ("import sys; from ckptkit.offline.formats import source_formats; n = [f.name for f in source_formats()]; "
             "print(n, 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120).stdout
-    assert out.strip() == "['megatron', 'deepspeed', 'dcp', 'zarr'] False"
+    assert out.strip() == "['megatron', 'deepspeed', 'dcp', 'zarr', 'hf'] False"
 
 
 def test_detection(tmp_path: Path):
@@ -74,7 +77,7 @@ def test_the_table_both_ways_and_through_a_temporary_import(tmp_path: Path):
     imported = convert(src, tmp_path / "ck")  # detected: -> ckptkit
     assert type(imported).__name__ == "DcpConvertResult" and isinstance(imported, ConvertResult)
     assert imported.format == "ckptkit" and ckptkit.open(tmp_path / "ck").values == {"train/step": 3}
-    zarr = convert(tmp_path / "ck", tmp_path / "z", to_format="zarr", options=ConvertOptions(chunk_bytes=64))
+    zarr = convert(tmp_path / "ck", tmp_path / "z", to_format="zarr", target_options=ZarrExportOptions(chunk_bytes=64))
     assert isinstance(zarr, ConvertResult) and zarr.format == "zarr"
     chained = convert(src, tmp_path / "z2", to_format="zarr")  # DCP -> (temporary ckptkit) -> zarr
     assert chained.source == src and chained.format == "zarr"
@@ -87,7 +90,7 @@ def test_impossible_directions_fail_before_reading(tmp_path: Path):
     ckptkit.save({"w": torch.ones(2)}, tmp_path / "ck")
     with pytest.raises(CkptkitError, match="is already a DCP checkpoint"):
         convert(src, tmp_path / "x", to_format="dcp")
-    with pytest.raises(CkptkitError, match="is not a zarr group"):
+    with pytest.raises(CkptkitError, match="is not .*a zarr group"):
         convert(tmp_path / "ck", tmp_path / "x", to_format="ckptkit")
     with pytest.raises(CkptkitError, match="no conversion to 'onnx'"):
         convert(tmp_path / "ck", tmp_path / "x", to_format="onnx")
@@ -100,7 +103,9 @@ def test_impossible_directions_fail_before_reading(tmp_path: Path):
         convert(missing, tmp_path / "x", to_format="megatron")
     with pytest.raises(LayoutError, match="without virtual chunks"):
         convert(src, tmp_path / "x", to_format="megatron",
-                options=ConvertOptions(layout=ParallelConfig.parse("tp1pp2vpp2")))
+                target_options=MegatronExportOptions(layout=ParallelConfig.parse("tp1pp2vpp2")))
+    with pytest.raises(CkptkitError, match="takes DeepSpeedExportOptions options, not DcpExportOptions"):
+        convert(tmp_path / "ck", tmp_path / "x", to_format="deepspeed", target_options=DcpExportOptions())
     assert not (tmp_path / "x").exists()
 
 
@@ -111,6 +116,7 @@ def test_every_direction_returns_a_convert_result():
 
     assert issubclass(DcpConvertResult, ConvertResult) and issubclass(MegatronConvertResult, ConvertResult)
     assert set(registry.targets()) == {"ckptkit", "zarr", "dcp", "hf", "deepspeed", "megatron"}
+    assert all(isinstance(f, formats.Format) for f in registry.formats())
 
 
 def test_reshard_takes_a_foreign_source_through_the_entry_points(tmp_path: Path):
@@ -140,13 +146,54 @@ class _Fake:
 
 
 def test_plugin_priority_and_duplicates(monkeypatch: pytest.MonkeyPatch):
+    """Plugins of the first contract (import only) still load, wrapped, with a DeprecationWarning."""
     fakes = {"a-late": _Fake("late", None, True), "b-early": _Fake("early", 5, True),
              "c-dup": _Fake("early", 1, True), "d-notaformat": object()}
     eps = [SimpleNamespace(name=k, value=f"x:{k}", load=lambda v=v: v) for k, v in fakes.items()]
     monkeypatch.setattr(formats, "entry_points", lambda group: eps if group == formats.ENTRY_POINT_GROUP else [])
-    names = [(f.name, formats.priority_of(f)) for f in formats.source_formats()]
+    with pytest.warns(DeprecationWarning, match="first contract"):
+        names = [(f.name, formats.priority_of(f)) for f in formats.source_formats()]
     assert names == [("early", 5), ("late", formats.DEFAULT_PRIORITY)]
-    assert formats.detect_format("anything").name == "early"
+    with pytest.warns(DeprecationWarning):
+        assert formats.detect_format("anything").name == "early"
     assert formats.description_of(fakes["a-late"]) == "a late checkpoint"
     # the registry adds the built-in formats when they are not registered (an uninstalled source tree)
-    assert [f.name for f in registry.formats()] == ["early", "megatron", "deepspeed", "dcp", "zarr", "late"]
+    with pytest.warns(DeprecationWarning):
+        listed = [f.name for f in registry.formats()]
+    assert listed == ["early", "megatron", "deepspeed", "dcp", "zarr", "hf", "late"]
+
+
+def test_the_first_api_still_works_and_names_the_new_one(tmp_path: Path):
+    """``convert(options=ConvertOptions(...))`` maps onto the formats' own options, with a warning."""
+    src = _dcp(tmp_path / "dcp")
+    with pytest.warns(DeprecationWarning, match="source_options= and target_options="):
+        convert(src, tmp_path / "ck")
+        convert(src, tmp_path / "ck0", options=ConvertOptions(imports=formats.ImportOptions(
+            extra={"skip_unsafe_items": True})))
+    with pytest.warns(DeprecationWarning):
+        old = convert(tmp_path / "ck", tmp_path / "z-old", to_format="zarr",
+                      options=ConvertOptions(chunk_bytes=64, compression="zstd"))
+    new = convert(tmp_path / "ck", tmp_path / "z-new", to_format="zarr",
+                  target_options=ZarrExportOptions(chunk_bytes=64, compression="zstd"))
+    assert old.tensors == new.tensors and old.nbytes == new.nbytes
+    assert json.loads((tmp_path / "z-old" / "zarr.json").read_text()) == json.loads(
+        (tmp_path / "z-new" / "zarr.json").read_text())
+    with pytest.warns(DeprecationWarning, match="MegatronExportOptions"):
+        assert registry.check_megatron_target(ParallelConfig.parse("tp2pp1")).tp == 2
+
+
+def test_options_from_text_follow_each_fields_type():
+    from ckptkit_converters.deepspeed.options import DeepSpeedExportOptions
+
+    assert formats.parse_options(MegatronExportOptions, {"layout": "tp2pp2", "make_vocab_size_divisible_by": "64"},
+                                 what="x") == {"layout": ParallelConfig.parse("tp2pp2"),
+                                               "make_vocab_size_divisible_by": 64}
+    assert formats.parse_options(ZarrExportOptions, {"portable": "yes", "compression": "zstd"}, what="x") == {
+        "portable": True, "compression": "zstd"}
+    assert formats.parse_options(DeepSpeedExportOptions, {"zero_stage": "none"}, what="x") == {"zero_stage": None}
+    with pytest.raises(CkptkitError, match="the megatron export: layout: "):
+        formats.parse_options(MegatronExportOptions, {"layout": "tpx"}, what="the megatron export")
+    with pytest.raises(CkptkitError, match="the deepspeed export: dp is an integer, got 'eight'"):
+        formats.parse_options(DeepSpeedExportOptions, {"dp": "eight"}, what="the deepspeed export")
+    with pytest.raises(CkptkitError, match=r"has no option 'stage' \(its options: dp, zero_stage, ep, tag\)"):
+        formats.parse_options(DeepSpeedExportOptions, {"stage": "2"}, what="the deepspeed export")

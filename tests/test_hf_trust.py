@@ -7,8 +7,8 @@ reads the folder. Never a traceback, never a silent different result, never a re
 (an audit hook records every file Python opens), in bounded time and memory (peak RSS, which sees
 torch's allocator). The last test of each test_hf_trust*.py module prints the tally per case class so
 far in the session and asserts silent imports, tracebacks and reads outside are zero (the folders
-against their config: tests/test_hf_trust_config.py; symlinks and the hub cache:
-tests/test_hf_trust_links.py).
+against their config: tests/test_hf_trust_config.py; a damaged or hostile index:
+tests/test_hf_trust_index.py; symlinks and the hub cache: tests/test_hf_trust_links.py).
 """
 
 from __future__ import annotations
@@ -536,56 +536,6 @@ def test_the_package_check_runs_on_the_file_read_and_must_agree(tmp_path, built)
     os.mkfifo(tmp_path / "fifo")
     with pytest.raises(ckptkit.CorruptCheckpointError, match="changed while being opened"):
         check_with_package(str(tmp_path / "fifo"), len(raw), entries, meta, "fifo")
-
-
-# ---------------------------------------------------------------- 2. the index
-
-
-def _index_cases(folder: Path) -> dict[str, Callable[[], None]]:
-    index = folder / "model.safetensors.index.json"
-    doc = json.loads(index.read_text())
-    wm = doc["weight_map"]
-    name = sorted(wm)[0]
-    other = next(f for f in sorted(set(wm.values())) if f != wm[name])
-
-    def put(d: Any) -> Callable[[], None]:
-        return lambda: index.write_text(json.dumps(d))
-
-    return {
-        "parent path": put({**doc, "weight_map": {**wm, name: "../" + wm[name]}}),
-        "absolute path": put({**doc, "weight_map": {**wm, name: str(folder / wm[name])}}),
-        "not safetensors": put({**doc, "weight_map": {**wm, name: "config.json"}}),
-        "absent file": put({**doc, "weight_map": {**wm, name: "model-99999-of-00012.safetensors"}}),
-        "listed in another file": put({**doc, "weight_map": {**wm, name: other}}),
-        "unlisted tensor": put({**doc, "weight_map": {k: v for k, v in wm.items() if k != name}}),
-        "listed, not held": put({**doc, "weight_map": {**wm, "model.layers.0.mlp.extra.weight": other}}),
-        "no weight_map": put({"metadata": {}}),
-        "weight_map a list": put({"weight_map": list(wm)}),
-        "duplicate key": lambda: index.write_text(
-            index.read_text().replace('"weight_map": {', f'"weight_map": {{"{name}": "{other}", ', 1)),
-        "deep nesting": put({**doc, "metadata": {"x": json.loads("[" * 300 + "]" * 300)}}),
-        "not JSON": lambda: index.write_bytes(b"\xff{}"),
-        "FIFO": lambda: (index.unlink(), os.mkfifo(index)),
-        "oversized": lambda: index.write_bytes(b" " * (65 << 20) + json.dumps(doc).encode()),
-        "tensor in two shards": lambda: _copy_tensor_into(folder, name, wm[name], other),
-    }
-
-
-def _copy_tensor_into(folder: Path, name: str, src: str, dst: str) -> None:
-    from safetensors.torch import load_file, save_file
-
-    extra = load_file(str(folder / src))[name]
-    tensors = load_file(str(folder / dst))
-    save_file({**tensors, name: extra}, str(folder / dst), metadata={"format": "pt"})
-
-
-def test_a_damaged_or_hostile_index_is_refused(tmp_path, built):
-    src = built("llama_sharded")
-    for case in _index_cases(src):
-        folder = tmp_path / case.replace(" ", "-")
-        shutil.copytree(src, folder)
-        _index_cases(folder)[case]()
-        attempt(f"index: {case}", folder, src / "config.json", expect="refuse", names=str(folder), root=tmp_path)
 
 
 def report(title: str) -> str:

@@ -31,10 +31,10 @@ from hypothesis import strategies as st
 
 import ckptkit
 from ckptkit.layout.config import ParallelConfig
-from ckptkit.offline.formats import ImportOptions
 from ckptkit.offline.resharding import ReshardOptions
-from ckptkit_converters.deepspeed.convert import import_deepspeed
-from ckptkit_converters.registry import ConvertOptions, convert
+from ckptkit_converters.deepspeed import import_deepspeed
+from ckptkit_converters.deepspeed.options import DeepSpeedImportOptions
+from ckptkit_converters.registry import convert
 from tests.conftest import trials
 from tests.test_import_trust_folders import (
     Reads,
@@ -124,12 +124,12 @@ def test_hostile_latest_is_refused_naming_it(tmp_path_factory, templates, name):
 @given(name=HOSTILE)
 def test_hostile_tag_option_is_refused_naming_it(tmp_path_factory, templates, name):
     src, bait, out = case(tmp_path_factory.mktemp("tagopt"), templates, "ds")
-    opts = ConvertOptions(imports=ImportOptions(extra={"tag": name}))
+    opts = DeepSpeedImportOptions(tag=name)
     with Reads(bait) as reads:
-        run_library(TALLY, "deepspeed", f"tag={name!a}", lambda: convert(src, out, options=opts), ["tag option"], out,
+        run_library(TALLY, "deepspeed", f"tag={name!a}", lambda: convert(src, out, source_options=opts), ["tag option"], out,
                     None, reads)
         run_library(TALLY, "deepspeed", f"reshard tag={name!a}",
-                    lambda: ckptkit.reshard(src, out, TP1, options=ReshardOptions(imports=opts.imports)),
+                    lambda: ckptkit.reshard(src, out, TP1, options=ReshardOptions(source_options=opts)),
                     ["tag option"], out, None, reads)
         if "\x00" not in name:  # argv cannot hold NUL: an OS limit, not ours
             run_cli(TALLY, "deepspeed", f"cli --tag {name!a}", ["convert", str(src), str(out), "--tag", name],
@@ -159,13 +159,13 @@ def test_nasty_tags_through_every_door(tmp_path, templates, kind):
     src, bait, out = case(tmp_path, templates, kind)
     for name in [*_NASTY, str(bait / TAG)]:
         _write_pointer(src / "latest", name)
-        tag_opts = ImportOptions(extra={"tag": name})
+        tag_opts = DeepSpeedImportOptions(tag=name)
         with Reads(bait) as reads:
             for what, call, expect in [
                 ("convert", lambda: convert(src, out), f"{src}/latest"),
                 ("reshard", lambda: ckptkit.reshard(src, out, TP1), f"{src}/latest"),
-                ("convert tag", lambda: convert(src, out, options=ConvertOptions(imports=tag_opts)), "tag option"),
-                ("plan tag", lambda: ckptkit.plan_reshard(src, TP1, options=ReshardOptions(imports=tag_opts)),
+                ("convert tag", lambda: convert(src, out, source_options=tag_opts), "tag option"),
+                ("plan tag", lambda: ckptkit.plan_reshard(src, TP1, options=ReshardOptions(source_options=tag_opts)),
                  "tag option")]:
                 run_library(TALLY, "deepspeed", f"{kind} {what} {name!a}", call, [expect], out, None, reads)
             for args in (["convert", str(src), str(out)], ["reshard", str(src), str(out), "--to", "tp1pp1"]):

@@ -18,6 +18,7 @@ import argparse
 import builtins
 import io
 import json
+import math
 import os
 import pickle
 import sys
@@ -34,7 +35,7 @@ from click.testing import CliRunner
 
 from ckptkit.cli.main import cli
 from ckptkit.errors import CkptkitError
-from ckptkit_converters.deepspeed.convert import flat_layouts
+from ckptkit_converters.deepspeed.flat_layout import flat_layouts
 
 # ---------------------------------------------------------------- payloads
 
@@ -102,17 +103,10 @@ def _flat(members: Sequence[tuple[str, tuple[int, ...]]], stage: int, dp: int, r
     for lay in flat_layouts([list(members)], stage, dp):
         flat = torch.zeros(lay.cut.partition_numel)
         for f in lay.fragments(rank):
-            full = torch.arange(_numel(lay.shapes[f.param]), dtype=torch.float32) + seed
+            full = torch.arange(math.prod(lay.shapes[f.param]), dtype=torch.float32) + seed
             flat[f.local_start:f.local_start + f.numel] = full[f.start:f.stop]
         out.append((lay, flat))
     return out
-
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def deepspeed_folder(root: Path, *, stage: int = 2, dp: int = 2, moe: bool = False, tag: str = "global_step3",

@@ -3,7 +3,8 @@ by name — never turned into strings (``ckptkit.layout.values.json_ready``).
 
 The DeepSpeed importer used to write what it could not store as ``str(value)`` (param groups, the LR
 scheduler's state, ``ds_config``) and ``{1: x}`` as ``{"1": x}``, while the live adapter refused the
-same values. Now both call ``json_ready``:
+same values. Now both build the record with ``ckptkit.adapters.deepspeed_record.build_record``, which
+calls ``json_ready``:
 
 * hypothesis builds JSON-like values with, sometimes, a part JSON cannot hold exactly (a tensor, a set,
   bytes, a complex, a ``Counter`` with int keys, a dict with int or tuple keys, a dtype, a lone
@@ -27,10 +28,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ckptkit.adapters import deepspeed as ds_adapter
+from ckptkit.adapters import deepspeed_record
 from ckptkit.errors import StateMismatchError
 from ckptkit.layout.values import json_ready
-from ckptkit_converters.deepspeed import convert as ds_converter
-from ckptkit_converters.deepspeed.convert import import_deepspeed
+from ckptkit_converters.deepspeed import record as ds_converter_record
+from ckptkit_converters.deepspeed.importer import import_deepspeed
 from tests.conftest import trials
 from tests.test_import_trust_folders import deepspeed_folder
 
@@ -149,7 +151,10 @@ def test_client_state_that_json_cannot_keep_is_skipped_not_stringified(tmp_path)
 
 
 def test_one_rule_for_the_adapter_and_the_importer():
-    assert ds_adapter.json_ready is json_ready and ds_converter.json_ready is json_ready
+    """Both writers of the record go through one builder, which applies ``json_ready`` to these records."""
+    assert ds_adapter.build_record is deepspeed_record.build_record
+    assert ds_converter_record.build_record is deepspeed_record.build_record
+    assert deepspeed_record.json_ready is json_ready
     assert json_ready({"betas": (0.9, 0.99), "lr": float("inf"), "name": "x"}, "pg") == \
         {"betas": [0.9, 0.99], "lr": float("inf"), "name": "x"}
     for bad, where in [({"milestones": Counter({30: 1})}, "sched['milestones'] has the key 30 (int)"),

@@ -331,7 +331,7 @@ def test_torch_dist_import_equals_the_adapter_checkpoint_and_loads(worlds, saved
 
     folder, _, mfolder = saved["A"]
     out = str(tmp_path / "imported")
-    import_torch_dist(mfolder, out, vocab_size=mm.VOCAB, divisible_by=A.divisible_by)
+    import_torch_dist(mfolder, out, vocab_size=mm.VOCAB, make_vocab_size_divisible_by=A.divisible_by)
     ours, imported = job.all_tensors(folder), job.all_tensors(out)
     model_keys = {k for k in ours if k.startswith("model/") and not k.endswith(".vocab_padding")}
     assert {k for k in imported if k.startswith("model/")} == model_keys

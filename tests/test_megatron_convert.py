@@ -187,7 +187,8 @@ def test_bad_inputs_name_the_culprit(saved, tmp_path):
     with pytest.raises(LayoutError, match=r"embedding\.word_embeddings\.weight.*vocab_size 300"):
         import_legacy(f"{folder}/legacy", str(tmp_path / "b"), vocab_size=300)
     with pytest.raises(LayoutError, match="disagrees"):
-        import_torch_dist(f"{folder}/torch_dist", str(tmp_path / "c"), vocab_size=VOCAB, divisible_by=128)
+        import_torch_dist(f"{folder}/torch_dist", str(tmp_path / "c"), vocab_size=VOCAB,
+                          make_vocab_size_divisible_by=128)
     # a rank folder missing
     src = str(tmp_path / "legacy_missing")
     shutil.copytree(f"{folder}/legacy", src)

@@ -84,7 +84,7 @@ def assert_import_equals_ours(mfolder: str, folder: str, out: str) -> list[str]:
 
     import ckptkit
 
-    import_torch_dist(mfolder, out, vocab_size=mm.VOCAB, divisible_by=16)
+    import_torch_dist(mfolder, out, vocab_size=mm.VOCAB, make_vocab_size_divisible_by=16)
     ours, theirs = ckptkit.open(folder), ckptkit.open(out)
     keys = sorted(k for k in ours.keys() if k.startswith("model/") and not k.endswith(".vocab_padding"))
     assert sorted(k for k in theirs.keys() if k.startswith("model/")) == keys

@@ -223,7 +223,7 @@ def test_cli_convert_both_ways(tmp_path):
     assert json.loads(out.stdout)["format"] == "ckptkit"
     assert diff(tmp_path / "c", tmp_path / "back").identical
     wrong = runner.invoke(cli, ["convert", str(tmp_path / "c"), str(tmp_path / "x"), "--format", "ckptkit"])
-    assert wrong.exit_code == 2 and "is not a zarr group" in wrong.output
+    assert wrong.exit_code == 2 and "is not a Megatron checkpoint" in wrong.output and "a zarr group" in wrong.output
 
 
 def test_s3_view_export_import_and_diff(s3_env, saved):  # noqa: F811

@@ -15,7 +15,7 @@ import torch
 
 import ckptkit
 from tests.fault_proxy import FaultProxy, Faults
-from tests.s3_server import s3_env, s3_server  # noqa: F401 - fixtures
+from tests.s3_server import CREDENTIALS, s3_env, s3_server  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.timeout(300)
 STEPS = (1, 2, 3)
@@ -38,13 +38,32 @@ def proxy(s3_server):  # noqa: F811
         yield p
 
 
-@pytest.fixture
-def run(s3_env, s3_server):  # noqa: F811
-    root = f"s3://{s3_env}/run"
+def save_steps(bucket: str) -> str:
+    """Commit STEPS under ``s3://bucket/run`` (through AWS_ENDPOINT_URL, straight to the server)."""
+    root = f"s3://{bucket}/run"
     with ckptkit.CheckpointManager(root, save=ckptkit.SavePolicy(every_steps=1), asynchronous=None) as mgr:
         for step in STEPS:
             mgr.maybe_save(step, state_at(step))
     return root
+
+
+@pytest.fixture
+def run(s3_env, s3_server):  # noqa: F811
+    """A bucket of its own, for the tests that write or delete (retention, gc)."""
+    return save_steps(s3_env)
+
+
+@pytest.fixture(scope="module")
+def shared_run(s3_server):  # noqa: F811
+    """(bucket, root): the checkpoints the restore scenarios read, saved once. A restore writes nothing but its
+    read lease (under ``.leases/``, which no fault matches, taken and released), and every scenario checks that
+    all of STEPS are still committed afterwards, so one scenario cannot hand the next a changed bucket unseen."""
+    bucket = s3_server.new_bucket()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("AWS_ENDPOINT_URL", s3_server.endpoint)
+        for k, v in CREDENTIALS.items():
+            mp.setenv(k, v)
+        return bucket, save_steps(bucket)
 
 
 def opts(proxy: FaultProxy) -> dict:
@@ -96,8 +115,9 @@ def restore_through(proxy: FaultProxy, root: str, faults: Faults) -> tuple[int |
 
 
 @pytest.mark.parametrize("name,faults,outcome", SCENARIOS, ids=[s[0] for s in SCENARIOS])
-def test_restore_under_faults(proxy, run, s3_env, s3_server, name, faults, outcome):  # noqa: F811
-    step, target, error = restore_through(proxy, run, faults)
+def test_restore_under_faults(proxy, shared_run, s3_server, name, faults, outcome):  # noqa: F811
+    bucket, root = shared_run
+    step, target, error = restore_through(proxy, root, faults)
     assert step != 2 and not (step is None and error is None), f"{name}: a silent older restore ({step})"
     if outcome == "restored":
         assert error is None, f"{name}: {error}"
@@ -106,7 +126,7 @@ def test_restore_under_faults(proxy, run, s3_env, s3_server, name, faults, outco
     else:
         assert step is None and isinstance(error, (ckptkit.StorageError, ckptkit.CheckpointUnreadableError)), error
         assert "step-0000003" in str(error) and error.__class__.__name__ != "CorruptCheckpointError"
-    assert committed_steps(s3_server, s3_env) == list(STEPS)
+    assert committed_steps(s3_server, bucket) == list(STEPS)
 
 
 def test_retention_never_deletes_while_a_newer_manifest_is_unreadable(proxy, run, s3_env, s3_server):  # noqa: F811

@@ -11,15 +11,13 @@ from ckptkit.storage import open_store
 from ckptkit.storage.s3 import SHORT_READ_RETRIES, S3Store
 from tests.fault_proxy import FaultProxy, Faults
 from tests.s3_server import s3_env, s3_server  # noqa: F401 - fixtures
-from tests.store_conformance import S3Backdoor, StoreTests, Subject
+from tests.store_conformance import PagedListingTests, S3Backdoor, StoreTests, Subject
 
 
 pytestmark = pytest.mark.timeout(120)  # a hang fails the test instead of stalling the suite
 
 
-class TestS3Store(StoreTests):
-    many_keys = 1001  # two listing pages, two batch deletes
-
+class TestS3Store(PagedListingTests, StoreTests):
     @pytest.fixture
     def subject(self, s3_env, s3_server):  # noqa: F811
         return Subject(open_store(f"s3://{s3_env}/runs/exp1"), S3Backdoor(s3_server.client(), s3_env, "runs/exp1"))

@@ -15,6 +15,7 @@ from ckptkit.storage.tiered import TieredStore
 from tests.s3_server import s3_env, s3_server  # noqa: F401 - fixtures
 from tests.store_conformance import (
     FsBackdoor,
+    PagedListingTests,
     S3Backdoor,
     StoreTests,
     Subject,
@@ -35,10 +36,9 @@ def _local_over_local(tmp_path) -> Subject:
     return Subject(store, TieredBackdoor(FsBackdoor(local), FsBackdoor(remote), REMOTE_ONLY))
 
 
-class TestTieredLocalOverS3(StoreTests):
+class TestTieredLocalOverS3(PagedListingTests, StoreTests):
     has_fallback = True
     range_examples = 25
-    many_keys = 1001
 
     @pytest.fixture
     def subject(self, tmp_path, s3_env, s3_server):  # noqa: F811

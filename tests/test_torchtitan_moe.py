@@ -22,8 +22,7 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
+from dataclasses import dataclass
 
 import pytest
 
@@ -33,6 +32,7 @@ from tests import torchtitan_moe_job as job
 from tests.test_torchtitan import RESUME_STEP, assert_controls_fail, assert_resumed, reference_of
 
 WORLD = {layout: dp * tp for layout, (dp, tp, _ep) in job.LAYOUTS.items()}
+pytestmark = pytest.mark.usefixtures("torchtitan_worlds")  # shares its worlds with the next torchtitan module
 # (family, saved layout) -> async mode of the saving run
 SAVES = {("qwen3", "fsdp4_ep2"): "async", ("deepseek_v3", "fsdp2_tp2_ep2"): "async_process",
          ("qwen3", "fsdp2_tp2"): "async"}
@@ -49,8 +49,21 @@ def saved(worlds, tmp_path_factory):
     return out
 
 
-def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ckptkit.cli.main", *args], capture_output=True, text=True, timeout=300, check=False)
+@dataclass(frozen=True)
+class CliResult:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def cli(*args: str) -> CliResult:
+    """``ckptkit ARGS`` in this process (a fresh interpreter per command only re-imported torch)."""
+    from click.testing import CliRunner
+
+    from ckptkit.cli.main import cli as command
+
+    result = CliRunner().invoke(command, list(args), catch_exceptions=False)
+    return CliResult(result.exit_code, result.stdout, result.stderr)
 
 
 @pytest.mark.parametrize("source,target", [

@@ -62,13 +62,27 @@ import torch
 import torch.distributed as dist
 
 import ckptkit
+from ckptkit.adapters.deepspeed_record import (  # FORMAT, META: the record's names, kept importable here
+    FORMAT,
+    META,
+    RECORD_KEY,
+    Counters,
+    FrameworkState,
+    RecordSources,
+    SavedLayout,
+    build_record,
+    client_state_record,
+    parse_record,
+    scalar_record,
+    scalar_value,
+)
 from ckptkit.engine.metadata_io import read_manifest
-from ckptkit.engine.state import Sharded, dtype_name
+from ckptkit.engine.state import Sharded
 from ckptkit.errors import LayoutError, MissingKeysError, StateMismatchError
 from ckptkit.layout.box import Box
 from ckptkit.layout.pieces import Piece, box_piece, flat_piece
 from ckptkit.layout.rules import PartitionRule
-from ckptkit.layout.values import decode_value, json_ready
+from ckptkit.layout.values import decode_value
 from ckptkit.layout.zero_partition import (
     Fragment,
     Zero3SubGroup,
@@ -78,9 +92,6 @@ from ckptkit.layout.zero_partition import (
 from ckptkit.options import AsyncOptions, LoadOptions
 from ckptkit.storage.url import open_store
 
-META = "deepspeed"
-"""State key of the JSON string that describes the engine (counters, scheduler, client state, layout)."""
-FORMAT = 1
 FP32 = "fp32"
 EXPERTS = "deepspeed_moe.experts.deepspeed_experts"
 """Where ``deepspeed.moe.layer.MoE`` keeps its local experts (a ModuleList indexed by local expert id)."""
@@ -361,10 +372,6 @@ def _shared(engine: Any) -> dict[str, str]:
     return out
 
 
-def _hyper(group: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in group.items() if k != "params"}
-
-
 def engine_state(engine: Any, client_state: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The ckptkit state of a live engine (see the module docstring); tensors are the engine's own."""
     layout = engine_layout(engine)
@@ -375,49 +382,48 @@ def engine_state(engine: Any, client_state: Mapping[str, Any] | None = None) -> 
     base = engine.optimizer.optimizer
     state: dict[str, Any] = {}
     scalars: list[dict[str, Any]] = []
-    members = []
     for i, g in enumerate(layout.groups):
         entry: dict[str, Any] = {FP32: Sharded(g.fp32, _pieces(g, lambda n: optim_key(FP32, n)), g.rule)}
         group_scalars: dict[str, Any] = {}
         for key, value in base.state.get(g.fp32, {}).items():
             if isinstance(value, torch.Tensor) and value.shape == g.fp32.shape:
                 entry[key] = Sharded(value, _pieces(g, lambda n, k=key: optim_key(k, n)), g.rule)
-            elif isinstance(value, torch.Tensor) and value.numel() == 1:
-                group_scalars[key] = {"dtype": dtype_name(value.dtype), "value": value.item()}
-            elif isinstance(value, (int, float)):
-                group_scalars[key] = {"dtype": None, "value": value}
             else:
-                raise StateMismatchError(f"DeepSpeed optimizer state {key!r} of group {i}: neither a tensor shaped "
-                                         f"like the flat partition {tuple(g.fp32.shape)} nor a scalar")
+                group_scalars[key] = scalar_record(value, f"DeepSpeed optimizer state {key!r} of group {i}")
         for j, (local, pieces) in enumerate(_lp_pieces(layout, g)):
             entry[f"lp{j}"] = Sharded(local, pieces, g.rule)
         state[f"g{i}"] = entry
         scalars.append(group_scalars)
-        members.append({"group": g.group, "names": list(dict.fromkeys(g.names)), "moe": g.moe})
     for key, (local, pieces) in _frozen_and_buffers(engine, layout).items():
         state[key] = Sharded(local, pieces)
-    sched = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
-    meta = {
-        "format": FORMAT, "stage": layout.stage, "dp": layout.dp, "lp_dtype": dtype_name(layout.lp_dtype),
-        "global_steps": engine.global_steps, "global_samples": engine.global_samples,
-        "skipped_steps": engine.skipped_steps, "micro_steps": engine.micro_steps,
-        "gradient_accumulation_steps": engine.gradient_accumulation_steps(),
-        "param_groups": [json_ready(_hyper(pg), f"the optimizer's param group {i}") for i, pg in enumerate(base.param_groups)],
-        "optimizer_scalars": scalars, "flat_groups": members,
-        "param_shapes": {n: list(sh) for g in layout.groups for n, sh in zip(g.names, g.shapes)},
-        "buffers": [n for n, _ in engine.module.named_buffers()],
-        "frozen": [n for n, p in engine.module.named_parameters()
-                   if id(p) not in {id(q) for g in layout.groups for q in g.lp_params}],
-        "shared": _shared(engine),
-        "experts": dict(layout.expert_meta or {}),
-        "ds_config": json_ready(engine.config, "the DeepSpeed config") if isinstance(engine.config, dict) else {},
-        "optimizer_state_keys": sorted({k for e in state.values() if isinstance(e, dict) for k in e
-                                        if not k.startswith("lp") and k != FP32}),
-        "lr_scheduler": json_ready(sched, "the LR scheduler's state_dict"),
-        "client_state": json_ready(dict(client_state or {}), "client_state"),
-    }
-    state[META] = json.dumps(meta)
+    state_keys = sorted({k for e in state.values() if isinstance(e, dict) for k in e
+                         if not k.startswith("lp") and k != FP32})
+    state[META] = json.dumps(_engine_record(engine, layout, scalars, state_keys, client_state or {}))
     return {"deepspeed_engine": state}
+
+
+def _engine_record(engine: Any, layout: EngineLayout, scalars: list[dict[str, Any]], state_keys: list[str],
+                   client_state: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``deepspeed`` record of a live engine, through the builder the importer calls too
+    (:func:`ckptkit.adapters.deepspeed_record.build_record`): one set of keys and rules for both."""
+    where = "DeepSpeed engine"
+    kept, refused = client_state_record(client_state, where)
+    if refused:  # the caller can fix its client state; an import of a native folder lists them instead
+        raise next(iter(refused.values()))
+    optimized = {id(q) for g in layout.groups for q in g.lp_params}
+    saved = SavedLayout(
+        zero_stage=layout.stage, dp=layout.dp, lp_dtype=layout.lp_dtype,
+        flat_groups=[{"group": g.group, "names": list(dict.fromkeys(g.names)), "moe": g.moe} for g in layout.groups],
+        param_shapes={n: list(sh) for g in layout.groups for n, sh in zip(g.names, g.shapes)},
+        optimizer_scalars=scalars, optimizer_state_keys=state_keys,
+        buffers=[n for n, _ in engine.module.named_buffers()],
+        frozen=[n for n, p in engine.module.named_parameters() if id(p) not in optimized],
+        shared=_shared(engine), experts=dict(layout.expert_meta or {}))
+    counters = Counters(engine.global_steps, engine.global_samples, engine.skipped_steps, engine.micro_steps,
+                        engine.gradient_accumulation_steps())
+    sched = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
+    return build_record(saved, counters, FrameworkState(engine.optimizer.optimizer.param_groups, sched, engine.config,
+                                                        kept, RecordSources(where, where)))
 
 
 def save(engine: Any, path: str | os.PathLike[str], *, client_state: Mapping[str, Any] | None = None,
@@ -436,12 +442,10 @@ def read_meta(path: str | os.PathLike[str], storage_options: dict[str, Any] | No
     """The ``deepspeed`` JSON record of a checkpoint (read from its manifest; no tensor is touched)."""
     store = open_store(path, storage_options)
     manifest = read_manifest(store)
-    key = f"deepspeed_engine/{META}"
-    if key not in manifest.values:
-        raise MissingKeysError(f"{store.url}: not a checkpoint of ckptkit's DeepSpeed adapter (no {key!r} value)")
-    meta = json.loads(decode_value(manifest.values[key], f"{store.url}: {key}"))
-    if meta.get("format") != FORMAT:
-        raise StateMismatchError(f"{store.url}: DeepSpeed record format {meta.get('format')!r}, expected {FORMAT}")
+    if RECORD_KEY not in manifest.values:
+        raise MissingKeysError(f"{store.url}: not a checkpoint of ckptkit's DeepSpeed adapter "
+                               f"(no {RECORD_KEY!r} value)")
+    meta = parse_record(decode_value(manifest.values[RECORD_KEY], f"{store.url}: {RECORD_KEY}"), store.url)
     meta["_tensors"] = set(manifest.tensors)
     return meta
 
@@ -464,7 +468,7 @@ def _prime_state(base: Any, g: FlatGroup, keys: list[str], scalars: Mapping[str,
         elif key in st and isinstance(st[key], torch.Tensor):
             st[key].fill_(rec["value"])
         else:
-            st[key] = torch.tensor(rec["value"], dtype=getattr(torch, rec["dtype"]))
+            st[key] = scalar_value(rec)
     return st
 
 

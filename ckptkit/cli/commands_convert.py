@@ -1,9 +1,11 @@
-"""``ckptkit convert``: a checkpoint to and from zarr, DCP, DeepSpeed, Megatron, and to HF safetensors.
+"""``ckptkit convert``: a checkpoint to and from every registered format.
 
-One library call: :func:`ckptkit_converters.registry.convert`, which detects the source's format
-(Megatron torch_dist or legacy, DeepSpeed, DCP, a zarr group, or a registered plugin; else a
-ckptkit checkpoint) and looks the direction up in its table. This module parses the flags into
-:class:`~ckptkit_converters.registry.ConvertOptions` and prints the one result type.
+One library call, :func:`ckptkit_converters.registry.convert`, which detects the source's format
+(or takes ``--from``) and runs the direction. Each format takes its own options dataclass; this
+module turns the flags into those: a flag names one field (``--dp`` is ``dp``, ``--hf-config``
+is ``config``), ``--opt KEY=VALUE`` names any field of any format (so a new format's options work
+without a new flag), and a flag that neither side of the conversion takes is refused, naming it.
+The help lists the flags per format, then every format's fields for ``--opt``.
 """
 
 from __future__ import annotations
@@ -12,76 +14,133 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from ckptkit.cli.options import (
-    LAYOUT,
-    import_options,
-    json_option,
-    megatron_facts_options,
-    storage_option,
-    threads_option,
-)
+from ckptkit.cli.grouped import GroupedCommand, grouped
+from ckptkit.cli.options import KEY_VALUE, LAYOUT, json_option, storage_option, threads_option
 from ckptkit.cli.output import Output, human_bytes
 
 if TYPE_CHECKING:
-    from ckptkit.engine.offline_writer import ConvertResult
-    from ckptkit.layout.config import ParallelConfig
+    from ckptkit.offline import ConvertResult, Format
 
-FORMATS = ["zarr", "dcp", "hf", "deepspeed", "megatron", "ckptkit"]  # ckptkit_converters.registry.targets()
+MIB = 2**20
+
+# flag (click parameter name) -> (the flag as typed, the options field it fills, value -> field value)
+FIELDS: dict[str, tuple[str, str, Any]] = {
+    "chunk_mib": ("--chunk-mib", "chunk_bytes", lambda v: int(v * MIB)),
+    "shard_mib": ("--shard-mib", "shard_bytes", lambda v: int(v * MIB)),
+    "portable": ("--portable", "portable", None),
+    "compression": ("--compression", "compression", None),
+    "skip_unsafe_items": ("--skip-unsafe-items", "skip_unsafe_items", None),
+    "hf_config": ("--hf-config", "config", None),
+    "hf_family": ("--hf-family", "family", None),
+    "heads": ("--heads", "heads", None),
+    "kv_heads": ("--kv-heads", "kv_heads", None),
+    "dtype": ("--dtype", "dtype", None),
+    "prefix": ("--prefix", "prefix", None),
+    "dp": ("--dp", "dp", None),
+    "zero_stage": ("--zero-stage", "zero_stage", None),
+    "ep": ("--ep", "ep", None),
+    "tag": ("--tag", "tag", None),
+    "vocab_size": ("--vocab-size", "vocab_size", None),
+    "divisible_by": ("--divisible-by", "make_vocab_size_divisible_by", None),
+    "to_layout": ("--to", "layout", None),
+}
 
 
-@click.command("convert", short_help="Checkpoint <-> zarr, DCP, DeepSpeed ZeRO or Megatron; -> HF safetensors.")
+class FormatName(click.ParamType):
+    """A registered format's name, checked against the registry when the command runs (so a new
+    format's package is a valid ``--format``/``--from`` without editing this file, and
+    ``ckptkit --help`` still imports no converter)."""
+
+    name = "format"
+
+    def __init__(self, direction: str) -> None:
+        self.direction = direction
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
+        from ckptkit_converters.registry import formats, targets
+
+        names = list(targets()) if self.direction == "export" else [
+            f.name for f in formats() if f.import_options is not None]
+        if value not in names:
+            self.fail(f"{value!r} is not one of {', '.join(names)}", param, ctx)
+        return str(value)
+
+
+def _opt_help(formatter: click.HelpFormatter) -> None:
+    """Every registered format's option fields, as ``--opt`` takes them (listed when help is asked)."""
+    import dataclasses
+
+    from ckptkit_converters.registry import formats
+
+    rows = []
+    for fmt in formats():
+        for direction, cls in (("import", fmt.import_options), ("export", fmt.export_options)):
+            if cls is not None:
+                rows.append((f"{fmt.name} {direction}", ", ".join(f.name for f in dataclasses.fields(cls))))
+    with formatter.section("Fields for --opt KEY=VALUE, per format"):
+        formatter.write_dl(rows)
+
+
+@click.command("convert", cls=GroupedCommand, extra_help=_opt_help,
+               short_help="Checkpoint <-> zarr, DCP, DeepSpeed ZeRO, Megatron or HF safetensors.")
 @click.argument("source")
 @click.argument("dest")
-@click.option("--format", "fmt", type=click.Choice(FORMATS), default=None,
-              help="Output format. Default: ckptkit for a source of another format (a zarr export, a DCP, "
-                   "native DeepSpeed or Megatron torch_dist/legacy checkpoint), zarr for a ckptkit checkpoint.")
-@click.option("--chunk-mib", type=click.FloatRange(min=0.001), default=8.0, show_default=True,
-              help="zarr: largest inner (read) chunk.")
-@click.option("--shard-mib", type=click.FloatRange(min=0.001), default=64.0, show_default=True,
-              help="zarr: target size of one shard object.")
-@click.option("--portable", is_flag=True,
-              help="zarr: store bfloat16/float8 as float32 so zarr-python reads every array (lossless round trip).")
-@click.option("--compression", type=click.Choice(["none", "zstd"]), default="none", show_default=True,
-              help="zarr: codec of each inner chunk.")
-@click.option("--skip-unsafe-items", is_flag=True,
-              help="DCP import: leave out non-tensor items that do not decode with torch.load(weights_only=True) "
-                   "into JSON-like values (they are listed) instead of failing.")
+@click.option("--format", "fmt", type=FormatName("export"), default=None,
+              help="Output format (zarr, dcp, hf, deepspeed, megatron, ckptkit, or a plugin's). Default: ckptkit for a source of another format (detected), zarr for a "
+                   "ckptkit checkpoint.")
+@click.option("--from", "from_fmt", type=FormatName("import"), default=None,
+              help="Read SOURCE as this format instead of detecting it (megatron, deepspeed, dcp, zarr, hf, or a "
+                   "plugin's).")
+@click.option("--opt", "opts", type=KEY_VALUE, multiple=True, metavar="KEY=VALUE",
+              help="Any option field of the source's import or the target's export (listed below), by name; "
+                   "repeatable.")
 @threads_option(None, "Shards (zarr export, default 4), ranks (imports, default 2) or files (DCP export, default 2) "
                       "written concurrently.")
-@click.option("--from", "from_fmt", type=click.Choice(["hf"]), default=None,
-              help="Read SOURCE as this format instead of detecting it: hf imports a Hugging Face safetensors "
-                   "folder into a ckptkit checkpoint (routed experts stacked again; needs --hf-config).")
-@click.option("--hf-config", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="hf: the model's Hugging Face config.json (model_type picks the key table: llama, qwen3, "
-                   "qwen3_moe, deepseek_v3, mixtral; head counts, vocab_size, expert counts from it).")
-@click.option("--hf-family", default=None, metavar="NAME",
-              help="hf: a key table by name instead of the config's model_type (llama3, qwen3, qwen3_moe, "
-                   "deepseek_v3, mixtral, megatron_llama, megatron_qwen3, megatron_qwen3_moe, megatron_qwen2_moe, "
-                   "megatron_mixtral).")
-@click.option("--heads", type=click.IntRange(min=1), default=None, help="hf: attention heads (instead of --hf-config).")
-@click.option("--kv-heads", type=click.IntRange(min=1), default=None, help="hf: key/value heads (default: --heads).")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
-              help="hf: cast the weights (default: as stored).")
-@click.option("--prefix", default=None,
-              help="hf: where the model's parameters sit in the state ('model/', or '' for the top level); "
-                   "default: detected.")
-@click.option("--dp", type=click.IntRange(min=1), default=None, help="deepspeed: DP size of the native export.")
-@click.option("--zero-stage", type=click.IntRange(1, 3), default=None,
-              help="deepspeed: ZeRO stage of the native export (default: the saving job's).")
-@click.option("--ep", type=click.IntRange(min=1), default=None,
-              help="deepspeed: expert-parallel size of the native export of an MoE model (default: the saving job's).")
-@click.option("--tag", default=None, help="deepspeed import: the checkpoint tag (default: the one 'latest' names).")
-@megatron_facts_options
-@click.option("--to", "to_layout", type=LAYOUT, default=None, metavar="LAYOUT",
-              help="megatron export: the target layout, e.g. tp2pp2 (the torch_dist directory Megatron loads there).")
 @json_option
 @storage_option
-def convert_cmd(source: str, dest: str, fmt: str | None, chunk_mib: float, shard_mib: float, portable: bool,
-                compression: str, skip_unsafe_items: bool, threads: int | None, from_fmt: str | None,
-                hf_config: str | None, hf_family: str | None,
-                heads: int | None, kv_heads: int | None, dtype: str | None, prefix: str | None, dp: int | None,
-                zero_stage: int | None, ep: int | None, tag: str | None, vocab_size: int | None, divisible_by: int | None,
-                to_layout: ParallelConfig | None, as_json: bool, storage_options: dict[str, Any] | None) -> None:
+@grouped("zarr export", "--chunk-mib", type=click.FloatRange(min=0.001), default=8.0, show_default=True,
+         help="Largest inner (read) chunk.")
+@grouped("zarr export", "--shard-mib", type=click.FloatRange(min=0.001), default=64.0, show_default=True,
+         help="Target size of one shard object.")
+@grouped("zarr export", "--portable", is_flag=True,
+         help="Store bfloat16/float8 as float32 so zarr-python reads every array (lossless round trip).")
+@grouped("zarr export", "--compression", type=click.Choice(["none", "zstd"]), default="none", show_default=True,
+         help="Codec of each inner chunk.")
+@grouped("DCP import", "--skip-unsafe-items", is_flag=True,
+         help="Leave out non-tensor items that do not decode with torch.load(weights_only=True) into JSON-like "
+              "values (they are listed) instead of failing.")
+@grouped("Hugging Face", "--hf-config", type=click.Path(exists=True, dir_okay=False), default=None,
+         help="The model's config.json (model_type picks the key table: llama, qwen3, qwen3_moe, deepseek_v3, "
+              "mixtral; head counts, vocab_size, expert counts from it). Import default: SOURCE/config.json.")
+@grouped("Hugging Face", "--hf-family", default=None, metavar="NAME",
+         help="A key table by name instead of the config's model_type (llama, qwen3, qwen3_moe, deepseek_v3, "
+              "mixtral, megatron_llama, megatron_qwen3, megatron_qwen3_moe, megatron_qwen2_moe, megatron_mixtral).")
+@grouped("Hugging Face", "--heads", type=click.IntRange(min=1), default=None,
+         help="Export: attention heads (instead of --hf-config).")
+@grouped("Hugging Face", "--kv-heads", type=click.IntRange(min=1), default=None,
+         help="Export: key/value heads (default: --heads).")
+@grouped("Hugging Face", "--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
+         help="Export: cast the weights (default: as stored).")
+@grouped("Hugging Face", "--prefix", default=None,
+         help="Where the model's parameters sit in the state ('model/', or '' for the top level); export "
+              "default: detected; import default: model/.")
+@grouped("DeepSpeed", "--dp", type=click.IntRange(min=1), default=None, help="Export: DP size of the native checkpoint.")
+@grouped("DeepSpeed", "--zero-stage", type=click.IntRange(1, 3), default=None,
+         help="Export: ZeRO stage (default: the saving job's).")
+@grouped("DeepSpeed", "--ep", type=click.IntRange(min=1), default=None,
+         help="Export: expert-parallel size of an MoE model (default: the saving job's).")
+@grouped("DeepSpeed", "--tag", default=None,
+         help="The checkpoint tag (import default: the one 'latest' names; export default: global_stepN).")
+@grouped("Megatron", "--vocab-size", type=click.IntRange(min=1), default=None,
+         help="Import: the true vocabulary size, when the checkpoint's args do not record it.")
+@grouped("Megatron", "--divisible-by", type=click.IntRange(min=1), default=None,
+         help="make_vocab_size_divisible_by: import, when the args do not record it; export, re-pad to it.")
+@grouped("Megatron", "--to", "to_layout", type=LAYOUT, default=None, metavar="LAYOUT",
+         help="Export: the target layout, e.g. tp2pp2 (the torch_dist directory Megatron loads there).")
+@click.pass_context
+def convert_cmd(ctx: click.Context, source: str, dest: str, fmt: str | None, from_fmt: str | None,
+                opts: tuple[tuple[str, Any], ...], threads: int | None, as_json: bool,
+                storage_options: dict[str, Any] | None, **flags: Any) -> None:
     """Convert SOURCE into DEST.
 
     A checkpoint becomes a zarr v3 group (--format zarr): every logical tensor
@@ -119,44 +178,87 @@ def convert_cmd(source: str, dest: str, fmt: str | None, chunk_mib: float, shard
       ckptkit convert runs/ds-moe/step-0000200 ds_ep4/ --format deepspeed --dp 8 --ep 4   # MoE: 4 expert ranks
       ckptkit convert mlm/iter_0001000 runs/mlm/step-0001000        # Megatron torch_dist/legacy -> ckptkit
       ckptkit convert runs/mlm/step-0001000 mlm_tp4/iter_0001000 --format megatron --to tp4pp1
+      ckptkit convert runs/ds/step-0000200 ds_dp4/ --format deepspeed --opt dp=4 --opt tag=resumed
     """
-    from ckptkit_converters.registry import ConvertOptions, convert, hf_config_of
+    from ckptkit.offline import RunOptions
+    from ckptkit_converters.registry import convert, detect, format_named
 
     out = Output(as_json)
-    if hf_family is not None:
-        from ckptkit_converters.hf.families import FAMILIES
-
-        if hf_family not in FAMILIES:
-            raise click.BadParameter(f"unknown table {hf_family!r} (known: {', '.join(FAMILIES)})",
-                                     param_hint="--hf-family")
-    imports = import_options(vocab_size, divisible_by, skip_unsafe_items=skip_unsafe_items, tag=tag)
+    source_fmt = format_named(from_fmt) if from_fmt else detect(source, storage_options)
+    target = fmt or ("ckptkit" if source_fmt is not None else "zarr")
+    target_fmt = None if target == "ckptkit" else format_named(target)
+    sides = _Sides(source_fmt, target_fmt, target)
+    for flag, value in flags.items():
+        if ctx.get_parameter_source(flag) is click.core.ParameterSource.COMMANDLINE:
+            spelled, field, scale = FIELDS[flag]
+            sides.give(field, scale(value) if scale else value, spelled)
+    for key, value in opts:
+        sides.give_text(key, value if isinstance(value, str) else _as_text(value))
     with out.progress("converting") as progress:
-        options = ConvertOptions(
-            threads=threads, progress=progress, storage_options=storage_options, imports=imports,
-            chunk_bytes=int(chunk_mib * 2**20), shard_bytes=int(shard_mib * 2**20), portable=portable,
-            compression=compression, hf_config=hf_config, heads=heads, kv_heads=kv_heads, prefix=prefix, dtype=dtype,
-            hf_family=hf_family, dp=dp, zero_stage=zero_stage, ep=ep, layout=to_layout)
-        if from_fmt == "hf":
-            result = _from_hf(source, dest, fmt, options, hf_config_of(options))
-        else:
-            result = convert(source, dest, to_format=fmt, options=options)
+        result = convert(source, dest, to_format=target, from_format=from_fmt, source_options=sides.source(),
+                         target_options=sides.target(), run=RunOptions(threads, progress, storage_options))
     if as_json:
         out.json(result.to_json())
     else:
         render(out, result)
 
 
-def _from_hf(source: str, dest: str, fmt: str | None, options: Any, cfg: Any) -> ConvertResult:
-    """``--from hf``: an HF safetensors folder into a ckptkit checkpoint (the only target: convert that on)."""
-    from ckptkit.errors import CkptkitError
-    from ckptkit_converters.hf.importer import import_hf
+def _as_text(value: Any) -> str:
+    """``--opt`` values arrive JSON-parsed (KEY_VALUE); options parse text by their field's type."""
+    return "true" if value is True else "false" if value is False else "none" if value is None else str(value)
 
-    if fmt not in (None, "ckptkit"):
-        raise CkptkitError(f"--from hf writes a ckptkit checkpoint; convert that to --format {fmt} next")
-    if options.hf_config is None:
-        raise CkptkitError("--from hf needs the model's config.json (--hf-config): its model_type picks the key table")
-    return import_hf(source, dest, cfg, family=options.hf_family, prefix=options.prefix or "model/",
-                     storage_options=options.storage_options, progress=options.progress)
+
+class _Sides:
+    """The options of both sides of one conversion, filled flag by flag.
+
+    A field goes to every side whose dataclass has it (Megatron to Megatron: the padding multiple
+    is both the import's and the export's); a flag no side takes is a usage error naming it.
+    """
+
+    def __init__(self, source: Format | None, target: Format | None, target_name: str) -> None:
+        self._what = f"{'a ckptkit checkpoint' if source is None else source.description} -> {target_name}"
+        self._classes = {"source": source.import_options if source is not None else None,
+                         "target": target.export_options if target is not None else None}
+        self._names = {"source": f"the {source.name} import" if source is not None else "",
+                       "target": f"the {target_name} export"}
+        self._given: dict[str, dict[str, Any]] = {"source": {}, "target": {}}
+
+    def _fields(self, side: str) -> dict[str, Any]:
+        from ckptkit.offline import option_types
+
+        cls = self._classes[side]
+        return option_types(cls) if cls is not None else {}
+
+    def give(self, field: str, value: Any, flag: str) -> None:
+        taken = [side for side in ("source", "target") if field in self._fields(side)]
+        if not taken:
+            raise click.UsageError(f"{flag} does not apply to this conversion ({self._what})")
+        for side in taken:
+            self._given[side][field] = value
+
+    def give_text(self, key: str, text: str) -> None:
+        from ckptkit.offline import parse_options
+
+        taken = [side for side in ("source", "target") if key in self._fields(side)]
+        if not taken:
+            known = sorted({*self._fields("source"), *self._fields("target")})
+            raise click.UsageError(f"--opt {key}=...: no option {key!r} in this conversion ({self._what}; its "
+                                   f"options: {', '.join(known) or 'none'})")
+        for side in taken:
+            cls = self._classes[side]
+            self._given[side].update(parse_options(cls, {key: text}, what=self._names[side]))
+
+    def _build(self, side: str) -> Any:
+        from ckptkit.offline import options_from
+
+        cls = self._classes[side]
+        return None if cls is None else options_from(cls, self._given[side], where=self._names[side])
+
+    def source(self) -> Any:
+        return self._build("source")
+
+    def target(self) -> Any:
+        return self._build("target")
 
 
 def render(out: Output, result: ConvertResult) -> None:

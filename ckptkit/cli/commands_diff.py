@@ -11,7 +11,7 @@ from ckptkit.cli.options import json_option, storage_option
 from ckptkit.cli.output import Output, escape, human_bytes
 
 if TYPE_CHECKING:  # the library (and torch) is imported only when the command runs
-    from ckptkit.offline.comparison import DiffReport, TensorDiff
+    from ckptkit.offline import DiffReport, TensorDiff
 
 
 def _num(x: float | None) -> str:

@@ -29,7 +29,7 @@ def plan_cmd(params: float, tp: int, pp: int, dp: int, zero: int, write_gbps: fl
     Example:
       ckptkit plan --params 70e9 --tp 4 --pp 8 --dp 32 --zero 1 --write-gbps 5 --mtbf-hours 3
     """
-    from ckptkit.resilience.planner import plan
+    from ckptkit.resilience import plan
 
     p = plan(params, tp, pp, dp, zero, write_gbps, mtbf_hours, restart_seconds, blocking_fraction)
     out = Output(as_json)

@@ -25,7 +25,7 @@ def report_cmd(run_dir: str, png: str | None, no_plot: bool, as_json: bool) -> N
       ckptkit report runs/exp1
       ckptkit report s3://bucket/run1 --plot run1.png
     """
-    from ckptkit.resilience.report import load_report, plot
+    from ckptkit.resilience import load_report, plot
 
     rep = load_report(run_dir)
     path = None

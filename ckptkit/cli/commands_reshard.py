@@ -19,16 +19,15 @@ from ckptkit.cli.options import (
     LAYER_COUNTS,
     LAYOUT,
     SIZE,
-    import_options,
     json_option,
     megatron_facts_options,
     storage_option,
 )
 from ckptkit.cli.output import Output, human_bytes
-from ckptkit.errors import CkptkitError
+from ckptkit import CkptkitError
 
 if TYPE_CHECKING:
-    from ckptkit.layout.config import ParallelConfig
+    from ckptkit import ParallelConfig
     from ckptkit.offline import ReshardResult
 
 FORMATS = ["ckptkit", "megatron"]  # megatron: a torch_dist directory, written by converters/megatron/exporter.py
@@ -98,16 +97,16 @@ def reshard_cmd(source: str, dest: str | None, to: ParallelConfig, dp: int | Non
     if pp_layers is not None:
         changes["pp_layers"] = pp_layers
     target = dataclasses.replace(to, **changes) if changes else to  # type: ignore[arg-type]
-    imports = import_options(vocab_size, divisible_by)
+    facts = {k: v for k, v in (("vocab_size", vocab_size), ("make_vocab_size_divisible_by", divisible_by))
+             if v is not None}
     out = Output(as_json)
     if fmt == "megatron":
-        _to_megatron(out, source, dest, target, imports, dry_run=dry_run, storage_options=storage_options)
+        _to_megatron(out, source, dest, target, facts, dry_run=dry_run, storage_options=storage_options)
         return
-    from ckptkit.offline import ReshardOptions, plan_reshard, reshard
-    from ckptkit.plan.reshard_plan import ReshardPlanOptions
+    from ckptkit.offline import ReshardOptions, ReshardPlanOptions, plan_reshard, reshard
 
     options = ReshardOptions(ReshardPlanOptions(max_memory=max_memory, strict=strict, num_layers=num_layers),
-                             format="ckptkit", imports=imports)
+                             format="ckptkit", source_options=_source_options(source, facts, storage_options))
     if dry_run:
         result = plan_reshard(source, target, options=options, storage_options=storage_options)
     else:
@@ -123,7 +122,7 @@ def reshard_cmd(source: str, dest: str | None, to: ParallelConfig, dp: int | Non
 
 
 def render(out: Output, result: ReshardResult, dry_run: bool) -> None:
-    from ckptkit.plan.reshard_plan import plan_summary_lines
+    from ckptkit.offline import plan_summary_lines
 
     p = result.plan
     head = f"plan for {result.source}" if dry_run else f"resharded {result.source} -> {result.destination}"
@@ -162,22 +161,46 @@ def _spans(indices: tuple[int, ...]) -> str:
     return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
-def _to_megatron(out: Output, source: str, dest: str | None, target: ParallelConfig, imports: Any, *,
+def _source_options(source: str, facts: dict[str, Any], storage_options: dict[str, Any] | None) -> Any:
+    """The detected source format's import options with the Megatron facts given (None: none given).
+    A fact the source's format does not take is refused, naming the flag."""
+    if not facts:
+        return None
+    from ckptkit.offline import option_types, options_from
+    from ckptkit_converters.registry import detect
+
+    fmt = detect(source, storage_options)
+    fields = option_types(fmt.import_options) if fmt is not None and fmt.import_options is not None else {}
+    for name in facts:
+        if name not in fields:
+            flag = "--vocab-size" if name == "vocab_size" else "--divisible-by"
+            what = "a ckptkit checkpoint" if fmt is None else fmt.description
+            raise click.UsageError(f"{flag} is a fact of a Megatron import; {source} is {what}")
+    assert fmt is not None and fmt.import_options is not None
+    return options_from(fmt.import_options, facts, where=f"importing {fmt.description}")
+
+
+def _to_megatron(out: Output, source: str, dest: str | None, target: ParallelConfig, facts: dict[str, Any], *,
                  dry_run: bool, storage_options: dict[str, Any] | None) -> None:
     """``--format megatron``: SOURCE (a ckptkit Megatron checkpoint, or a Megatron one of another
     layout) as a ``torch_dist`` directory for the target's tp/pp (model weights, docs/megatron.md)."""
-    from ckptkit_converters.registry import ConvertOptions, check_megatron_target, convert
+    from ckptkit.offline import RunOptions, options_from
+    from ckptkit_converters.registry import convert, detect, format_named
 
-    check_megatron_target(target)
+    megatron = format_named("megatron")
+    assert megatron.export_options is not None
+    export = options_from(megatron.export_options, {"layout": target, **facts}, where="the megatron export")
+    megatron.check_export(export)
     if dry_run:
         raise CkptkitError("--dry-run plans ckptkit output; the Megatron exporter has no separate plan "
                            "(run it with --format ckptkit --dry-run to see the layout)")
     if dest is None:
         raise CkptkitError("reshard needs DEST (where to write the torch_dist directory)")
     with out.progress("exporting") as progress:
-        result = convert(source, dest, to_format="megatron",
-                         options=ConvertOptions(layout=target, imports=imports, progress=progress,
-                                                storage_options=storage_options))
+        fmt = detect(source, storage_options)
+        result = convert(source, dest, to_format="megatron", target_options=export,
+                         source_options=_source_options(source, facts, storage_options) if fmt else None,
+                         run=RunOptions(progress=progress, storage_options=storage_options))
     if out.as_json:
         out.json(result.to_json())
         return

@@ -29,7 +29,7 @@ def verify_cmd(checkpoint: str, as_json: bool, threads: int, storage_options: di
       ckptkit verify runs/exp1/step-0001000
       ckptkit verify runs/exp1/step-0001000 --json > verify.json || echo damaged
     """
-    from ckptkit.errors import CheckpointNotFoundError
+    from ckptkit import CheckpointNotFoundError
     from ckptkit.offline import verify
 
     out = Output(as_json)

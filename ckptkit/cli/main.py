@@ -30,7 +30,7 @@ from ckptkit.cli.commands_report import report_cmd
 from ckptkit.cli.commands_reshard import reshard_cmd
 from ckptkit.cli.commands_verify import verify_cmd
 from ckptkit.cli.output import error
-from ckptkit.errors import CkptkitError
+from ckptkit import CkptkitError
 
 EXIT_ERROR = 2
 EXIT_BUG = 3

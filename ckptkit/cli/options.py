@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import click
 
 if TYPE_CHECKING:
-    from ckptkit.layout.config import ParallelConfig
-    from ckptkit.offline.formats import ImportOptions
+    from ckptkit import ParallelConfig
+    from ckptkit.offline import ImportOptions
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -57,8 +57,7 @@ class Layout(click.ParamType):
     name = "layout"
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> ParallelConfig:
-        from ckptkit.errors import LayoutError
-        from ckptkit.layout.config import ParallelConfig
+        from ckptkit import LayoutError, ParallelConfig
 
         if isinstance(value, ParallelConfig):
             return value
@@ -140,7 +139,7 @@ def megatron_facts_options(f: F) -> F:
 def import_options(vocab_size: int | None = None, divisible_by: int | None = None, **extra: Any) -> ImportOptions:
     """The library's :class:`~ckptkit.offline.formats.ImportOptions` from the CLI's flags (``extra``:
     format-specific ones, left out when None or False)."""
-    from ckptkit.offline.formats import ImportOptions
+    from ckptkit.offline import ImportOptions
 
     return ImportOptions(vocab_size=vocab_size, make_vocab_size_divisible_by=divisible_by,
                          extra={k: v for k, v in extra.items() if v not in (None, False)})

@@ -27,6 +27,8 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
+from dataclasses import fields as dataclass_fields
+from math import prod
 from typing import Any, Protocol, cast
 
 import torch
@@ -83,6 +85,15 @@ class TensorSpec(Protocol):
     def shape(self) -> tuple[int, ...]: ...
 
 
+@dataclass(frozen=True)
+class StoredTensor:
+    """A logical tensor as an importer declares it to the writer: dtype name and global shape
+    (one type for every format's importer, instead of one private copy each)."""
+
+    dtype: str
+    shape: tuple[int, ...]
+
+
 # Builds the piece source of one rank, called in the thread that writes that rank.
 SourceFactory = Callable[[int, RankPieces], PieceSource]
 
@@ -117,92 +128,80 @@ def local_place(region: Region) -> tuple[LocalBox | LocalFlat, tuple[int, ...]]:
     return LocalFlat(0), (region.numel,)
 
 
+@dataclass(frozen=True)
+class OfflineCheckpoint:
+    """What an offline write commits, apart from where its bytes come from.
+
+    One value rather than nine keywords, so that converters build it in one
+    place and the writer's steps pass it along whole.
+
+    ``pieces[r]`` lists what virtual rank ``r`` stores, in write order (ranks
+    without an entry store no tensor bytes but still write an index); every
+    stored region must be of a tensor in ``tensors``, and together they must
+    cover each tensor exactly once. ``values`` are the replicated values and
+    ``per_rank_values[r]`` rank ``r``'s per-rank values, both already
+    JSON-encoded (:func:`ckptkit.layout.values.encode_value`); ``rank_values``
+    values the source's ranks disagreed about (kept per rank, as
+    :class:`~ckptkit.layout.manifest.Manifest` records them). ``meta`` adds
+    fields (``user``, ``converted_from``) to the manifest's metadata;
+    ``parallel`` names the layout (``tp2pp2``). ``layouts``, when given,
+    replaces the manifest entries merged from the explicit pieces with the
+    caller's own (grid rules, rotations, partition rules), which must describe
+    exactly the same pieces and writers.
+    """
+
+    world_size: int
+    tensors: Mapping[str, TensorSpec]
+    pieces: Mapping[int, RankPieces]
+    values: Mapping[str, Any] | None = None
+    per_rank_values: Mapping[int, Mapping[str, Any]] | None = None
+    rank_values: Mapping[str, tuple[tuple[Any, tuple[int, ...]], ...]] | None = None
+    meta: Mapping[str, Any] | None = None
+    parallel: str | None = None
+    layouts: Mapping[str, TensorMeta] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Logical bytes of all tensors: the progress total and the result's size."""
+        return sum(prod(t.shape) * DTYPES[t.dtype] for t in self.tensors.values())
+
+
 def write_offline(
     store: ByteStore,
+    checkpoint: OfflineCheckpoint | None = None,
+    source: SourceFactory | None = None,
     *,
-    world_size: int,
-    tensors: Mapping[str, TensorSpec],
-    pieces: Mapping[int, RankPieces],
-    source: SourceFactory,
-    values: Mapping[str, Any] | None = None,
-    per_rank_values: Mapping[int, Mapping[str, Any]] | None = None,
-    rank_values: Mapping[str, tuple[tuple[Any, tuple[int, ...]], ...]] | None = None,
-    meta: Mapping[str, Any] | None = None,
-    parallel: str | None = None,
-    layouts: Mapping[str, TensorMeta] | None = None,
     options: OfflineWriteOptions = OfflineWriteOptions(),
     progress: Progress | None = None,
     what: str | None = None,
+    **fields: Any,
 ) -> OfflineWriteResult:
-    """Write and commit a checkpoint at ``store`` as ``world_size`` virtual ranks.
+    """Write and commit ``checkpoint`` at ``store`` as its ``world_size`` virtual ranks.
 
-    ``pieces[r]`` lists what rank ``r`` stores (ranks without an entry store
-    no tensor bytes but still write an index); every stored region must be of
-    a tensor in ``tensors``, and together they must cover each tensor exactly
-    once. ``values`` are the replicated values and ``per_rank_values[r]`` rank
-    ``r``'s per-rank values, both already JSON-encoded; ``rank_values`` values the source's ranks
-    disagreed about (kept per rank, as :class:`~ckptkit.layout.manifest.Manifest` records them)
-    (:func:`ckptkit.layout.values.encode_value`). ``meta`` adds fields (``user``,
-    ``converted_from``) to the manifest's metadata. ``layouts``, when given,
-    replaces the manifest entries merged from the explicit pieces with the
-    caller's own (grid rules, rotations, partition rules), which must describe
-    exactly the same pieces and writers. ``what`` names the operation in errors.
+    ``source(rank, pieces)`` builds the :class:`PieceSource` of one rank, in the
+    thread that writes it. ``what`` names the operation in errors.
+
+    The first form of this call, ``write_offline(store, world_size=...,
+    tensors=..., pieces=..., source=..., ...)`` with :class:`OfflineCheckpoint`'s
+    fields as keywords, is still accepted (converters not yet switched use it)
+    and goes through the same steps.
 
     The target must not hold a committed checkpoint; once this write commits,
     leftovers of other (crashed) attempts there are removed.
     """
+    checkpoint = _checkpoint_of(checkpoint, fields)
+    if source is None:
+        raise TypeError("write_offline() needs a source: the factory of each rank's PieceSource")
     what = what or f"writing {store.url}"
-    for rank, items in pieces.items():
-        if not 0 <= rank < world_size:
-            raise LayoutError(f"{what}: pieces for rank {rank} in a world of {world_size}")
-        for key, _ in items:
-            if key not in tensors:
-                raise LayoutError(f"{what}: rank {rank} stores a piece of {key!r}, which is not among the tensors")
+    _check_pieces(checkpoint, what)
     target = check_target(store)
-    per_rank_values = per_rank_values or {}
-    total = sum(_numel(t.shape) * DTYPES[t.dtype] for t in tensors.values())
-    lock, read = threading.Lock(), [0]
-    tick = progress_counter(progress, total)
-
-    def write_rank(rank: int) -> tuple[RankReport, int, int]:
-        items = list(pieces.get(rank, ()))
-        src = source(rank, items)
-        decls = []
-        for ref, (key, region) in enumerate(items):
-            spec = tensors[key]
-            place, local_shape = local_place(region)
-            decls.append(ExplicitDecl(ref, spec.dtype, DTYPES[spec.dtype], local_shape,
-                                      (Piece(key, tuple(spec.shape), region, place),)))
-        plan = plan_save(rank, [], decls)
-        own_values = dict(per_rank_values.get(rank, {}))
-        prep = Prepared(plan, cast(list, src), {}, own_values, tuple(sorted(own_values))).for_attempt(target.attempt)
-        try:
-            report = persist(prep, store, options.block_size, tick, getattr(src, "release", None))
-        finally:
-            close = getattr(src, "close", None)
-            if close is not None:
-                close()
-            with lock:
-                read[0] += src.bytes_read
-        return report, plan.nbytes, sum(plan.objects.values())
-
+    total = checkpoint.nbytes
+    writer = _RankWriter(store, checkpoint, source, target.attempt, options.block_size,
+                         progress_counter(progress, total))
     try:
         with ThreadPoolExecutor(max_workers=options.threads, thread_name_prefix="ckptkit-offline") as pool:
-            results = list(pool.map(write_rank, range(world_size)))
-        reports = [r for r, _, _ in results]
-        manifest_meta: dict[str, Any] = {
-            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "ckptkit_version": __version__,
-            "tensor_bytes": sum(n for _, n, _ in results),
-            "stored_bytes": sum(o + r.index.size for r, _, o in results),
-        }
-        manifest_meta.update(meta or {})
-        merged = merge_reports(reports, world_size=world_size, values=dict(values or {}), meta=manifest_meta,
-                               parallel=parallel, where=store.url, attempt=target.attempt,
-                               rank_values=dict(rank_values or {}))
-        _check_all_stored(merged, tensors, store.url)
-        if layouts is not None:
-            merged.tensors = dict(layouts)
+            written = list(pool.map(writer.write, range(checkpoint.world_size)))
+        merged = _merge(store, checkpoint, written, target.attempt)
         publish(store, merged.to_json_bytes())
     except BaseException as exc:
         _remove_partial(store, target.attempt)
@@ -210,11 +209,108 @@ def write_offline(
             raise
         raise StorageError(f"{what} failed: {exc}") from exc
     if target.leftovers:
+        _remove_leftovers(store, target.attempt)
+    return OfflineWriteResult(merged, total, writer.bytes_read)
+
+
+def _checkpoint_of(checkpoint: OfflineCheckpoint | None, fields: Mapping[str, Any]) -> OfflineCheckpoint:
+    """The checkpoint of either call form: given whole, or built from the first form's keywords."""
+    if checkpoint is not None:
+        if fields:
+            raise TypeError(f"write_offline() got an OfflineCheckpoint and also its fields as keywords: "
+                            f"{', '.join(sorted(fields))}")
+        return checkpoint
+    unknown = sorted(set(fields) - {f.name for f in dataclass_fields(OfflineCheckpoint)})
+    if unknown:
+        raise TypeError(f"write_offline() got unexpected keyword argument(s): {', '.join(unknown)}")
+    missing = [name for name in ("world_size", "tensors", "pieces") if name not in fields]
+    if missing:
+        raise TypeError(f"write_offline() needs a checkpoint (an OfflineCheckpoint), or {', '.join(missing)} "
+                        "as keywords")
+    return OfflineCheckpoint(**fields)
+
+
+def _check_pieces(checkpoint: OfflineCheckpoint, what: str) -> None:
+    """Every piece must belong to a rank of the world and to a known tensor, before anything is written."""
+    for rank, items in checkpoint.pieces.items():
+        if not 0 <= rank < checkpoint.world_size:
+            raise LayoutError(f"{what}: pieces for rank {rank} in a world of {checkpoint.world_size}")
+        for key, _ in items:
+            if key not in checkpoint.tensors:
+                raise LayoutError(f"{what}: rank {rank} stores a piece of {key!r}, which is not among the tensors")
+
+
+@dataclass(frozen=True)
+class _WrittenRank:
+    """One virtual rank's report for the merge, its logical tensor bytes and the bytes of its data objects."""
+
+    report: RankReport
+    tensor_bytes: int
+    object_bytes: int
+
+
+class _RankWriter:
+    """Persists virtual ranks (one :meth:`write` per rank, from the pool's threads) and totals the
+    bytes their sources read, for the result."""
+
+    def __init__(self, store: ByteStore, checkpoint: OfflineCheckpoint, source: SourceFactory, attempt: str,
+                 block_size: int, tick: Callable[[int], None]) -> None:
+        self._store, self._checkpoint, self._source = store, checkpoint, source
+        self._attempt, self._block_size, self._tick = attempt, block_size, tick
+        self._lock = threading.Lock()
+        self.bytes_read = 0
+
+    def write(self, rank: int) -> _WrittenRank:
+        """Plan ``rank``'s pieces as explicit declarations and persist them with its per-rank values."""
+        items = list(self._checkpoint.pieces.get(rank, ()))
+        src = self._source(rank, items)
+        plan = plan_save(rank, [], _declarations(self._checkpoint.tensors, items))
+        own_values = dict((self._checkpoint.per_rank_values or {}).get(rank, {}))
+        prep = Prepared(plan, cast(list, src), {}, own_values, tuple(sorted(own_values))).for_attempt(self._attempt)
         try:
-            remove_other_attempts(store, target.attempt)
-        except (CkptkitError, OSError):
-            pass  # garbage, never a damaged checkpoint: gc removes it later
-    return OfflineWriteResult(merged, total, read[0])
+            report = persist(prep, self._store, self._block_size, self._tick, getattr(src, "release", None))
+        finally:
+            self._finish(src)
+        return _WrittenRank(report, plan.nbytes, sum(plan.objects.values()))
+
+    def _finish(self, src: PieceSource) -> None:
+        """Stop the source's read-ahead (whether or not the rank was written) and count what it read."""
+        close = getattr(src, "close", None)
+        if close is not None:
+            close()
+        with self._lock:
+            self.bytes_read += src.bytes_read
+
+
+def _declarations(tensors: Mapping[str, TensorSpec], items: RankPieces) -> list[ExplicitDecl]:
+    """One explicit declaration per piece (its index in ``items`` is its ref): explicit pieces need no
+    collective to agree on replicas, which a write without a process group could not run."""
+    decls = []
+    for ref, (key, region) in enumerate(items):
+        spec = tensors[key]
+        place, local_shape = local_place(region)
+        decls.append(ExplicitDecl(ref, spec.dtype, DTYPES[spec.dtype], local_shape,
+                                  (Piece(key, tuple(spec.shape), region, place),)))
+    return decls
+
+
+def _merge(store: ByteStore, checkpoint: OfflineCheckpoint, written: Sequence[_WrittenRank],
+           attempt: str) -> Manifest:
+    """The manifest to publish: the ranks' reports merged and validated exactly as for a live save."""
+    manifest_meta: dict[str, Any] = {
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "ckptkit_version": __version__,
+        "tensor_bytes": sum(w.tensor_bytes for w in written),
+        "stored_bytes": sum(w.object_bytes + w.report.index.size for w in written),
+    }
+    manifest_meta.update(checkpoint.meta or {})
+    merged = merge_reports([w.report for w in written], world_size=checkpoint.world_size,
+                           values=dict(checkpoint.values or {}), meta=manifest_meta, parallel=checkpoint.parallel,
+                           where=store.url, attempt=attempt, rank_values=dict(checkpoint.rank_values or {}))
+    _check_all_stored(merged, checkpoint.tensors, store.url)
+    if checkpoint.layouts is not None:
+        merged.tensors = dict(checkpoint.layouts)
+    return merged
 
 
 def _check_all_stored(merged: Manifest, tensors: Mapping[str, TensorSpec], where: str) -> None:
@@ -222,7 +318,7 @@ def _check_all_stored(merged: Manifest, tensors: Mapping[str, TensorSpec], where
     for key, spec in tensors.items():
         if key in merged.tensors:
             continue
-        if _numel(spec.shape):
+        if prod(spec.shape):
             raise LayoutError(f"{where}: tensor {key!r} of shape {list(spec.shape)} has no stored pieces")
         merged.tensors[key] = TensorMeta(key, spec.dtype, tuple(spec.shape), ExplicitLayout(()))
     merged.tensors = dict(sorted(merged.tensors.items()))
@@ -236,11 +332,13 @@ def _remove_partial(store: ByteStore, attempt: str) -> None:
         pass
 
 
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
+def _remove_leftovers(store: ByteStore, attempt: str) -> None:
+    """Best effort once committed: other attempts' files are garbage, never a damaged checkpoint (gc
+    removes them later), so failing to remove them must not fail the write."""
+    try:
+        remove_other_attempts(store, attempt)
+    except (CkptkitError, OSError):
+        pass
 
 
 @dataclass(frozen=True)

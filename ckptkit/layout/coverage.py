@@ -8,6 +8,8 @@ can never make a read return memory that no stored byte filled).
 
 from __future__ import annotations
 
+from math import prod
+
 from ckptkit.errors import CoverageError
 from ckptkit.layout.box import Box, Region
 
@@ -24,10 +26,7 @@ def named_axes(rule: object) -> dict[int, str]:
 
 def incomplete_indices(shape: tuple[int, ...], pieces: tuple[tuple[Region, int], ...], axis: int) -> list[int]:
     """Indices along ``axis`` whose slice the pieces do not fill (pieces assumed disjoint)."""
-    per_index = 1
-    for i, s in enumerate(shape):
-        if i != axis:
-            per_index *= s
+    per_index = prod(s for i, s in enumerate(shape) if i != axis)
     have = [0] * shape[axis]
     for region, _ in pieces:
         for box in region.boxes():
@@ -62,9 +61,7 @@ def check_coverage(key: str, shape: tuple[int, ...], pieces: tuple[tuple[Region,
     ``axes`` names axes (``{1: "expert"}``) so that a gap is reported as the
     experts / layers it leaves unwritten, not only as an element count.
     """
-    numel = 1
-    for s in shape:
-        numel *= s
+    numel = prod(shape)
     total = sum(r.numel for r, _ in pieces)
     by_box: dict[tuple, list[tuple[int, int, int]]] = {}
     for region, rank in pieces:

@@ -27,6 +27,7 @@ import hashlib
 import json
 import re
 from dataclasses import dataclass, field
+from math import prod
 from typing import Any
 
 from ckptkit.errors import (
@@ -188,10 +189,7 @@ class TensorMeta:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return prod(self.shape)
 
     def stored_pieces(self) -> list[tuple[Region, int]]:
         """Every stored piece with the rank that wrote it (a grid's cells by their writer)."""

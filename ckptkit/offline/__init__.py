@@ -12,7 +12,9 @@ a notebook, on local paths and ``s3://`` URLs, and return typed, frozen results 
 * :func:`verify` -> :class:`VerifyReport`: every digest, coverage and block checksum;
 * :func:`diff` -> :class:`DiffReport`: two checkpoints of any layouts, tensor by tensor;
 * :func:`reshard` / :func:`plan_reshard` -> :class:`ReshardResult`: rewrite (or plan rewriting)
-  a checkpoint for another parallel layout, of any format a registered converter detects.
+  a checkpoint for another parallel layout, of any format a registered converter detects;
+* :class:`Format`, :class:`RunOptions`, :class:`ConvertResult`: the contract every other format
+  implements (``ckptkit_converters``), how a conversion runs, and what it returns.
 
 All of them read through one engine (:class:`~ckptkit.engine.read_session.ReadSession`).
 """
@@ -29,6 +31,10 @@ if TYPE_CHECKING:
     from ckptkit.offline.resharding import ReshardOptions, ReshardResult, plan_reshard, reshard
     from ckptkit.offline.verification import Problem, VerifyReport, verify
     from ckptkit.offline.view import CheckpointView, TensorEntry, TensorView, ViewOptions, open
+    from ckptkit.offline.formats import (Format, ImportOptions, MissingImportOptions, RunOptions, detect_format,
+                                         option_types, options_from, parse_options)
+    from ckptkit.engine.offline_writer import ConvertResult
+    from ckptkit.plan.reshard_plan import ReshardPlanOptions, plan_summary_lines
 
 # Lazy: listing, describing and verifying import no torch; views, diffs and reshards do.
 _WHERE = {
@@ -38,14 +44,22 @@ _WHERE = {
     **dict.fromkeys(("ReshardOptions", "ReshardResult", "plan_reshard", "reshard"), "resharding"),
     **dict.fromkeys(("Problem", "VerifyReport", "verify"), "verification"),
     **dict.fromkeys(("CheckpointView", "TensorEntry", "TensorView", "ViewOptions", "open"), "view"),
+    # other formats: the contract converters implement, and what the CLI builds and prints
+    **dict.fromkeys(("Format", "RunOptions", "ImportOptions", "MissingImportOptions", "options_from",
+                     "option_types", "parse_options", "detect_format"), "formats"),
+}
+_ELSEWHERE = {  # public names whose home is outside ckptkit.offline
+    "ConvertResult": "ckptkit.engine.offline_writer",
+    "ReshardPlanOptions": "ckptkit.plan.reshard_plan",
+    "plan_summary_lines": "ckptkit.plan.reshard_plan",
 }
 
 
 def __getattr__(name: str) -> Any:
-    module = _WHERE.get(name)
+    module = f"ckptkit.offline.{_WHERE[name]}" if name in _WHERE else _ELSEWHERE.get(name)
     if module is None:
         raise AttributeError(f"module 'ckptkit.offline' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"ckptkit.offline.{module}"), name)
+    value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
 
@@ -55,4 +69,6 @@ __all__ = [
     "Problem", "RankInfo", "ReshardOptions", "ReshardResult", "TensorDiff", "TensorEntry", "TensorInfo",
     "TensorView", "ValueDiff", "VerifyReport", "ViewOptions", "describe", "diff", "list_checkpoints", "open",
     "plan_reshard", "reshard", "verify",
+    "ConvertResult", "Format", "ImportOptions", "MissingImportOptions", "ReshardPlanOptions", "RunOptions",
+    "detect_format", "option_types", "options_from", "parse_options", "plan_summary_lines",
 ]

@@ -203,9 +203,7 @@ def chunk_boxes(shape: tuple[int, ...], max_elements: int) -> Iterator[Box]:
         return
     if any(s == 0 for s in shape):
         return
-    row = 1
-    for s in shape[1:]:
-        row *= s
+    row = math.prod(shape[1:])
     if row <= max_elements:
         step = max(1, max_elements // row)
         for lo in range(0, shape[0], step):

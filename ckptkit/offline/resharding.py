@@ -32,6 +32,7 @@ import os
 import shutil
 import tempfile
 import time
+import warnings
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -43,14 +44,14 @@ import torch
 from ckptkit.engine.buffers import BufferPool
 from ckptkit.engine.metadata_io import read_manifest
 from ckptkit.engine.state import torch_dtype
-from ckptkit.engine.offline_writer import OfflineWriteOptions, write_offline
+from ckptkit.engine.offline_writer import OfflineCheckpoint, OfflineWriteOptions, write_offline
 from ckptkit.engine.prefetch import PrefetchedPieces
 from ckptkit.errors import SaveError
 from ckptkit.layout.box import Box, Region
 from ckptkit.layout.config import ParallelConfig
 from ckptkit.layout.manifest import MANIFEST_NAME, Manifest
 from ckptkit.offline.view import CheckpointView, ViewOptions
-from ckptkit.offline.formats import ImportOptions, detect_format
+from ckptkit.offline.formats import ImportOptions, RunOptions, detect_format, import_options_for
 from ckptkit.options import Progress
 from ckptkit.plan.reshard_plan import (
     ReshardError,
@@ -72,15 +73,23 @@ class ReshardOptions:
     """How to reshard: the planner's options (memory budget, strictness, layer count), the
     checksum ``block_size`` of the output, its ``format`` (only ``ckptkit`` here; the CLI's
     ``--format megatron`` goes through the converter), and what importing a source of another
-    format may need (``imports``)."""
+    format may need: ``source_options``, an instance of that format's import options (e.g.
+    ``ckptkit_converters.megatron.MegatronImportOptions(vocab_size=...)``; None: its defaults).
+    ``imports`` (a first-contract :class:`~ckptkit.offline.formats.ImportOptions`) is deprecated:
+    its fields are mapped onto the format's options by name."""
 
     plan: ReshardPlanOptions = field(default_factory=ReshardPlanOptions)
     block_size: int = 4 << 20
     format: Format = "ckptkit"
     imports: ImportOptions = field(default_factory=ImportOptions)
+    source_options: Any = None
 
     def __post_init__(self) -> None:
         OfflineWriteOptions(block_size=self.block_size)  # the saver's own check of the block size
+        if not self.imports.is_default():
+            warnings.warn("ReshardOptions(imports=ImportOptions(...)) is deprecated: pass source_options=, the "
+                          "source format's own import options (e.g. MegatronImportOptions(vocab_size=...))",
+                          DeprecationWarning, stacklevel=3)
         if self.format not in FORMATS:
             raise ReshardError(f"output format {self.format!r} is not supported (formats: {', '.join(FORMATS)})")
 
@@ -120,7 +129,7 @@ def plan_reshard(
 ) -> ReshardResult:
     """The plan of resharding ``source`` to ``target`` (a dry run: a ckptkit source's manifest is
     all that is read; a checkpoint of another format is imported first, to a temporary folder)."""
-    with ckptkit_source(source, options.imports, storage_options) as (url, opts):
+    with ckptkit_source(source, options, storage_options) as (url, opts):
         return _plan(url, target, options, opts)
 
 
@@ -152,7 +161,7 @@ def reshard(
     ``torch_dist`` or legacy, DCP, DeepSpeed, a zarr export): it is imported to
     a temporary ckptkit checkpoint first (on local disk, removed afterwards).
     """
-    with ckptkit_source(source, options.imports, storage_options) as (url, src_opts):
+    with ckptkit_source(source, options, storage_options) as (url, src_opts):
         result = _reshard(url, dest, target, options, src_opts, storage_options, progress)
     return result if url == os.fspath(source) else replace(result, source=os.fspath(source))
 
@@ -198,16 +207,19 @@ def _reshard(
     }
     with ThreadPoolExecutor(max_workers=the_plan.threads * (the_plan.read_ahead + 1),
                             thread_name_prefix="ckptkit-reshard-read") as pool:
-        write_offline(
-            out,
+        checkpoint = OfflineCheckpoint(
             world_size=the_plan.world_size,
             tensors=manifest.tensors,
             pieces={r: [(p.tensor, Region(p.box)) for p in items] for r, items in by_rank.items()},
-            source=lambda rank, _: _target_pieces(view, by_rank.get(rank, []), pool, the_plan.read_ahead, pieces_pool),
             values=manifest.values,
             meta=meta,
             parallel=str(target),
             layouts={t.key: t.meta() for t in the_plan.tensors},
+        )
+        write_offline(
+            out,
+            checkpoint,
+            lambda rank, _: _target_pieces(view, by_rank.get(rank, []), pool, the_plan.read_ahead, pieces_pool),
             options=OfflineWriteOptions(block_size=options.block_size, threads=the_plan.threads),
             progress=progress,
             what=f"resharding {src.url} to {target} at {out.url}",
@@ -217,7 +229,7 @@ def _reshard(
 
 
 @contextmanager
-def ckptkit_source(source: str | os.PathLike[str], imports: ImportOptions,
+def ckptkit_source(source: str | os.PathLike[str], options: ReshardOptions,
                    storage_options: dict[str, Any] | None) -> Iterator[tuple[str, dict[str, Any] | None]]:
     """``source`` itself when it is a ckptkit checkpoint; else a temporary import of it by the
     converter that detects its format (removed on exit). Yields the URL and its storage options."""
@@ -234,7 +246,10 @@ def ckptkit_source(source: str | os.PathLike[str], imports: ImportOptions,
     scratch = tempfile.mkdtemp(prefix="ckptkit-import-")
     try:
         log.info("%s is a %s checkpoint: importing it to %s first", url, fmt.name, scratch)
-        fmt.import_to(url, os.path.join(scratch, "imported"), imports, storage_options)
+        given = options.source_options if options.source_options is not None else options.imports
+        run = RunOptions(threads=options.imports.threads, progress=options.imports.progress,
+                         storage_options=storage_options)
+        fmt.import_to(url, os.path.join(scratch, "imported"), import_options_for(fmt, given), run)
         yield os.path.join(scratch, "imported"), None
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

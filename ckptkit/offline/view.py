@@ -26,6 +26,7 @@ import operator
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from math import prod
 from typing import Any
 
 import numpy as np
@@ -73,10 +74,7 @@ class TensorEntry:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return prod(self.shape)
 
     @property
     def nbytes(self) -> int:

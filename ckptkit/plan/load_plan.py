@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from math import prod
 
 from ckptkit.errors import CoverageError, CorruptCheckpointError
 from ckptkit.layout.coverage import named_axes
@@ -57,10 +58,7 @@ class CopyOp:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return prod(self.shape)
 
     def src_span(self) -> tuple[int, int]:
         """Element range [lo, hi) of the source stream this op touches."""

@@ -23,6 +23,7 @@ O(ranks x meshes per rank), never O(ranks x tensors).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from math import prod
 
 from ckptkit.errors import LayoutError
 from ckptkit.layout.grid import Mesh
@@ -65,9 +66,7 @@ def combine_replica_meshes(reports: list[list[MeshReport]]) -> dict[str, tuple[M
         ordered = []
         for fp in fps:
             coords = members[fp]
-            size = 1
-            for s in shape:
-                size *= s
+            size = prod(shape)
             if len(coords) != size:
                 raise LayoutError(f"a mesh of shape {list(shape)} was reported by {len(coords)} ranks, expected {size}")
             ranks = tuple(coords[c] for c in sorted(coords))

@@ -23,7 +23,7 @@ is exactly what the engine (:mod:`ckptkit.offline.resharding`) then executes:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from math import prod
 from typing import Any
@@ -221,6 +221,10 @@ class ReshardPlan:
         }
 
 
+# A target rank's whole region of a tensor, with the source pieces it reads: ``(rank, box, reads)``.
+_Placed = tuple[int, Box, tuple[SourceRead, ...]]
+
+
 def plan_reshard(
     tensors: Mapping[str, TensorMeta],
     target: ParallelConfig,
@@ -232,9 +236,22 @@ def plan_reshard(
     evaluated at ``target`` (a fused part or an axis that does not split over
     tp, layers that do not split over pp x vpp without ``pp_layers``, ...).
     """
+    layouts = _target_layouts(tensors, target, options)
+    regions, rotations = _place_regions(tensors, layouts, target.world_size)
+    placed = {key: [(rank, box, _reads(tensors[key], box)) for rank, box in regs] for key, regs in regions.items()}
+    largest, item_max, window = _read_needs(tensors, placed, options.source_block)
+    threads, read_ahead, limit, peak = _budget(largest, item_max, window, options)
+    plans = tuple(_tensor_plan(key, tensors[key], placed[key], layouts.get(key), rotations.get(key, 0), limit)
+                  for key in sorted(tensors))
+    return ReshardPlan(target, plans, _rank_loads(plans, target.world_size), threads, read_ahead,
+                       options.io_threads, limit, peak, options.max_memory, window(limit))
+
+
+def _target_layouts(tensors: Mapping[str, TensorMeta], target: ParallelConfig,
+                    options: ReshardPlanOptions) -> dict[str, GridLayout]:
+    """Each ruled tensor's grid at ``target``; an unruled one is skipped (or refused when strict), and a
+    rule that cannot be evaluated there is an error naming the tensor, before anything is planned."""
     num_layers = _num_layers(tensors, options.num_layers)
-    world = target.world_size
-    load = [0] * world
     layouts: dict[str, GridLayout] = {}
     for key in sorted(tensors):
         meta = tensors[key]
@@ -249,14 +266,22 @@ def plan_reshard(
             raise ReshardError(
                 f"tensor {key!r} of shape {list(meta.shape)} (rule {meta.rule.to_json()}) cannot be laid out at "
                 f"{target}: {exc}") from None
+    return layouts
 
-    # 1. Whole regions: ruled tensors by their grid (largest first, so rotations balance the bulk).
+
+def _place_regions(tensors: Mapping[str, TensorMeta], layouts: Mapping[str, GridLayout],
+                   world: int) -> tuple[dict[str, list[tuple[int, Box]]], dict[str, int]]:
+    """Whole regions per tensor as ``(writer, box)``, and each ruled tensor's rotation.
+
+    Ruled tensors go by their grid, largest first, so that the rotations balance the bulk of the
+    bytes; then each unruled tensor goes whole to the rank least loaded so far.
+    """
+    load = [0] * world
     regions: dict[str, list[tuple[int, Box]]] = {}
     rotations: dict[str, int] = {}
     for key in sorted(layouts, key=lambda k: (-tensors[k].numel * DTYPES[tensors[k].dtype], k)):
-        itemsize = DTYPES[tensors[key].dtype]
-        rotations[key], regions[key] = _place_grid(layouts[key], itemsize, load)
-    for key in sorted(k for k in tensors if k not in layouts):  # unruled: whole, on the least loaded rank
+        rotations[key], regions[key] = _place_grid(layouts[key], DTYPES[tensors[key].dtype], load)
+    for key in sorted(k for k in tensors if k not in layouts):
         meta = tensors[key]
         if meta.numel == 0:
             regions[key] = []
@@ -264,47 +289,50 @@ def plan_reshard(
         rank = min(range(world), key=lambda r: (load[r], r))
         load[rank] += meta.numel * DTYPES[meta.dtype]
         regions[key] = [(rank, Box.full(meta.shape))]
+    return regions, rotations
 
-    # 2. Sources of every region, then the memory budget: concurrency, and a split size if needed.
-    sources = {key: [(rank, box, _reads(tensors[key], box)) for rank, box in regs] for key, regs in regions.items()}
+
+def _read_needs(tensors: Mapping[str, TensorMeta], placed: Mapping[str, list[_Placed]],
+                source_block: int) -> tuple[int, int, _Window]:
+    """What the memory budget depends on: the largest region's bytes, the largest element, and the
+    read window (how far a read's span in the source pieces exceeds the bytes it needs)."""
     largest, amp, src_max, item_max = 0, 1.0, 0, 1
-    for key, items in sources.items():
+    for key, items in placed.items():
         itemsize = DTYPES[tensors[key].dtype]
         item_max = max(item_max, itemsize)
         for _, box, reads in items:
-            nbytes = box.numel * itemsize
-            largest = max(largest, nbytes)
+            largest = max(largest, box.numel * itemsize)
             for r in reads:
                 src_max = max(src_max, r.region.numel * itemsize)
                 amp = max(amp, _span(r.region, box) * itemsize / r.nbytes)
-    window = _Window(amp, src_max, options.source_block)
-    threads, read_ahead, limit, peak = _budget(largest, item_max, window, options)
+    return largest, item_max, _Window(amp, src_max, source_block)
 
-    # 3. Pieces (split where a region exceeds the limit), in each tensor's local order.
-    plans = []
-    for key in sorted(tensors):
-        meta = tensors[key]
-        itemsize = DTYPES[meta.dtype]
-        pieces: list[TargetPiece] = []
-        split = False
-        for rank, box, reads in sources[key]:
-            parts = split_box(box, itemsize, limit, key) if box.numel * itemsize > limit else [box]
-            split |= len(parts) > 1
-            for part in parts:
-                part_reads = reads if len(parts) == 1 else _reads(meta, part)
-                pieces.append(TargetPiece(key, rank, part, part.numel * itemsize, part_reads))
-        plans.append(TensorPlan(key, meta.dtype, meta.shape, meta.rule, layouts.get(key), rotations.get(key, 0),
-                                split, tuple(pieces)))
-    ranks = []
+
+def _tensor_plan(key: str, meta: TensorMeta, placed: list[_Placed], layout: GridLayout | None, rotation: int,
+                 limit: int) -> TensorPlan:
+    """A tensor's target pieces in its writers' local order, a region over ``limit`` bytes cut into
+    consecutive sub-boxes (each then reading only the source pieces it overlaps)."""
+    itemsize = DTYPES[meta.dtype]
+    pieces: list[TargetPiece] = []
+    split = False
+    for rank, box, reads in placed:
+        parts = split_box(box, itemsize, limit, key) if box.numel * itemsize > limit else [box]
+        split |= len(parts) > 1
+        for part in parts:
+            part_reads = reads if len(parts) == 1 else _reads(meta, part)
+            pieces.append(TargetPiece(key, rank, part, part.numel * itemsize, part_reads))
+    return TensorPlan(key, meta.dtype, meta.shape, meta.rule, layout, rotation, split, tuple(pieces))
+
+
+def _rank_loads(plans: Sequence[TensorPlan], world: int) -> tuple[RankLoad, ...]:
+    """Per target rank: pieces, bytes written and source bytes read (what the plan reports)."""
     written, read, counts = [0] * world, [0] * world, [0] * world
     for t in plans:
         for p in t.pieces:
             written[p.rank] += p.nbytes
             read[p.rank] += sum(r.nbytes for r in p.reads)
             counts[p.rank] += 1
-    ranks = [RankLoad(r, counts[r], written[r], read[r]) for r in range(world)]
-    return ReshardPlan(target, tuple(plans), tuple(ranks), threads, read_ahead, options.io_threads, limit, peak,
-                       options.max_memory, window(limit))
+    return tuple(RankLoad(r, counts[r], written[r], read[r]) for r in range(world))
 
 
 def _num_layers(tensors: Mapping[str, TensorMeta], given: int | None) -> int | None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import zlib
 from dataclasses import dataclass, replace
 from functools import lru_cache
+from math import prod
 
 from ckptkit.errors import LayoutError
 from ckptkit.layout.box import Region
@@ -133,7 +134,7 @@ def grid_rotations(decls: list[GridDecl]) -> dict[str, int]:
     for group in groups.values():
         replicas = group[0].layout.num_replicas
         load = [0] * replicas
-        numel = {d.key: _numel(d.layout.shape) * d.itemsize for d in group}
+        numel = {d.key: prod(d.layout.shape) * d.itemsize for d in group}
         for d in sorted(group, key=lambda d: (-numel[d.key], d.key)):
             if replicas == 1:
                 out[d.key] = 0
@@ -233,9 +234,3 @@ def plan_save(rank: int, grid: list[GridDecl], explicit: list[ExplicitDecl]) -> 
     digest = {tag: zlib.crc32("\n".join(sorted(items)).encode()) for tag, items in held_on.items()}
     return SavePlan(rank, tuple(items), {obj: offset}, tuple(grid_reports), tuple(explicit_reports), digest)
 
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n

@@ -9,7 +9,20 @@ from ckptkit.resilience.planner import checkpoint_size, goodput, plan, young_dal
 from ckptkit.resilience.policy import LowerLR, Rewarm, Rollback, SkipStep, SpikePolicy
 from ckptkit.resilience.skips import SkipRanges
 
+
+
+def __getattr__(name: str) -> object:
+    """``load_report`` / ``plot`` (``ckptkit report``) load on first use: the report reads run folders
+    and may import matplotlib, which a training job never needs."""
+    if name in ("load_report", "plot"):
+        from ckptkit.resilience import report
+
+        return getattr(report, name)
+    raise AttributeError(f"module 'ckptkit.resilience' has no attribute {name!r}")
+
+
 __all__ = [
+    "load_report", "plot",
     "DetectorConfig", "SpikeDetector", "Decision", "Flags", "Ladder", "checkpoint_size", "goodput", "plan",
     "young_daly_interval", "SpikePolicy", "SkipStep", "Rollback", "Rewarm", "LowerLR", "SkipRanges",
 ]

@@ -2,26 +2,17 @@
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from ckptkit_converters.common.lazy import lazy_exports
 
-# What the flat module ``ckptkit_converters.dcp`` offered, re-exported lazily: importing this
-# package (the registry does, to list formats) imports no torch.
-_WHERE = {
+# The package's public names, each from the module that does the job; loaded on first use, so
+# importing the package (the registry does, to list formats) imports no torch.
+__getattr__ = lazy_exports(__name__, {
     "import_dcp": "convert",
     "export_dcp": "convert",
-    "DcpImportOptions": "convert",
-    "DcpExportOptions": "convert",
+    "DcpImportOptions": "options",
+    "DcpExportOptions": "options",
     "DcpConvertResult": "convert",
     "is_dcp_checkpoint": "convert",
     "read_dcp_metadata": "convert",
-}
-
-
-def __getattr__(name: str) -> Any:
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
+    "FORMAT": "format",
+})

@@ -12,7 +12,7 @@ start with ckptkit, and the way back to plain ``dcp.load``.
   Chunks are read one at a time (plus ``read_ahead`` per rank being written)
   and written with :mod:`ckptkit.engine.offline_writer`: memory never holds the
   model. The ``.metadata`` pickle is read only through the allow-list
-  unpickler (:mod:`converters.safe_unpickle`), every blob only through
+  unpickler (:mod:`ckptkit_converters.common.safe_unpickle`), every blob only through
   ``torch.load(weights_only=True)``. Non-tensor items become ckptkit values
   when they decode that way into JSON-like values; any other item fails the
   import with its name, unless ``skip_unsafe_items`` (then the result lists
@@ -28,7 +28,8 @@ start with ckptkit, and the way back to plain ``dcp.load``.
   listed as skipped. ``.metadata`` is written last, atomically (put-if-absent):
   it is DCP's commit.
 
-Keys: see :mod:`converters.dcp_keys`. Byte format: :mod:`converters.dcp_format`.
+Keys: see :mod:`ckptkit_converters.dcp.keys`. Byte format: :mod:`ckptkit_converters.dcp.files`. Options:
+:mod:`ckptkit_converters.dcp.options`.
 """
 
 from __future__ import annotations
@@ -37,19 +38,25 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ckptkit.options import Progress, progress_counter
-from ckptkit.engine.offline_writer import ConvertResult, OfflineWriteOptions, write_offline
+from ckptkit.engine.offline_writer import (
+    ConvertResult,
+    OfflineCheckpoint,
+    OfflineWriteOptions,
+    StoredTensor,
+    write_offline,
+)
+from ckptkit.engine.prefetch import ReadAhead
 from ckptkit.errors import (
     CheckpointNotFoundError,
     CkptkitError,
     CorruptCheckpointError,
-    LayoutError,
     SaveError,
     StateMismatchError,
     StorageError,
@@ -88,40 +95,18 @@ from ckptkit_converters.dcp.keys import (
     import_keys,
     value_leaves,
 )
+from ckptkit_converters.dcp.options import DcpExportOptions, DcpImportOptions
 from ckptkit_converters.common.safe_unpickle import UnsafeCheckpointError, load_dcp_metadata
 
-
-
-@dataclass(frozen=True)
-class DcpImportOptions:
-    """How :func:`import_dcp` writes: checksum ``block_size``, virtual ranks written at once
-    (``threads``), chunks read ahead per rank (``read_ahead``); ``skip_unsafe_items``: leave out
-    non-tensor items that do not decode safely instead of failing (the result lists them).
-    Memory is about ``threads * (read_ahead + 1) * 2`` chunks (a blob and its tensor)."""
-
-    block_size: int = 4 << 20
-    threads: int = 2
-    read_ahead: int = 2
-    skip_unsafe_items: bool = False
-
-    def __post_init__(self) -> None:
-        OfflineWriteOptions(self.block_size, self.threads)  # validates both
-        if self.read_ahead < 0:
-            raise LayoutError(f"read_ahead {self.read_ahead} must be >= 0")
-
-
-@dataclass(frozen=True)
-class DcpExportOptions:
-    """How :func:`export_dcp` writes: data files (writer ranks) written at once (``threads``),
-    boxes read ahead per file (``read_ahead``), reads in flight per box (``io_threads``)."""
-
-    threads: int = 2
-    read_ahead: int = 1
-    io_threads: int = 4
-
-    def __post_init__(self) -> None:
-        if self.threads < 1 or self.io_threads < 1 or self.read_ahead < 0:
-            raise LayoutError("threads and io_threads must be >= 1, read_ahead >= 0")
+__all__ = [
+    "DcpConvertResult",
+    "DcpExportOptions",  # defined in ckptkit_converters.dcp.options; importable from here as before
+    "DcpImportOptions",
+    "export_dcp",
+    "import_dcp",
+    "is_dcp_checkpoint",
+    "read_dcp_metadata",
+]
 
 
 @dataclass(frozen=True)
@@ -138,12 +123,6 @@ def is_dcp_checkpoint(url: str | os.PathLike[str], storage_options: dict[str, An
 
 
 # ---------------------------------------------------------------- import
-
-
-@dataclass(frozen=True)
-class _Spec:
-    dtype: str
-    shape: tuple[int, ...]
 
 
 def import_dcp(
@@ -164,17 +143,12 @@ def import_dcp(
     t0 = time.perf_counter()
     src = open_store(source, storage_options)
     ckpt = read_dcp_metadata(src)
-    files = ckpt.files()
-    _check_files(src, files)
-    ranks = writer_ranks(list(files))
-    # every rank of a DCP save writes a file, an empty one if it holds nothing: those count too
-    listed = [r for r in map(file_rank, src.list_children()) if r is not None]
-    world = max([*ranks.values(), *listed], default=0) + 1
+    ranks, world = data_files(src, ckpt)
     paths = ckpt.paths or {fqn: (fqn,) for fqn in (*ckpt.tensors, *ckpt.items)}
     decoded, skipped = _decode_items(src, ckpt, options.skip_unsafe_items)
     keys, values = import_keys({f: paths[f] for f in ckpt.tensors},
                                {f: (paths[f], v) for f, v in decoded.items()}, f"{src.url}/{METADATA_NAME}")
-    specs = {keys[f]: _Spec(t.dtype, t.shape) for f, t in ckpt.tensors.items()}
+    specs = {keys[f]: StoredTensor(t.dtype, t.shape) for f, t in ckpt.tensors.items()}
     by_rank: dict[int, list[tuple[DcpTensor, Chunk]]] = {}
     for t in ckpt.tensors.values():
         for c in t.chunks:
@@ -187,18 +161,20 @@ def import_dcp(
                        f"{src.url}/{METADATA_NAME}")
     pieces = {r: [(keys[t.fqn], Region(c.box)) for t, c in refs] for r, refs in by_rank.items()}
     out = open_store(dest, storage_options)
-    with ThreadPoolExecutor(max_workers=options.threads * (options.read_ahead + 1),
+    # read-ahead only: the chunk a rank's writer asks for is read in its own thread
+    with ThreadPoolExecutor(max_workers=max(1, options.threads * options.read_ahead),
                             thread_name_prefix="ckptkit-dcp-read") as pool:
-        result = write_offline(
-            out,
+        checkpoint = OfflineCheckpoint(
             world_size=world,
             tensors=specs,
             pieces=pieces,
-            source=lambda rank, _: _DcpPieces(src, by_rank.get(rank, []), pool, options.read_ahead),
             values={k: encode_value(v, k) for k, v in values.items()},
             meta={"user": {}, "converted_from": {
                 "url": src.url, "format": "dcp", "dcp_version": ckpt.version,
                 "keys": "planner_data" if ckpt.paths else "fqn", "skipped": list(skipped)}},
+        )
+        result = write_offline(
+            out, checkpoint, lambda rank, _: DcpPieces(src, by_rank.get(rank, []), pool, options.read_ahead),
             options=OfflineWriteOptions(block_size=options.block_size, threads=options.threads),
             progress=progress,
             what=f"importing {src.url} into {out.url}",
@@ -217,6 +193,17 @@ def read_dcp_metadata(src: ByteStore) -> DcpCheckpoint:
             f"{src.url} has no {METADATA_NAME}: not a DCP checkpoint, or one whose save did not finish "
             "(DCP writes .metadata last)") from None
     return parse_metadata(load_dcp_metadata(data, where), where)
+
+
+def data_files(src: ByteStore, ckpt: DcpCheckpoint) -> tuple[dict[str, int], int]:
+    """Each data file's writer rank, and the world size of the save, after checking every file the
+    metadata points into is there and long enough (Megatron's torch_dist import reads DCP too)."""
+    files = ckpt.files()
+    _check_files(src, files)
+    ranks = writer_ranks(list(files))
+    # every rank of a DCP save writes a file, an empty one if it holds nothing: those count too
+    listed = [r for r in map(file_rank, src.list_children()) if r is not None]
+    return ranks, max([*ranks.values(), *listed], default=0) + 1
 
 
 def _check_files(src: ByteStore, files: dict[str, int]) -> None:
@@ -263,22 +250,22 @@ def _decode_items(src: ByteStore, ckpt: DcpCheckpoint, skip: bool) -> tuple[dict
     return decoded, tuple(f for f, _ in refused)
 
 
-class _DcpPieces:
+class DcpPieces:
     """One virtual rank's chunks, read from its ``.distcp`` file(s) on demand, with read-ahead.
 
     The :class:`~ckptkit.engine.offline_writer.PieceSource` of the import:
-    each chunk's blob is read and decoded (``weights_only``) on ``pool``, at
-    most ``read_ahead`` chunks ahead of the one being written.
+    each chunk's blob is read and decoded (``weights_only``) through a
+    :class:`~ckptkit.engine.prefetch.ReadAhead` on ``pool``, at most
+    ``read_ahead`` chunks ahead of the one being written; read-ahead of a
+    chunk the writer skips is let go at once, not held until the import ends.
     """
 
     def __init__(self, src: ByteStore, refs: Sequence[tuple[DcpTensor, Chunk]], pool: ThreadPoolExecutor,
                  read_ahead: int) -> None:
         self._src = src
         self._refs = refs
-        self._pool = pool
-        self._read_ahead = read_ahead
-        self._futures: dict[int, Future[torch.Tensor]] = {}
         self._lock = threading.Lock()
+        self._ahead = ReadAhead(len(refs), self._load, pool, read_ahead)
         self.bytes_read = 0
 
     def __len__(self) -> int:
@@ -293,12 +280,11 @@ class _DcpPieces:
         return load_chunk(data, tensor, chunk, where)
 
     def __getitem__(self, ref: int) -> torch.Tensor:
-        with self._lock:
-            future = self._futures.pop(ref, None) or self._pool.submit(self._load, ref)
-            for nxt in range(ref + 1, min(len(self._refs), ref + 1 + self._read_ahead)):
-                if nxt not in self._futures:
-                    self._futures[nxt] = self._pool.submit(self._load, nxt)
-        return future.result()
+        return self._ahead[ref]
+
+    def close(self) -> None:
+        """The rank is written (or failed): read-ahead no one will ask for is dropped."""
+        self._ahead.close()
 
 
 # ---------------------------------------------------------------- export
@@ -339,7 +325,7 @@ def export_dcp(
     ranks = range(manifest.world_size)  # like DCP: every rank writes a file, an empty one if it holds nothing
     try:
         with ThreadPoolExecutor(max_workers=options.threads, thread_name_prefix="ckptkit-dcp-file") as files, \
-                ThreadPoolExecutor(max_workers=options.threads * (options.read_ahead + 1),
+                ThreadPoolExecutor(max_workers=max(1, options.threads * options.read_ahead),
                                    thread_name_prefix="ckptkit-dcp-read") as reads:
             def write_file(rank: int) -> tuple[list[tuple[str, Chunk]], list[OutItem]]:
                 return _write_rank_file(view, out, rank, boxes.get(rank, []), values if rank == 0 else [],
@@ -402,7 +388,8 @@ def _write_rank_file(view: CheckpointView, out: ByteStore, rank: int, boxes: Seq
             data = save_blob(leaf)
             items.append(OutItem(dcp_key(path), path, blob(data)))
             yield data
-        for key, box, data in _prefetched(boxes, read, reads, read_ahead):
+        for i, data in enumerate(ReadAhead(len(boxes), read, reads, read_ahead).in_order()):
+            key, box = boxes[i]
             chunks.append((key, Chunk(box, blob(data))))
             yield data
             tick(box.numel * DTYPES[view.manifest.tensors[key].dtype])
@@ -411,24 +398,12 @@ def _write_rank_file(view: CheckpointView, out: ByteStore, rank: int, boxes: Seq
     return chunks, items
 
 
-def _prefetched(boxes: Sequence[tuple[str, Box]], read: Callable[[int], bytes], pool: ThreadPoolExecutor,
-                ahead: int) -> Iterator[tuple[str, Box, bytes]]:
-    """``read(i)`` of every box in order, up to ``ahead`` reads running ahead of the consumer."""
-    futures: dict[int, Future[bytes]] = {}
-    try:
-        for i, (key, box) in enumerate(boxes):
-            for j in range(i, min(len(boxes), i + 1 + ahead)):
-                if j not in futures:
-                    futures[j] = pool.submit(read, j)
-            yield key, box, futures.pop(i).result()
-    finally:
-        for f in futures.values():
-            f.cancel()
-
-
 def _discard(out: ByteStore) -> None:
     """Remove a failed export (best effort): ``out`` was empty when it began, so all of it is the export's."""
     try:
         out.delete_all()
     except (CkptkitError, OSError):
         pass
+
+
+_DcpPieces = DcpPieces  # the name Megatron's torch_dist import used (same release; removed once it moves)

@@ -17,11 +17,11 @@ tested with 2.13; torchtitan's ``step-N`` folders) is a directory holding:
   non-tensor item is a ``torch.save`` archive of the Python object.
 
 :func:`parse_metadata` turns the unpickled metadata (see
-:mod:`converters.safe_unpickle`) into plain frozen dataclasses, checking every
+:mod:`ckptkit_converters.common.safe_unpickle`) into plain frozen dataclasses, checking every
 field it uses (types, dtypes, chunk boxes inside the tensor, safe relative
 paths, no stream transforms). :func:`load_blob` decodes a blob admitting only what
 ``torch.load(weights_only=True)`` admits by default. :func:`build_metadata` is the export
-side. Key mapping (both directions) is in :mod:`converters.dcp_keys`.
+side. Key mapping (both directions) is in :mod:`ckptkit_converters.dcp.keys`.
 """
 
 from __future__ import annotations
@@ -267,9 +267,9 @@ class _BufferReader(io.RawIOBase):
 
 def load_blob(data: bytes | bytearray | memoryview, where: str) -> Any:
     """Decode one ``torch.save`` blob admitting exactly what ``torch.load(weights_only=True)`` admits by
-    default (tensors and plain containers; :func:`converters.safe_unpickle.restricted_torch_load`, which
-    neither trusts nor touches the process-wide ``add_safe_globals`` set, as blobs decode on reader
-    threads); anything else raises :class:`UnsafeCheckpointError` (nothing is executed)."""
+    default (tensors and plain containers;
+    :func:`ckptkit_converters.common.safe_unpickle.restricted_torch_load`, which neither trusts nor
+    touches the process-wide ``add_safe_globals`` set, as blobs decode on reader threads); anything else raises :class:`UnsafeCheckpointError` (nothing is executed)."""
     try:
         return restricted_torch_load(_BufferReader(data), where=where)
     except UnsafeCheckpointError as exc:

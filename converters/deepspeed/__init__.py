@@ -2,26 +2,19 @@
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from ckptkit_converters.common.lazy import lazy_exports
 
-# What the flat module ``ckptkit_converters.deepspeed`` offered, re-exported lazily: importing this
-# package (the registry does, to list formats) imports no torch.
-_WHERE = {
-    "import_deepspeed": "convert",
-    "export_deepspeed": "convert",
-    "consolidated_fp32_state_dict": "convert",
-    "export_fp32": "convert",
-    "flat_layouts": "convert",
-    "FlatLayout": "convert",
-    "read_meta": "convert",
-}
-
-
-def __getattr__(name: str) -> Any:
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
+# The package's public names, each from the module that does the job; loaded on first use, so
+# importing the package (the registry does, to list formats) imports no torch.
+__getattr__ = lazy_exports(__name__, {
+    "import_deepspeed": "importer",
+    "export_deepspeed": "exporter",
+    "consolidated_fp32_state_dict": "fp32",
+    "export_fp32": "fp32",
+    "flat_layouts": "flat_layout",
+    "FlatLayout": "flat_layout",
+    "read_meta": "record",
+    "DeepSpeedImportOptions": "options",
+    "DeepSpeedExportOptions": "options",
+    "FORMAT": "format",
+})

@@ -49,16 +49,16 @@ from __future__ import annotations
 import enum
 import os
 import re
-from collections.abc import Mapping
+import warnings
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ckptkit.engine.state import dtype_name
-from ckptkit.errors import CheckpointNotFoundError, CkptkitError, ManifestError, StateMismatchError
+from ckptkit.adapters.deepspeed_record import scalar_record
+from ckptkit.errors import CheckpointNotFoundError, CkptkitError, ManifestError
 from ckptkit.layout.strict_json import MAX_LAYOUT_INT
-from ckptkit.layout.values import json_ready
 from ckptkit_converters.common import safe_unpickle as safe_unpickle
 from ckptkit_converters.common.safe_unpickle import UnsafeCheckpointError  # noqa: F401 - what load_file raises
 from ckptkit_converters.common.source_paths import inside, plain_name, read_pointer, regular_file
@@ -117,16 +117,23 @@ def load_file(path: str) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class NativeFiles:
-    """The files of one native checkpoint tag."""
+    """The files of one native checkpoint tag, saved at ZeRO stage ``zero_stage`` by ``dp`` ranks."""
 
     folder: str
     tag: str
-    stage: int
+    zero_stage: int
     dp: int
     optim: tuple[str, ...]
     """Optimizer-state file of each DP rank."""
     model: tuple[str, ...]
     """Model-states files: one (ZeRO 1/2) or one per DP rank (ZeRO 3)."""
+
+    @property
+    def stage(self) -> int:
+        """Deprecated name of :attr:`zero_stage` (one more release)."""
+        warnings.warn("NativeFiles.stage is deprecated and will be removed in the next release: use "
+                      "NativeFiles.zero_stage", DeprecationWarning, stacklevel=2)
+        return self.zero_stage
 
 
 def read_tag(folder: str, tag: str | None) -> str:
@@ -166,13 +173,54 @@ def is_deepspeed_checkpoint(folder: str) -> bool:
     return os.path.isdir(where) and any(_OPTIM.match(n) or EXPP_OPTIM.match(n) for n in os.listdir(where))
 
 
-def find_files(folder: str, tag: str | None = None) -> NativeFiles:
-    """Which files make up the checkpoint ``folder``/``tag`` (default: the ``latest`` tag). Every file is
-    checked to be a regular file inside ``folder`` before anything is read."""
+def resolve_tag(folder: str, tag: str | None) -> tuple[str, str]:
+    """The tag to import and its folder, which must exist: a ``latest`` truncated or left behind by a
+    crash names a folder that is not there, and the error says that ``latest`` (or the tag option)
+    named it, since the file is what the user must look at, not the folder that never existed."""
+    given = tag is not None
     tag = read_tag(folder, tag)
     where = tag_dir(folder, tag)
     if not os.path.isdir(where):
-        raise CheckpointNotFoundError(f"{where}: no such checkpoint tag directory")
+        source = "the tag option (CLI --tag)" if given else os.path.join(folder, LATEST)
+        raise CheckpointNotFoundError(f"{source} names tag {tag!r}, which is not a folder of {folder} "
+                                      f"(no {where}{os.sep}); expected the tag folder engine.save_checkpoint wrote")
+    return tag, where
+
+
+def optim_file_name(rank: int, prefix: str = "") -> str:
+    """The optimizer file of DP rank ``rank`` as DeepSpeed names it (``prefix``: ``bf16_`` or none)."""
+    return f"{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+
+
+def model3_file_name(rank: int) -> str:
+    """The ZeRO-3 model-states file of DP rank ``rank`` as DeepSpeed names it."""
+    return f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
+
+
+def missing_rank_files(where: str, present: dict[int, str], name: Callable[[int], str], upto: int) -> list[str]:
+    """The files of ranks ``0..upto-1`` absent from ``present`` (rank -> path), by the name DeepSpeed
+    gives them (``name(rank)``), so an error points at what was deleted rather than at what is left."""
+    return [os.path.join(where, name(r)) for r in range(upto) if r not in present]
+
+
+def _check_ranks(where: str, files: dict[int, str], what: str, name: Callable[[int], str]) -> None:
+    """Refuse rank files that are not numbered ``0..N-1``, naming the missing ones."""
+    top = max(files) + 1
+    if sorted(files) != list(range(top)):
+        missing = missing_rank_files(where, files, name, top)
+        raise ManifestError(f"{where}: {what} for DP ranks {sorted(files)}, expected 0..{top - 1}: "
+                            f"missing {', '.join(missing)}")
+
+
+def _prefix(optim: dict[int, str]) -> str:
+    """The ``bf16_`` prefix the optimizer files carry, if they all do (for naming a missing one)."""
+    return "bf16_" if all(os.path.basename(p).startswith("bf16_") for p in optim.values()) else ""
+
+
+def find_files(folder: str, tag: str | None = None) -> NativeFiles:
+    """Which files make up the checkpoint ``folder``/``tag`` (default: the ``latest`` tag). Every file is
+    checked to be a regular file inside ``folder`` before anything is read."""
+    tag, where = resolve_tag(folder, tag)
     optim: dict[int, str] = {}
     model3: dict[int, str] = {}
     for name in sorted(os.listdir(where)):
@@ -190,24 +238,29 @@ def find_files(folder: str, tag: str | None = None) -> NativeFiles:
         target[rank] = regular_file(folder, os.path.join(where, name))
     if not optim:
         raise CheckpointNotFoundError(f"{where}: no *zero_pp_rank_*_optim_states.pt files (not a ZeRO checkpoint)")
+    prefix = _prefix(optim)
+    _check_ranks(where, optim, "optimizer files", lambda r: optim_file_name(r, prefix))
     dp = len(optim)
-    if sorted(optim) != list(range(dp)):
-        raise ManifestError(f"{where}: optimizer files for DP ranks {sorted(optim)}, expected 0..{dp - 1}")
     if model3:
-        if sorted(model3) != list(range(dp)):
-            raise ManifestError(f"{where}: ZeRO-3 model-states files for DP ranks {sorted(model3)}, expected 0..{dp - 1}")
+        _check_ranks(where, model3, "ZeRO-3 model-states files", model3_file_name)
+        if len(model3) != dp:
+            missing = missing_rank_files(where, model3, model3_file_name, dp) + missing_rank_files(
+                where, optim, lambda r: optim_file_name(r, prefix), len(model3))
+            raise ManifestError(f"{where}: {dp} optimizer files but {len(model3)} ZeRO-3 model-states files: "
+                                f"missing {', '.join(missing)}")
         return NativeFiles(folder, tag, 3, dp, tuple(optim[r] for r in range(dp)),
                            tuple(model3[r] for r in range(dp)))
     model = os.path.join(where, MODEL_STATES_12)
     if not os.path.lexists(model):
-        raise CheckpointNotFoundError(f"{where}: {MODEL_STATES_12} is missing")
+        raise CheckpointNotFoundError(f"{model}: missing: a ZeRO-1/2 checkpoint keeps its module there (and a "
+                                      f"ZeRO-3 one has {model3_file_name(0)} per rank, also absent)")
     regular_file(folder, model)
     # stage 1 and 2 write the same files; the optimizer file records which
-    stage = optimizer_record(load_file(optim[0]), optim[0]).get("zero_stage")
-    if type(stage) not in (int, ZeroStage) or stage not in (1, 2):
-        raise ManifestError(f"{optim[0]}: zero_stage {stage!r}; expected 1 or 2 (there are no per-rank ZeRO-3 "
-                            "model-states files)")
-    return NativeFiles(folder, tag, int(stage), dp, tuple(optim[r] for r in range(dp)), (model,))
+    zero_stage = optimizer_record(load_file(optim[0]), optim[0]).get("zero_stage")
+    if type(zero_stage) not in (int, ZeroStage) or zero_stage not in (1, 2):
+        raise ManifestError(f"{optim[0]}: zero_stage {zero_stage!r}; expected 1 or 2 (there are no per-rank "
+                            "ZeRO-3 model-states files)")
+    return NativeFiles(folder, tag, int(zero_stage), dp, tuple(optim[r] for r in range(dp)), (model,))
 
 
 def optimizer_record(data: Mapping[str, Any], where: str) -> dict[str, Any]:
@@ -217,9 +270,9 @@ def optimizer_record(data: Mapping[str, Any], where: str) -> dict[str, Any]:
     return rec
 
 
-def base_optimizer_state(rec: Mapping[str, Any], stage: int, where: str) -> dict[str, Any]:
+def base_optimizer_state(rec: Mapping[str, Any], zero_stage: int, where: str) -> dict[str, Any]:
     """The base (torch) optimizer's state dict inside a ZeRO optimizer record."""
-    key = "base_optimizer_state" if stage < 3 else "optimizer_state_dict"
+    key = "base_optimizer_state" if zero_stage < 3 else "optimizer_state_dict"
     sd = rec.get(key)
     if not isinstance(sd, dict) or not isinstance(sd.get("state"), dict) or not isinstance(sd.get("param_groups"), list) \
             or not all(isinstance(pg, dict) for pg in sd["param_groups"]):
@@ -228,8 +281,9 @@ def base_optimizer_state(rec: Mapping[str, Any], stage: int, where: str) -> dict
     return sd
 
 
-def flat_fp32(rec: Mapping[str, Any], stage: int, where: str) -> list[torch.Tensor]:
-    key = "single_partition_of_fp32_groups" if stage < 3 else "fp32_flat_groups"
+def flat_fp32(rec: Mapping[str, Any], zero_stage: int, where: str) -> list[torch.Tensor]:
+    """Each flat group's fp32 partition of a ZeRO optimizer record (its key differs at ZeRO 3)."""
+    key = "single_partition_of_fp32_groups" if zero_stage < 3 else "fp32_flat_groups"
     groups = rec.get(key)
     if not isinstance(groups, list) or not all(isinstance(t, torch.Tensor) for t in groups):
         raise ManifestError(f"{where}: '{key}' is not a list of tensors")
@@ -257,14 +311,10 @@ def param_shapes(model: Mapping[str, Any], where: str) -> list[dict[str, tuple[i
 
 def scalar(value: Any, where: str) -> dict[str, Any]:
     """One non-tensor-shaped entry of a base optimizer's per-parameter state (Adam's ``step``) as the
-    adapter records it: a one-element tensor by dtype and value, any other value kept exactly as JSON
-    (:func:`ckptkit.layout.values.json_ready`) — else refused, naming ``where``, as the live adapter does."""
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1:
-            raise StateMismatchError(f"{where}: a tensor of shape {list(value.shape)}, neither a flat 1-D state "
-                                     "tensor nor a scalar")
-        return {"dtype": dtype_name(value.dtype), "value": value.item()}
-    return {"dtype": None, "value": json_ready(value, where)}
+    adapter records it, by the live adapter's own rule
+    (:func:`ckptkit.adapters.deepspeed_record.scalar_record`): a one-element tensor by dtype and value,
+    or a plain number; anything else refused, naming ``where``."""
+    return scalar_record(value, where)
 
 
 def group_name(param_group: Mapping[str, Any], where: str) -> str:

@@ -27,6 +27,7 @@ In ckptkit's model space those experts are stacked tensors
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections import OrderedDict
@@ -115,7 +116,7 @@ class NativeMoE:
 
 
 def native_moe(root: str, folder: str, model0: Mapping[str, Any], shapes: Sequence[Mapping[str, tuple[int, ...]]],
-               rec0: Mapping[str, Any], param_groups: Sequence[Mapping[str, Any]], dp: int, stage: int,
+               rec0: Mapping[str, Any], param_groups: Sequence[Mapping[str, Any]], dp: int, zero_stage: int,
                where: str) -> NativeMoE | None:
     """The MoE facts of the native checkpoint in ``folder`` (a tag directory of the checkpoint folder
     ``root``) from its model-states and rank-0 optimizer records; None when the checkpoint has no MoE layers."""
@@ -123,7 +124,7 @@ def native_moe(root: str, folder: str, model0: Mapping[str, Any], shapes: Sequen
     moe_groups = [bool(pg.get("moe")) for pg in param_groups]
     if not any(moe_groups):
         return None
-    if stage == 3:
+    if zero_stage == 3:
         raise StateMismatchError(f"{where}: a ZeRO-3 MoE checkpoint; the import handles DeepSpeed-MoE at ZeRO 1/2")
     cfg = model0.get("ds_config") or {}
     if cfg.get("use_data_before_expert_parallelism"):
@@ -252,10 +253,7 @@ class LocalMember:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
 
 def local_members(group: Sequence[tuple[str, tuple[int, ...]]], experts: Mapping[str, Any],

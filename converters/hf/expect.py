@@ -29,6 +29,7 @@ saying ``num_hidden_layers: 10**9`` is refused at once, naming the field.
 from __future__ import annotations
 
 import logging
+import math
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -350,9 +351,7 @@ class _Sizes:
                     unknown = [f for f in factors if not f.isdigit() and f not in self.values]
                     if len(unknown) != 1 or factors.count(unknown[0]) != 1:
                         continue
-                    known = 1
-                    for f in factors:
-                        known *= int(f) if f.isdigit() else self.values.get(f, 1)
+                    known = math.prod(int(f) if f.isdigit() else self.values.get(f, 1) for f in factors)
                     if actual > 0 and actual % known == 0:
                         votes.setdefault(unknown[0], Counter())[actual // known] += 1
                         first.setdefault((unknown[0], actual // known), name)
@@ -374,9 +373,7 @@ class _Sizes:
                 parts.append(f"{named}=?")
                 ok = False
                 continue
-            total = 1
-            for v in vals:
-                total *= v  # type: ignore[operator]
+            total = math.prod(vals)  # type: ignore[arg-type]  # no None: checked above
             ok = ok and shape is not None and shape[i] == total
             shown_vals = "*".join(shown(v) for v in vals)
             parts.append(str(total) if expr.isdigit() else

@@ -27,10 +27,12 @@ config and tokenizer files are not written (take them from the model's HF reposi
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
-from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+import warnings
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +42,7 @@ from ckptkit_converters.hf.families import (
     MEGATRON,
     Family,
     family_for,
+    family_named,
     naming_of,
 )
 from ckptkit_converters.hf.importer import import_hf, read_hf
@@ -56,9 +59,11 @@ from ckptkit_converters.hf.mapping import (
     rope_to_hf,
     to_hf_name,
 )
+from ckptkit_converters.hf.options import CAST_DTYPES, HFExportOptions, HFImportOptions
 
 from ckptkit.engine.offline_writer import ConvertResult
-from ckptkit.errors import CkptkitError, MissingKeysError, OptionsError
+from ckptkit.engine.prefetch import ReadAhead
+from ckptkit.errors import CkptkitError, MissingKeysError
 from ckptkit.options import Progress
 from ckptkit.storage.url import open_store
 
@@ -68,8 +73,9 @@ __all__ = [
     "SAFETENSORS_DTYPES",
     "AttentionHeads",
     "HFConfig",
-    "HFExportOptions",
+    "HFExportOptions",  # defined in ckptkit_converters.hf.options; importable from here as before
     "HFExportResult",
+    "HFImportOptions",
     "detect_prefix",
     "export_hf",
     "from_hf_name",
@@ -81,7 +87,7 @@ __all__ = [
 ]
 
 INDEX_NAME = "model.safetensors.index.json"
-DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_NAMES = {name: getattr(torch, name) for name in CAST_DTYPES}
 SAFETENSORS_DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
@@ -89,37 +95,6 @@ SAFETENSORS_DTYPES = {
 }
 # Top-level state a torchtitan DCP checkpoint keeps beside the model's own keys: never weights.
 NOT_MODEL = ("optimizer", "train_state", "lr_scheduler", "dataloader", "optim", "train", "rng")
-
-
-@dataclass(frozen=True)
-class HFExportOptions:
-    """How :func:`export_hf` runs.
-
-    ``family``: a key table by name (:data:`FAMILIES`); None picks it from the config's
-    ``model_type`` and the checkpoint's naming (no ``model_type``: Llama). ``prefix``: where the
-    model's parameters sit in the checkpoint's state (``"model/"``, ``""`` for the top level);
-    None detects it. ``dtype``: cast on export (None keeps each tensor's).
-    ``tie_word_embeddings``: drop the output projection (HF re-ties it to the embedding); None:
-    the config's ``tie_word_embeddings`` (absent: not tied). ``permute_rotary``: apply the table's
-    rotary permutation (None: yes; False for a model whose RoPE already rotates halves).
-    """
-
-    family: str | None = None
-    prefix: str | None = None
-    dtype: str | None = None
-    max_shard_bytes: int = 5 * 10**9
-    tie_word_embeddings: bool | None = None
-    permute_rotary: bool | None = None
-
-    def __post_init__(self) -> None:
-        if self.family is not None and self.family not in FAMILIES:
-            raise OptionsError(f"unknown model family {self.family!r} (known: {', '.join(FAMILIES)})")
-        if self.dtype is not None and self.dtype not in DTYPE_NAMES:
-            raise OptionsError(f"dtype must be one of {', '.join(DTYPE_NAMES)} or None, got {self.dtype!r}")
-        if self.max_shard_bytes < 1:
-            raise OptionsError("max_shard_bytes must be positive")
-        if self.prefix not in (None, "") and not self.prefix.endswith("/"):
-            raise OptionsError(f"prefix must end with '/' (a state key such as 'model/'), or be '', got {self.prefix!r}")
 
 
 @dataclass(frozen=True)
@@ -133,11 +108,17 @@ class HFExportResult(ConvertResult):
     dropped: tuple[str, ...] = ()
 
     @property
-    def dest(self) -> str:  # the names this result had before it was a ConvertResult
+    def dest(self) -> str:
+        """Deprecated: the name this field had before the result was a ConvertResult; use ``.destination``."""
+        warnings.warn("HFExportResult.dest is deprecated and is removed in the next release: use .destination",
+                      DeprecationWarning, stacklevel=2)
         return self.destination
 
     @property
     def bytes(self) -> int:
+        """Deprecated: the name this field had before the result was a ConvertResult; use ``.nbytes``."""
+        warnings.warn("HFExportResult.bytes is deprecated and is removed in the next release: use .nbytes",
+                      DeprecationWarning, stacklevel=2)
         return self.nbytes
 
 
@@ -197,7 +178,7 @@ def plan_export(view: Any, cfg: HFConfig, options: HFExportOptions) -> _Plan:
     if not entries:
         raise MissingKeysError(f"{view.url}: no tensors under {prefix!r} (set HFExportOptions.prefix)")
     names = [t.key[len(prefix):] for t in entries]
-    family = FAMILIES[options.family] if options.family else family_for(cfg.model_type, naming_of(names))
+    family = family_named(options.family) if options.family else family_for(cfg.model_type, naming_of(names))
     tie = options.tie_word_embeddings if options.tie_word_embeddings is not None else (
         cfg.tie_word_embeddings if cfg.tie_word_embeddings is not None else family.tie_default)
     units: list[Unit] = []
@@ -293,14 +274,7 @@ def _shards(units: list[Unit], dtype: torch.dtype | None, view: Any, limit: int)
 
 def _unit_bytes(u: Unit, dtype: torch.dtype) -> int:
     size = torch.empty((), dtype=dtype).element_size()
-    return sum(_numel(s) * size for s in u.shapes)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
+    return sum(math.prod(s) * size for s in u.shapes)
 
 
 def _dtype_of(view: Any, key: str) -> torch.dtype:
@@ -322,14 +296,15 @@ def export_hf(
     """Write the model weights of the checkpoint at ``source`` as HF safetensors shards at ``dest``.
 
     ``config``: the HF config's facts (:meth:`HFConfig.from_file`), or just head counts
-    (:class:`AttentionHeads`, the Llama table). Every tensor under the prefix must have a rule in
+    (:class:`AttentionHeads`, the Llama table); None: what ``options`` give (``config``,
+    ``heads`` / ``kv_heads``), if anything (given, the argument is used and those are not). Every tensor under the prefix must have a rule in
     the table or be one of its known drops (an unknown name is an error naming it, never a
     silent drop); counts and completeness are checked before anything is written.
     """
     import ckptkit
 
     t0 = time.perf_counter()
-    cfg = HFConfig.of(config)
+    cfg = _config(config, options)
     view = ckptkit.open(source, storage_options=storage_options)
     read0 = view.bytes_read
     plan = plan_export(view, cfg, options)
@@ -354,18 +329,39 @@ def export_hf(
             t = t.to(cast)
         return apply(u, t, cfg, permute)
 
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptkit-hf-read") as pool:
-        for shard, file_name in zip(shards, names):
-            header = _header(shard, dtypes)
-            out.write_object(file_name, _shard_bytes(shard, header, pool, produce, done, total, progress))
-            for u in shard:
-                for n in u.names:
-                    weight_map[n] = file_name
+    written: list[str] = []
+    try:
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptkit-hf-read") as pool:
+            for shard, file_name in zip(shards, names):
+                written.append(file_name)
+                out.write_object(file_name, _shard_bytes(shard, _header(shard, dtypes), pool, produce, done, total,
+                                                         progress))
+                weight_map.update({n: file_name for u in shard for n in u.names})
+    except BaseException:
+        _remove(out, written)  # a failed export leaves no shard that a later config.json could pass off as one
+        raise
     index = {"metadata": {"total_size": total, "ckptkit_source": view.url, "ckptkit_family": plan.family.name},
              "weight_map": dict(sorted(weight_map.items()))}
     out.put_bytes(INDEX_NAME, json.dumps(index, indent=2).encode())  # written last: the export is complete
     return HFExportResult(view.url, out.url, "hf", len(weight_map), total, view.bytes_read - read0,
                           time.perf_counter() - t0, tuple(names), plan.family.name, plan.prefix, plan.dropped)
+
+
+def _remove(out: Any, names: list[str]) -> None:
+    """Remove the shards a failed export wrote (only those: ``dest`` may hold the user's other files)."""
+    for name in names:
+        try:
+            out.delete(name)
+        except (CkptkitError, OSError):
+            pass
+
+
+def _config(config: HFConfig | AttentionHeads | None, options: HFExportOptions) -> HFConfig:
+    """The model's facts: the ``config`` argument if given (a caller that built it from the options, or
+    from anything else, has said which facts count), else what the options give, else none."""
+    if config is None and options.gives_config:
+        return options.hf_config()
+    return HFConfig.of(config)
 
 
 def _header(shard: list[Unit], dtypes: dict[str, torch.dtype]) -> bytes:
@@ -376,7 +372,7 @@ def _header(shard: list[Unit], dtypes: dict[str, torch.dtype]) -> bytes:
         d = dtypes[u.key]
         size = torch.empty((), dtype=d).element_size()
         for n, shape in zip(u.names, u.shapes):
-            end = offset + _numel(shape) * size
+            end = offset + math.prod(shape) * size
             doc[n] = {"dtype": SAFETENSORS_DTYPES[d], "shape": list(shape), "data_offsets": [offset, end]}
             offset = end
     body = json.dumps(doc, separators=(",", ":")).encode()
@@ -384,15 +380,14 @@ def _header(shard: list[Unit], dtypes: dict[str, torch.dtype]) -> bytes:
     return len(body).to_bytes(8, "little") + body
 
 
-def _shard_bytes(shard: list[Unit], header: bytes, pool: ThreadPoolExecutor, produce: Any, done: list[int],
-                 total: int, progress: Progress | None) -> Iterator[bytes | memoryview]:
+def _shard_bytes(shard: list[Unit], header: bytes, pool: ThreadPoolExecutor,
+                 produce: Callable[[Unit], list[torch.Tensor]], done: list[int], total: int,
+                 progress: Progress | None) -> Iterator[bytes | memoryview]:
     """The shard's bytes: the header, then each unit's tensors as they are read (one unit read ahead)."""
     yield header
-    ahead: Future[list[torch.Tensor]] | None = pool.submit(produce, shard[0]) if shard else None
-    for i, u in enumerate(shard):
-        assert ahead is not None
-        tensors = ahead.result()
-        ahead = pool.submit(produce, shard[i + 1]) if i + 1 < len(shard) else None
+    units = ReadAhead(len(shard), lambda i: produce(shard[i]), pool, read_ahead=1)
+    for i, tensors in enumerate(units.in_order()):
+        u = shard[i]
         for t, shape in zip(tensors, u.shapes):
             if tuple(t.shape) != tuple(shape):  # the plan and the data disagree: never write a wrong header
                 raise CkptkitError(f"tensor {u.key!r} gave shape {list(t.shape)} for {u.names}, planned {list(shape)}")

@@ -26,9 +26,12 @@ see :mod:`ckptkit_converters.megatron.names`). A family is picked by the HF ``co
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 from ckptkit.errors import CkptkitError
+from ckptkit_converters.megatron import names as megatron_names
 
 TORCHTITAN = "torchtitan"
 MEGATRON = "megatron"
@@ -123,7 +126,7 @@ def _tt_experts(hf_expert: str, names: tuple[str, str, str], gate: str) -> tuple
     )
 
 
-LLAMA3 = Family("llama3", "llama", TORCHTITAN, (
+LLAMA = Family("llama", "llama", TORCHTITAN, (
     *_TT_EDGE[:2], *_tt_gqa(rope=True), *_TT_DENSE_FFN, *_TT_NORMS, _TT_EDGE[2],
     _r("output.weight", "lm_head.weight", vocab="check", tied=True),  # torchtitan before 0.3
 ))
@@ -168,12 +171,63 @@ DEEPSEEK_V3 = Family("deepseek_v3", "deepseek_v3", TORCHTITAN, (
 
 
 # ---------------------------------------------------------------- Megatron-core GPT names
-
-_M = "decoder.layers."
+# Megatron's names are spelled once, in ckptkit_converters.megatron.names (its partition rules use
+# them too); this table only says which HF tensor each becomes.
 
 
 def _m(name: str, *outs: Out, experts: bool = False) -> Rule:
-    return Rule(_M + name, outs, layer_axis=True, expert_axis=experts)
+    return Rule(megatron_names.LAYER_PREFIX + name, outs, layer_axis=True, expert_axis=experts)
+
+
+def _megatron_base(qk_norm: bool) -> list[Rule]:
+    """The dense GPT block every Megatron family has: embeddings, GQA attention (fused QKV), the layer
+    norms (under the TE names both specs store), a SwiGLU MLP; q/k layernorms for Qwen3."""
+    sa = _HF_L + "self_attn."
+    rules: list[Rule] = [
+        Rule(megatron_names.EMBEDDING, (Out("model.embed_tokens.weight"),), vocab="trim"),
+        Rule(megatron_names.OUTPUT, (Out("lm_head.weight"),), vocab="trim", tied=True),
+        Rule(f"{megatron_names.FINAL_NORM}.weight", (Out("model.norm.weight"),)),
+        _m(f"{megatron_names.LINEAR_QKV}.weight", Out(sa + "q_proj.weight", "q"), Out(sa + "k_proj.weight", "k"),
+           Out(sa + "v_proj.weight", "v")),
+        _m(f"{megatron_names.LINEAR_QKV}.bias", Out(sa + "q_proj.bias", "q"), Out(sa + "k_proj.bias", "k"),
+           Out(sa + "v_proj.bias", "v")),
+        _m(f"{megatron_names.LINEAR_PROJ}.weight", Out(sa + "o_proj.weight")),
+        _m(f"{megatron_names.INPUT_NORM}weight", Out(_HF_L + "input_layernorm.weight")),
+        _m(f"{megatron_names.PRE_MLP_NORM}weight", Out(_HF_L + "post_attention_layernorm.weight")),
+        _m(f"{megatron_names.LOCAL_PRE_MLP_NORM}weight", Out(_HF_L + "post_attention_layernorm.weight")),
+        _m(f"{megatron_names.LINEAR_FC1}.weight", Out(_HF_L + "mlp.gate_proj.weight", "gate"),
+           Out(_HF_L + "mlp.up_proj.weight", "up")),
+        _m(f"{megatron_names.LINEAR_FC2}.weight", Out(_HF_L + "mlp.down_proj.weight")),
+    ]
+    if qk_norm:
+        rules += [_m(f"{megatron_names.Q_LAYERNORM}.weight", Out(sa + "q_norm.weight")),
+                  _m(f"{megatron_names.K_LAYERNORM}.weight", Out(sa + "k_norm.weight"))]
+    return rules
+
+
+def _megatron_routed(moe: str) -> list[Rule]:
+    """The router and routed experts, named as the HF family names them (Mixtral: ``block_sparse_moe``,
+    ``w1``/``w3``/``w2``; the others: ``mlp``, ``gate_proj``/``up_proj``/``down_proj``)."""
+    mixtral = moe.startswith("block_sparse_moe")
+    gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    router = "block_sparse_moe.gate.weight" if mixtral else "mlp.gate.weight"
+    e = _HF_L + moe
+    return [
+        _m(f"{megatron_names.ROUTER}.weight", Out(_HF_L + router)),
+        _m(f"{megatron_names.EXPERT_FC1}.weight", Out(e + gate + ".weight", "gate"), Out(e + up + ".weight", "up"),
+           experts=True),
+        _m(f"{megatron_names.EXPERT_FC2}.weight", Out(e + down + ".weight"), experts=True),
+    ]
+
+
+def _megatron_shared() -> list[Rule]:
+    """Qwen2-MoE's ``shared_expert`` and its sigmoid gate."""
+    s = _HF_L + "mlp.shared_expert."
+    return [
+        _m(f"{megatron_names.SHARED_FC1}.weight", Out(s + "gate_proj.weight", "gate"), Out(s + "up_proj.weight", "up")),
+        _m(f"{megatron_names.SHARED_FC2}.weight", Out(s + "down_proj.weight")),
+        _m(megatron_names.SHARED_GATE, Out(_HF_L + "mlp.shared_expert_gate.weight")),
+    ]
 
 
 def _megatron(model_type: str, *, qk_norm: bool, moe: str | None, shared: bool = False,
@@ -185,46 +239,15 @@ def _megatron(model_type: str, *, qk_norm: bool, moe: str | None, shared: bool =
     specs both store the layer norms under TE names (``linear_qkv.layer_norm_weight``,
     ``linear_fc1.layer_norm_weight``); an MoE layer's pre-MLP norm is ``pre_mlp_layernorm``.
     """
-    sa = _HF_L + "self_attn."
-    rules: list[Rule] = [
-        Rule("embedding.word_embeddings.weight", (Out("model.embed_tokens.weight"),), vocab="trim"),
-        Rule("output_layer.weight", (Out("lm_head.weight"),), vocab="trim", tied=True),
-        Rule("decoder.final_layernorm.weight", (Out("model.norm.weight"),)),
-        _m("self_attention.linear_qkv.weight", Out(sa + "q_proj.weight", "q"), Out(sa + "k_proj.weight", "k"),
-           Out(sa + "v_proj.weight", "v")),
-        _m("self_attention.linear_qkv.bias", Out(sa + "q_proj.bias", "q"), Out(sa + "k_proj.bias", "k"),
-           Out(sa + "v_proj.bias", "v")),
-        _m("self_attention.linear_proj.weight", Out(sa + "o_proj.weight")),
-        _m("self_attention.linear_qkv.layer_norm_weight", Out(_HF_L + "input_layernorm.weight")),
-        _m("mlp.linear_fc1.layer_norm_weight", Out(_HF_L + "post_attention_layernorm.weight")),
-        _m("pre_mlp_layernorm.weight", Out(_HF_L + "post_attention_layernorm.weight")),
-        _m("mlp.linear_fc1.weight", Out(_HF_L + "mlp.gate_proj.weight", "gate"), Out(_HF_L + "mlp.up_proj.weight", "up")),
-        _m("mlp.linear_fc2.weight", Out(_HF_L + "mlp.down_proj.weight")),
-    ]
-    if qk_norm:
-        rules += [_m("self_attention.q_layernorm.weight", Out(sa + "q_norm.weight")),
-                  _m("self_attention.k_layernorm.weight", Out(sa + "k_norm.weight"))]
+    rules = _megatron_base(qk_norm)
     # the live Megatron adapter keeps a saving layout's vocabulary padding rows in side tensors: not weights
-    drop: tuple[str, ...] = ("embedding.word_embeddings.weight.vocab_padding", "output_layer.weight.vocab_padding")
+    drop: tuple[str, ...] = tuple(key + megatron_names.VOCAB_PADDING_SUFFIX for key in megatron_names.VOCAB_TENSORS)
     if moe is not None:
-        mixtral = moe.startswith("block_sparse_moe")
-        gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
-        router = "block_sparse_moe.gate.weight" if mixtral else "mlp.gate.weight"
-        e = _HF_L + moe
-        rules += [
-            _m("mlp.router.weight", Out(_HF_L + router)),
-            _m("mlp.experts.experts.linear_fc1.weight", Out(e + gate + ".weight", "gate"), Out(e + up + ".weight", "up"),
-               experts=True),
-            _m("mlp.experts.experts.linear_fc2.weight", Out(e + down + ".weight"), experts=True),
-        ]
-        drop += (_M + "mlp.router.expert_bias",)  # these HF families have no aux-loss-free balancing bias
+        rules += _megatron_routed(moe)
+        # these HF families have no aux-loss-free balancing bias
+        drop += (f"{megatron_names.LAYER_PREFIX}{megatron_names.ROUTER}.expert_bias",)
     if shared:
-        s = _HF_L + "mlp.shared_expert."
-        rules += [
-            _m("mlp.shared_experts.linear_fc1.weight", Out(s + "gate_proj.weight", "gate"), Out(s + "up_proj.weight", "up")),
-            _m("mlp.shared_experts.linear_fc2.weight", Out(s + "down_proj.weight")),
-            _m("mlp.shared_experts.gate_weight", Out(_HF_L + "mlp.shared_expert_gate.weight")),
-        ]
+        rules += _megatron_shared()
     return Family("megatron_" + model_type, model_type, MEGATRON, tuple(rules), drop=drop, experts_field=experts_field)
 
 
@@ -236,10 +259,73 @@ MEGATRON_QWEN2_MOE = _megatron("qwen2_moe", qk_norm=False, moe="mlp.experts.{e}.
 MEGATRON_MIXTRAL = _megatron("mixtral", qk_norm=False, moe="block_sparse_moe.experts.{e}.",
                              experts_field="num_local_experts")
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (
-    LLAMA3, QWEN3, QWEN3_MOE, MIXTRAL, DEEPSEEK_V3,
+_TABLES: dict[str, Family] = {f.name: f for f in (
+    LLAMA, QWEN3, QWEN3_MOE, MIXTRAL, DEEPSEEK_V3,
     MEGATRON_LLAMA, MEGATRON_QWEN3, MEGATRON_QWEN3_MOE, MEGATRON_QWEN2_MOE, MEGATRON_MIXTRAL)}
-"""Every key table by name (``llama3`` is torchtitan's llama, ``megatron_<model_type>`` Megatron's)."""
+
+RENAMED_FAMILIES: dict[str, str] = {"llama3": "llama"}
+"""Table names retired in this release -> the name now. Tables are named by the HF ``model_type``
+they serve (torchtitan's) or ``megatron_<model_type>``; ``llama3`` was torchtitan's model name, not
+HF's, so ``--hf-family llama3`` beside ``model_type: llama`` read as two different models. The old
+name still finds its table for one release, with a DeprecationWarning naming the new one."""
+
+
+def _current_name(name: str, stacklevel: int) -> str:
+    """``name``, or the name a retired one has now (warning the caller that named it)."""
+    new = RENAMED_FAMILIES.get(name)
+    if new is None:
+        return name
+    warnings.warn(f"the key table {name!r} is now named {new!r} (the HF model_type it serves); {name!r} is "
+                  "removed in the next release", DeprecationWarning, stacklevel=stacklevel + 1)
+    return new
+
+
+class FamilyTables(Mapping[str, Family]):
+    """Every key table by its name, read-only. A retired name (:data:`RENAMED_FAMILIES`) is in it and
+    looks its table up (warning), but is not listed: iteration, ``len`` and error messages give the
+    names of today, while the CLI's and options' ``name in FAMILIES`` checks still accept the old one."""
+
+    def __init__(self, tables: Mapping[str, Family]) -> None:
+        self._tables = dict(tables)
+
+    def __getitem__(self, name: str) -> Family:
+        return self._tables[_current_name(name, stacklevel=2)]
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and (name in self._tables or name in RENAMED_FAMILIES)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tables)
+
+    def __len__(self) -> int:
+        return len(self._tables)
+
+    def __repr__(self) -> str:
+        return f"FamilyTables({list(self._tables)})"
+
+
+FAMILIES: Mapping[str, Family] = FamilyTables(_TABLES)
+"""Every key table by name: torchtitan's by the HF ``model_type`` (``llama``, ``qwen3``, ...), Megatron's
+``megatron_<model_type>``. Look one up with :func:`family_named`."""
+
+
+def family_named(name: str) -> Family:
+    """The key table called ``name`` (a retired name finds its table, with a DeprecationWarning naming
+    the new one); an unknown name is refused, listing the tables there are."""
+    current = _current_name(name, stacklevel=2)
+    if current not in _TABLES:
+        raise CkptkitError(f"unknown model family {name!r} (known: {', '.join(_TABLES)})")
+    return _TABLES[current]
+
+
+def __getattr__(name: str) -> Family:
+    """``LLAMA3``, the table's constant before it was named by its ``model_type``: one more release."""
+    if name == "LLAMA3":
+        warnings.warn("ckptkit_converters.hf.families.LLAMA3 is now LLAMA (the table is named by the HF "
+                      "model_type it serves); LLAMA3 is removed in the next release", DeprecationWarning,
+                      stacklevel=2)
+        return LLAMA
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def family_for(model_type: str | None, naming: str) -> Family:
@@ -260,5 +346,5 @@ def family_for(model_type: str | None, naming: str) -> Family:
 def naming_of(names: list[str]) -> str:
     """``megatron`` when the names are Megatron GPT's (``decoder.``, ``embedding.``, ``output_layer.``), else
     ``torchtitan``."""
-    megatron = sum(n.startswith(("decoder.", "embedding.", "output_layer.")) for n in names)
+    megatron = sum(n.startswith(megatron_names.TOP_LEVEL_PREFIXES) for n in names)
     return MEGATRON if megatron * 2 > len(names) else TORCHTITAN

@@ -29,9 +29,12 @@ No pickle, no mmap of our own: tensors are read with ranged reads through a byte
 from __future__ import annotations
 
 import json
+import math
+import operator
 import os
 import stat
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any
 
 import torch
@@ -49,6 +52,8 @@ from ckptkit.storage.local import LocalStore
 from ckptkit.storage.url import open_store
 
 INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"  # a model saved in one file, without an index
+CONFIG_NAME = "config.json"
 MAX_HEADER = 100_000_000  # safetensors' MAX_HEADER_SIZE: a longer header is refused by the package too
 MAX_INDEX_BYTES = 64 << 20  # a 100k-tensor index is a few MiB
 _USIZE = 2**64 - 1  # the package reads shapes and offsets as 64-bit usize
@@ -162,12 +167,11 @@ def _usize(v: Any) -> bool:
 def _nbytes(name: str, code: str, shape: tuple[int, ...], where: str) -> int:
     """prod(shape) * itemsize, refused where the package's 64-bit fold overflows (even if a later 0 would
     make it empty)."""
-    n = 1
-    for s in shape:
-        n *= s
-        if n > _USIZE:
-            raise CorruptCheckpointError(f"{where}: tensor {shown(name)}: the element count of shape "
-                                         f"{shown(list(shape))} overflows 64 bits")
+    # every step of the package's fold, lazily: a hostile shape stops at its first overflow
+    if any(n > _USIZE for n in accumulate(shape, operator.mul)):
+        raise CorruptCheckpointError(f"{where}: tensor {shown(name)}: the element count of shape "
+                                     f"{shown(list(shape))} overflows 64 bits")
+    n = math.prod(shape)
     if n * ITEMSIZE[code] * 8 > _USIZE:  # the package counts bits
         raise CorruptCheckpointError(f"{where}: tensor {shown(name)}: its size in bits overflows 64 bits")
     return n * ITEMSIZE[code]
@@ -361,6 +365,19 @@ def open_source(source: str | os.PathLike[str], storage_options: dict[str, Any] 
     return store
 
 
+def is_hf_folder(url: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> bool:
+    """True if ``url`` is a Hugging Face model folder: ``config.json`` beside ``model.safetensors`` or
+    ``model.safetensors.index.json`` (local, ``s3://``, or a hub cache snapshot).
+
+    What a format's detection asks of every checkpoint it is shown, so it only asks whether those
+    names exist (a request or two, ``config.json`` first: most folders stop there), through the
+    store the import reads with; nothing is parsed. A store's refusal (a link out of the folder)
+    is raised, as the import would raise it, rather than read as "not HF".
+    """
+    store = open_source(url, storage_options)
+    return store.exists(CONFIG_NAME) and (store.exists(INDEX_NAME) or store.exists(SINGLE_NAME))
+
+
 def read_local_json(path: str | os.PathLike[str], limit: int = 16 << 20) -> dict:
     """A JSON object from a local file the user named (``--hf-config``), parsed strictly.
 
@@ -404,10 +421,10 @@ def open_folder(store: ByteStore) -> tuple[dict[str, SafetensorsFile], dict[str,
         if store.exists(INDEX_NAME):
             weight_map = _index(store)
             names = sorted(set(weight_map.values()))
-        elif store.exists("model.safetensors"):
-            names = ["model.safetensors"]
+        elif store.exists(SINGLE_NAME):
+            names = [SINGLE_NAME]
         else:
-            raise CkptkitError(f"{store.url}: neither {INDEX_NAME} nor model.safetensors")
+            raise CkptkitError(f"{store.url}: neither {INDEX_NAME} nor {SINGLE_NAME}")
         files = {f: SafetensorsFile(store, f) for f in names}
     except UnsafePathError as exc:
         if isinstance(store, SnapshotStore):

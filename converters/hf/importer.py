@@ -27,12 +27,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from ckptkit_converters.common.renamed import divisible_by_renamed
 from ckptkit_converters.hf.families import (
-    FAMILIES,
     TORCHTITAN,
     Family,
     Rule,
     family_for,
+    family_named,
 )
 from ckptkit_converters.hf.expect import HF_ONLY, check_folder
 from ckptkit_converters.hf.files import (
@@ -44,20 +46,24 @@ from ckptkit_converters.hf.files import (
     open_source,
 )
 from ckptkit_converters.hf.mapping import AttentionHeads, HFConfig, invert, match_hf
+from ckptkit_converters.hf.options import MODEL_PREFIX, HFImportOptions
 
 from ckptkit.engine.offline_writer import (
     ConvertResult,
+    OfflineCheckpoint,
     OfflineWriteOptions,
+    StoredTensor,
     write_offline,
 )
-from ckptkit.errors import CkptkitError, MissingKeysError
+from ckptkit.errors import CkptkitError, MissingKeysError, OptionsError
 from ckptkit.layout.box import Box, Region
 from ckptkit.layout.manifest import ExplicitLayout, TensorMeta
 from ckptkit.layout.rules import PartitionRule
 from ckptkit.options import Progress
 from ckptkit.storage.url import open_store
 
-__all__ = ["HF_ONLY", "INDEX_NAME", "SafetensorsFile", "import_hf", "open_files", "plan_import", "read_hf"]
+__all__ = ["HF_ONLY", "INDEX_NAME", "HFImportOptions", "SafetensorsFile", "import_hf", "open_files", "plan_import",
+           "read_hf"]
 
 
 # ---------------------------------------------------------------- grouping
@@ -166,9 +172,7 @@ def _read_slice(target: Target, piece: Piece, files: Mapping[str, SafetensorsFil
 
 def _family(cfg: HFConfig, family: str | None, naming: str) -> Family:
     if family is not None:
-        if family not in FAMILIES:
-            raise CkptkitError(f"unknown model family {family!r} (known: {', '.join(FAMILIES)})")
-        return FAMILIES[family]
+        return family_named(family)
     return family_for(cfg.model_type, naming)
 
 
@@ -206,12 +210,6 @@ def read_hf(
     return out
 
 
-@dataclass(frozen=True)
-class _Spec:
-    dtype: str
-    shape: tuple[int, ...]
-
-
 class _Pieces:
     """The piece source of :func:`write_offline`: one HF slice (e.g. one expert) assembled per piece."""
 
@@ -230,16 +228,16 @@ class _Pieces:
         return x.reshape((1,) * len(piece.index) + tuple(x.shape)).contiguous()
 
 
-def _rule(t: Target, tensors: Mapping[str, _Spec], prefix: str, divisible_by: int) -> PartitionRule | None:
+def _rule(t: Target, tensors: Mapping[str, StoredTensor], prefix: str, make_vocab_size_divisible_by: int) -> PartitionRule | None:
     if t.rule.layer_axis or t.key.startswith(("embedding.", "output_layer.", "decoder.")):
         from ckptkit_converters.megatron import names as names
 
         shapes = {k[len(prefix):]: s.shape for k, s in tensors.items() if k.startswith(prefix)}
-        return names.rule_for(t.key, divisible_by=divisible_by, ffn=names.gated_ffn(t.key, shapes))
+        return names.rule_for(t.key, divisible_by=make_vocab_size_divisible_by, ffn=names.gated_ffn(t.key, shapes))
     return PartitionRule(expert_axis=0) if t.rule.expert_axis else None
 
 
-def _layouts(tensors: Mapping[str, _Spec], items: list[tuple[str, Region]],
+def _layouts(tensors: Mapping[str, StoredTensor], items: list[tuple[str, Region]],
              rules: Mapping[str, PartitionRule | None]) -> dict[str, TensorMeta]:
     """Manifest entries carrying the rules: the pieces sorted exactly as the merge sorts them."""
     by_key: dict[str, list[tuple[Region, int]]] = {k: [] for k in tensors}
@@ -249,6 +247,7 @@ def _layouts(tensors: Mapping[str, _Spec], items: list[tuple[str, Region]],
                           rule=rules[k]) for k, s in sorted(tensors.items())}
 
 
+@divisible_by_renamed
 def import_hf(
     source: str | os.PathLike[str],
     dest: str | os.PathLike[str],
@@ -256,27 +255,41 @@ def import_hf(
     *,
     family: str | None = None,
     naming: str = TORCHTITAN,
-    prefix: str = "model/",
+    prefix: str | None = None,
     permute_rotary: bool = True,
-    divisible_by: int = 128,
+    make_vocab_size_divisible_by: int = 128,
+    options: HFImportOptions | None = None,
     storage_options: dict[str, Any] | None = None,
     progress: Progress | None = None,
 ) -> ConvertResult:
     """Write the HF folder ``source`` as a committed ckptkit checkpoint at ``dest`` (tensors under ``prefix``).
 
+    ``prefix``: where the model goes in the checkpoint's state; None: ``"model/"``, where ckptkit's
+    adapters keep the model (the export's ``prefix`` None detects it instead); ``""``: the top level.
+    ``options`` (:class:`~ckptkit_converters.hf.options.HFImportOptions`) carries all of these at once,
+    and a config path (or none: the folder's own ``config.json``), used where ``config`` is not given;
+    it replaces the keywords, which are then left out.
+
     Each routed expert (and, for Megatron names, each layer) is one stored piece, read and written on
     its own: memory is one slice, not the model. ``ckptkit.load`` then reads it at any layout.
     The tensors carry partition rules (docs/moe.md): routed experts ``expert_axis`` (0 for torchtitan's
     ``[E, ...]``; Megatron's ``[layers, E, ...]``: ``layer_axis=0, expert_axis=1``), and for Megatron
-    names the rules of :func:`ckptkit_converters.megatron.names.rule_for` (``divisible_by``: the
+    names the rules of :func:`ckptkit_converters.megatron.names.rule_for` (``make_vocab_size_divisible_by``: the
     vocabulary padding multiple a later Megatron export pads to; Megatron's default 128).
     """
     t0 = time.perf_counter()
+    if options is not None:
+        _keywords_left_out(family, naming, prefix, permute_rotary, make_vocab_size_divisible_by)
+        if config is None:
+            config = options.hf_config(source, storage_options)
+        family, naming, prefix = options.family, options.naming, options.prefix
+        permute_rotary, make_vocab_size_divisible_by = options.permute_rotary, options.make_vocab_size_divisible_by
+    prefix = MODEL_PREFIX if prefix is None else prefix
     cfg = HFConfig.of(config)
     src = open_source(source, storage_options)
     files, weight_map = open_folder(src)
     targets = plan_import(files, _family(cfg, family, naming), cfg, src.url, weight_map)
-    tensors = {prefix + t.key: _Spec(str(t.dtype).removeprefix("torch."), t.shape) for t in targets}
+    tensors = {prefix + t.key: StoredTensor(str(t.dtype).removeprefix("torch."), t.shape) for t in targets}
     order: list[tuple[Target, Piece]] = []
     items: list[tuple[str, Region]] = []
     for t in targets:
@@ -287,11 +300,23 @@ def import_hf(
             items.append((prefix + t.key, Region(box)))
     out = open_store(dest, storage_options)
     pieces = _Pieces(order, files, cfg, permute_rotary, src.url)
-    rules = {prefix + t.key: _rule(t, tensors, prefix, divisible_by) for t in targets}
-    result = write_offline(out, world_size=1, tensors=tensors, pieces={0: items}, source=lambda rank, _: pieces,
-                           layouts=_layouts(tensors, items, rules),
-                           meta={"converted_from": {"url": src.url, "format": "hf"}},
-                           options=OfflineWriteOptions(threads=1), progress=progress,
-                           what=f"importing {src.url} into {out.url}")
+    rules = {prefix + t.key: _rule(t, tensors, prefix, make_vocab_size_divisible_by) for t in targets}
+    checkpoint = OfflineCheckpoint(world_size=1, tensors=tensors, pieces={0: items},
+                                   layouts=_layouts(tensors, items, rules),
+                                   meta={"converted_from": {"url": src.url, "format": "hf"}})
+    result = write_offline(out, checkpoint, lambda rank, _: pieces, options=OfflineWriteOptions(threads=1),
+                           progress=progress, what=f"importing {src.url} into {out.url}")
     return ConvertResult(src.url, out.url, "ckptkit", len(tensors), result.nbytes, result.bytes_read,
                          time.perf_counter() - t0)
+
+
+def _keywords_left_out(family: str | None, naming: str, prefix: str | None, permute_rotary: bool,
+                       make_vocab_size_divisible_by: int) -> None:
+    """With ``options``, :func:`import_hf`'s own keywords keep their defaults: two answers to one question
+    (which table, which prefix) would leave it unclear which one counts."""
+    given = [name for name, value, default in (("family", family, None), ("naming", naming, TORCHTITAN),
+                                               ("prefix", prefix, None), ("permute_rotary", permute_rotary, True),
+                                               ("make_vocab_size_divisible_by", make_vocab_size_divisible_by, 128)) if value != default]
+    if given:
+        raise OptionsError(f"import_hf was given HFImportOptions and {', '.join(given)} as keywords: "
+                           f"put {'them' if len(given) > 1 else 'it'} in the options")

@@ -213,7 +213,7 @@ def is_dropped(family: Family, name: str) -> bool:
         for m in [_PER_LAYER_M.match(name)] if m is not None)
 
 
-def to_hf_name(name: str, family: str = "llama3") -> tuple[str, str | None] | None:
+def to_hf_name(name: str, family: str = "llama") -> tuple[str, str | None] | None:
     """(HF name, rope heads) of a per-layer checkpoint tensor name with one output, or None (kept for
     callers of the first version; the export itself works on :class:`Unit`)."""
     m = match_name(FAMILIES[family], name)
@@ -223,7 +223,7 @@ def to_hf_name(name: str, family: str = "llama3") -> tuple[str, str | None] | No
     return out.hf.format(l=m.layer), out.rope
 
 
-def from_hf_name(name: str, family: str = "llama3") -> tuple[str, str | None] | None:
+def from_hf_name(name: str, family: str = "llama") -> tuple[str, str | None] | None:
     """The inverse of :func:`to_hf_name` (the first rule wins where two map to one HF name)."""
     for rule, out, layer, expert in match_hf(FAMILIES[family], name):
         if len(rule.outs) == 1 and not rule.expert_axis and not rule.layer_axis:

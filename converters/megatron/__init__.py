@@ -2,24 +2,17 @@
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from ckptkit_converters.common.lazy import lazy_exports
 
-# What the flat module ``ckptkit_converters.megatron`` offered, re-exported lazily: importing this
-# package (the registry does, to list formats) imports no torch.
-_WHERE = {
+# The package's public names, each from the module that does the job; loaded on first use, so
+# importing the package (the registry does, to list formats) imports no torch.
+__getattr__ = lazy_exports(__name__, {
     "import_torch_dist": "importer",
-    "import_legacy": "importer",
-    "resolve_vocab": "importer",
+    "import_legacy": "legacy",
+    "resolve_vocab": "import_shared",
     "read_torch_dist": "importer",
     "export_torch_dist": "exporter",
-}
-
-
-def __getattr__(name: str) -> Any:
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
+    "MegatronImportOptions": "options",
+    "MegatronExportOptions": "options",
+    "FORMAT": "format",
+})

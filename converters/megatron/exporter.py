@@ -4,17 +4,21 @@
 at that layout (vocab re-padded for the target tp, padding rows from the
 checkpoint's ``<key>.vocab_padding`` where it has them). The DCP part is
 written by DCP's own ``FileSystemWriter`` and planner functions, one virtual
-rank at a time, streaming boxes from the ckptkit checkpoint. Split from
-:mod:`converters.megatron` (the importers) to keep modules small.
+rank at a time, streaming boxes from the ckptkit checkpoint. The steps: read
+``megatron/meta``, check the target layout, plan every target rank's chunks
+(:func:`_target_chunks`) and ``_extra_state`` items, write the directory.
 """
 
 from __future__ import annotations
 
+import functools
 import io
 import json
+import math
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -25,13 +29,20 @@ from ckptkit.layout.config import ParallelConfig
 from ckptkit.offline.view import open as open_view
 from ckptkit.options import Progress, progress_counter
 from ckptkit_converters.megatron import files as fmt
-from ckptkit_converters.megatron import names as names
+from ckptkit_converters.megatron import names
 from ckptkit_converters.megatron.files import META_KEY, MODEL, MegatronConvertResult
+from ckptkit_converters.common.renamed import divisible_by_renamed
 
-_LINEAR_MODULES = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2",
-                   "mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2")
-_EXPERT_MODULES = ("mlp.experts.experts.linear_fc1", "mlp.experts.experts.linear_fc2")
-_NONE_LIST = b""  # torch.save([None]) bytes, filled on first use
+Chunk = tuple[int, tuple[int, ...], tuple[int, ...]]
+"""One target chunk: (writer rank, offsets, sizes) in the padded global tensor."""
+
+
+@functools.cache
+def _none_list() -> bytes:
+    """``torch.save([None])``: what Megatron saves as a linear module's ``_extra_state`` without FP8 state."""
+    buf = io.BytesIO()
+    torch.save([None], buf)
+    return buf.getvalue()
 
 
 def _extra_state_items(keys: Sequence[str], shapes: Mapping[str, tuple[int, ...]], num_layers: int,
@@ -51,11 +62,11 @@ def _extra_state_items(keys: Sequence[str], shapes: Mapping[str, tuple[int, ...]
     def writer(layer: int) -> int:
         return mesh.rank_at((layer * config.pp // num_layers, 0, 0, 0))
 
-    for module in _LINEAR_MODULES:
+    for module in names.LINEAR_MODULES:
         if f"{names.LAYER_PREFIX}{module}.weight" in keys:
             for layer in range(num_layers):
                 out.append((writer(layer), f"{names.LAYER_PREFIX}{module}._extra_state/shard_{layer}_{num_layers}"))
-    for module in _EXPERT_MODULES:
+    for module in names.EXPERT_LINEAR_MODULES:
         key = f"{names.LAYER_PREFIX}{module}.weight"
         if key in keys:
             experts = shapes[key][1]
@@ -77,7 +88,7 @@ class _ViewPlanner:
 
     def resolve_data(self, item: Any) -> Any:
         if item.tensor_data is None:  # an _extra_state item
-            return io.BytesIO(_NONE_LIST)
+            return io.BytesIO(_none_list())
         key = self._keys[item.index.fqn]
         chunk = item.tensor_data.chunk
         offs, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
@@ -98,7 +109,7 @@ class _ViewPlanner:
                       shape: tuple[int, ...]) -> None:
         """Padding rows as the live adapter re-creates them: the saving job's padding rows where the
         checkpoint kept them (``<key>.vocab_padding``), zero past them."""
-        pad_key = key + ".vocab_padding"
+        pad_key = key + names.VOCAB_PADDING_SUFFIX
         tensors = self._view.manifest.tensors
         have = tensors[pad_key].shape[0] if pad_key in tensors else 0
         rows = max(rows, 0)
@@ -110,7 +121,7 @@ class _ViewPlanner:
 
 
 def _expert_chunks(key: str, shape: tuple[int, ...], rule: Any, config: ParallelConfig,
-                   num_layers: int) -> list[tuple[int, tuple[int, ...], tuple[int, ...]]]:
+                   num_layers: int) -> list[Chunk]:
     """A routed expert's tensor at the target: the pieces its rule gives each writing rank of the
     expert mesh (experts over EP, rows over ETP, layers over PP)."""
     layout = rule.evaluate(shape, config, num_layers)
@@ -126,8 +137,8 @@ def _expert_chunks(key: str, shape: tuple[int, ...], rule: Any, config: Parallel
     return out
 
 
-def _target_chunks(key: str, shape: tuple[int, ...], rule: Any, config: ParallelConfig, d: int,
-                   num_layers: int) -> tuple[tuple[int, ...], list[tuple[int, tuple[int, ...], tuple[int, ...]]]]:
+def _target_chunks(key: str, shape: tuple[int, ...], rule: Any, config: ParallelConfig,
+                   make_vocab_size_divisible_by: int, num_layers: int) -> tuple[tuple[int, ...], list[Chunk]]:
     """The padded global shape of ``key`` at the target and its chunks ``(writer rank, offsets, sizes)``:
     each rank's part as Megatron places it (TP split per fused part, layers split evenly over stages,
     routed experts split over EP and ETP)."""
@@ -137,7 +148,7 @@ def _target_chunks(key: str, shape: tuple[int, ...], rule: Any, config: Parallel
     mesh = config.mesh()
     padded = list(shape)
     if rule.vocab_multiple is not None:
-        padded[rule.tp_axis] = names.padded_vocab(shape[rule.tp_axis], d, tp)
+        padded[rule.tp_axis] = names.padded_vocab(shape[rule.tp_axis], make_vocab_size_divisible_by, tp)
     if rule.layer_axis is not None:
         stages = [(p, p * num_layers // pp, num_layers // pp) for p in range(pp)]
     else:
@@ -164,94 +175,101 @@ def _target_chunks(key: str, shape: tuple[int, ...], rule: Any, config: Parallel
     return tuple(padded), out
 
 
-def export_torch_dist(source: str | os.PathLike[str], dest: str | os.PathLike[str], *, tp: int, pp: int,
-                      ep: int = 1, etp: int | None = None, divisible_by: int | None = None,
-                      progress: Progress | None = None) -> MegatronConvertResult:
-    """Write the ckptkit Megatron checkpoint ``source`` as a torch_dist directory for ``tp``/``pp``
-    (and, for an MoE model, ``ep`` / ``etp``: routed experts are written as the expert ranks hold them).
+@dataclass
+class _ExportPlan:
+    """What each target rank writes (DCP ``WriteItem`` lists), which ckptkit tensor each Megatron key
+    reads from, the tensor bytes written in all (padded vocabulary rows included: the progress total,
+    so that it matches what :class:`_ViewPlanner` ticks), and the checkpoint's entries left out (not
+    model weights)."""
 
-    ``megatron.core.dist_checkpointing.load(model.sharded_state_dict(), dest)``
-    accepts it for a model built at that layout (any layout, in fact: DCP reads
-    by overlap; ``tp`` fixes the padded vocab). Model weights only; ``common.pt``
-    holds ``iteration`` and ``checkpoint_version`` (no ``args``: Megatron-LM then
-    keeps its command-line arguments). Memory: about one target rank's weights
-    (DCP's writer holds a file's tensors until it is written). Even layer split
-    over ``pp`` only (no virtual pipeline, no uneven first/last stage).
-    """
-    from torch.distributed.checkpoint import FileSystemWriter
-    from torch.distributed.checkpoint.default_planner import (
-        create_default_global_save_plan,
-    )
-    from torch.distributed.checkpoint.metadata import (
-        ChunkStorageMetadata,
-        MetadataIndex,
-        TensorProperties,
-    )
-    from torch.distributed.checkpoint.planner import (
-        SavePlan,
-        TensorWriteData,
-        WriteItem,
-        WriteItemType,
-    )
+    items: list[list[Any]]
+    keys: dict[str, str] = field(default_factory=dict)
+    nbytes: int = 0
+    skipped: list[str] = field(default_factory=list)
 
-    t0 = time.perf_counter()
-    view = open_view(source)
+
+def _read_meta(view: Any) -> dict[str, Any]:
+    """The ``megatron/meta`` the import or the live adapter wrote: without it the layers, vocabulary and
+    padding multiple are unknown, so the source is not a ckptkit Megatron checkpoint."""
     if META_KEY not in view.values:
         raise ManifestError(f"{view.url}: no {META_KEY!r} value: not a ckptkit Megatron checkpoint")
-    meta = json.loads(view.values[META_KEY])
-    d = divisible_by or meta["make_vocab_size_divisible_by"]
-    num_layers = int(meta["num_layers"])
+    return json.loads(view.values[META_KEY])
+
+
+def _target_layout(num_layers: int, tp: int, pp: int, ep: int, etp: int | None) -> ParallelConfig:
+    """The target layout, refused unless its stages hold equal layer counts (what this export writes)."""
     if tp < 1 or pp < 1 or num_layers % pp:
         raise LayoutError(f"cannot export {num_layers} layers at tp={tp} pp={pp} (layers must split evenly over pp)")
-    config = ParallelConfig.parse(f"tp{tp}pp{pp}ep{ep}" + (f"etp{etp}" if etp is not None else ""))
+    return ParallelConfig.parse(f"tp{tp}pp{pp}ep{ep}" + (f"etp{etp}" if etp is not None else ""))
+
+
+def _empty_destination(dest: str | os.PathLike[str]) -> str:
+    """``dest``, refused when it holds anything: an export writes a whole new directory, and a failed
+    one removes it."""
     out = os.fspath(dest)
     if os.path.exists(out) and os.listdir(out):
         raise SaveError(f"{out} is not empty; an export writes a new torch_dist directory")
-    plans: list[list[Any]] = [[] for _ in range(config.world_size)]
-    keys: dict[str, str] = {}
-    total = 0
-    skipped = []
+    return out
+
+
+def _plan_tensors(view: Any, config: ParallelConfig, make_vocab_size_divisible_by: int,
+                  num_layers: int) -> _ExportPlan:
+    """A DCP shard ``WriteItem`` per target chunk of every model tensor, on the rank that writes it."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+    from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+    plan = _ExportPlan([[] for _ in range(config.world_size)])
     for key, tmeta in sorted(view.manifest.tensors.items()):
         if not key.startswith(MODEL):
-            skipped.append(key)
+            plan.skipped.append(key)
             continue
-        if key.endswith(".vocab_padding"):  # the saving job's padding rows: written inside the vocab tensor
+        if key.endswith(names.VOCAB_PADDING_SUFFIX):  # the saving job's padding rows: written inside the vocab tensor
             continue
         mkey = key[len(MODEL):]
-        rule = tmeta.rule or names.rule_for(mkey, divisible_by=d)
+        rule = tmeta.rule or names.rule_for(mkey, divisible_by=make_vocab_size_divisible_by)
         if rule.layer is not None:
             raise LayoutError(f"{view.url}: {mkey!r} is a per-layer tensor (an MoE layer pattern); the torch_dist "
                               "export writes stacked layers only")
-        padded, chunks = _target_chunks(mkey, tmeta.shape, rule, config, d, num_layers)
-        keys[mkey] = key
-        props = TensorProperties(dtype=view[key].dtype)
+        padded, chunks = _target_chunks(mkey, tmeta.shape, rule, config, make_vocab_size_divisible_by, num_layers)
+        plan.keys[mkey] = key
+        dtype = view[key].dtype
+        props = TensorProperties(dtype=dtype)
         for rank, offs, sizes in chunks:
-            plans[rank].append(WriteItem(index=MetadataIndex(mkey, offs), type=WriteItemType.SHARD,
-                                         tensor_data=TensorWriteData(ChunkStorageMetadata(torch.Size(offs),
-                                                                                          torch.Size(sizes)),
-                                                                     props, torch.Size(padded))))
-        total += tmeta.numel * view[key].dtype.itemsize
-    global _NONE_LIST
-    if not _NONE_LIST:
-        buf = io.BytesIO()
-        torch.save([None], buf)
-        _NONE_LIST = buf.getvalue()
-    shapes = {k: view.manifest.tensors[v].shape for k, v in keys.items()}
-    for rank, item_key in _extra_state_items(list(keys), shapes, num_layers, config):
-        plans[rank].append(WriteItem(index=MetadataIndex(item_key), type=WriteItemType.BYTE_IO))
-    tick = progress_counter(progress, total)
+            chunk = ChunkStorageMetadata(torch.Size(offs), torch.Size(sizes))
+            plan.items[rank].append(WriteItem(index=MetadataIndex(mkey, offs), type=WriteItemType.SHARD,
+                                              tensor_data=TensorWriteData(chunk, props, torch.Size(padded))))
+            plan.nbytes += math.prod(sizes) * dtype.itemsize  # what the planner ticks: padding rows included
+    return plan
+
+
+def _plan_extra_states(view: Any, plan: _ExportPlan, config: ParallelConfig, num_layers: int) -> None:
+    """A bytes ``WriteItem`` per ``_extra_state`` Megatron's load asks for (see :func:`_extra_state_items`)."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+
+    shapes = {k: view.manifest.tensors[v].shape for k, v in plan.keys.items()}
+    for rank, item_key in _extra_state_items(list(plan.keys), shapes, num_layers, config):
+        plan.items[rank].append(WriteItem(index=MetadataIndex(item_key), type=WriteItemType.BYTE_IO))
+
+
+def _write_directory(view: Any, out: str, plan: _ExportPlan, iteration: int, tick: Callable[[int], None]) -> None:
+    """Write the plan with DCP's own ``FileSystemWriter`` (one virtual rank at a time), then ``common.pt``
+    and ``metadata.json``, and ``.metadata`` last (DCP's commit). On any failure the directory is removed;
+    a failure that is not ckptkit's own becomes a :class:`SaveError` naming the export."""
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
+    from torch.distributed.checkpoint.planner import SavePlan
 
     try:
         os.makedirs(out, exist_ok=True)
         writer = FileSystemWriter(out, single_file_per_rank=True, thread_count=1, overwrite=False)
         writer.set_up_storage_writer(True)
-        local = [writer.prepare_local_plan(SavePlan(items)) for items in plans]
+        local = [writer.prepare_local_plan(SavePlan(items)) for items in plan.items]
         global_plans, metadata = create_default_global_save_plan(local)
         global_plans = writer.prepare_global_plan(global_plans)
-        planner = _ViewPlanner(view, keys, tick)
-        results = [writer.write_data(plan, planner).wait() for plan in global_plans]  # type: ignore[arg-type]
-        torch.save({"iteration": int(meta.get("iteration", 0)), "checkpoint_version": 3.0},
-                   os.path.join(out, fmt.COMMON_NAME))
+        planner = _ViewPlanner(view, plan.keys, tick)
+        results = [writer.write_data(p, planner).wait() for p in global_plans]  # type: ignore[arg-type]
+        torch.save({"iteration": iteration, "checkpoint_version": 3.0}, os.path.join(out, fmt.COMMON_NAME))
         with open(os.path.join(out, fmt.CONFIG_NAME), "w", encoding="utf-8") as f:
             json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
                        "common_backend_version": 1}, f)
@@ -263,7 +281,36 @@ def export_torch_dist(source: str | os.PathLike[str], dest: str | os.PathLike[st
         if isinstance(exc, CkptkitError) or not isinstance(exc, Exception):
             raise
         raise SaveError(f"exporting {view.url} to torch_dist at {out} failed: {exc}") from exc
+
+
+@divisible_by_renamed
+def export_torch_dist(source: str | os.PathLike[str], dest: str | os.PathLike[str], *, tp: int, pp: int,
+                      ep: int = 1, etp: int | None = None, make_vocab_size_divisible_by: int | None = None,
+                      progress: Progress | None = None) -> MegatronConvertResult:
+    """Write the ckptkit Megatron checkpoint ``source`` as a torch_dist directory for ``tp``/``pp``
+    (and, for an MoE model, ``ep`` / ``etp``: routed experts are written as the expert ranks hold them).
+
+    ``megatron.core.dist_checkpointing.load(model.sharded_state_dict(), dest)``
+    accepts it for a model built at that layout (any layout, in fact: DCP reads
+    by overlap; ``tp`` fixes the padded vocab). ``make_vocab_size_divisible_by``: the padding
+    multiple to re-pad the vocabulary to (None: the checkpoint's; ``divisible_by=``: the old
+    keyword, one more release, with a DeprecationWarning). Model weights only; ``common.pt``
+    holds ``iteration`` and ``checkpoint_version`` (no ``args``: Megatron-LM then
+    keeps its command-line arguments). Memory: about one target rank's weights
+    (DCP's writer holds a file's tensors until it is written). Even layer split
+    over ``pp`` only (no virtual pipeline, no uneven first/last stage).
+    """
+    t0 = time.perf_counter()
+    view = open_view(source)
+    meta = _read_meta(view)
+    divisible = make_vocab_size_divisible_by or meta["make_vocab_size_divisible_by"]
+    num_layers = int(meta["num_layers"])
+    config = _target_layout(num_layers, tp, pp, ep, etp)
+    out = _empty_destination(dest)
+    plan = _plan_tensors(view, config, divisible, num_layers)
+    _plan_extra_states(view, plan, config, num_layers)
+    _write_directory(view, out, plan, int(meta.get("iteration", 0)), progress_counter(progress, plan.nbytes))
     out_meta = {**meta, "layout": {"tp": tp, "pp": pp, "dp": None, "vpp": None, "ep": ep,
                                    "etp": config.expert_tp}}
-    return MegatronConvertResult(view.url, out, "megatron-torch_dist", len(keys), total, view.bytes_read,
-                                 time.perf_counter() - t0, out_meta, tuple(skipped))
+    return MegatronConvertResult(view.url, out, "megatron-torch_dist", len(plan.keys), plan.nbytes, view.bytes_read,
+                                 time.perf_counter() - t0, out_meta, tuple(plan.skipped))

@@ -21,15 +21,15 @@ Megatron-LM ``megatron/training/checkpointing.py``):
   chunk, ``optimizer``, ``opt_param_scheduler``, ``rng_state`` (Python, numpy,
   torch and CUDA RNG states), ``num_floating_point_operations_so_far``.
 
-Trust: every ``.pt`` is read by :func:`converters.safe_unpickle.load_pt` —
+Trust: every ``.pt`` is read by :func:`ckptkit_converters.common.safe_unpickle.load_pt` —
 ``torch.load`` with ckptkit's call-local allow-list unpickler: ``weights_only``'s default
-globals and exactly the inert stand-ins of :data:`FOREIGN_GLOBALS` (``args`` becomes a :class:`~converters.safe_unpickle.NamespaceRecord`
-holding its attributes; :class:`SavedArgs` reads the few it needs); ``.metadata`` with the
+globals and exactly the inert stand-ins of :data:`FOREIGN_GLOBALS` (``args`` becomes a
+:class:`~ckptkit_converters.common.safe_unpickle.NamespaceRecord` holding its attributes; :class:`SavedArgs` reads the few it needs); ``.metadata`` with the
 allow-list unpickler of the same module (DCP's classes plus
 :data:`MEGATRON_METADATA_EXTRA`). Anything else a file names is refused before
 it runs (docs/megatron.md, "Importing Megatron checkpoints"). The tracker names an
 iteration (ASCII digits) or ``release`` and nothing else; every file and folder read is
-checked to lie inside the source folder (:mod:`converters.source_paths`).
+checked to lie inside the source folder (:mod:`ckptkit_converters.common.source_paths`).
 """
 
 from __future__ import annotations
@@ -73,6 +73,7 @@ class MegatronConvertResult(ConvertResult):
 
 CONFIG_NAME = "metadata.json"
 COMMON_NAME = "common.pt"
+DCP_METADATA = ".metadata"  # DCP's own index: with *.distcp, the DCP part of a torch_dist folder
 LEGACY_FILE = "model_optim_rng.pt"
 TRACKER = "latest_checkpointed_iteration.txt"
 MAX_CONFIG_BYTES = 1 << 20  # metadata.json: a few fields
@@ -105,13 +106,13 @@ FOREIGN_GLOBALS: tuple[tuple[Any, str], ...] = (
 )
 """Globals a Megatron ``.pt`` may name beyond ``weights_only``'s own (tensors, containers,
 ``torch`` dtypes, ``OrderedDict``, ``_codecs.encode``), each mapped to an inert stand-in of
-:mod:`converters.safe_unpickle`. The list mirrors megatron-core 0.16's own
+:mod:`ckptkit_converters.common.safe_unpickle`. The list mirrors megatron-core 0.16's own
 ``megatron/core/safe_globals.py`` (what Megatron registers with ``add_safe_globals`` for its
 own loads), with stand-ins instead of the classes."""
 
 
 def load_pt(path: str, *, mmap: bool = False) -> Any:
-    """One Megatron ``.pt`` through :func:`converters.safe_unpickle.load_pt` with exactly
+    """One Megatron ``.pt`` through :func:`ckptkit_converters.common.safe_unpickle.load_pt` with exactly
     :data:`FOREIGN_GLOBALS` (``mmap``: tensors stay in the file until read; a first pass over
     a legacy checkpoint reads only names and shapes)."""
     return safe_unpickle.load_pt(path, FOREIGN_GLOBALS, what="Megatron", mmap=mmap)
@@ -146,23 +147,59 @@ def _config_doc(folder: str) -> dict[str, Any] | None:
     return load_json(data, os.path.join(folder, CONFIG_NAME))
 
 
-def is_torch_dist(folder: str | os.PathLike[str]) -> bool:
-    """True for a local Megatron torch_dist directory (``metadata.json`` naming torch_dist) — and when its
-    ``metadata.json`` is a link out of the folder, a FIFO or device, or too large: detected, so that the
-    import fails naming it (a folder with an unrelated or unparsable ``metadata.json`` is not Megatron's)."""
+def _has_common(folder: str) -> bool:
+    """Whether ``common.pt`` is there (anything by that name: what it is, the import checks)."""
+    return os.path.lexists(os.path.join(folder, COMMON_NAME))
+
+
+def _has_dcp_part(folder: str) -> bool:
+    """Whether DCP's ``.metadata`` or a ``*.distcp`` file is there: one ``lexists``, and only without
+    it one listing of the folder (detection stays cheap: nothing is opened)."""
+    if os.path.lexists(os.path.join(folder, DCP_METADATA)):
+        return True
     try:
-        config = _config_doc(os.fspath(folder))
+        with os.scandir(folder) as entries:
+            return any(e.name.endswith(".distcp") for e in entries)
+    except OSError:
+        return False
+
+
+def is_torch_dist(folder: str | os.PathLike[str]) -> bool:
+    """True for a local Megatron torch_dist directory: ``metadata.json`` naming torch_dist.
+
+    Also True, so that the import fails naming ``metadata.json`` rather than reporting no legacy
+    checkpoint, when that file cannot be read safely (a link out of the folder, a FIFO or device,
+    too large) or, next to Megatron's ``common.pt``, is unparsable or names another backend, or is
+    missing while ``common.pt`` and the DCP files are there. A plain DCP folder (no
+    ``metadata.json``, no ``common.pt``) and a folder with an unrelated ``metadata.json`` and no
+    ``common.pt`` are not Megatron's."""
+    path = os.fspath(folder)
+    try:
+        config = _config_doc(path)
     except (UnsafePathError, CorruptCheckpointError):
         return True
     except (CkptkitError, OSError):
-        return False
-    return config is not None and config.get("sharded_backend") == "torch_dist"
+        return _has_common(path)
+    if config is None:
+        return _has_common(path) and _has_dcp_part(path)
+    return config.get("sharded_backend") == "torch_dist" or _has_common(path)
 
 
 def read_config(folder: str) -> dict[str, Any]:
+    """``metadata.json`` of a torch_dist directory, refused (naming it) when missing, unreadable or
+    naming a backend other than torch_dist: the import is then told what is wrong with that file
+    rather than treating the folder as some other checkpoint."""
     path = os.path.join(folder, CONFIG_NAME)
-    config = _config_doc(folder)
+    try:
+        config = _config_doc(folder)
+    except ManifestError as exc:
+        raise ManifestError(f"{exc} (unreadable: a torch_dist folder's {CONFIG_NAME} is a JSON object "
+                            "naming its sharded_backend, 'torch_dist')") from None
     if config is None:
+        if _has_common(folder) and _has_dcp_part(folder):
+            raise CheckpointNotFoundError(
+                f"{path}: missing: the torch_dist folder lacks its {CONFIG_NAME} ({COMMON_NAME} and the DCP "
+                "files are there; the save did not finish or the file was removed)")
         raise CheckpointNotFoundError(f"{path}: missing (not a Megatron dist_checkpointing directory)")
     if config.get("sharded_backend") != "torch_dist":
         raise ManifestError(f"{path}: sharded_backend is {config.get('sharded_backend')!r}, "
@@ -256,7 +293,7 @@ def tracker_iteration(path: str) -> str | None:
     Megatron-LM's ``read_metadata`` takes ``int(text)`` or the word ``release``; here the text must be
     ASCII digits (at most 18: not ``+5``, ``5.0``, ``0x10``, ``٣`` or ``1_000``, which ``int`` would
     take) or exactly ``release``, and the folder it gives one plain name
-    (:func:`converters.source_paths.plain_name`) — checked before anything is opened."""
+    (:func:`ckptkit_converters.common.source_paths.plain_name`) — checked before anything is opened."""
     tracker = os.path.join(path, TRACKER)
     text = read_pointer(path, TRACKER)
     if text is None:

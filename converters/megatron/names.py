@@ -24,66 +24,110 @@ import re
 
 from ckptkit.errors import LayoutError
 from ckptkit.layout.rules import PartitionRule
+from ckptkit_converters.common.renamed import divisible_by_renamed
 
-LAYER_PREFIX = "decoder.layers."
+# ---------------------------------------------------------------- the names
+# Every Megatron tensor name ckptkit's converters know is spelled here once; the partition rules
+# below and the Hugging Face key tables (converters/hf/families.py) are built from these.
+
 EMBEDDING = "embedding.word_embeddings.weight"
+POSITION_EMBEDDING = "embedding.position_embeddings.weight"
 OUTPUT = "output_layer.weight"
 VOCAB_TENSORS = (EMBEDDING, OUTPUT)
+FINAL_NORM = "decoder.final_layernorm"
+TOP_LEVEL_PREFIXES = ("decoder.", "embedding.", "output_layer.")
+"""What every Megatron GPT model key starts with (how a checkpoint's naming is recognised)."""
+LAYER_PREFIX = "decoder.layers."
+VOCAB_PADDING_SUFFIX = ".vocab_padding"
+"""``<vocab tensor>.vocab_padding``: the saving layout's padding rows the live adapter keeps beside the
+true vocabulary (its ``PADDING_SUFFIX``; not a weight). Spelled here too because the adapter's module
+imports torch, and the key tables must not."""
 
-# per-layer tensors (name after "decoder.layers."): (tp axis in the *layer* tensor, i.e. without the layer axis)
+# Per-layer modules, named after LAYER_PREFIX; their tensors are "<module>.weight" / "<module>.bias".
+LINEAR_QKV = "self_attention.linear_qkv"
+LINEAR_PROJ = "self_attention.linear_proj"
+Q_LAYERNORM = "self_attention.q_layernorm"
+K_LAYERNORM = "self_attention.k_layernorm"
+LINEAR_FC1 = "mlp.linear_fc1"
+LINEAR_FC2 = "mlp.linear_fc2"
+ROUTER = "mlp.router"
+SHARED_FC1 = "mlp.shared_experts.linear_fc1"
+SHARED_FC2 = "mlp.shared_experts.linear_fc2"
+SHARED_GATE = "mlp.shared_experts.gate_weight"
+"""A tensor, not a module: the sigmoid gate of a shared expert (Qwen2-MoE)."""
+EXPERT_FC1 = "mlp.experts.experts.linear_fc1"
+EXPERT_FC2 = "mlp.experts.experts.linear_fc2"
+LINEAR_MODULES = (LINEAR_QKV, LINEAR_PROJ, LINEAR_FC1, LINEAR_FC2, SHARED_FC1, SHARED_FC2)
+"""Linear modules that declare an ``_extra_state`` per layer (Transformer Engine's FP8 state)."""
+EXPERT_LINEAR_MODULES = (EXPERT_FC1, EXPERT_FC2)
+"""Routed experts' linear modules: an ``_extra_state`` per layer and global expert."""
+
+# Layer norms. The sharded keys carry Transformer Engine's fused names even with the local spec:
+# the input norm lives in linear_qkv, the pre-MLP norm in linear_fc1. The local spec's own module
+# names appear in legacy checkpoints, and an MoE layer (no fused fc1) keeps "pre_mlp_layernorm".
+INPUT_NORM = f"{LINEAR_QKV}.layer_norm_"
+PRE_MLP_NORM = f"{LINEAR_FC1}.layer_norm_"
+LOCAL_INPUT_NORM = "input_layernorm."
+LOCAL_PRE_MLP_NORM = "pre_mlp_layernorm."
+
+# ---------------------------------------------------------------- their partition rules
+
+# per-layer tensors (name after LAYER_PREFIX): the tp axis in the *layer* tensor, i.e. without the layer axis
 _LAYER_TP: dict[str, int | None] = {
-    "self_attention.linear_qkv.weight": 0,
-    "self_attention.linear_qkv.bias": 0,
-    "self_attention.linear_proj.weight": 1,
-    "self_attention.linear_proj.bias": None,
-    "mlp.linear_fc1.weight": 0,
-    "mlp.linear_fc1.bias": 0,
-    "mlp.linear_fc2.weight": 1,
-    "mlp.linear_fc2.bias": None,
-    "self_attention.linear_qkv.layer_norm_weight": None,
-    "self_attention.linear_qkv.layer_norm_bias": None,
-    "mlp.linear_fc1.layer_norm_weight": None,
-    "mlp.linear_fc1.layer_norm_bias": None,
-    "self_attention.q_layernorm.weight": None,
-    "self_attention.q_layernorm.bias": None,
-    "self_attention.k_layernorm.weight": None,
-    "self_attention.k_layernorm.bias": None,
+    f"{LINEAR_QKV}.weight": 0,
+    f"{LINEAR_QKV}.bias": 0,
+    f"{LINEAR_PROJ}.weight": 1,
+    f"{LINEAR_PROJ}.bias": None,
+    f"{LINEAR_FC1}.weight": 0,
+    f"{LINEAR_FC1}.bias": 0,
+    f"{LINEAR_FC2}.weight": 1,
+    f"{LINEAR_FC2}.bias": None,
+    f"{INPUT_NORM}weight": None,
+    f"{INPUT_NORM}bias": None,
+    f"{PRE_MLP_NORM}weight": None,
+    f"{PRE_MLP_NORM}bias": None,
+    f"{Q_LAYERNORM}.weight": None,
+    f"{Q_LAYERNORM}.bias": None,
+    f"{K_LAYERNORM}.weight": None,
+    f"{K_LAYERNORM}.bias": None,
     # MoE: the router (its expert_bias buffer for aux-loss-free balancing) and shared experts are
     # ordinary per-layer tensors; a shared expert is a SwiGLU MLP of its own size
-    "mlp.router.weight": None,
-    "mlp.router.bias": None,
-    "mlp.router.expert_bias": None,
-    "mlp.shared_experts.linear_fc1.weight": 0,
-    "mlp.shared_experts.linear_fc1.bias": 0,
-    "mlp.shared_experts.linear_fc2.weight": 1,
-    "mlp.shared_experts.linear_fc2.bias": None,
-    "mlp.shared_experts.gate_weight": None,
+    f"{ROUTER}.weight": None,
+    f"{ROUTER}.bias": None,
+    f"{ROUTER}.expert_bias": None,
+    f"{SHARED_FC1}.weight": 0,
+    f"{SHARED_FC1}.bias": 0,
+    f"{SHARED_FC2}.weight": 1,
+    f"{SHARED_FC2}.bias": None,
+    SHARED_GATE: None,
 }
 # Routed experts (SequentialMLP), stacked [layers, experts, ...]: TP axis within one expert's tensor,
 # split over the expert TP degree; the expert axis (1) splits over EP (docs/moe.md).
 _EXPERT_TP: dict[str, int | None] = {
-    "mlp.experts.experts.linear_fc1.weight": 0,
-    "mlp.experts.experts.linear_fc1.bias": 0,
-    "mlp.experts.experts.linear_fc2.weight": 1,
-    "mlp.experts.experts.linear_fc2.bias": None,
+    f"{EXPERT_FC1}.weight": 0,
+    f"{EXPERT_FC1}.bias": 0,
+    f"{EXPERT_FC2}.weight": 1,
+    f"{EXPERT_FC2}.bias": None,
 }
-_FC1 = ("mlp.linear_fc1.weight", "mlp.linear_fc1.bias", "mlp.shared_experts.linear_fc1.weight",
-        "mlp.shared_experts.linear_fc1.bias", "mlp.experts.experts.linear_fc1.weight",
-        "mlp.experts.experts.linear_fc1.bias")
+_FC1 = tuple(f"{module}.{param}" for module in (LINEAR_FC1, SHARED_FC1, EXPERT_FC1) for param in ("weight", "bias"))
+# the fc2 whose input size is a gated fc1's FFN size, by the fc1 tensor's last two name parts
 _FC2_OF = {"linear_fc1.weight": "linear_fc2.weight", "linear_fc1.bias": "linear_fc2.weight"}
 
 # module-state-dict names of the local spec -> the sharded (TE-style) names
 _LEGACY_RENAME = {
-    "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
-    "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
+    LOCAL_INPUT_NORM: INPUT_NORM,
+    LOCAL_PRE_MLP_NORM: PRE_MLP_NORM,
 }
-_LEGACY_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_LEGACY_LAYER = re.compile(rf"^{re.escape(LAYER_PREFIX)}(\d+)\.(.+)$")
 _PER_LAYER = _LEGACY_LAYER  # the same shape: Megatron's sharded per-layer keys carry the *global* layer
 
 
-def padded_vocab(vocab_size: int, divisible_by: int, tp: int) -> int:
-    """Megatron's padded vocabulary: ``ceil(V / (divisible_by * tp)) * divisible_by * tp``."""
-    multiple = divisible_by * tp
+@divisible_by_renamed
+def padded_vocab(vocab_size: int, make_vocab_size_divisible_by: int, tp: int) -> int:
+    """Megatron's padded vocabulary, ``ceil(V / (make_vocab_size_divisible_by * tp)) *
+    make_vocab_size_divisible_by * tp``: what its embedding and output layer hold at ``tp``.
+    (``divisible_by=``: the old keyword, one more release, with a DeprecationWarning.)"""
+    multiple = make_vocab_size_divisible_by * tp
     return -(-vocab_size // multiple) * multiple
 
 
@@ -93,7 +137,8 @@ def layer_tp_axis(name: str) -> int | None:
     if name in _EXPERT_TP:
         return _EXPERT_TP[name]
     if name not in _LAYER_TP:
-        raise LayoutError(f"unknown Megatron per-layer tensor 'decoder.layers.{name}' (not in converters/megatron/names.py)")
+        raise LayoutError(f"unknown Megatron per-layer tensor '{LAYER_PREFIX}{name}' "
+                          "(not in converters/megatron/names.py)")
     return _LAYER_TP[name]
 
 
@@ -106,6 +151,8 @@ def _layer_name(key: str) -> str | None:
 
 
 def is_fused_glu(key: str) -> bool:
+    """A SwiGLU ``linear_fc1`` (dense, shared or routed expert): ``[gate; up]`` stacked, each part split
+    over TP on its own, so it cannot be cut as one block."""
     return _layer_name(key) in _FC1
 
 
@@ -144,9 +191,9 @@ def rule_for(key: str, *, divisible_by: int, ffn: int | None = None) -> Partitio
         return PartitionRule(tp_axis=0, vocab_multiple=divisible_by, stage=0)
     if key == OUTPUT:
         return PartitionRule(tp_axis=0, vocab_multiple=divisible_by, stage=-1)
-    if key == "embedding.position_embeddings.weight":
+    if key == POSITION_EMBEDDING:
         return PartitionRule(stage=0)
-    if key in ("decoder.final_layernorm.weight", "decoder.final_layernorm.bias"):
+    if key in (f"{FINAL_NORM}.weight", f"{FINAL_NORM}.bias"):
         return PartitionRule(stage=-1)
     per_layer = _PER_LAYER.match(key)
     if per_layer is not None:  # an MoE layer pattern: per-layer keys, routed experts [experts, ...]

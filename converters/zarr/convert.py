@@ -30,7 +30,12 @@ see :mod:`ckptkit.engine.offline_writer`, which the DCP import shares):
 the same world size, the same pieces written by the same ranks, the same
 manifest entries (layouts, rotations, rules), values and per-rank values.
 Pieces are read from zarr one at a time (with a little read-ahead), so memory
-stays bounded by the largest pieces.
+stays bounded by the largest pieces. tensorstore opens whatever a path names, so
+on a local source every file it will open (each array's ``zarr.json``, every
+chunk of its grid) is first checked to be a regular file inside the source
+folder, and present (:mod:`ckptkit_converters.zarr.nodes`); arrays are read
+with ``fill_missing_data_reads`` off, so a missing chunk is never read as the
+fill value.
 """
 
 from __future__ import annotations
@@ -41,16 +46,17 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
-from ckptkit.options import Progress, SaveOptions, progress_counter
-from ckptkit.engine.offline_writer import ConvertResult, OfflineWriteOptions, write_offline
+from ckptkit.options import Progress, progress_counter
+from ckptkit.engine.offline_writer import ConvertResult, OfflineCheckpoint, OfflineWriteOptions, write_offline
+from ckptkit.engine.prefetch import ReadAhead
 from ckptkit.errors import (
     CheckpointNotFoundError,
     CkptkitError,
+    CorruptCheckpointError,
     DTypeMismatchError,
     LayoutError,
     SaveError,
@@ -79,54 +85,19 @@ from ckptkit_converters.zarr.layout import (
     stored_dtype,
     to_stored,
 )
+from ckptkit_converters.zarr.nodes import check_chunk_files, check_node_metadata, local_store
+from ckptkit_converters.zarr.options import ZarrExportOptions, ZarrImportOptions
 from ckptkit.storage.base import ByteStore
 from ckptkit.storage.url import open_store
 
-
-
-@dataclass(frozen=True)
-class ZarrExportOptions:
-    """How :func:`export_zarr` lays out and writes the arrays.
-
-    ``chunk_bytes``: largest inner (read) chunk; ``shard_bytes``: target size
-    of one shard object. ``portable``: store bfloat16 and float8 arrays as
-    float32 so zarr-python and numpy read every array (bf16 is widened bit by
-    bit, float8 by value; the import restores the original dtype).
-    ``threads``: shards read and written at once (disk and object-store
-    latency hide behind each other); memory is about ``threads * 2 *
-    shard_bytes`` (the shard read, and tensorstore's encoded copy).
-    """
-
-    chunk_bytes: int = 8 << 20
-    shard_bytes: int = 64 << 20
-    portable: bool = False
-    compression: Literal["none", "zstd"] = "none"
-    checksum: bool = True
-    threads: int = 4
-    io_threads: int = 4
-
-    def __post_init__(self) -> None:
-        if self.chunk_bytes < 1 or self.shard_bytes < 1:
-            raise LayoutError("chunk_bytes and shard_bytes must be positive")
-        if self.compression not in ("none", "zstd"):
-            raise LayoutError(f"compression must be 'none' or 'zstd', got {self.compression!r}")
-        if self.threads < 1 or self.io_threads < 1:
-            raise LayoutError("threads and io_threads must be >= 1")
-
-
-@dataclass(frozen=True)
-class ZarrImportOptions:
-    """How :func:`import_zarr` writes: checksum ``block_size``, ranks written concurrently
-    (``threads``), pieces read ahead per rank (``read_ahead``)."""
-
-    block_size: int = 4 << 20
-    threads: int = 2
-    read_ahead: int = 2
-
-    def __post_init__(self) -> None:
-        SaveOptions(block_size=self.block_size)  # the saver's own validation of the checksum block
-        if self.threads < 1 or self.read_ahead < 0:
-            raise LayoutError("threads must be >= 1 and read_ahead >= 0")
+__all__ = [
+    "ZarrExportOptions",  # defined in ckptkit_converters.zarr.options; importable from here as before
+    "ZarrImportOptions",
+    "array_spec",
+    "export_zarr",
+    "import_zarr",
+    "is_zarr_export",
+]
 
 
 # ---------------------------------------------------------------- tensorstore plumbing
@@ -299,36 +270,55 @@ def import_zarr(
     arrays = _open_arrays(ts, src, export)
     out = open_store(dest, storage_options)
     orig = manifest.meta
-    result = write_offline(
-        out,
-        world_size=manifest.world_size,
-        tensors=manifest.tensors,
-        pieces=pieces_by_writer(manifest),
-        source=lambda rank, items: _ZarrPieces(arrays, manifest, export.arrays, items, options.read_ahead),
-        values=manifest.values,
-        per_rank_values=export.per_rank,
-        rank_values=manifest.rank_values,
-        meta={"user": orig.get("user", {}),
-              "converted_from": {"url": src.url, "format": "zarr", "created": orig.get("created"),
-                                 "ckptkit_version": orig.get("ckptkit_version")}},
-        parallel=manifest.parallel,
-        # the pieces are declared explicitly; the manifest keeps the source's own entries
-        # (grid rules with rotations, partition rules), which describe exactly these pieces
-        layouts=manifest.tensors,
-        options=OfflineWriteOptions(block_size=options.block_size, threads=options.threads),
-        progress=progress,
-        what=f"importing {src.url} into {out.url}",
-    )
+    # read-ahead only: the piece a rank's writer asks for is read in its own thread
+    with ThreadPoolExecutor(max_workers=max(1, options.threads * options.read_ahead),
+                            thread_name_prefix="ckptkit-zarr-read") as pool:
+        checkpoint = OfflineCheckpoint(
+            world_size=manifest.world_size,
+            tensors=manifest.tensors,
+            pieces=pieces_by_writer(manifest),
+            values=manifest.values,
+            per_rank_values=export.per_rank,
+            rank_values=manifest.rank_values,
+            meta={"user": orig.get("user", {}),
+                  "converted_from": {"url": src.url, "format": "zarr", "created": orig.get("created"),
+                                     "ckptkit_version": orig.get("ckptkit_version")}},
+            parallel=manifest.parallel,
+            # the pieces are declared explicitly; the manifest keeps the source's own entries
+            # (grid rules with rotations, partition rules), which describe exactly these pieces
+            layouts=manifest.tensors,
+        )
+        result = write_offline(
+            out, checkpoint,
+            lambda rank, items: _ZarrPieces(arrays, manifest, export.arrays, items, pool, options.read_ahead,
+                                                    src.url),
+            options=OfflineWriteOptions(block_size=options.block_size, threads=options.threads),
+            progress=progress,
+            what=f"importing {src.url} into {out.url}",
+        )
     return ConvertResult(src.url, out.url, "ckptkit", len(manifest.tensors), result.nbytes, result.bytes_read,
                          time.perf_counter() - t0)
 
 
 def _open_arrays(ts: Any, src: ByteStore, export: ExportInfo) -> dict[str, Any]:
-    """Open every array (concurrently) and check it against the recorded dtype and shape."""
+    """Open every array (concurrently) and check it against the recorded dtype and shape.
+
+    On a local source every file tensorstore will open is checked first (see
+    :mod:`ckptkit_converters.zarr.nodes`): each array's ``zarr.json`` before it is opened, then
+    every chunk file of its grid, so a link out of the folder, a FIFO or a missing chunk fails
+    here, naming the file, before anything is read or written. Arrays are opened with
+    ``fill_missing_data_reads`` off: a chunk gone on S3 (or gone since the check) is a read error,
+    never the fill value.
+    """
     kv = _kvstore_spec(src)
+    local = local_store(src)
     context = ts.Context()
+    if local is not None:
+        for path, _ in export.arrays.values():
+            check_node_metadata(local, path)
     futures = {
-        key: ts.open({"driver": "zarr3", "kvstore": _under(kv, path), "open": True}, read=True, context=context)
+        key: ts.open({"driver": "zarr3", "kvstore": _under(kv, path), "open": True, "fill_missing_data_reads": False},
+                     read=True, context=context)
         for key, (path, _) in export.arrays.items()
     }
     arrays = {}
@@ -346,6 +336,8 @@ def _open_arrays(ts: Any, src: ByteStore, export: ExportInfo) -> dict[str, Any]:
         if arr.dtype.name != stored:
             raise DTypeMismatchError(
                 f"{where}: array of tensor {key!r} is {arr.dtype.name}, the export records {stored} (for {meta.dtype})")
+        if local is not None:
+            check_chunk_files(local, path, key, arr.spec().to_json()["metadata"])
         arrays[key] = arr
     return arrays
 
@@ -354,18 +346,22 @@ class _ZarrPieces:
     """The local tensors of one rank's pieces, read from zarr on demand, in plan order, with read-ahead.
 
     The :class:`~ckptkit.engine.offline_writer.PieceSource` of one virtual
-    rank: the writer asks for piece ``ref`` just before writing it.
+    rank: the writer asks for piece ``ref`` just before writing it; at most
+    ``read_ahead`` later pieces are read meanwhile, on ``pool``, through a
+    :class:`~ckptkit.engine.prefetch.ReadAhead` (a piece the writer skips is
+    let go at once, not held until the import ends).
     """
 
     def __init__(self, arrays: dict[str, Any], manifest: Manifest, stored: dict[str, tuple[str, str]],
-                 items: Sequence[tuple[str, Region]], read_ahead: int) -> None:
+                 items: Sequence[tuple[str, Region]], pool: ThreadPoolExecutor, read_ahead: int,
+                 url: str) -> None:
         self.items = items
+        self._url = url
         self._arrays = arrays
         self._manifest = manifest
         self._stored = stored
-        self._read_ahead = read_ahead
-        self._futures: dict[int, Any] = {}
         self._lock = threading.Lock()
+        self._ahead = ReadAhead(len(items), self._load, pool, read_ahead)
         self.bytes_read = 0
 
     def __len__(self) -> int:
@@ -381,24 +377,26 @@ class _ZarrPieces:
         r0, r1 = region.flat[0] // row, -(-region.flat[1] // row)
         return Box((box.offsets[0] + r0, *box.offsets[1:]), (r1 - r0, *box.sizes[1:])), r0 * row
 
-    def _start(self, ref: int) -> Any:
-        key = self.items[ref][0]
-        box, _ = self._rows(ref)
-        return self._arrays[key][_slices(box)].read()
-
-    def __getitem__(self, ref: int) -> torch.Tensor:
-        with self._lock:
-            future = self._futures.pop(ref, None) or self._start(ref)
-            for nxt in range(ref + 1, min(len(self.items), ref + 1 + self._read_ahead)):
-                if nxt not in self._futures:
-                    self._futures[nxt] = self._start(nxt)
+    def _load(self, ref: int) -> torch.Tensor:
         key, region = self.items[ref]
-        data = future.result()
-        self.bytes_read += data.nbytes
-        meta = self._manifest.tensors[key]
-        t = from_stored(data, meta.dtype, self._stored[key][1])
+        box, first = self._rows(ref)
+        try:
+            data = self._arrays[key][_slices(box)].read().result()
+        except Exception as exc:  # noqa: BLE001 - tensorstore's errors are plain ValueErrors
+            # a missing chunk (fill_missing_data_reads is off), a checksum or a decode failure
+            raise CorruptCheckpointError(f"{self._url}/{self._stored[key][0]}: reading {list(box.offsets)} + "
+                                         f"{list(box.sizes)} of the array of tensor {key!r} failed: {exc}") from None
+        with self._lock:
+            self.bytes_read += data.nbytes
+        t = from_stored(data, self._manifest.tensors[key].dtype, self._stored[key][1])
         if region.flat is None:
             return t
-        _, first = self._rows(ref)
         a, b = region.flat
         return t.reshape(-1)[a - first:b - first]
+
+    def __getitem__(self, ref: int) -> torch.Tensor:
+        return self._ahead[ref]
+
+    def close(self) -> None:
+        """The rank is written (or failed): read-ahead no one will ask for is dropped."""
+        self._ahead.close()

@@ -7,7 +7,7 @@ import threading
 import torch
 
 from ckptkit.engine.buffers import BufferPool, PoolClosedError
-from ckptkit.engine.offline_writer import write_offline
+from ckptkit.engine.offline_writer import OfflineCheckpoint, write_offline
 from ckptkit.layout.box import Box, Region
 from ckptkit.layout.manifest import TensorMeta, ExplicitLayout
 from ckptkit.storage.local import LocalStore
@@ -89,7 +89,7 @@ def test_writer_releases_each_piece_once_written(tmp_path) -> None:
         sources.append(_Source(n, pool))
         return sources[-1]
 
-    write_offline(LocalStore(str(tmp_path / "c")), world_size=1, tensors=tensors, pieces=pieces, source=factory)
+    write_offline(LocalStore(str(tmp_path / "c")), OfflineCheckpoint(1, tensors, pieces), factory)
     assert sorted(sources[0].released) == list(range(n)) and not sources[0].held
     got = ckptkit.open(tmp_path / "c")["t"].read()
     assert torch.equal(got, torch.arange(n, dtype=torch.float32).repeat_interleave(64))

@@ -28,7 +28,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import ckptkit
-from ckptkit.engine.offline_writer import OfflineWriteOptions, write_offline
+from ckptkit.engine.offline_writer import OfflineCheckpoint, OfflineWriteOptions, write_offline
 from ckptkit.engine.read_session import ReadSession
 from ckptkit.errors import CorruptCheckpointError
 from ckptkit.layout.box import Box, Region
@@ -139,9 +139,8 @@ def write(path: Path, ck: dict[str, Any]) -> None:
     for key, items in ck["stored"].items():
         for writer, region in items:
             pieces.setdefault(writer, []).append((key, region))
-    write_offline(open_store(path), world_size=ck["world"], tensors=ck["metas"], pieces=pieces,
-                  source=lambda rank, items: Slices(ck["data"], list(items)), layouts=ck["metas"],
-                  options=OfflineWriteOptions(block_size=ck["block"]))
+    write_offline(open_store(path), OfflineCheckpoint(ck["world"], ck["metas"], pieces, layouts=ck["metas"]),
+                  lambda rank, items: Slices(ck["data"], list(items)), options=OfflineWriteOptions(block_size=ck["block"]))
 
 
 @st.composite

@@ -1,0 +1,62 @@
+"""What a Megatron import and export take: two small frozen dataclasses (no torch imported).
+
+Facts are named as Megatron-LM names them (``make_vocab_size_divisible_by``), so a user copies
+them from their training arguments unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ckptkit.errors import CkptkitError, LayoutError
+from ckptkit.layout.config import ParallelConfig
+
+
+def _positive(name: str, value: int | None) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise CkptkitError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class MegatronImportOptions:
+    """Facts a Megatron checkpoint may not record, and how its import runs.
+
+    ``vocab_size`` / ``make_vocab_size_divisible_by``: the true vocabulary and its padding multiple,
+    needed only when the saved ``args`` do not record them (given and recorded must agree; the
+    error names what is missing). ``tied``: whether a legacy checkpoint without ``args`` ties the
+    output layer to the embedding. ``threads``: source ranks written at once.
+    """
+
+    vocab_size: int | None = None
+    make_vocab_size_divisible_by: int | None = None
+    tied: bool | None = None
+    threads: int = 2
+
+    def __post_init__(self) -> None:
+        _positive("vocab_size", self.vocab_size)
+        _positive("make_vocab_size_divisible_by", self.make_vocab_size_divisible_by)
+        _positive("threads", self.threads)
+
+
+@dataclass(frozen=True)
+class MegatronExportOptions:
+    """The layout Megatron will load the torch_dist directory at (``layout``: tp, pp — an even
+    pipeline split without virtual chunks or context parallelism — and ep/etp for MoE), and the
+    padding multiple to re-pad the vocabulary to (None: the checkpoint's)."""
+
+    layout: ParallelConfig | None = None
+    make_vocab_size_divisible_by: int | None = None
+
+    def __post_init__(self) -> None:
+        _positive("make_vocab_size_divisible_by", self.make_vocab_size_divisible_by)
+
+    def target(self) -> ParallelConfig:
+        """The layout, checked to be one the exporter writes."""
+        target = self.layout
+        if target is None:
+            raise CkptkitError("the megatron export needs the target layout: layout (CLI: --to LAYOUT, e.g. "
+                               "--to tp2pp2), the tp/pp Megatron will load the torch_dist directory at")
+        if target.vpp not in (None, 1) or target.pp_layers is not None or target.cp != 1:
+            raise LayoutError(f"--format megatron writes an even pipeline split without virtual chunks or context "
+                              f"parallelism; target {target} asks for more")
+        return target
