@@ -74,9 +74,7 @@ class ConvertOptions:
     def source_options(self, fmt: Format | None) -> Any:
         if fmt is None or fmt.import_options is None:
             return None
-        legacy = self.import_options()
-        opts = import_options_for(fmt, legacy)
-        return opts
+        return import_options_for(fmt, self.import_options())
 
     def target_options(self, fmt: Format) -> Any:
         cls = fmt.export_options

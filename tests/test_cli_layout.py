@@ -77,8 +77,6 @@ def test_shared_option_types():
         ("client_kwargs", {"region_name": "x"})
     with pytest.raises(click.BadParameter, match="KEY=VALUE"):
         cli_options.KEY_VALUE.convert("novalue", None, None)
-    opts = cli_options.import_options(250, None, skip_unsafe_items=False, tag="t")
-    assert (opts.vocab_size, opts.make_vocab_size_divisible_by, opts.extra) == (250, None, {"tag": "t"})
 
 
 def test_bad_sizes_and_layouts_are_usage_errors(tmp_path: Path):

@@ -6,9 +6,7 @@
 * :data:`KEY_VALUE` — ``KEY=VALUE`` (the value parsed as JSON when it is JSON, else a string);
 * decorators: :func:`json_option` (``--json``), :func:`storage_option` (``--storage-option``,
   repeatable, collected into one dict or None), :func:`threads_option`,
-  :func:`megatron_facts_options` (``--vocab-size``, ``--divisible-by``) and
-  :func:`import_options` to turn them into the library's
-  :class:`~ckptkit.offline.formats.ImportOptions`.
+  :func:`megatron_facts_options` (``--vocab-size``, ``--divisible-by``).
 
 Only click is imported here (and the torch-free layout parser when a layout is parsed), so
 ``ckptkit --help`` and the metadata commands start fast.
@@ -25,7 +23,6 @@ import click
 
 if TYPE_CHECKING:
     from ckptkit import ParallelConfig
-    from ckptkit.offline import ImportOptions
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -134,12 +131,3 @@ def megatron_facts_options(f: F) -> F:
     return click.option("--vocab-size", type=click.IntRange(min=1), default=None,
                         help="Megatron import: the true vocabulary size, when the checkpoint's args do not record "
                              "it (Megatron-LM keeps only the padded one unless --vocab-size was given to it).")(f)
-
-
-def import_options(vocab_size: int | None = None, divisible_by: int | None = None, **extra: Any) -> ImportOptions:
-    """The library's :class:`~ckptkit.offline.formats.ImportOptions` from the CLI's flags (``extra``:
-    format-specific ones, left out when None or False)."""
-    from ckptkit.offline import ImportOptions
-
-    return ImportOptions(vocab_size=vocab_size, make_vocab_size_divisible_by=divisible_by,
-                         extra={k: v for k, v in extra.items() if v not in (None, False)})

@@ -166,10 +166,10 @@ class _FirstContract:
         return self.plugin.import_to(source, dest, legacy, run.storage_options)
 
     def export_from(self, source: str, dest: str, options: Any, run: RunOptions) -> Any:
-        raise CkptkitError(f"{self.description} has no exporter (a plugin of the first contract imports only)")
+        self.check_export(options)
 
     def check_export(self, options: Any) -> None:
-        self.export_from("", "", options, RunOptions())
+        raise CkptkitError(f"{self.description} has no exporter (a plugin of the first contract imports only)")
 
 
 def _as_format(plugin: Any) -> Format | None:

@@ -405,5 +405,3 @@ def _discard(out: ByteStore) -> None:
     except (CkptkitError, OSError):
         pass
 
-
-_DcpPieces = DcpPieces  # the name Megatron's torch_dist import used (same release; removed once it moves)

@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ckptkit.engine.offline_writer import OfflineWriteOptions, write_offline
+from ckptkit.engine.offline_writer import OfflineWriteOptions, StoredTensor, write_offline
 from ckptkit.errors import LayoutError, ManifestError
 from ckptkit.layout.box import Region
 from ckptkit.layout.manifest import ExplicitLayout, TensorMeta
@@ -30,14 +30,6 @@ from ckptkit_converters.common.renamed import divisible_by_renamed
 
 RankPieces = dict[int, list[tuple[str, Region]]]
 """Virtual writer rank -> the (ckptkit key, model-space region) pieces it stores, in write order."""
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """A stored tensor's dtype and model-space shape (true vocabulary, all layers)."""
-
-    dtype: str
-    shape: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -126,7 +118,7 @@ def megatron_key(key: str) -> str:
     return key[len(MODEL):] if key.startswith(MODEL) else key.split("/", 2)[2]
 
 
-def _layouts(specs: Mapping[str, TensorSpec], pieces: Mapping[int, Sequence[tuple[str, Region]]],
+def _layouts(specs: Mapping[str, StoredTensor], pieces: Mapping[int, Sequence[tuple[str, Region]]],
              rules: Mapping[str, Any]) -> dict[str, TensorMeta]:
     """Manifest entries carrying the rules: the pieces sorted exactly as the merge sorts them."""
     by_key: dict[str, list[tuple[Region, int]]] = {k: [] for k in specs}
@@ -139,7 +131,7 @@ def _layouts(specs: Mapping[str, TensorSpec], pieces: Mapping[int, Sequence[tupl
             for k, s in sorted(specs.items())}
 
 
-def _partition_rules(specs: Mapping[str, TensorSpec], make_vocab_size_divisible_by: int) -> dict[str, PartitionRule]:
+def _partition_rules(specs: Mapping[str, StoredTensor], make_vocab_size_divisible_by: int) -> dict[str, PartitionRule]:
     """Each stored tensor's rule (optimizer state shares its parameter's), gated FFN sizes read off the
     stored shapes: what lets ``ckptkit reshard`` lay the model out at another tp/pp offline."""
     shapes = {k[len(MODEL):]: s.shape for k, s in specs.items() if k.startswith(MODEL)}
@@ -148,7 +140,7 @@ def _partition_rules(specs: Mapping[str, TensorSpec], make_vocab_size_divisible_
             for k in specs}
 
 
-def write_import(run: ImportRun, world: int, specs: dict[str, TensorSpec], pieces: RankPieces,
+def write_import(run: ImportRun, world: int, specs: dict[str, StoredTensor], pieces: RankPieces,
                  source: Callable[[int, Any], Any], meta: dict[str, Any],
                  skipped: tuple[str, ...]) -> MegatronConvertResult:
     """Commit the pieces as ``world`` virtual writer ranks, with ``megatron/meta`` and the rules."""

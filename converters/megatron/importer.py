@@ -37,17 +37,16 @@ import torch
 from ckptkit.errors import CheckpointNotFoundError, ManifestError
 from ckptkit.layout.box import Box, Region
 from ckptkit.layout.strict_json import MAX_METADATA_BYTES
+from ckptkit.engine.offline_writer import StoredTensor
 from ckptkit.options import Progress
 from ckptkit.storage.local import LocalStore
 from ckptkit.storage.url import open_store
 from ckptkit_converters.common.source_paths import regular_file
-from ckptkit_converters.dcp.convert import _check_files, _DcpPieces
+from ckptkit_converters.dcp.convert import DcpPieces, data_files
 from ckptkit_converters.dcp.files import (
     METADATA_NAME,
     DcpCheckpoint,
-    file_rank,
     parse_metadata,
-    writer_ranks,
 )
 from ckptkit_converters.megatron import files as fmt
 from ckptkit_converters.megatron import names
@@ -55,7 +54,6 @@ from ckptkit_converters.megatron.files import MODEL, MegatronConvertResult
 from ckptkit_converters.megatron.import_shared import (
     ImportRun,
     RankPieces,
-    TensorSpec,
     check_layer_count,
     check_vocab_rows,
     import_meta,
@@ -112,7 +110,7 @@ class _PlacedChunks:
     the pieces they become (``pieces``, in the same order), and how many rows of a vocab piece are
     kept where its chunk reaches into the padding (``keep[rank][ref]``)."""
 
-    specs: dict[str, TensorSpec] = field(default_factory=dict)
+    specs: dict[str, StoredTensor] = field(default_factory=dict)
     reads: dict[int, list[tuple[Any, Any]]] = field(default_factory=dict)
     pieces: RankPieces = field(default_factory=dict)
     keep: dict[int, dict[int, int]] = field(default_factory=dict)
@@ -125,7 +123,7 @@ def _place_chunks(stored: Mapping[str, tuple[str, Any]], ranks: Mapping[str, int
     for out_key, (key, t) in stored.items():
         vocab = key in names.VOCAB_TENSORS
         shape = (vocab_size, *t.shape[1:]) if vocab else t.shape
-        placed.specs[out_key] = TensorSpec(t.dtype, tuple(shape))
+        placed.specs[out_key] = StoredTensor(t.dtype, tuple(shape))
         for c in t.chunks:
             box, rank = c.box, ranks[c.blob.file]
             if vocab:
@@ -181,11 +179,7 @@ def import_torch_dist(source: str | os.PathLike[str], dest: str | os.PathLike[st
     ckpt, common = read_torch_dist(folder)
     args = fmt.SavedArgs.of(common.get("args"))
     src = open_store(folder)
-    files = ckpt.files()
-    _check_files(src, files)
-    ranks = writer_ranks(list(files))
-    listed = [r for r in map(file_rank, src.list_children()) if r is not None]
-    world = max([*ranks.values(), *listed], default=0) + 1
+    ranks, world = data_files(src, ckpt)
     model = {k: t for k, t in ckpt.tensors.items() if not k.startswith("optimizer.")}
     stored = {MODEL + k: (k, t) for k, t in model.items()}
     stored.update(_optimizer_tensors(ckpt, model))
@@ -207,7 +201,7 @@ def import_torch_dist(source: str | os.PathLike[str], dest: str | os.PathLike[st
     run = ImportRun(os.fspath(dest), src.url, threads, progress, storage_options, t0)
     with ThreadPoolExecutor(max_workers=threads * 3, thread_name_prefix="ckptkit-megatron-read") as pool:
         return write_import(run, world, placed.specs, placed.pieces,
-                            lambda rank, _: _Clipped(_DcpPieces(src, placed.reads.get(rank, []), pool, 2),
+                            lambda rank, _: _Clipped(DcpPieces(src, placed.reads.get(rank, []), pool, 2),
                                                      placed.keep.get(rank, {})),
                             meta, skipped)
 

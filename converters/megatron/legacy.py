@@ -25,6 +25,7 @@ import torch
 
 from ckptkit.errors import LayoutError, ManifestError
 from ckptkit.layout.box import Box, Region
+from ckptkit.engine.offline_writer import StoredTensor
 from ckptkit.options import Progress
 from ckptkit_converters.megatron import files as fmt
 from ckptkit_converters.megatron import names
@@ -32,7 +33,6 @@ from ckptkit_converters.megatron.files import MODEL, MegatronConvertResult
 from ckptkit_converters.megatron.import_shared import (
     ImportRun,
     RankPieces,
-    TensorSpec,
     check_layer_count,
     check_vocab_rows,
     import_meta,
@@ -179,7 +179,7 @@ def _local_tp_axis(key: str, name: str, layered: bool, model: _LegacyModel, wher
     return None if rule.tp_axis is None else rule.tp_axis - (1 if layered else 0)
 
 
-def _record_spec(specs: dict[str, TensorSpec], key: str, name: str, shape: tuple[int, ...], dtype: str,
+def _record_spec(specs: dict[str, StoredTensor], key: str, name: str, shape: tuple[int, ...], dtype: str,
                  axis: int | None, layered: bool, model: _LegacyModel, where: str) -> None:
     """The model-space spec of ``key`` as this rank's tensor implies it; every rank must imply the same."""
     global_shape = list(shape)
@@ -188,7 +188,7 @@ def _record_spec(specs: dict[str, TensorSpec], key: str, name: str, shape: tuple
     if key in names.VOCAB_TENSORS:
         check_vocab_rows(key, global_shape[0], model.vocab_size, model.make_vocab_size_divisible_by, model.tp, where)
         global_shape[0] = model.vocab_size
-    spec = TensorSpec(dtype, tuple([model.num_layers, *global_shape] if layered else global_shape))
+    spec = StoredTensor(dtype, tuple([model.num_layers, *global_shape] if layered else global_shape))
     old = specs.setdefault(MODEL + key, spec)
     if old != spec:
         raise ManifestError(f"{where}: tensor {name!r} ({dtype}, {list(spec.shape)} in model space) disagrees "
@@ -229,7 +229,7 @@ def _part_box(key: str, shape: tuple[int, ...], axis: int | None, part: tuple[in
 
 
 def _place_tensor(model: _LegacyModel, f: fmt.LegacyFile, v: int, name: str, shape: tuple[int, ...], dtype: str,
-                  specs: dict[str, TensorSpec]) -> list[tuple[str, Region, _LegacyPiece]]:
+                  specs: dict[str, StoredTensor]) -> list[tuple[str, Region, _LegacyPiece]]:
     """The pieces one rank's tensor stores (ckptkit key, model-space region, how to read it), its spec
     recorded. Not stored: non-tensors (``_extra_state``), a tied output layer, and TP ranks' copies of
     a replicated tensor (TP rank 0's is the one stored)."""
@@ -260,9 +260,9 @@ def _place_tensor(model: _LegacyModel, f: fmt.LegacyFile, v: int, name: str, sha
 
 
 def _place_all(files: Sequence[fmt.LegacyFile], inventory: Inventory,
-               model: _LegacyModel) -> tuple[dict[str, TensorSpec], RankPieces, dict[int, list[_LegacyPiece]]]:
+               model: _LegacyModel) -> tuple[dict[str, StoredTensor], RankPieces, dict[int, list[_LegacyPiece]]]:
     """Every rank's pieces (writer rank ``pp * tp + tp rank``: one per file) and how to read each."""
-    specs: dict[str, TensorSpec] = {}
+    specs: dict[str, StoredTensor] = {}
     pieces: RankPieces = {}
     refs: dict[int, list[_LegacyPiece]] = {}
     for f in files:
