@@ -35,6 +35,7 @@ from ckptkit.errors import (
     UnsafePathError,
     UnsupportedVersionError,
 )
+from ckptkit.memory.options import MemoryTier
 from ckptkit.layout import Box, ParallelConfig, PartitionRule, Piece, Region, box_piece, flat_piece
 from ckptkit.options import AsyncOptions, LoadOptions, SaveOptions
 from ckptkit.retention import BestK, RetentionPolicy
@@ -45,6 +46,7 @@ if TYPE_CHECKING:
     from ckptkit.api import close_async, load, save, save_async
     from ckptkit.engine.async_save import SaveHandle
     from ckptkit.manager import CheckpointManager, SavePolicy
+    from ckptkit.memory.restore import RestoreInfo
     from ckptkit.run_folder import StepNaming
     from ckptkit.resilience.controller import ResilienceController, TrainingStopped
     from ckptkit.resilience.incidents import IncidentLogOptions
@@ -72,6 +74,7 @@ _LAZY = {
     "SaveHandle": "ckptkit.engine.async_save",
     "CheckpointManager": "ckptkit.manager",
     "SavePolicy": "ckptkit.manager",
+    "RestoreInfo": "ckptkit.memory.restore",
     "StepNaming": "ckptkit.run_folder",
     "ResilienceController": "ckptkit.resilience.controller",
     "IncidentLogOptions": "ckptkit.resilience.incidents",
@@ -94,7 +97,7 @@ _LAZY = {
 }
 
 
-_SUBMODULES = {"offline", "resilience", "manager", "run_folder", "storage", "layout", "plan", "engine", "api", "cli", "retention"}
+_SUBMODULES = {"offline", "resilience", "manager", "run_folder", "storage", "layout", "plan", "engine", "api", "cli", "retention", "memory"}
 
 
 def __getattr__(name: str) -> Any:
@@ -116,7 +119,7 @@ __all__ = [
     "MissingKeysError", "UnexpectedKeysError", "DTypeMismatchError", "ShapeMismatchError",
     "CoverageError", "LayoutError", "StorageError", "SaveError", "PeerFailureError", "CheckpointManager",
     "ResilienceController", "IncidentLogOptions", "TrainingStopped", "ScaledLR", "SpikePolicy", "CheckpointView",
-    "SavePolicy", "RetentionPolicy", "BestK", "StepNaming",
+    "SavePolicy", "MemoryTier", "RestoreInfo", "RetentionPolicy", "BestK", "StepNaming",
     "list_checkpoints", "describe", "verify", "diff", "reshard", "plan_reshard", "ReshardOptions",
     "__version__",
 ]

@@ -43,6 +43,7 @@ from ckptkit.errors import (
     PeerFailureError,
 )
 from ckptkit.layout.manifest import MANIFEST_NAME
+from ckptkit.memory.options import MemoryTier
 from ckptkit.options import AsyncOptions, LoadOptions
 from ckptkit.retention import Record, RetentionPolicy
 from ckptkit.run_folder import LEASES, STEP_PATTERN, RunFolder, StepNaming, step_dir
@@ -82,7 +83,9 @@ class CheckpointManager:
     ``asynchronous`` (:class:`AsyncOptions`, or None for synchronous saves), ``load`` (how
     restores read), ``naming`` (step folder names). ``local_dir``: node-local disk in front of an
     object store (storage/tiered.py). ``lease_seconds``: how long a restore's read lease
-    protects a checkpoint from retention.
+    protects a checkpoint from retention. ``memory``: a :class:`~ckptkit.MemoryTier` in front of
+    the persistent checkpoints: snapshots into node memory every few steps, protected by peer
+    replicas or parity, restored from first when they are the newest (docs/memory_tier.md).
     """
 
     def __init__(
@@ -98,6 +101,7 @@ class CheckpointManager:
         storage_options: dict[str, Any] | None = None,
         process_group: Any = None,
         lease_seconds: float = 3600.0,
+        memory: MemoryTier | None = None,
     ) -> None:
         if asynchronous is not None and not isinstance(asynchronous, AsyncOptions):
             raise OptionsError(f"asynchronous must be AsyncOptions(...) or None (synchronous saves), got {asynchronous!r}")
@@ -120,6 +124,19 @@ class CheckpointManager:
         self._last_handle: SaveHandle | None = None
         #: (checkpoint, reason) of every damaged checkpoint the last restore skipped, newest first
         self.skipped: list[tuple[str, str]] = []
+        #: what the last restore did (step, source, every rank's source, seconds); None before one
+        self.last_restore: Any = None
+        if memory is not None and not isinstance(memory, MemoryTier):
+            raise OptionsError(f"memory must be ckptkit.MemoryTier(...) or None, got {memory!r}")
+        self._memory: Any = None
+        if memory is not None:
+            import torch.distributed as dist
+
+            from ckptkit.memory.tier import MemorySnapshots
+
+            ranks = (dist.get_process_group_ranks(process_group)
+                     if process_group is not None and dist.is_initialized() else None)
+            self._memory = MemorySnapshots(memory, self._comm, store.url, ranks)
 
     @property
     def rank(self) -> int:
@@ -151,7 +168,12 @@ class CheckpointManager:
         return wants
 
     def maybe_save(self, step: int, state: dict[str, Any], *, metrics: dict[str, Any] | None = None) -> SaveHandle | None:
-        """Save if the policy says so; return the handle (None if nothing was saved)."""
+        """Save if the policy says so; return the handle (None if nothing was saved).
+
+        With a memory tier, also snapshot into node memory at its own interval (the snapshot
+        blocks the step like a persistent save's does; its protection runs in the background)."""
+        if self._memory is not None and step % self._memory.options.every_steps == 0:
+            self._memory.snapshot(step, state)
         if not self.should_save(step):
             return None
         return self.save(step, state, metrics=metrics)
@@ -187,7 +209,10 @@ class CheckpointManager:
         return handle
 
     def wait(self) -> SaveResult | None:
-        """Block until the in-flight save is committed; raise a background failure."""
+        """Block until the in-flight save is committed (and the memory tier's snapshot protected);
+        raise a background failure."""
+        if self._memory is not None:
+            self._memory.wait()
         return self._saver.wait() if self._saver is not None else None
 
     def acknowledge(self, handle: SaveHandle) -> None:
@@ -196,8 +221,12 @@ class CheckpointManager:
             self._saver.acknowledge(handle)
 
     def close(self) -> None:
-        if self._saver is not None:
-            self._saver.close()
+        try:
+            if self._memory is not None:
+                self._memory.close()
+        finally:
+            if self._saver is not None:
+                self._saver.close()
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -221,6 +250,8 @@ class CheckpointManager:
         leave a checkpoint a restart could resume from.
         """
         self.wait()
+        if self._memory is not None:
+            self._memory.discard_after(step)
         return self.folder.discard_after(step) if self.rank == 0 else []
 
     def records(self) -> list[Record]:
@@ -276,10 +307,34 @@ class CheckpointManager:
         (uncommitted, unreadable metadata, checksum failures, missing objects)
         are skipped with a logged reason, falling back to older ones; a state
         that does not match the checkpoint raises instead.
+
+        With a memory tier, a step in node memory (own, a peer's copy, a parity rebuild) at least
+        as new as the newest persistent checkpoint is restored from there instead. Either way
+        :attr:`last_restore` says what happened.
         """
+        t0 = time.perf_counter()
         self.wait()
         bound = 2**62 if at_most is None else at_most
         self.skipped = []
+        if self._memory is not None:
+            from ckptkit.memory.restore import restore_from_memory
+
+            newest = self.latest_common_step(bound)
+            info = restore_from_memory(self._memory, state, at_most=at_most, at_least=-1 if newest is None else newest)
+            if info is not None:
+                self.last_restore = info
+                return info.step
+        step = self._restore_persistent(state, strict, bound)
+        if step is not None:
+            from ckptkit.memory.restore import RestoreInfo
+
+            sources = ("persistent",) * self._comm.world_size
+            self.last_restore = RestoreInfo(step, "persistent", sources, time.perf_counter() - t0)
+            if self._memory is not None:
+                self._memory.discard_after(step)
+        return step
+
+    def _restore_persistent(self, state: dict[str, Any], strict: bool, bound: int) -> int | None:
         while True:
             step = self.latest_common_step(bound)
             if step is None:

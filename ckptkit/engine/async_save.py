@@ -82,12 +82,16 @@ def _new_comm(process_group: Any) -> Comm:
 
 
 class AsyncSaver:
-    """Runs asynchronous saves for one set of ranks. Construct it on every rank (collective)."""
+    """Runs asynchronous saves for one set of ranks. Construct it on every rank (collective unless
+    ``rank_local``)."""
 
-    def __init__(self, process_group: Any = None, options: AsyncOptions = AsyncOptions()) -> None:
+    def __init__(self, process_group: Any = None, options: AsyncOptions = AsyncOptions(), *,
+                 rank_local: bool = False) -> None:
+        """``rank_local``: every rank saves its own checkpoint of its own state, alone (no collective
+        at all; the memory tier's per-rank snapshots). Not collective then."""
         self.options = options
-        self.plan_comm = _new_comm(process_group)
-        self.commit_comm = _new_comm(process_group)
+        self.plan_comm = LocalComm() if rank_local else _new_comm(process_group)
+        self.commit_comm = LocalComm() if rank_local else _new_comm(process_group)
         self.pool = StagingPool(options.max_staging_bytes, shared=options.executor == "process")
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptkit-persist")
         self._writer: Any = None

@@ -5,9 +5,12 @@ The pure parts (detectors, ladder, skip ranges, planner) import no torch.
 
 from ckptkit.resilience.detectors import DetectorConfig, SpikeDetector
 from ckptkit.resilience.ladder import Decision, Flags, Ladder
-from ckptkit.resilience.planner import checkpoint_size, goodput, plan, young_daly_interval
+from ckptkit.resilience.planner import Plan, SaveTime, checkpoint_size, goodput, plan, save_time, young_daly_interval
 from ckptkit.resilience.policy import LowerLR, Rewarm, Rollback, SkipStep, SpikePolicy
 from ckptkit.resilience.skips import SkipRanges
+from ckptkit.resilience.tier_planner import (
+    MemoryTierPlanOptions, TwoTierPlan, held_bytes_per_rank, plan_tiers, two_tier_goodput,
+)
 
 
 
@@ -24,5 +27,6 @@ def __getattr__(name: str) -> object:
 __all__ = [
     "load_report", "plot",
     "DetectorConfig", "SpikeDetector", "Decision", "Flags", "Ladder", "checkpoint_size", "goodput", "plan",
-    "young_daly_interval", "SpikePolicy", "SkipStep", "Rollback", "Rewarm", "LowerLR", "SkipRanges",
+    "young_daly_interval", "Plan", "SaveTime", "save_time", "MemoryTierPlanOptions", "TwoTierPlan",
+    "held_bytes_per_rank", "plan_tiers", "two_tier_goodput", "SpikePolicy", "SkipStep", "Rollback", "Rewarm", "LowerLR", "SkipRanges",
 ]

@@ -182,3 +182,8 @@ def test_planner():
     p = plan(70e9, 4, 8, 32, 1, write_gbps=5, mtbf_hours=3)
     assert p.save_seconds == pytest.approx(size.per_rank / 5e9)
     assert "Young/Daly interval" in "\n".join(p.lines())
+    # per-rank bandwidth alone: the plan says so, and what aggregate it assumes (tests/core/test_plan_tiers.py: more)
+    assert p.save is not None and p.save.limited_by == "per-rank bandwidth"
+    assert "5,120 GB/s in aggregate" in "\n".join(p.lines())
+    fs = plan(70e9, 4, 8, 32, 1, write_gbps=5, mtbf_hours=3, fs_gbps=200)
+    assert fs.save_seconds == pytest.approx(size.total / 200e9) and fs.save.limited_by == "file system"

@@ -1,0 +1,108 @@
+"""Byte transfers between ranks for the memory tier, on a dedicated gloo group.
+
+The group is the tier's own (made once, collectively, when the tier is built): the background
+thread that copies snapshots to peers never touches the training process group, and the group's
+timeout bounds every wait, so a lost peer fails the copy instead of hanging it.
+
+Two shapes of transfer:
+
+* :meth:`Link.swap` — a round in which every rank sends to one rank and receives from another
+  (a permutation: the replica rounds, the parity rounds). All pairs run at once.
+* :meth:`Link.transfer` — a list of ``(sender, receiver, key)`` moves that every rank walks in the
+  same order, each rank acting only in its own (a restore's copies from peers). The same order on
+  every rank means no two ranks ever wait on each other in a cycle.
+"""
+
+from __future__ import annotations
+
+import datetime
+import warnings
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def _u8(buf: bytes | bytearray | memoryview) -> torch.Tensor:
+    """A uint8 tensor over ``buf`` without a copy (read-only buffers are only ever sent)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "non-writable buffer": sends never write to it
+        return torch.frombuffer(buf, dtype=torch.uint8)
+
+
+class Link:
+    """Point-to-point bytes between the ranks of ``ranks`` (global ranks; None: the whole world)."""
+
+    def __init__(self, ranks: Sequence[int] | None, timeout_seconds: float) -> None:
+        self.group = dist.new_group(ranks=list(ranks) if ranks is not None else None, backend="gloo",
+                                    timeout=datetime.timedelta(seconds=timeout_seconds))
+        self.rank = dist.get_rank(self.group)
+        self.world_size = dist.get_world_size(self.group)
+
+    def _global(self, rank: int) -> int:
+        return dist.get_global_rank(self.group, rank)
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def barrier(self) -> None:
+        """Every rank has reached this point (an all-reduce, bounded by the group's timeout)."""
+        t = torch.zeros(1)
+        dist.all_reduce(t, group=self.group)
+
+    def swap(self, send_to: int, payload: bytes | memoryview, recv_from: int) -> bytearray:
+        """Send ``payload`` to ``send_to`` while receiving from ``recv_from``; sizes go first."""
+        size = torch.tensor([len(payload)], dtype=torch.int64)
+        got = torch.zeros(1, dtype=torch.int64)
+        self._batch([(size, send_to, True), (got, recv_from, False)])
+        out = bytearray(int(got.item()))
+        ops = []
+        if len(payload):
+            ops.append((_u8(payload), send_to, True))
+        if len(out):
+            ops.append((_u8(out), recv_from, False))
+        self._batch(ops)
+        return out
+
+    def _batch(self, ops: list[tuple[torch.Tensor, int, bool]]) -> None:
+        if not ops:
+            return
+        p2p = [dist.P2POp(dist.isend if send else dist.irecv, t, self._global(peer), self.group)
+               for t, peer, send in ops]
+        for work in dist.batch_isend_irecv(p2p):
+            work.wait()
+
+    def transfer(self, moves: Sequence[tuple[int, int, Hashable]],
+                 payload: Callable[[Hashable], bytes]) -> dict[Hashable, bytearray]:
+        """Carry out ``moves`` in order; return what this rank received, by key.
+
+        A sender whose ``payload(key)`` fails sends an empty payload (the receiver then finds the
+        copy missing and says so) rather than leave its receiver waiting."""
+        got: dict[Hashable, bytearray] = {}
+        for sender, receiver, key in moves:
+            if sender == self.rank:
+                try:
+                    data: bytes | memoryview = payload(key)
+                except Exception:  # noqa: BLE001 - the receiver reports the missing copy
+                    data = b""
+                size = torch.tensor([len(data)], dtype=torch.int64)
+                dist.send(size, self._global(receiver), group=self.group)
+                if len(data):
+                    dist.send(_u8(data), self._global(receiver), group=self.group)
+            elif receiver == self.rank:
+                size = torch.zeros(1, dtype=torch.int64)
+                dist.recv(size, self._global(sender), group=self.group)
+                buf = bytearray(int(size.item()))
+                if len(buf):
+                    dist.recv(_u8(buf), self._global(sender), group=self.group)
+                got[key] = buf
+        return got
+
+    def close(self) -> None:
+        try:
+            dist.destroy_process_group(self.group)
+        except Exception:  # noqa: BLE001 - best effort at shutdown
+            pass

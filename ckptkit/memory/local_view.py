@@ -1,0 +1,95 @@
+"""A rank's own state as a flat dict of local tensors and values, and a fingerprint of its layout.
+
+A memory snapshot is a checkpoint of one rank's *local* state (the bytes it holds: a DTensor's
+local shard, a :class:`~ckptkit.Sharded` declaration's local tensor), saved as a one-rank
+checkpoint. It is only ever restored to the same rank of a job at the same layout, so the
+layout itself is not stored — only its fingerprint, which must match before a snapshot is used:
+the same local shapes can hold different parts of a tensor at another layout (tp2 vs dp2 on the
+same four ranks), and loading them would be silently wrong.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ckptkit.engine.dtensor_grid import grid_of, is_dtensor, local_of
+from ckptkit.engine.state import FlatState, flatten_state
+from ckptkit.layout.values import split_key
+
+
+def _put(view: dict[str, Any], key: str, value: Any) -> None:
+    """Place ``value`` at ``key``'s path, so the snapshot stores it under the user's own key."""
+    parts = split_key(key)
+    node = view
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+    node[parts[-1]] = value
+
+
+def _get(view: dict[str, Any], key: str) -> Any:
+    node: Any = view
+    for part in split_key(key):
+        node = node[part]
+    return node
+
+
+@dataclass
+class LocalView:
+    """The view to save or load (``state``) and how to put loaded values back into the user's."""
+
+    state: dict[str, Any]
+    flat: FlatState
+    fingerprint: str
+    nbytes: int = 0  # this rank's tensor bytes
+
+    def write_back(self) -> None:
+        """After a load into :attr:`state`: values and per-rank values back into the user's state
+        (tensors and generators were loaded in place)."""
+        for leaf in self.flat.values:
+            leaf.assign(_get(self.state, leaf.key))
+        for leaf in self.flat.per_rank:
+            leaf.obj.value = _get(self.state, leaf.key)
+
+
+def local_view(state: dict[str, Any], world_size: int, rank: int) -> LocalView:
+    flat = flatten_state(state)
+    h = hashlib.sha256(repr((world_size, rank)).encode())
+    view: dict[str, Any] = {}
+    for leaf in flat.tensors:
+        t = leaf.obj
+        if is_dtensor(t):
+            layout, coord = grid_of(t, leaf.key)
+            local = local_of(t)
+            h.update(repr((leaf.key, str(t.dtype), tuple(t.shape), tuple(local.shape), layout.mesh.shape,
+                           layout.placements, layout.padded, layout.fused, coord)).encode())
+        else:
+            local = t
+            h.update(repr((leaf.key, str(t.dtype), tuple(t.shape))).encode())
+        _put(view, leaf.key, local.detach())
+    for leaf in flat.sharded:
+        s = leaf.obj
+        _put(view, leaf.key, s.local.detach())
+        h.update(repr((leaf.key, str(s.local.dtype), tuple(s.local.shape), s.pieces)).encode())
+    for leaf in flat.generators:
+        _put(view, leaf.key, leaf.obj)
+        h.update(repr((leaf.key, "generator")).encode())
+    for leaf in flat.per_rank:
+        _put(view, leaf.key, leaf.obj.value)
+        h.update(repr((leaf.key, "per_rank")).encode())
+    for leaf in flat.values:
+        _put(view, leaf.key, leaf.obj)
+        h.update(repr((leaf.key, "value")).encode())
+    nbytes = sum(t.numel() * t.element_size() for t in _tensors(view))
+    return LocalView(view, flat, h.hexdigest(), nbytes)
+
+
+def _tensors(node: Any) -> Any:
+    if isinstance(node, torch.Tensor):
+        yield node
+    elif isinstance(node, dict):
+        for v in node.values():
+            yield from _tensors(v)

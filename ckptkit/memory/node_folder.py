@@ -1,0 +1,245 @@
+"""One node's memory folder: per step, a ckptkit checkpoint per rank held, and parity shares.
+
+    <root>/step-0000000500/rank-00003/      a whole ckptkit checkpoint of rank 3's own state
+                                            (manifest, index, data: ``ckptkit verify`` reads it)
+    <root>/step-0000000500/share-00007.bin  rank 7's parity share of the step (raw bytes)
+    <root>/step-0000000500/share-00007.json its header (group, chunk size, members' lengths and
+                                            SHA-256 digests), written last: the share's commit
+
+A rank's snapshot travels between nodes as a *bundle*: the files of its folder behind a small
+JSON header (names and sizes). A received bundle is checked (names, sizes, no path outside the
+folder) and written back as files, manifest last, so a half-written copy is never committed.
+Whether a copy is *good* is decided by ckptkit's own checks (:func:`verified`): digests of the
+metadata and a CRC32C of every block, the same as for any checkpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+from ckptkit.errors import CkptkitError, CorruptCheckpointError
+from ckptkit.layout.manifest import MANIFEST_NAME
+from ckptkit.storage.local import LocalStore
+
+log = logging.getLogger("ckptkit")
+
+STEP_RE = re.compile(r"^step-(\d{10})$")
+RANK_RE = re.compile(r"^rank-(\d{5})$")
+SHARE_RE = re.compile(r"^share-(\d{5})\.json$")
+MAGIC = b"CKMT1\n"
+MAX_HEADER = 1 << 20
+MAX_FILES = 4096
+
+
+def step_name(step: int) -> str:
+    return f"step-{step:010d}"
+
+
+def rank_name(rank: int) -> str:
+    return f"rank-{rank:05d}"
+
+
+@dataclass(frozen=True)
+class ShareHeader:
+    """What a parity share protects: the group's members (ranks, in member order), whose share
+    this is, the chunk size, and each member's bundle length and SHA-256."""
+
+    step: int
+    members: tuple[int, ...]
+    index: int
+    chunk: int
+    lengths: tuple[int, ...]
+    digests: tuple[str, ...]
+    share_digest: str
+
+    def to_json(self) -> bytes:
+        return json.dumps({"version": 1, "step": self.step, "members": list(self.members), "index": self.index,
+                           "chunk": self.chunk, "lengths": list(self.lengths), "digests": list(self.digests),
+                           "share_digest": self.share_digest}).encode()
+
+    @staticmethod
+    def from_json(data: bytes, where: str) -> ShareHeader:
+        try:
+            doc = json.loads(data)
+            members = tuple(int(m) for m in doc["members"])
+            header = ShareHeader(int(doc["step"]), members, int(doc["index"]), int(doc["chunk"]),
+                                 tuple(int(n) for n in doc["lengths"]), tuple(str(d) for d in doc["digests"]),
+                                 str(doc["share_digest"]))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise CorruptCheckpointError(f"{where}: not a parity share header: {exc}") from None
+        g = len(header.members)
+        if doc.get("version") != 1 or g < 2 or not 0 <= header.index < g or len(header.lengths) != g \
+                or len(header.digests) != g or header.chunk < 0 or any(n < 0 or n > (g - 1) * header.chunk
+                                                                       for n in header.lengths):
+            raise CorruptCheckpointError(f"{where}: inconsistent parity share header")
+        return header
+
+
+def pack_bundle(store: LocalStore) -> bytes:
+    """A rank folder's files as one byte string: magic, header length, JSON header, the files."""
+    keys = store.list_keys()
+    if MANIFEST_NAME not in keys:
+        raise CorruptCheckpointError(f"{store.url}: not a committed snapshot (no {MANIFEST_NAME})")
+    datas = [store.read_bytes(k) for k in keys]
+    header = json.dumps({"files": [[k, len(d)] for k, d in zip(keys, datas)]}).encode()
+    return b"".join([MAGIC, struct.pack("<Q", len(header)), header, *datas])
+
+
+def unpack_bundle(blob: bytes | memoryview, where: str) -> list[tuple[str, memoryview]]:
+    """The files of a bundle, checked: known layout, plain relative names, sizes that add up."""
+    view = memoryview(blob).cast("B")
+    if len(view) < len(MAGIC) + 8 or bytes(view[: len(MAGIC)]) != MAGIC:
+        raise CorruptCheckpointError(f"{where}: not a ckptkit memory snapshot bundle")
+    (hlen,) = struct.unpack("<Q", view[len(MAGIC): len(MAGIC) + 8])
+    start = len(MAGIC) + 8
+    if hlen > min(MAX_HEADER, len(view) - start):
+        raise CorruptCheckpointError(f"{where}: bundle header of {hlen} bytes does not fit")
+    try:
+        files = json.loads(bytes(view[start:start + hlen]))["files"]
+        entries = [(str(name), int(size)) for name, size in files]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CorruptCheckpointError(f"{where}: bundle header unreadable: {exc}") from None
+    if len(entries) > MAX_FILES:
+        raise CorruptCheckpointError(f"{where}: bundle lists {len(entries)} files (at most {MAX_FILES})")
+    pos, out = start + hlen, []
+    for name, size in entries:
+        parts = name.split("/")
+        if not name or name.startswith("/") or any(p in ("", ".", "..") for p in parts) or "\\" in name or size < 0:
+            raise CorruptCheckpointError(f"{where}: bundle names a file outside its folder: {name!r}")
+        if pos + size > len(view):
+            raise CorruptCheckpointError(f"{where}: bundle file {name!r} runs past the end")
+        out.append((name, view[pos:pos + size]))
+        pos += size
+    if pos != len(view) or MANIFEST_NAME not in {n for n, _ in out}:
+        raise CorruptCheckpointError(f"{where}: bundle sizes do not add up, or it holds no {MANIFEST_NAME}")
+    return out
+
+
+class NodeFolder:
+    """The memory folder of one node (or of one process, when each passes its own)."""
+
+    def __init__(self, root: str) -> None:
+        self.root = os.path.abspath(root)
+        os.makedirs(self.root, exist_ok=True)
+
+    def step_path(self, step: int) -> str:
+        return os.path.join(self.root, step_name(step))
+
+    def rank_store(self, step: int, rank: int) -> LocalStore:
+        return LocalStore(os.path.join(self.step_path(step), rank_name(rank)))
+
+    def steps(self) -> list[int]:
+        """Steps with a folder here, newest first."""
+        try:
+            names = os.listdir(self.root)
+        except FileNotFoundError:
+            return []
+        return sorted((int(m.group(1)) for m in map(STEP_RE.match, names) if m), reverse=True)
+
+    def ranks_at(self, step: int) -> list[int]:
+        """Ranks with a *committed* snapshot folder at ``step`` (manifest present; not yet verified)."""
+        try:
+            names = os.listdir(self.step_path(step))
+        except FileNotFoundError:
+            return []
+        out = []
+        for m in map(RANK_RE.match, names):
+            if m and os.path.isfile(os.path.join(self.step_path(step), m.group(0), MANIFEST_NAME)):
+                out.append(int(m.group(1)))
+        return sorted(out)
+
+    def shares_at(self, step: int) -> list[int]:
+        """Holders of committed parity shares at ``step``."""
+        try:
+            names = os.listdir(self.step_path(step))
+        except FileNotFoundError:
+            return []
+        return sorted(int(m.group(1)) for m in map(SHARE_RE.match, names) if m)
+
+    def write_bundle(self, step: int, rank: int, blob: bytes | memoryview) -> LocalStore:
+        """Write a received bundle as rank ``rank``'s folder at ``step`` (replacing a damaged one);
+        the manifest last, so a copy cut short is never committed."""
+        store = self.rank_store(step, rank)
+        files = unpack_bundle(blob, store.url)
+        self.remove_rank(step, rank)
+        for name, data in sorted(files, key=lambda f: f[0] == MANIFEST_NAME):
+            store.write_object(name, [data])
+        return store
+
+    def read_share(self, step: int, holder: int) -> tuple[ShareHeader, bytes]:
+        """A parity share and its header, checked against the digest the header records."""
+        base = os.path.join(self.step_path(step), f"share-{holder:05d}")
+        where = base + ".json"
+        with open(where, "rb") as f:
+            header = ShareHeader.from_json(f.read(MAX_HEADER + 1), where)
+        with open(base + ".bin", "rb") as f:
+            data = f.read(header.chunk + 1)
+        if len(data) != header.chunk or hashlib.sha256(data).hexdigest() != header.share_digest:
+            raise CorruptCheckpointError(f"{base}.bin: parity share does not match its header's digest")
+        return header, data
+
+    def write_share(self, step: int, holder: int, header: ShareHeader, data: bytes | memoryview) -> None:
+        store = LocalStore(self.step_path(step))
+        store.write_object(f"share-{holder:05d}.bin", [data])
+        store.put_bytes(f"share-{holder:05d}.json", header.to_json())
+
+    def remove_rank(self, step: int, rank: int) -> None:
+        shutil.rmtree(os.path.join(self.step_path(step), rank_name(rank)), ignore_errors=True)
+
+    def remove_share(self, step: int, holder: int) -> None:
+        for ext in (".json", ".bin"):  # header first: a share without it is not committed
+            try:
+                os.unlink(os.path.join(self.step_path(step), f"share-{holder:05d}{ext}"))
+            except FileNotFoundError:
+                pass
+
+    def remove_claimed(self, step: int, claims: Any) -> None:
+        """Remove the folders and shares ``claims(kind, rank)`` says are this process's to manage;
+        the step folder goes when nothing else is left in it (a node mate's entries stay)."""
+        for r in self.ranks_at(step) + self._uncommitted_ranks(step):
+            if claims(r):
+                self.remove_rank(step, r)
+        for h in self._share_holders_any(step):
+            if claims(h):
+                self.remove_share(step, h)
+        try:
+            os.rmdir(self.step_path(step))
+        except OSError:
+            pass
+
+    def _uncommitted_ranks(self, step: int) -> list[int]:
+        try:
+            names = os.listdir(self.step_path(step))
+        except FileNotFoundError:
+            return []
+        return [int(m.group(1)) for m in map(RANK_RE.match, names) if m]
+
+    def _share_holders_any(self, step: int) -> list[int]:
+        try:
+            names = os.listdir(self.step_path(step))
+        except FileNotFoundError:
+            return []
+        return sorted({int(n[6:11]) for n in names if n.startswith("share-") and n[6:11].isdigit()})
+
+
+def verified(store: LocalStore) -> str | None:
+    """None when the snapshot at ``store`` passes every check ckptkit makes of a checkpoint,
+    else the first problem (the copy is then never used)."""
+    from ckptkit.offline.verification import verify
+
+    try:
+        report = verify(store.url, threads=2)
+    except (CkptkitError, OSError) as exc:
+        return str(exc)
+    if report.ok:
+        return None
+    first = report.problems[0] if report.problems else None
+    return f"{first.kind}: {first.message}" if first is not None else "not found"

@@ -1,0 +1,313 @@
+"""Restoring from the memory tier: the newest step every rank can get back, and from where.
+
+Collective over the job. In order:
+
+1. **Inventory.** Each rank lists the committed copies it manages in its node folder, with the
+   metadata each copy's manifest records (step, rank, world size, layout fingerprint), and the
+   parity shares it holds; one all-gather shares them, with every rank's current fingerprint.
+   Copies taken at another world size or layout never count (and the log says so plainly).
+2. **Choose a step.** The newest step (not older than ``at_least``, not newer than ``at_most``)
+   for which :func:`~ckptkit.memory.topology.plan_sources` finds a source for every rank.
+3. **Verify.** Every holder checks its copies of that step end to end (digests of the metadata,
+   a CRC32C of every block) and its shares against their digests; the verified inventory is
+   gathered again and the sources planned anew. A copy that fails is never used: the plan falls
+   back to the next source (own -> peer -> parity) or the step to an older one, with a warning.
+4. **Move and load.** Copies and shares travel over the tier's group in one agreed order; a rank
+   whose copy came from a peer or a parity rebuild writes it into its own node folder (its node
+   is protected again), then loads its local state from it. Any failure on any rank is agreed
+   and the next older step is tried; none left means the persistent checkpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import struct
+import time
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import Any
+
+from ckptkit.engine.collective import LocalComm
+from ckptkit.engine.loader import load_state
+from ckptkit.engine.metadata_io import read_manifest
+from ckptkit.engine.state import flatten_state
+from ckptkit.errors import CkptkitError, CorruptCheckpointError
+from ckptkit.layout.values import decode_value
+from ckptkit.memory import parity
+from ckptkit.memory.local_view import LocalView, local_view
+from ckptkit.memory.node_folder import ShareHeader, pack_bundle, verified
+from ckptkit.memory.tier import MemorySnapshots
+from ckptkit.memory.topology import ParityShare, Source, plan_sources
+
+log = logging.getLogger("ckptkit")
+
+
+@dataclass(frozen=True)
+class RestoreInfo:
+    """What the last restore did: the step, where this rank's state came from (``"memory"``,
+    ``"peer"``, ``"parity"`` or ``"persistent"``), every rank's source, and the seconds it took."""
+
+    step: int
+    source: str
+    sources: tuple[str, ...]
+    seconds: float
+
+
+@dataclass(frozen=True)
+class _Copy:
+    rank: int
+    world_size: int
+    fingerprint: str
+
+
+def _inventory(tier: MemorySnapshots, at_most: int) -> dict[int, dict[str, Any]]:
+    """step -> {"copies": [_Copy...], "shares": [(holder, members, index)]} of what this process manages."""
+    out: dict[int, dict[str, Any]] = {}
+    for step in tier.folder.steps():
+        if step > at_most:
+            continue
+        copies = []
+        for r in tier.folder.ranks_at(step):
+            if not tier.claims(r):
+                continue
+            try:
+                meta = decode_value(read_manifest(tier.folder.rank_store(step, r)).meta.get("user", {}), "memory tier")
+                copies.append(_Copy(int(meta["rank"]), int(meta["world_size"]), str(meta["fingerprint"])))
+            except (CkptkitError, OSError, KeyError, TypeError, ValueError) as exc:
+                log.warning("memory tier: step %d, rank %d's copy at %s is unreadable, not used: %s",
+                            step, r, tier.folder.root, exc)
+        shares = []
+        for h in tier.folder.shares_at(step):
+            if tier.claims(h):
+                try:
+                    header = _share_header(tier, step, h)
+                    shares.append((h, header.members, header.index))
+                except (CkptkitError, OSError) as exc:
+                    log.warning("memory tier: step %d, parity share %d unreadable, not used: %s", step, h, exc)
+        if copies or shares:
+            out[step] = {"copies": copies, "shares": shares}
+    return out
+
+
+def _share_header(tier: MemorySnapshots, step: int, holder: int) -> ShareHeader:
+    import os
+
+    path = os.path.join(tier.folder.step_path(step), f"share-{holder:05d}.json")
+    with open(path, "rb") as f:
+        return ShareHeader.from_json(f.read(1 << 20), path)
+
+
+def _usable(copies: list[_Copy], fingerprints: list[str], world_size: int) -> frozenset[int]:
+    return frozenset(c.rank for c in copies
+                     if c.world_size == world_size and 0 <= c.rank < world_size and c.fingerprint == fingerprints[c.rank])
+
+
+def _plan(step: int, gathered: list[Any], fingerprints: list[str], world_size: int) -> dict[int, Source] | None:
+    copies = [_usable(inv.get(step, {}).get("copies", []), fingerprints, world_size) for _, _, inv in gathered]
+    shares: list[ParityShare | None] = []
+    for _, _, inv in gathered:
+        held = inv.get(step, {}).get("shares", [])
+        shares.append(ParityShare(tuple(held[0][1]), held[0][2]) if held else None)
+    return plan_sources(world_size, copies, [local for local, _, _ in gathered], shares)
+
+
+def _explain_unusable(gathered: list[Any], fingerprints: list[str], world_size: int, rank: int) -> None:
+    """Say plainly why snapshots that exist cannot be used (another world size or layout)."""
+    if rank != 0:
+        return
+    for _, _, inv in gathered:
+        for step, entry in sorted(inv.items(), reverse=True):
+            for c in entry["copies"]:
+                if c.world_size != world_size:
+                    log.warning("memory tier: the snapshots of step %d were taken at world size %d; this job has %d "
+                                "ranks: restoring from persistent storage only", step, c.world_size, world_size)
+                    return
+                if 0 <= c.rank < world_size and c.fingerprint != fingerprints[c.rank]:
+                    log.warning("memory tier: the snapshots of step %d were taken at another layout (rank %d's state "
+                                "differs): restoring from persistent storage only", step, c.rank)
+                    return
+
+
+def _verify_step(tier: MemorySnapshots, step: int, inv: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """This process's inventory of ``step`` with only the copies and shares that pass every check."""
+    entry = inv.get(step)
+    if entry is None:
+        return {}
+    good = []
+    for c in entry["copies"]:
+        problem = verified(tier.folder.rank_store(step, c.rank))
+        if problem is None:
+            good.append(c)
+        else:
+            log.warning("memory tier: rank %d's copy of step %d at %s fails its checks and is not used: %s",
+                        c.rank, step, tier.folder.root, problem)
+    shares = []
+    for h, members, index in entry["shares"]:
+        try:
+            tier.folder.read_share(step, h)
+            shares.append((h, members, index))
+        except (CkptkitError, OSError) as exc:
+            log.warning("memory tier: parity share %d of step %d fails its checks and is not used: %s", h, step, exc)
+    return {step: {"copies": good, "shares": shares}} if good or shares else {}
+
+
+def _pack_share(header: ShareHeader, data: bytes) -> bytes:
+    head = header.to_json()
+    return struct.pack("<Q", len(head)) + head + data
+
+
+def _unpack_share(blob: bytes | bytearray, where: str) -> tuple[ShareHeader, bytes]:
+    if len(blob) < 8:
+        raise CorruptCheckpointError(f"{where}: parity share missing")
+    (n,) = struct.unpack("<Q", bytes(blob[:8]))
+    if n > min(len(blob) - 8, 1 << 20):
+        raise CorruptCheckpointError(f"{where}: parity share header does not fit")
+    header = ShareHeader.from_json(bytes(blob[8:8 + n]), where)
+    data = bytes(blob[8 + n:])
+    if len(data) != header.chunk or hashlib.sha256(data).hexdigest() != header.share_digest:
+        raise CorruptCheckpointError(f"{where}: parity share does not match its digest")
+    return header, data
+
+
+def _moves(plan: dict[int, Source], gathered: list[Any], step: int) -> list[tuple[int, int, Hashable]]:
+    """Every transfer of the restore, in one order all ranks compute alike."""
+    local = [g[0] for g in gathered]
+    moves: list[tuple[int, int, Hashable]] = []
+    for r in sorted(plan):
+        src = plan[r]
+        if src.kind == "peer":
+            assert src.holder is not None
+            moves.append((src.holder, r, ("copy", r)))
+        elif src.kind == "parity":
+            for holder, kind, what in _parity_inputs(r, plan, gathered, step):
+                if local[holder] != local[r]:
+                    moves.append((holder, r, (kind, what)))
+    return moves
+
+
+def _parity_inputs(rank: int, plan: dict[int, Source], gathered: list[Any], step: int) -> list[tuple[int, str, int]]:
+    """(holder, "copy" | "share", member rank | member index) of everything rebuilding ``rank`` needs."""
+    share_holders: dict[int, int] = {}
+    members: tuple[int, ...] = ()
+    for holder, (_, _, inv) in enumerate(gathered):
+        for _, m, index in inv.get(step, {}).get("shares", []):
+            if rank in m and index not in share_holders:
+                share_holders[index], members = holder, tuple(m)
+    out = []
+    for i, m in enumerate(members):
+        if m == rank:
+            continue
+        out.append((plan[m].holder, "copy", m))
+        out.append((share_holders[i], "share", i))
+    return out
+
+
+def _payload(tier: MemorySnapshots, step: int, gathered: list[Any]) -> Any:
+    def payload(key: Hashable) -> bytes:
+        kind, what = key  # type: ignore[misc]
+        if kind == "copy":
+            return pack_bundle(tier.folder.rank_store(step, what))
+        for h, _, index in gathered[tier.rank][2].get(step, {}).get("shares", []):
+            if index == what:
+                return _pack_share(*tier.folder.read_share(step, h))
+        raise CorruptCheckpointError(f"memory tier: no parity share {what} of step {step} here")
+
+    return payload
+
+
+def _rebuild(tier: MemorySnapshots, step: int, plan: dict[int, Source], gathered: list[Any],
+             got: dict[Hashable, bytearray]) -> bytes:
+    where = f"memory tier step {step} rank {tier.rank}"
+    local_get = _payload(tier, step, gathered)
+    others: dict[int, bytes | bytearray] = {}
+    shares: dict[int, Any] = {}
+    header: ShareHeader | None = None
+    inputs = _parity_inputs(tier.rank, plan, gathered, step)
+    for holder, kind, what in inputs:
+        key = (kind, what)
+        blob = got[key] if key in got else local_get(key)
+        if kind == "share":
+            header, data = _unpack_share(blob, where)
+            shares[header.index] = parity.as_chunk(data, header.chunk)
+        else:
+            others[what] = blob
+    assert header is not None
+    me = header.members.index(tier.rank)
+    by_index = {header.members.index(m): b for m, b in others.items()}
+    for i, b in by_index.items():
+        if hashlib.sha256(b).hexdigest() != header.digests[i]:
+            raise CorruptCheckpointError(f"{where}: member {header.members[i]}'s copy is not the one the parity covers")
+    blob = parity.rebuild(me, header.lengths[me], by_index, shares, len(header.members), header.chunk)
+    if hashlib.sha256(blob).hexdigest() != header.digests[me]:
+        raise CorruptCheckpointError(f"{where}: the parity rebuild does not match the snapshot's digest")
+    return blob
+
+
+def _restore_step(tier: MemorySnapshots, view: LocalView, step: int, plan: dict[int, Source],
+                  gathered: list[Any]) -> BaseException | None:
+    """Move, rebuild and load this rank's snapshot of ``step``; the error, if any (not raised:
+    every rank must reach the agreement that follows)."""
+    try:
+        got = tier.link.transfer(_moves(plan, gathered, step), _payload(tier, step, gathered)) \
+            if tier.link is not None else {}
+        src = plan[tier.rank]
+        store = tier.folder.rank_store(step, tier.rank)
+        if src.kind == "peer":
+            store = tier.folder.write_bundle(step, tier.rank, got[("copy", tier.rank)])
+        elif src.kind == "parity":
+            store = tier.folder.write_bundle(step, tier.rank, _rebuild(tier, step, plan, gathered, got))
+        load_state(flatten_state(view.state), store, LocalComm(), strict=True)
+        view.write_back()
+        return None
+    except Exception as exc:  # noqa: BLE001 - agreed below, then the next step is tried
+        return exc
+
+
+def restore_from_memory(tier: MemorySnapshots, state: dict[str, Any], *, at_most: int | None,
+                        at_least: int) -> RestoreInfo | None:
+    """The newest step in ``[at_least, at_most]`` every rank can restore from memory, restored;
+    None when there is none (then the caller restores from persistent storage). Collective."""
+    t0 = time.perf_counter()
+    tier._wait_quietly()
+    bound = 2**62 if at_most is None else at_most
+    view = local_view(state, tier.world_size, tier.rank)
+    mine = _inventory(tier, bound)
+    gathered = tier.comm.all_gather((_local_id(tier), view.fingerprint, mine))
+    fingerprints = [g[1] for g in gathered]
+    steps = sorted({s for _, _, inv in gathered for s in inv if s >= at_least}, reverse=True)
+    candidates = [s for s in steps if _plan(s, gathered, fingerprints, tier.world_size) is not None]
+    if steps and not candidates:
+        _explain_unusable(gathered, fingerprints, tier.world_size, tier.rank)
+    for step in candidates:
+        checked = tier.comm.all_gather((_local_id(tier), view.fingerprint, _verify_step(tier, step, mine)))
+        plan = _plan(step, checked, fingerprints, tier.world_size)
+        if plan is None:
+            if tier.rank == 0:
+                log.warning("memory tier: step %d cannot be restored once damaged copies are left out; trying older",
+                            step)
+            continue
+        error = _restore_step(tier, view, step, plan, checked)
+        flags = tier.comm.all_gather(None if error is None else f"{type(error).__name__}: {error}")
+        failed = [(r, e) for r, e in enumerate(flags) if e is not None]
+        if failed:
+            log.warning("memory tier: restoring step %d failed (rank %d: %s); trying an older step",
+                        step, failed[0][0], failed[0][1])
+            continue
+        tier.discard_after(step)
+        sources = tuple(plan[r].kind for r in range(tier.world_size))
+        info = RestoreInfo(step, sources[tier.rank], sources, time.perf_counter() - t0)
+        if tier.rank == 0:
+            counts = {k: sources.count(k) for k in ("memory", "peer", "parity")}
+            log.info("restored step %d from the memory tier in %.2fs (%s)", step, info.seconds,
+                     ", ".join(f"{n} rank(s) from {k}" for k, n in counts.items() if n))
+        return info
+    return None
+
+
+def _local_id(tier: MemorySnapshots) -> str:
+    """Ranks whose ids are equal read the same memory folder (same host, same path)."""
+    import socket
+
+    return json.dumps([socket.gethostname(), tier.folder.root])

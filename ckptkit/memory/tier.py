@@ -1,0 +1,202 @@
+"""The memory tier at work: snapshots into node memory, copies to peers or parity, retirement.
+
+Per snapshot, on the training thread (:meth:`MemorySnapshots.snapshot`):
+
+1. one tiny all-reduce of flags: is any rank's previous snapshot still being protected, did any
+   fail — so every rank takes the same branch and the background copies stay matched;
+2. the copy of this rank's local state into a reusable staging buffer (the only part that
+   blocks the step: it is :class:`~ckptkit.engine.async_save.AsyncSaver`'s snapshot, with a
+   rank-local saver).
+
+Then, on one background thread per rank: the staged bytes are written to the node's memory
+folder as a one-rank ckptkit checkpoint (manifest, index, checksums, commit), sent to the
+replica holders or folded into the parity shares of the rank's group over the tier's own gloo
+group, and once every rank is done (a barrier on that group) the previous step's copies are
+retired. So a node holds at most two steps: the newest complete one and the one in flight.
+
+Restores are :mod:`ckptkit.memory.restore`'s.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from ckptkit.engine.async_save import AsyncSaver, SaveHandle
+from ckptkit.engine.collective import Comm
+from ckptkit.errors import SaveError
+from ckptkit.memory import parity
+from ckptkit.memory.exchange import Link
+from ckptkit.memory.local_view import local_view
+from ckptkit.memory.node_folder import NodeFolder, ShareHeader, pack_bundle
+from ckptkit.memory.options import MemoryTier
+from ckptkit.memory.topology import Topology
+from ckptkit.options import AsyncOptions
+
+log = logging.getLogger("ckptkit")
+
+TIER_VERSION = 1
+
+
+def default_root(run_url: str) -> str:
+    """``/dev/shm/ckptkit-<hash of the run's URL>``: shared memory, one folder per run and node."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    return os.path.join(base, "ckptkit-" + hashlib.sha256(run_url.encode()).hexdigest()[:16])
+
+
+class MemorySnapshots:
+    """One rank's side of the memory tier. Construct on every rank (collective: makes the tier's group)."""
+
+    def __init__(self, options: MemoryTier, comm: Comm, run_url: str, ranks: list[int] | None = None) -> None:
+        self.options = options
+        self.comm = comm
+        self.rank, self.world_size = comm.rank, comm.world_size
+        self.topology = Topology(self.world_size, options.node_size(), options.copies, options.parity)
+        self.folder = NodeFolder(options.root or default_root(run_url))
+        self.link = Link(ranks, options.timeout_seconds) if self.world_size > 1 else None
+        self._saver = AsyncSaver(None, AsyncOptions(), rank_local=True)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptkit-memory")
+        self._inflight: Future[int] | None = None
+        self._budget_checked = False
+        #: the last protected step's (step, seconds to write and protect it)
+        self.last_protected: tuple[int, float] | None = None
+
+    # ------------------------------------------------------------------ claims
+    def claims(self, rank: int) -> bool:
+        """Whether this process manages entries named for ``rank`` in a node folder it may share with
+        its node mates: each local slot manages its own (and, after a restart that moved ranks
+        around, an even share of the rest)."""
+        n = self.topology.ranks_per_node
+        return rank % n == self.rank % n
+
+    # ---------------------------------------------------------------- snapshot
+    def snapshot(self, step: int, state: dict[str, Any]) -> SaveHandle:
+        """Snapshot ``state`` at ``step`` into memory and protect it in the background. Collective."""
+        prev = self._inflight
+        busy = prev is not None and not prev.done()
+        failed = prev is not None and prev.done() and prev.exception() is not None
+        any_busy, any_failed = self.comm.any_flags([busy, failed])
+        if any_busy or any_failed:
+            self._wait_quietly()
+        if any_failed:
+            self._inflight = None
+            exc = prev.exception() if prev is not None else None
+            raise SaveError(f"the previous memory snapshot failed{': ' + str(exc) if exc else ' on another rank'}") \
+                from exc
+        view = local_view(state, self.world_size, self.rank)
+        if not self._budget_checked:
+            self._check_budget(view.nbytes)
+        self.folder.remove_rank(step, self.rank)  # a leftover of an abandoned trajectory
+        meta = {"memory_tier": TIER_VERSION, "step": step, "rank": self.rank, "world_size": self.world_size,
+                "fingerprint": view.fingerprint}
+        handle = self._saver.save(view.state, self.folder.rank_store(step, self.rank), step=step, metadata=meta)
+        assert handle is not None  # a rank-local saver with on_busy="wait" never skips
+        self._inflight = self._executor.submit(self._protect, step, handle)
+        return handle
+
+    def wait(self) -> None:
+        """Block until the snapshot in flight is written and protected; raise its failure."""
+        if self._inflight is not None:
+            try:
+                self._inflight.result()
+            except SaveError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a copy to a peer, a write to node memory
+                raise SaveError(f"memory snapshot failed on rank {self.rank}: {type(exc).__name__}: {exc}") from exc
+            finally:
+                self._inflight = None
+
+    def _wait_quietly(self) -> None:
+        if self._inflight is not None:
+            try:
+                self._inflight.result()
+            except BaseException:  # noqa: BLE001 - reported by the caller through the agreed flag
+                pass
+
+    def close(self) -> None:
+        try:
+            self._wait_quietly()
+            self._saver.close()
+        finally:
+            self._executor.shutdown(wait=True)
+
+    # ------------------------------------------------------------- background
+    def _protect(self, step: int, handle: SaveHandle) -> int:
+        t0 = time.perf_counter()
+        handle.wait()  # the own copy is committed in node memory
+        if self.link is not None:
+            blob = pack_bundle(self.folder.rank_store(step, self.rank))
+            if self.topology.parity is not None:
+                self._parity_rounds(step, blob)
+            else:
+                for holder, source in zip(self.topology.replica_holders(self.rank),
+                                          self.topology.replica_sources(self.rank)):
+                    got = self.link.swap(holder, blob, source)
+                    self.folder.write_bundle(step, source, got)
+            del blob
+            self.link.barrier()  # every rank's copies of `step` are complete: older steps may go
+        self.retire_before(step)
+        self.last_protected = (step, time.perf_counter() - t0)
+        log.debug("memory snapshot of step %d protected in %.3fs", step, self.last_protected[1])
+        return step
+
+    def _parity_rounds(self, step: int, blob: bytes) -> None:
+        """Fold every member's chunks into the shares of this rank's group: ``g - 1`` rounds, in round
+        ``t`` member ``i`` sends its chunk for member ``i + 1 + t`` and receives from ``i - 1 - t``."""
+        assert self.link is not None and self.topology.parity is not None
+        g = self.topology.parity
+        members = self.topology.parity_group(self.rank)
+        me = members.index(self.rank)
+        facts = self.link.all_gather((len(blob), hashlib.sha256(blob).hexdigest()))
+        lengths = tuple(facts[m][0] for m in members)
+        c = parity.chunk_len(max(lengths), g)
+        chunks = []
+        for t in range(g - 1):
+            to = members[parity.holder_of(me, t, g)]
+            frm = members[(me - 1 - t) % g]
+            got = self.link.swap(to, parity.chunk_of(blob, me, parity.holder_of(me, t, g), g, c).numpy(), frm)
+            chunks.append(parity.as_chunk(got, c))
+        share = parity.share_of(me, chunks, c)
+        data = share.numpy().tobytes()
+        header = ShareHeader(step, members, me, c, lengths, tuple(facts[m][1] for m in members),
+                             hashlib.sha256(data).hexdigest())
+        self.folder.write_share(step, self.rank, header, data)
+
+    # ------------------------------------------------------------- retirement
+    def retire_before(self, step: int) -> None:
+        """Remove this process's entries of steps older than ``step`` (a complete newer one exists)."""
+        for s in self.folder.steps():
+            if s < step:
+                self.folder.remove_claimed(s, self.claims)
+
+    def discard_after(self, step: int) -> None:
+        """Remove this process's entries of steps newer than ``step`` (an abandoned trajectory)."""
+        self._wait_quietly()
+        for s in self.folder.steps():
+            if s > step:
+                self.folder.remove_claimed(s, self.claims)
+
+    def _check_budget(self, mine: int) -> None:
+        """The node's snapshots (two steps, with their protection) against the budget. Collective."""
+        sizes = self.comm.all_gather(mine)
+        node = self.topology.node_of(self.rank)
+        state = sum(b for r, b in enumerate(sizes) if self.topology.node_of(r) == node)
+        needed = int(2 * self.options.host_factor() * state)
+        if self.options.max_host_bytes is not None:
+            budget, what = self.options.max_host_bytes, "MemoryTier.max_host_bytes"
+        else:
+            budget, what = shutil.disk_usage(self.folder.root).free, f"the free space of {self.folder.root}"
+        over = needed > budget
+        if self.comm.any_flags([over])[0]:
+            raise SaveError(
+                f"memory tier: node {node} needs {needed / 2**30:.2f} GiB of host memory for its snapshots "
+                f"(2 steps x {self.options.host_factor():.2f} x {state / 2**30:.2f} GiB of state) but {what} is "
+                f"{budget / 2**30:.2f} GiB" if over else "memory tier: another node's snapshots exceed its budget"
+            )
+        self._budget_checked = True

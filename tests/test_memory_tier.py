@@ -1,0 +1,190 @@
+"""The memory tier across real gloo worlds: 4 ranks on simulated nodes (a memory folder per node).
+
+A "lost node" is its memory folder deleted between two runs of the job (the next run is the
+restarted job); tests/test_memory_tier_torchrun.py does the same with SIGKILLed ranks under
+torchrun. The reference for every restore is the same training run without interruption, and
+the comparison is bit for bit: FSDP2-sharded weights and Adam moments, unique bytes per rank.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ckptkit
+from tests import models
+
+STEPS = 6
+PERSIST_EVERY = 4
+
+
+def _tier(base: str, rpn: int, **kw) -> ckptkit.MemoryTier:
+    node = dist.get_rank() // rpn
+    return ckptkit.MemoryTier(every_steps=1, root=os.path.join(base, f"node{node}"), ranks_per_node=rpn, **kw)
+
+
+def train(run: str, base: str, rpn: int, steps: int = STEPS, fail_protect_at: int | None = None, **kw) -> dict:
+    """Train with a persistent save every 4 steps and a memory snapshot every step."""
+    model, optim = models.build("fsdp", torch.float32, seed=0)
+    mgr = ckptkit.CheckpointManager(run, save=ckptkit.SavePolicy(every_steps=PERSIST_EVERY),
+                                    memory=_tier(base, rpn, **kw))
+    failed = None
+    from ckptkit.memory import exchange
+
+    swap = exchange.Link.swap  # the ranks are reused by later tests: put it back
+    try:
+        for step in range(1, steps + 1):
+            failed = _step(mgr, model, optim, step, fail_protect_at, exchange) or failed
+    finally:
+        exchange.Link.swap = swap
+    try:
+        mgr.close()
+    except ckptkit.SaveError:
+        pass
+    return {"failed": failed}
+
+
+def _step(mgr, model, optim, step: int, fail_protect_at: int | None, exchange) -> str | None:
+    """One training step and its checkpoints; at ``fail_protect_at`` the copies to peers fail."""
+    failed = None
+    models.train(model, optim, 1, start=step)
+    if step == fail_protect_at:  # the copies of this step never reach the peers (a kill in flight)
+        mgr.wait()
+
+        def lost(*a, **k):
+            raise RuntimeError("peer lost while copying")
+        exchange.Link.swap = lost
+    mgr.maybe_save(step, models.sharded_state(model, optim))
+    if step == fail_protect_at:
+        try:
+            mgr.wait()
+        except ckptkit.SaveError as exc:
+            failed = str(exc)
+    return failed
+
+
+def reference(step: int) -> dict:
+    model, optim = models.build("fsdp", torch.float32, seed=0)
+    for s in range(1, step + 1):
+        models.train(model, optim, 1, start=s)
+    return models.full_state(model, optim)
+
+
+def restore(run: str, base: str, rpn: int, **kw) -> dict:
+    model, optim = models.build("fsdp", torch.float32, seed=5)
+    state = models.sharded_state(model, optim)
+    with ckptkit.CheckpointManager(run, memory=_tier(base, rpn, **kw)) as mgr:
+        step = mgr.restore_latest(state)
+        info = mgr.last_restore
+    models.apply_state(model, optim, state)
+    return {"step": step, "source": info.source, "sources": info.sources, "full": models.full_state(model, optim)}
+
+
+def _equal(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+@pytest.fixture(scope="module")
+def references(worlds):
+    return {s: worlds.run(4, reference, s)[0] for s in (4, 5, 6)}
+
+
+def _run(worlds, tmp_path, rpn: int, **kw):
+    run, base = str(tmp_path / "run"), str(tmp_path / "mem")
+    worlds.run(4, train, run, base, rpn, **kw)
+    return run, base
+
+
+def test_lost_node_resumes_from_peer_memory_bit_exact(worlds, tmp_path, references):
+    run, base = _run(worlds, tmp_path, 2, replicas=1)
+    shutil.rmtree(os.path.join(base, "node1"))  # ranks 2 and 3 lose their node
+    res = worlds.run(4, restore, run, base, 2, replicas=1)
+    assert [r["step"] for r in res] == [STEPS] * 4  # not the persistent step 4
+    assert res[0]["sources"] == ("memory", "memory", "peer", "peer")
+    _equal(res[0]["full"], references[STEPS])
+    # the restored node holds its own copies again: a second restore needs no peer
+    again = worlds.run(4, restore, run, base, 2, replicas=1)
+    assert again[0]["sources"] == ("memory",) * 4
+
+
+def test_lost_node_rebuilt_from_parity_bit_exact(worlds, tmp_path, references):
+    run, base = _run(worlds, tmp_path, 1, parity=4)
+    shutil.rmtree(os.path.join(base, "node2"))
+    res = worlds.run(4, restore, run, base, 1, parity=4)
+    assert res[0]["step"] == STEPS and res[0]["sources"] == ("memory", "memory", "parity", "memory")
+    _equal(res[0]["full"], references[STEPS])
+
+
+def test_both_copies_gone_falls_back_to_persistent(worlds, tmp_path, references):
+    run, base = _run(worlds, tmp_path, 2, replicas=1)
+    shutil.rmtree(os.path.join(base, "node0"))
+    shutil.rmtree(os.path.join(base, "node1"))
+    res = worlds.run(4, restore, run, base, 2, replicas=1)
+    assert res[0]["step"] == PERSIST_EVERY and res[0]["sources"] == ("persistent",) * 4
+    _equal(res[0]["full"], references[PERSIST_EVERY])
+
+
+def test_kill_while_copying_uses_the_older_complete_step(worlds, tmp_path, references):
+    run, base = _run(worlds, tmp_path, 2, replicas=1, fail_protect_at=STEPS)
+    shutil.rmtree(os.path.join(base, "node1"))
+    res = worlds.run(4, restore, run, base, 2, replicas=1)
+    assert res[0]["step"] == STEPS - 1 and res[0]["sources"] == ("memory", "memory", "peer", "peer")
+    _equal(res[0]["full"], references[STEPS - 1])
+
+
+def _flip(folder: str) -> str:
+    files = [os.path.join(d, f) for d, _, names in os.walk(folder) for f in names]
+    data = max(files, key=os.path.getsize)
+    with open(data, "r+b") as f:
+        f.seek(os.path.getsize(data) // 2)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x40]))
+    return data
+
+
+def test_corrupted_own_copy_is_skipped_for_the_peer_copy(worlds, tmp_path, references, caplog):
+    run, base = _run(worlds, tmp_path, 2, replicas=1)
+    _flip(os.path.join(base, "node0", f"step-{STEPS:010d}", "rank-00000"))
+    res = worlds.run(4, restore, run, base, 2, replicas=1)
+    assert res[0]["step"] == STEPS and res[0]["sources"] == ("peer", "memory", "memory", "memory")
+    _equal(res[0]["full"], references[STEPS])
+
+
+def test_corrupted_replica_with_its_node_lost_falls_back(worlds, tmp_path, references):
+    run, base = _run(worlds, tmp_path, 2, replicas=1)
+    shutil.rmtree(os.path.join(base, "node1"))
+    _flip(os.path.join(base, "node0", f"step-{STEPS:010d}", "rank-00002"))  # node 0's copy of rank 2
+    res = worlds.run(4, restore, run, base, 2, replicas=1)
+    assert res[0]["step"] == PERSIST_EVERY and res[0]["sources"] == ("persistent",) * 4
+    _equal(res[0]["full"], references[PERSIST_EVERY])
+
+
+def restore_plain(run: str, base: str) -> dict:
+    model, optim = models.build("fsdp", torch.float32, seed=5)
+    state = models.sharded_state(model, optim)
+    with ckptkit.CheckpointManager(run, memory=_tier(base, 1, replicas=1)) as mgr:
+        step = mgr.restore_latest(state)
+        return {"step": step, "source": mgr.last_restore.source}
+
+
+def test_restart_at_another_world_size_is_persistent_only(worlds, tmp_path, caplog):
+    run, base = _run(worlds, tmp_path, 2, replicas=1)
+    res = worlds.run(2, restore_plain, run, base)
+    assert res == [{"step": PERSIST_EVERY, "source": "persistent"}] * 2
+
+
+def test_memory_snapshots_are_ckptkit_checkpoints(worlds, tmp_path):
+    run, base = _run(worlds, tmp_path, 2, replicas=1)
+    step = os.path.join(base, "node1", f"step-{STEPS:010d}")
+    assert sorted(os.listdir(step)) == ["rank-00000", "rank-00001", "rank-00002", "rank-00003"]
+    for r in os.listdir(step):
+        assert ckptkit.verify(os.path.join(step, r)).ok
+    # only the newest complete step is kept
+    assert os.listdir(os.path.join(base, "node1")) == [f"step-{STEPS:010d}"]

@@ -1,0 +1,121 @@
+"""The memory tier in one process: what a snapshot holds, how a restore puts it back, how it
+chooses between memory and the persistent checkpoints, and what it refuses."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+import torch
+
+import ckptkit
+
+
+def _state(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "model": {"w": torch.randn(64, 8, generator=g), "layers": [torch.randn(5, generator=g), torch.randn(3, generator=g)]},
+        "a/b": torch.randn(4, generator=g),  # a key with the separator in it
+        "step_count": seed,
+        "names": ["x", "y", seed],
+        "loader": ckptkit.PerRank({"pos": seed * 10}),
+        "rng": torch.Generator().manual_seed(seed),
+    }
+
+
+def _manager(tmp_path, **kw) -> ckptkit.CheckpointManager:
+    tier = ckptkit.MemoryTier(every_steps=2, replicas=0, root=str(tmp_path / "mem"), **kw)
+    return ckptkit.CheckpointManager(str(tmp_path / "run"), save=ckptkit.SavePolicy(every_steps=5), memory=tier)
+
+
+def test_restore_puts_every_kind_of_leaf_back(tmp_path):
+    with _manager(tmp_path) as mgr:
+        for step in range(1, 9):
+            mgr.maybe_save(step, _state(step))
+    want = _state(8)
+    state = _state(99)
+    with _manager(tmp_path) as mgr:
+        assert mgr.restore_latest(state) == 8
+        assert (mgr.last_restore.step, mgr.last_restore.source) == (8, "memory")
+    for key in ("w",):
+        assert torch.equal(state["model"][key], want["model"][key])
+    assert all(torch.equal(a, b) for a, b in zip(state["model"]["layers"], want["model"]["layers"]))
+    assert torch.equal(state["a/b"], want["a/b"])
+    assert state["step_count"] == 8 and state["names"] == ["x", "y", 8] and state["loader"].value == {"pos": 80}
+    assert torch.equal(state["rng"].get_state(), want["rng"].get_state())
+
+
+def test_snapshot_keys_are_the_users_keys(tmp_path):
+    with _manager(tmp_path) as mgr:
+        mgr.maybe_save(2, _state(2))
+    view = ckptkit.open(str(tmp_path / "mem" / "step-0000000002" / "rank-00000"))
+    assert {"model/w", "model/layers/0", "a%2Fb"} <= set(view.keys())
+
+
+def test_newer_persistent_checkpoint_wins(tmp_path):
+    with _manager(tmp_path) as mgr:
+        for step in range(1, 5):
+            mgr.maybe_save(step, _state(step))
+        mgr.save(5, _state(5))  # persistent only, newer than memory's 4
+    state = _state(99)
+    with _manager(tmp_path) as mgr:
+        assert mgr.restore_latest(state) == 5
+        assert mgr.last_restore.source == "persistent"
+    assert torch.equal(state["model"]["w"], _state(5)["model"]["w"])
+
+
+def test_rollback_below_memory_discards_the_newer_snapshots(tmp_path):
+    with _manager(tmp_path) as mgr:
+        for step in range(1, 9):
+            mgr.maybe_save(step, _state(step))
+    state = _state(99)
+    with _manager(tmp_path) as mgr:
+        assert mgr.restore_latest(state, at_most=7) == 5  # memory holds only 8: the persistent 5
+        assert mgr.last_restore.source == "persistent"
+    assert os.listdir(tmp_path / "mem") == []  # step 8 belonged to the abandoned trajectory
+    with _manager(tmp_path) as mgr:
+        assert mgr.restore_latest(_state(99)) == 5
+
+
+def test_changed_layout_is_persistent_only_and_said(tmp_path, caplog):
+    with _manager(tmp_path) as mgr:
+        for step in range(1, 7):
+            mgr.maybe_save(step, _state(step))
+    other = _state(99)
+    other["model"]["w"] = torch.zeros(32, 16)  # same bytes, another shape
+    caplog.set_level(logging.WARNING, logger="ckptkit")
+    with _manager(tmp_path) as mgr:
+        with pytest.raises(ckptkit.CkptkitError):
+            mgr.restore_latest(other)  # the persistent step 5 does not fit either: an error, not a wrong load
+    assert "another layout" in caplog.text
+
+
+def test_damaged_own_copy_without_protection_falls_back_to_persistent(tmp_path, caplog):
+    with _manager(tmp_path) as mgr:
+        for step in range(1, 7):
+            mgr.maybe_save(step, _state(step))
+    folder = tmp_path / "mem" / "step-0000000006" / "rank-00000"
+    data = max((p for p in folder.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 3] ^= 1
+    data.write_bytes(bytes(raw))
+    caplog.set_level(logging.WARNING, logger="ckptkit")
+    state = _state(99)
+    with _manager(tmp_path) as mgr:
+        assert mgr.restore_latest(state) == 5
+        assert mgr.last_restore.source == "persistent"
+    assert "fails its checks" in caplog.text
+    assert torch.equal(state["model"]["w"], _state(5)["model"]["w"])
+
+
+def test_budget_is_checked_with_the_figure(tmp_path):
+    with pytest.raises(ckptkit.SaveError, match="GiB of host memory"):
+        with _manager(tmp_path, max_host_bytes=1000) as mgr:
+            mgr.maybe_save(2, _state(2))
+
+
+def test_one_node_cannot_hold_replicas(tmp_path):
+    with pytest.raises(ckptkit.CkptkitError, match="replicas=0 keeps only"):
+        ckptkit.CheckpointManager(str(tmp_path / "run"), memory=ckptkit.MemoryTier(every_steps=1,
+                                                                                   root=str(tmp_path / "m")))
