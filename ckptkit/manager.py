@@ -172,18 +172,36 @@ class CheckpointManager:
 
         With a memory tier, also snapshot into node memory at its own interval (the snapshot
         blocks the step like a persistent save's does; its protection runs in the background)."""
-        if self._memory is not None and step % self._memory.options.every_steps == 0:
-            self._memory.snapshot(step, state)
+        snapshot = self._memory is not None and step % self._memory.options.every_steps == 0
+        mirror = None
+        if snapshot:
+            # a persistent save at the same step persists from the memory snapshot: one copy of the state
+            lend = self._saver is not None and self.options.executor == "thread" and self._persistent_due(step)
+            _, mirror = self._memory.snapshot(step, state, lend=lend)
         if not self.should_save(step):
             return None
-        return self.save(step, state, metrics=metrics)
+        if mirror is None:
+            return self.save(step, state, metrics=metrics)
+        handle = self.save(step, mirror, metrics=metrics, private=True)
+        if handle is not None:
+            self._memory.lent_to(handle.committed)
+        return handle
+
+    def _persistent_due(self, step: int) -> bool:
+        """Whether the step-count policy alone makes ``step`` a persistent save (not collective: a
+        time or request trigger may add one, which then simply copies the state itself)."""
+        every = self.save_policy.every_steps
+        return every is not None and step % every == 0
 
     def save(self, step: int, state: dict[str, Any], *, metrics: dict[str, Any] | None = None,
-             deadline: float | None = None) -> SaveHandle | None:
+             deadline: float | None = None, private: bool = False) -> SaveHandle | None:
         """Save now (on demand). Asynchronous unless the manager was made with ``asynchronous=None``.
 
         ``deadline`` (``time.monotonic()`` on rank 0): a save that could not be committed by then
         is abandoned cleanly — no manifest, leftovers removed (preemption grace periods).
+        ``private``: the state's tensors are a private copy nothing changes until the save is
+        committed (what :meth:`maybe_save` passes with the memory tier's snapshot of the same step),
+        so they are persisted from without a second copy.
         """
         self._save_requested.clear()
         self._last_save = time.monotonic()
@@ -202,7 +220,7 @@ class CheckpointManager:
         self._inflight_name = name
         handle = self._saver.save(
             state, store, step=step, metadata=metadata, after_commit=lambda r: self._after_commit(name, r),
-            deadline=deadline,
+            deadline=deadline, private=private,
         )
         if handle is not None:
             self._last_handle = handle

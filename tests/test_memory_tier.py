@@ -45,7 +45,8 @@ def train(run: str, base: str, rpn: int, steps: int = STEPS, fail_protect_at: in
         mgr.close()
     except ckptkit.SaveError:
         pass
-    return {"failed": failed}
+    # step 4 is in both tiers: the persistent save persisted from the memory snapshot, never staging its own copy
+    return {"failed": failed, "persistent_staging": mgr._saver.pool.nbytes}
 
 
 def _step(mgr, model, optim, step: int, fail_protect_at: int | None, exchange) -> str | None:
@@ -97,7 +98,8 @@ def references(worlds):
 
 def _run(worlds, tmp_path, rpn: int, **kw):
     run, base = str(tmp_path / "run"), str(tmp_path / "mem")
-    worlds.run(4, train, run, base, rpn, **kw)
+    res = worlds.run(4, train, run, base, rpn, **kw)
+    assert [r["persistent_staging"] for r in res] == [0] * 4
     return run, base
 
 

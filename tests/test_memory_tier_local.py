@@ -24,9 +24,10 @@ def _state(seed: int) -> dict:
     }
 
 
-def _manager(tmp_path, **kw) -> ckptkit.CheckpointManager:
+def _manager(tmp_path, persist_every: int = 5, **kw) -> ckptkit.CheckpointManager:
     tier = ckptkit.MemoryTier(every_steps=2, replicas=0, root=str(tmp_path / "mem"), **kw)
-    return ckptkit.CheckpointManager(str(tmp_path / "run"), save=ckptkit.SavePolicy(every_steps=5), memory=tier)
+    return ckptkit.CheckpointManager(str(tmp_path / "run"), save=ckptkit.SavePolicy(every_steps=persist_every),
+                                     memory=tier)
 
 
 def test_restore_puts_every_kind_of_leaf_back(tmp_path):
@@ -119,3 +120,31 @@ def test_one_node_cannot_hold_replicas(tmp_path):
     with pytest.raises(ckptkit.CkptkitError, match="replicas=0 keeps only"):
         ckptkit.CheckpointManager(str(tmp_path / "run"), memory=ckptkit.MemoryTier(every_steps=1,
                                                                                    root=str(tmp_path / "m")))
+
+
+def test_a_step_in_both_tiers_copies_the_state_once(tmp_path):
+    """Persistent every 4 and memory every 2: steps 4 and 8 are in both. The persistent save persists
+    from the memory tier's staged snapshot, so its own staging buffer is never allocated, and the state
+    changed the moment maybe_save returns never leaks into either tier."""
+    state = _state(1)
+    with _manager(tmp_path, persist_every=4) as mgr:
+        for step in range(1, 9):
+            fresh = _state(step)
+            for t, f in zip(state["model"]["layers"], fresh["model"]["layers"]):
+                t.copy_(f)
+            state["model"]["w"].copy_(fresh["model"]["w"])
+            state["step_count"] = step
+            mgr.maybe_save(step, state)
+            state["model"]["w"].add_(1000.0)  # mutate at once: must not reach either checkpoint
+            for t in state["model"]["layers"]:
+                t.mul_(-3.0)
+        mgr.wait()
+        assert mgr._saver.pool.nbytes == 0  # the persistent saver never staged a copy of its own
+    for step in (4, 8):
+        view = ckptkit.open(str(tmp_path / "run" / f"step-{step:07d}"))
+        assert torch.equal(view["model/w"][...], _state(step)["model"]["w"])
+        assert torch.equal(view["model/layers/1"][...], _state(step)["model"]["layers"][1])
+    restored = _state(99)
+    with _manager(tmp_path, persist_every=4) as mgr:
+        assert mgr.restore_latest(restored) == 8 and mgr.last_restore.source == "memory"
+    assert torch.equal(restored["model"]["w"], _state(8)["model"]["w"])

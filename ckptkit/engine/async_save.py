@@ -42,10 +42,11 @@ from ckptkit.engine.saver import (
     check_target_collective,
     classify_state,
     commit,
+    persist,
     plan_collective,
     write_index,
 )
-from ckptkit.engine.staging import Staged, StagingPool, snapshot
+from ckptkit.engine.staging import Staged, StagingPool, snapshot, staged_views
 from ckptkit.engine.state import flatten_state
 from ckptkit.engine.writer import write_staged
 from ckptkit.errors import CkptkitError, SaveError
@@ -66,6 +67,8 @@ class SaveHandle:
     staged: Future[None]
     committed: Future[SaveResult]
     blocked_seconds: float = 0.0
+    #: views of the staged copy of each saved tensor (rank-local savers only; see staging.staged_views)
+    staged_tensors: list[Any] | None = None
 
     def wait(self, timeout: float | None = None) -> SaveResult:
         return self.committed.result(timeout)
@@ -90,6 +93,7 @@ class AsyncSaver:
         """``rank_local``: every rank saves its own checkpoint of its own state, alone (no collective
         at all; the memory tier's per-rank snapshots). Not collective then."""
         self.options = options
+        self.rank_local = rank_local
         self.plan_comm = LocalComm() if rank_local else _new_comm(process_group)
         self.commit_comm = LocalComm() if rank_local else _new_comm(process_group)
         self.pool = StagingPool(options.max_staging_bytes, shared=options.executor == "process")
@@ -118,10 +122,15 @@ class AsyncSaver:
         metadata: dict[str, Any] | None = None,
         after_commit: Callable[[SaveResult], None] | None = None,
         deadline: float | None = None,
+        private: bool = False,
     ) -> SaveHandle | None:
         """Snapshot ``state`` and persist it in the background. None if skipped (``on_busy="skip"``).
 
-        ``deadline`` (``time.monotonic()``, decided by rank 0): past it, the commit is abandoned."""
+        ``deadline`` (``time.monotonic()``, decided by rank 0): past it, the commit is abandoned.
+        ``private``: the state's tensors are already a private copy that nothing changes until the
+        save is committed (the memory tier's staged snapshot of the same step): persisted from as
+        they are, with no second copy. Ignored with the process executor, whose writer reads the
+        staging buffer it shares."""
         if self.closed:
             raise SaveError("this AsyncSaver is closed")
         t0 = time.perf_counter()
@@ -169,7 +178,8 @@ class AsyncSaver:
         prep = bind(plan, cls) if plan is not None else None
         staged_future: Future[None] = Future()
         staged: Staged | None = None
-        if prep is not None:
+        direct = private and self._writer is None
+        if prep is not None and not direct:
             try:
                 staged = snapshot(prep.plan, prep.tensors, self.pool)
             except (CkptkitError, OSError, RuntimeError) as exc:
@@ -177,8 +187,11 @@ class AsyncSaver:
         if staged is None or staged.ready is None:
             staged_future.set_result(None)
         handle = SaveHandle(store.url, step, staged_future, Future(), time.perf_counter() - t0)
+        if self.rank_local and staged is not None and prep is not None:
+            handle.staged_tensors = staged_views(prep.plan, prep.tensors, staged.buffer)
         self._inflight = handle
-        self._executor.submit(self._persist, handle, prep, staged, planned, store, metadata, after_commit, deadline)
+        self._executor.submit(self._persist, handle, prep, staged, planned, store, metadata, after_commit, deadline,
+                              direct)
         return handle
 
     def wait(self) -> SaveResult | None:
@@ -235,6 +248,7 @@ class AsyncSaver:
         metadata: dict[str, Any] | None,
         after_commit: Callable[[SaveResult], None] | None,
         deadline: float | None,
+        direct: bool = False,
     ) -> None:
         t0 = time.perf_counter()
         try:
@@ -247,7 +261,12 @@ class AsyncSaver:
             if prep is not None:
                 prep = prep.for_attempt(target.attempt)  # the staged bytes' layout is unchanged
             report = planned
-            if prep is not None and staged is not None and planned.ok:
+            if prep is not None and direct and planned.ok:
+                try:  # the tensors are a private copy already: written as they are
+                    report = Outcome(True, persist(prep, store, self.options.block_size))
+                except (CkptkitError, OSError) as exc:
+                    report = _fail(exc)
+            elif prep is not None and staged is not None and planned.ok:
                 try:
                     if self._writer is not None:
                         entries = self._writer.write(store, prep.plan, staged.buffer, self.options.block_size)

@@ -55,6 +55,11 @@ class StagingPool:
     def nbytes(self) -> int:
         return 0 if self._buffer is None else self._buffer.numel()
 
+    def release(self) -> None:
+        """Drop the buffer: the next snapshot allocates a new one. For a buffer lent to a reader
+        that may still be reading it (it stays alive as long as the reader holds views of it)."""
+        self._buffer = None
+
     def over_budget(self, plan: SavePlan) -> bool:
         return self.max_bytes is not None and sum(plan.objects.values()) > self.max_bytes
 
@@ -101,3 +106,24 @@ def snapshot(plan: SavePlan, tensors: list[torch.Tensor], pool: StagingPool) -> 
         ready = torch.cuda.Event()
         ready.record()
     return Staged(buf, ready)
+
+
+def staged_views(plan: SavePlan, tensors: list[torch.Tensor], buffer: torch.Tensor) -> list[torch.Tensor | None]:
+    """Per tensor of ``tensors``: a view of its staged copy in ``buffer``, when one planned piece holds
+    the whole tensor (always so for a one-rank save of plain tensors), else None.
+
+    The memory tier lends these to a persistent save of the same step, which then persists from
+    them instead of copying the state a second time."""
+    items: dict[int, list] = {}
+    for item in plan.items:
+        items.setdefault(item.ref, []).append(item)
+    out: list[torch.Tensor | None] = []
+    for ref, t in enumerate(tensors):
+        mine = items.get(ref, [])
+        whole = len(mine) == 1 and mine[0].nbytes == t.numel() * t.element_size() and t.numel() > 0
+        if not whole:
+            out.append(None)
+            continue
+        item = mine[0]
+        out.append(buffer[item.offset:item.offset + item.nbytes].view(torch_dtype(item.dtype)).view(t.shape))
+    return out

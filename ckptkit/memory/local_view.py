@@ -93,3 +93,49 @@ def _tensors(node: Any) -> Any:
     elif isinstance(node, dict):
         for v in node.values():
             yield from _tensors(v)
+
+
+def mirror_state(state: dict[str, Any], view: LocalView, staged: list[Any] | None) -> dict[str, Any] | None:
+    """``state`` with every tensor replaced by its staged copy, or None when some tensor has none.
+
+    ``staged``: one view per tensor of the snapshot, in the order the snapshot's save took them
+    (the flattening of ``view.state``). The persistent save of the same step persists from the
+    result: the state is copied once for both tiers."""
+    from ckptkit.engine.state import Experts, Sharded
+
+    keys = [leaf.key for leaf in flatten_state(view.state).tensors]
+    if staged is None or len(staged) != len(keys) or any(v is None for v in staged):
+        return None
+    by_key = dict(zip(keys, staged))
+    by_id: dict[int, torch.Tensor] = {}
+    for leaf in view.flat.tensors:
+        by_id[id(leaf.obj)] = by_key[leaf.key]
+    for leaf in view.flat.sharded:
+        by_id[id(leaf.obj.local)] = by_key[leaf.key]
+
+    def tensor(t: torch.Tensor) -> torch.Tensor:
+        view = by_id[id(t)]
+        if not is_dtensor(t):
+            return view
+        from torch.distributed.tensor import DTensor
+
+        with torch.no_grad():
+            return DTensor.from_local(view, t.device_mesh, t.placements, run_check=False, shape=t.shape,
+                                      stride=t.stride())
+
+    def walk(obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            return tensor(obj)
+        if isinstance(obj, Experts):
+            return Experts(tensor(obj.tensor), obj.axis)
+        if isinstance(obj, Sharded):
+            return Sharded(by_id[id(obj.local)], obj.pieces, obj.rule)
+        if isinstance(obj, dict):
+            return {k: walk(v) for k, v in obj.items()}
+        if isinstance(obj, list):
+            return [walk(v) for v in obj]
+        if isinstance(obj, tuple):
+            return tuple(walk(v) for v in obj)
+        return obj
+
+    return walk(state)

@@ -33,7 +33,7 @@ from ckptkit.engine.collective import Comm
 from ckptkit.errors import SaveError
 from ckptkit.memory import parity
 from ckptkit.memory.exchange import Link
-from ckptkit.memory.local_view import local_view
+from ckptkit.memory.local_view import local_view, mirror_state
 from ckptkit.memory.node_folder import NodeFolder, ShareHeader, pack_bundle
 from ckptkit.memory.options import MemoryTier
 from ckptkit.memory.topology import Topology
@@ -63,6 +63,7 @@ class MemorySnapshots:
         self._saver = AsyncSaver(None, AsyncOptions(), rank_local=True)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptkit-memory")
         self._inflight: Future[int] | None = None
+        self._lent: Future[Any] | None = None  # a persistent save persisting from the staging buffer
         self._budget_checked = False
         #: the last protected step's (step, seconds to write and protect it)
         self.last_protected: tuple[int, float] | None = None
@@ -76,8 +77,12 @@ class MemorySnapshots:
         return rank % n == self.rank % n
 
     # ---------------------------------------------------------------- snapshot
-    def snapshot(self, step: int, state: dict[str, Any]) -> SaveHandle:
-        """Snapshot ``state`` at ``step`` into memory and protect it in the background. Collective."""
+    def snapshot(self, step: int, state: dict[str, Any], *, lend: bool = False) -> tuple[SaveHandle, dict[str, Any] | None]:
+        """Snapshot ``state`` at ``step`` into memory and protect it in the background. Collective.
+
+        ``lend``: also return ``state`` with every tensor replaced by its staged copy (None when that
+        is not possible), for a persistent save of the same step to persist from; call
+        :meth:`lent_to` with that save's completion."""
         prev = self._inflight
         busy = prev is not None and not prev.done()
         failed = prev is not None and prev.done() and prev.exception() is not None
@@ -92,13 +97,21 @@ class MemorySnapshots:
         view = local_view(state, self.world_size, self.rank)
         if not self._budget_checked:
             self._check_budget(view.nbytes)
+        if self._lent is not None and not self._lent.done():
+            self._saver.pool.release()  # still being persisted from: stage into a new buffer
+        self._lent = None
         self.folder.remove_rank(step, self.rank)  # a leftover of an abandoned trajectory
         meta = {"memory_tier": TIER_VERSION, "step": step, "rank": self.rank, "world_size": self.world_size,
                 "fingerprint": view.fingerprint}
         handle = self._saver.save(view.state, self.folder.rank_store(step, self.rank), step=step, metadata=meta)
         assert handle is not None  # a rank-local saver with on_busy="wait" never skips
         self._inflight = self._executor.submit(self._protect, step, handle)
-        return handle
+        return handle, (mirror_state(state, view, handle.staged_tensors) if lend else None)
+
+    def lent_to(self, done: Future[Any]) -> None:
+        """The staged snapshot is being persisted from until ``done`` resolves: the next snapshot
+        then stages into a fresh buffer rather than overwrite it."""
+        self._lent = done
 
     def wait(self) -> None:
         """Block until the snapshot in flight is written and protected; raise its failure."""
