@@ -53,10 +53,14 @@ class LoadOptions:
     ``per_rank_on_resize``: what happens to per-rank values (RNG states,
     ``PerRank``) when the world size changed: ``"error"`` refuses,
     ``"skip"`` leaves them as they are in the caller's state.
+    ``read_once``: ranks that need the same stored bytes (data-parallel replicas of the weights)
+    read them from storage once in the job, one reader sending them to the others over the
+    process group (:mod:`ckptkit.engine.read_once`); False: every rank reads all it needs itself.
     """
 
     io_threads: int = 4
     per_rank_on_resize: Literal["error", "skip"] = "error"
+    read_once: bool = True
 
     def __post_init__(self) -> None:
         if self.io_threads < 1:

@@ -185,6 +185,9 @@ class ThreadComm:
     def all_gather(self, obj: Any) -> list[Any]:
         return self._exchange(obj)
 
+    def all_gather_json(self, obj: Any) -> list[Any]:
+        return [json.loads(json.dumps(o)) for o in self._exchange(obj)]
+
     def gather(self, obj: Any) -> list[Any] | None:
         out = self._exchange(obj)
         return out if self.rank == 0 else None

@@ -13,6 +13,8 @@ by a rank that already failed: failures travel *inside* the collective
 
 from __future__ import annotations
 
+import json
+
 import threading
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -26,6 +28,8 @@ class Comm(Protocol):
     world_size: int
 
     def all_gather(self, obj: Any) -> list[Any]: ...
+
+    def all_gather_json(self, obj: Any) -> list[Any]: ...
 
     def gather(self, obj: Any) -> list[Any] | None: ...
 
@@ -55,6 +59,9 @@ class LocalComm:
     def all_gather(self, obj: Any) -> list[Any]:
         return [obj]
 
+    def all_gather_json(self, obj: Any) -> list[Any]:
+        return [json.loads(json.dumps(obj))]
+
     def gather(self, obj: Any) -> list[Any] | None:
         return [obj]
 
@@ -82,6 +89,20 @@ class TorchComm:
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, obj, group=self.group)
         return out
+
+    def all_gather_json(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` as JSON bytes in tensors: what the load path exchanges, so nothing on
+        it unpickles, not even what comes over the wire (tuples arrive as lists)."""
+        data = json.dumps(obj, separators=(",", ":")).encode()
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
+        dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64), group=self.group)
+        longest = max(int(t.item()) for t in sizes)
+        mine = torch.zeros(longest, dtype=torch.uint8)
+        if data:
+            mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        out = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world_size)]
+        dist.all_gather(out, mine, group=self.group)
+        return [json.loads(bytes(t[: int(n.item())].numpy())) for t, n in zip(out, sizes)]
 
     def gather(self, obj: Any) -> list[Any] | None:
         out: list[Any] | None = [None] * self.world_size if self.group_rank == 0 else None

@@ -28,6 +28,7 @@ import torch
 
 from ckptkit.engine.dtensor_grid import grid_of, is_dtensor, local_of
 from ckptkit.engine.collective import Comm
+from ckptkit.engine.read_once import read_once
 from ckptkit.engine.read_session import ReadSession
 from ckptkit.engine.state import FlatState, dtype_name
 from ckptkit.errors import (
@@ -205,10 +206,23 @@ def load_state(
     targets = [d.work for d in plan.dests]
     nbytes = 0
     reading = False
+    read_plan = None
     try:
         read_plan = session.plan(ops, extra_ranks=own)  # reads the writers' indexes: may find damage
-        reading = True
-        nbytes = session.execute(read_plan, targets)
+    except Exception as exc:  # noqa: BLE001 - carried through the collective below, then re-raised
+        error = exc
+    try:
+        if options.read_once and comm.world_size > 1 and hasattr(comm, "group"):
+            reading = read_plan is not None
+            nbytes, received = read_once(session, read_plan, targets, comm)  # collective, whatever failed
+            if received:
+                log.debug("%s: rank %d received %.3f GiB from the ranks that read it", where, comm.rank,
+                          received / 2**30)
+        elif read_plan is not None:
+            reading = True
+            nbytes = session.execute(read_plan, targets)
+        if error is not None:
+            raise error
         indexes = session.indexes(own)
         for d in plan.dests:
             d.finish()
@@ -221,7 +235,15 @@ def load_state(
         error = exc
     # A damaged piece fails only the ranks that read it: every rank learns of it, so a load succeeds
     # on every rank or on none (a rank that went on would wait forever in the trainer's next collective).
-    if comm.any_flags([error is not None])[0]:
+    try:
+        # one all-gather: whether any rank failed, and every rank's time (the skew between ranks is what
+        # trips a job's collective timeouts at scale, so every load states it)
+        outcomes = comm.all_gather_json((error is not None, time.perf_counter() - t0, nbytes))
+        any_failed = any(failed for failed, _, _ in outcomes)
+    except RuntimeError as exc:  # a rank died mid-load: its connections are gone
+        raise PeerFailureError(f"loading {where}: another rank stopped answering ({exc}); the state may be "
+                               "partially overwritten") from (error or exc)
+    if any_failed:
         if error is not None:
             raise error
         raise PeerFailureError(f"loading {where} failed on another rank (the state may be partially "
@@ -231,6 +253,12 @@ def load_state(
         "loaded %s: %.3f GiB on rank %d in %.2fs (%.2f GiB/s)",
         where, nbytes / 2**30, comm.rank, seconds, nbytes / 2**30 / max(seconds, 1e-9),
     )
+    if comm.rank == 0 and len(outcomes) > 1:
+        times = sorted(t for _, t, _ in outcomes)
+        slowest = max(range(len(outcomes)), key=lambda r: outcomes[r][1])
+        log.info("loaded %s on %d ranks: %.2fs to %.2fs per rank (median %.2fs, skew %.2fs, slowest rank %d); "
+                 "%.3f GiB read from storage in all", where, len(times), times[0], times[-1], times[len(times) // 2],
+                 times[-1] - times[0], slowest, sum(n for _, _, n in outcomes) / 2**30)
     return LoadResult(where, nbytes, seconds, dict(manifest.meta), tuple(sorted(plan.missing)), tuple(unexpected))
 
 

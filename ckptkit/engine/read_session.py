@@ -83,6 +83,11 @@ class ReadSession:
         """Data bytes fetched through this session so far (checksum-block widening included)."""
         return self._bytes_read
 
+    def count_read(self, nbytes: int) -> None:
+        """Data bytes fetched outside :meth:`execute` (a read-once reader's verified reads)."""
+        with self._lock:
+            self._bytes_read += nbytes
+
     @property
     def indexes_loaded(self) -> tuple[int, ...]:
         with self._lock:

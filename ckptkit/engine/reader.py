@@ -106,6 +106,35 @@ def _execute_scattered(req: ReadRequest, store: ByteStore, targets: list[torch.T
     view = as_bytes(buf)
     store.read_into(req.object, req.offset, view)
     _verify_view(req, 0, view, list(req.checks), where)
+    place(req, buf, targets, dtypes)
+    return req.length
+
+
+def read_verified(req: ReadRequest, store: ByteStore, where: str) -> torch.Tensor:
+    """The request's bytes, every block verified (read again once, then from the fallback tier, as
+    :func:`execute_request` does): what a read-once reader sends to the ranks that share the request."""
+    def attempt(source: ByteStore) -> torch.Tensor:
+        buf = torch.empty(req.length, dtype=torch.uint8)
+        view = as_bytes(buf)
+        source.read_into(req.object, req.offset, view)
+        _verify_view(req, 0, view, list(req.checks), where)
+        return buf
+
+    try:
+        return attempt(store)
+    except CorruptCheckpointError as exc:
+        log.warning("%s; reading it again", exc)
+        try:
+            return attempt(store)
+        except CorruptCheckpointError as again:
+            if store.fallback is None:
+                raise again from None
+            log.warning("%s; reading %s from %s instead", again, req.object, store.fallback.url)
+            return attempt(store.fallback)
+
+
+def place(req: ReadRequest, buf: torch.Tensor, targets: list[torch.Tensor], dtypes: dict[str, torch.dtype]) -> None:
+    """Copy every op of ``req`` out of ``buf`` (the request's verified bytes) into its target."""
     for placed in req.ops:
         op = placed.op
         lo, hi = op.src_span()
@@ -113,7 +142,6 @@ def _execute_scattered(req: ReadRequest, store: ByteStore, targets: list[torch.T
         src_view = strided(src, 0, op.shape, op.src_strides)
         dst = strided(targets[op.ref].view(-1), op.dst_start, op.shape, op.dst_strides)
         dst.copy_(src_view)
-    return req.length
 
 
 def execute_reads(

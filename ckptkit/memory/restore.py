@@ -274,14 +274,14 @@ def restore_from_memory(tier: MemorySnapshots, state: dict[str, Any], *, at_most
     bound = 2**62 if at_most is None else at_most
     view = local_view(state, tier.world_size, tier.rank)
     mine = _inventory(tier, bound)
-    gathered = tier.comm.all_gather((_local_id(tier), view.fingerprint, mine))
+    gathered = _gather(tier, view.fingerprint, mine)
     fingerprints = [g[1] for g in gathered]
     steps = sorted({s for _, _, inv in gathered for s in inv if s >= at_least}, reverse=True)
     candidates = [s for s in steps if _plan(s, gathered, fingerprints, tier.world_size) is not None]
     if steps and not candidates:
         _explain_unusable(gathered, fingerprints, tier.world_size, tier.rank)
     for step in candidates:
-        checked = tier.comm.all_gather((_local_id(tier), view.fingerprint, _verify_step(tier, step, mine)))
+        checked = _gather(tier, view.fingerprint, _verify_step(tier, step, mine))
         plan = _plan(step, checked, fingerprints, tier.world_size)
         if plan is None:
             if tier.rank == 0:
@@ -289,7 +289,7 @@ def restore_from_memory(tier: MemorySnapshots, state: dict[str, Any], *, at_most
                             step)
             continue
         error = _restore_step(tier, view, step, plan, checked)
-        flags = tier.comm.all_gather(None if error is None else f"{type(error).__name__}: {error}")
+        flags = tier.comm.all_gather_json(None if error is None else f"{type(error).__name__}: {error}")
         failed = [(r, e) for r, e in enumerate(flags) if e is not None]
         if failed:
             log.warning("memory tier: restoring step %d failed (rank %d: %s); trying an older step",
@@ -304,6 +304,20 @@ def restore_from_memory(tier: MemorySnapshots, state: dict[str, Any], *, at_most
                      ", ".join(f"{n} rank(s) from {k}" for k, n in counts.items() if n))
         return info
     return None
+
+
+def _gather(tier: MemorySnapshots, fingerprint: str, inv: dict[int, dict[str, Any]]) -> list[Any]:
+    """Every rank's (memory folder id, fingerprint, inventory), exchanged as JSON: nothing on the
+    restore path unpickles, not even what comes over the wire."""
+    doc = {str(step): {"copies": [[c.rank, c.world_size, c.fingerprint] for c in e["copies"]],
+                       "shares": [[h, list(m), i] for h, m, i in e["shares"]]} for step, e in inv.items()}
+    out = []
+    for local, fp, got in tier.comm.all_gather_json([_local_id(tier), fingerprint, doc]):
+        out.append((local, fp, {int(step): {"copies": [_Copy(int(r), int(w), str(f)) for r, w, f in e["copies"]],
+                                            "shares": [(int(h), tuple(int(x) for x in m), int(i))
+                                                       for h, m, i in e["shares"]]}
+                                for step, e in got.items()}))
+    return out
 
 
 def _local_id(tier: MemorySnapshots) -> str:
