@@ -143,18 +143,12 @@ def state_is_live(old: dict[str, Any], new: dict[str, Any]) -> tuple[bool, str]:
     return True, f"{sum(isinstance(v, torch.Tensor) for v in b.values())} tensors and {sum(not isinstance(v, torch.Tensor) for v in b.values())} values are the live ones"
 
 
-def part_training(args: argparse.Namespace, mesh: Any, rank: int, world: int, scratch: str, say: Callable[[str], None]) -> dict[str, Any]:
+def fsdp_job(cfg: TrainConfig, mesh: Any, rank: int) -> tuple[int, Callable[[], None], Callable[[], dict[str, Any]]]:
+    """The benchmarks' training job: TinyLM under FSDP2 (per block and at the root) with AdamW, the same
+    initial weights on every rank, synthetic tokens per rank. Returns (parameters, one training step,
+    the state dict to checkpoint)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
     from torch.distributed.fsdp import fully_shard
-
-    cfg = TRAIN_QUICK if args.quick else TRAIN_FULL
-    cfg = TrainConfig(
-        hidden=args.train_hidden or cfg.hidden, layers=args.train_layers or cfg.layers, vocab=args.train_vocab or cfg.vocab,
-        batch=args.train_batch or cfg.batch, seq=args.train_seq or cfg.seq,
-    )
-    K = args.every or (5 if args.quick else 20)
-    steps = max(K, (args.steps or K) // K * K)  # a multiple of K: every save has K-1 steps after it in its block
-    rounds = args.rounds or (3 if args.quick else 18)
 
     torch.manual_seed(0)  # same initial weights on every rank
     model = TinyLM(cfg)
@@ -175,6 +169,21 @@ def part_training(args: argparse.Namespace, mesh: Any, rank: int, world: int, sc
 
     def make_state() -> dict[str, Any]:
         return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optim)}
+
+    return n_params, train_step, make_state
+
+
+def part_training(args: argparse.Namespace, mesh: Any, rank: int, world: int, scratch: str, say: Callable[[str], None]) -> dict[str, Any]:
+    cfg = TRAIN_QUICK if args.quick else TRAIN_FULL
+    cfg = TrainConfig(
+        hidden=args.train_hidden or cfg.hidden, layers=args.train_layers or cfg.layers, vocab=args.train_vocab or cfg.vocab,
+        batch=args.train_batch or cfg.batch, seq=args.train_seq or cfg.seq,
+    )
+    K = args.every or (5 if args.quick else 20)
+    steps = max(K, (args.steps or K) // K * K)  # a multiple of K: every save has K-1 steps after it in its block
+    rounds = args.rounds or (3 if args.quick else 18)
+
+    n_params, train_step, make_state = fsdp_job(cfg, mesh, rank)
 
     warm = 3 if args.quick else 10
     for _ in range(warm):  # the optimizer state exists from the first step on
@@ -260,7 +269,6 @@ def part_training(args: argparse.Namespace, mesh: Any, rank: int, world: int, sc
     final_live = agree_ok(state_is_live(cached, make_state())[0]) if live else False
     for mgr in managers.values():
         mgr.close()
-    del model, optim, cached
     gc.collect()
     barrier()
 

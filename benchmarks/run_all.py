@@ -1,7 +1,11 @@
 """Run every benchmark: ``make bench`` (``.venv/bin/python benchmarks/run_all.py $(BENCH_ARGS)``).
 
-* ``bench_io.py`` (save/load throughput) and ``bench_async.py`` (what an
-  asynchronous save blocks, and its cost to a training loop) under
+* ``bench_io.py`` (save/load throughput), ``bench_async.py`` (what an
+  asynchronous save blocks, and its cost to a training loop) and
+  ``bench_memory_tier.py`` (the memory tier's cost to a training loop, and a
+  lost node's time to the first resumed step from memory vs disk vs S3) and
+  ``bench_read_once.py`` (a dp4 load of replicated weights, read once vs by every
+  replica, on local disk and S3) under
   ``torchrun --nproc_per_node=4``;
 * ``bench_s3.py`` (object-store throughput through a local moto S3 server it
   starts itself: ckptkit's native and tensorstore engines vs raw s3fs vs DCP
@@ -36,11 +40,14 @@ from common import remove_tree, torchrun_command  # noqa: E402
 
 IO_BENCH = "bench_io.py"
 ASYNC_BENCH = "bench_async.py"
-TORCHRUN_BENCHES = (IO_BENCH, ASYNC_BENCH)  # run under torchrun, in this order
+MEMORY_BENCH = "bench_memory_tier.py"
+READ_ONCE_BENCH = "bench_read_once.py"
+TORCHRUN_BENCHES = (IO_BENCH, ASYNC_BENCH, MEMORY_BENCH, READ_ONCE_BENCH)  # run under torchrun, in this order
 S3_BENCH = "bench_s3.py"  # a plain script that also takes --reps
 VARIANTS = {"bench_reshard.py": [[], ["--moe"]]}  # scripts run more than once, with these extra arguments
 SCRATCH_PREFIXES = ("bench_io-scratch-", "bench_async-scratch-", "bench_s3-scratch-", "bench_modelspace-scratch-", "bench_torchtitan-scratch-",
-                    "bench_deepspeed-scratch-", "bench_reshard-scratch-", "bench_hf_export-scratch-")
+                    "bench_deepspeed-scratch-", "bench_reshard-scratch-", "bench_hf_export-scratch-",
+                    "bench_memory_tier-scratch-", "bench_read_once-scratch-")
 
 
 def other_benchmarks() -> list[str]:
@@ -91,8 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="small sizes (smoke test)")
     ap.add_argument("--out", default="bench-out", help="scratch and results directory (default ./bench-out)")
     ap.add_argument("--reps", type=int, default=None,
-                    help="repetitions per method for bench_io, bench_async and bench_s3 (default: their own, 3, 5 and 3)")
-    ap.add_argument("--nproc", type=int, default=4, help="ranks for bench_io and bench_async (default 4)")
+                    help="repetitions per method for bench_io, bench_async, bench_memory_tier and bench_s3 "
+                         "(default: their own, 3, 5, 3 and 3)")
+    ap.add_argument("--nproc", type=int, default=4, help="ranks for bench_io, bench_async and bench_memory_tier (default 4; bench_memory_tier needs a multiple of 4)")
     ap.add_argument("--only", default="", help="comma-separated benchmark names to run (e.g. bench_io); default all")
     args = ap.parse_args(argv)
     only = {n.strip().removesuffix(".py") for n in args.only.split(",") if n.strip()}

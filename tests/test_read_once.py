@@ -14,29 +14,11 @@ import ckptkit
 from ckptkit.engine.collective import resolve_comm
 from ckptkit.engine.loader import load_state
 from ckptkit.engine.state import flatten_state
+from ckptkit.storage.counting import CountingStore
 from ckptkit.storage.url import open_store
 from tests.s3_server import CREDENTIALS, s3_env, s3_server  # noqa: F401 - fixtures
 
 ROWS = 512  # x 256 float32 = 512 KiB of weights; optimizer rows split over the ranks
-
-
-class CountingStore:
-    """A store that counts the data bytes read through it (the engine's only read entry points)."""
-
-    def __init__(self, inner) -> None:
-        self._inner = inner
-        self.nbytes = 0
-
-    def read_into(self, key, offset, out):
-        self.nbytes += len(memoryview(out).cast("B"))
-        return self._inner.read_into(key, offset, out)
-
-    def read_into_vectored(self, key, offset, buffers):
-        self.nbytes += sum(len(memoryview(b).cast("B")) for b in buffers)
-        return self._inner.read_into_vectored(key, offset, buffers)
-
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
 
 
 def _state(fill: bool) -> dict:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -102,11 +103,13 @@ def assign_readers(runs: list[Run]) -> list[int]:
     return out
 
 
-def windows(runs: list[Run], limit: int = WINDOW) -> Iterator[list[int]]:
-    """Indexes of ``runs`` in consecutive groups of at most ``limit`` bytes (a larger run alone)."""
+def windows(runs: list[Run], limit: int = WINDOW, keep: list[int] | None = None) -> Iterator[list[int]]:
+    """Indexes of ``runs`` (or of those in ``keep``) in consecutive groups of at most ``limit`` bytes
+    (a larger run alone). Every rank must pass the same runs and ``keep``."""
     group: list[int] = []
     size = 0
-    for i, run in enumerate(runs):
+    for i in (range(len(runs)) if keep is None else keep):
+        run = runs[i]
         if group and size + run.length > limit:
             yield group
             group, size = [], 0
@@ -150,11 +153,26 @@ def read_once(session: ReadSession, plan: ReadPlan | None, targets: list[torch.T
     readers = assign_readers(runs)
     pending = [_Pending(r) for r in plan.requests]
     of_run = _requests_of_runs(runs, pending, me)
+    # requests no other rank shares a byte of are read as always (in parallel, straight into the targets)
+    shared_requests = {id(p) for i, ps in of_run.items() if len(runs[i].needers) > 1 for p in ps}
+    alone = tuple(p.req for p in pending if id(p) not in shared_requests)
+    read = session.execute(ReadPlan(alone, plan.writers), targets) if alone else 0
+    received = 0
     for p in pending:
-        p.missing = p.req.length
-    read = received = 0
-    for group in windows(runs, window):
-        got_read, got_received = _window(session, group, runs, readers, of_run, comm, me)
+        p.missing = p.req.length if id(p) in shared_requests else 0
+    # the bytes of those requests that only this rank needs: read first, here, in parallel (no collective;
+    # a failure is carried into the first window's agreement so no rank is left waiting)
+    solo = [i for i, ps in of_run.items()
+            if len(runs[i].needers) == 1 and any(id(p) in shared_requests for p in ps)]
+    solo_read, pending_error = _read_runs(session, solo, runs, of_run)
+    read += solo_read
+    for i in solo:
+        for p in of_run[i]:
+            p.missing -= runs[i].length
+    shared = [i for i, run in enumerate(runs) if len(run.needers) > 1]  # the same list on every rank
+    for group in windows(runs, window, keep=shared):
+        got_read, got_received = _window(session, group, runs, readers, of_run, comm, me, pending_error)
+        pending_error = None
         read += got_read
         received += got_received
         for i in group:
@@ -163,6 +181,34 @@ def read_once(session: ReadSession, plan: ReadPlan | None, targets: list[torch.T
                 if p.missing == 0:
                     read += _finish(session, p, targets)
     return read, received
+
+
+def _read_runs(session: ReadSession, idxs: list[int], runs: list[Run], of_run: dict[int, list[_Pending]],
+               ) -> tuple[int, tuple[BaseException, str] | None]:
+    """Read runs ``idxs`` from storage into this rank's request buffers, ``session.io_threads`` at a
+    time. Returns the bytes read and the first failure (with its object), not raised."""
+    for i in idxs:  # buffers allocated here, on one thread
+        of_run[i][0].slice(runs[i])
+
+    def fetch(i: int) -> None:
+        run, first = runs[i], of_run[i][0]
+        session.store.read_into(run.object, run.start, as_bytes(first.slice(run)))
+        for other in of_run[i][1:]:
+            other.slice(run).copy_(first.slice(run))
+
+    failure: tuple[BaseException, str] | None = None
+    read = 0
+    with ThreadPoolExecutor(max_workers=max(1, min(session.io_threads, len(idxs) or 1)),
+                            thread_name_prefix="ckptkit-read-once") as pool:
+        for i, fut in [(i, pool.submit(fetch, i)) for i in idxs]:
+            try:
+                fut.result()
+                read += runs[i].length
+            except Exception as exc:  # noqa: BLE001 - agreed in the next window, so every rank fails together
+                if failure is None:
+                    failure = (exc, runs[i].object)
+    session.count_read(read)
+    return read, failure
 
 
 def _requests_of_runs(runs: list[Run], pending: list[_Pending], me: int) -> dict[int, list[_Pending]]:
@@ -180,23 +226,11 @@ def _requests_of_runs(runs: list[Run], pending: list[_Pending], me: int) -> dict
 
 
 def _window(session: ReadSession, group: list[int], runs: list[Run], readers: list[int],
-            of_run: dict[int, list[_Pending]], comm: object, me: int) -> tuple[int, int]:
-    read = 0
-    error: BaseException | None = None
-    failed: str | None = None
-    for i in group:
-        if readers[i] != me:
-            continue
-        run, first = runs[i], of_run[i][0]
-        try:
-            session.store.read_into(run.object, run.start, as_bytes(first.slice(run)))
-        except Exception as exc:  # noqa: BLE001 - agreed below, so every rank fails together
-            error, failed = exc, run.object
-            break
-        for other in of_run[i][1:]:
-            other.slice(run).copy_(first.slice(run))
-        read += run.length
-    session.count_read(read)
+            of_run: dict[int, list[_Pending]], comm: object, me: int,
+            earlier: tuple[BaseException, str] | None = None) -> tuple[int, int]:
+    read, failure = _read_runs(session, [i for i in group if readers[i] == me], runs, of_run)
+    failure = earlier or failure
+    error, failed = failure if failure is not None else (None, None)
     errors = comm.all_gather_json(None if error is None else (f"{type(error).__name__}: {error}", failed))  # type: ignore[attr-defined]
     bad = [(r, e) for r, e in enumerate(errors) if e is not None]
     if bad:
