@@ -203,10 +203,30 @@ def load_state(
             f"per-rank values {keys_pr[:4]} cannot be matched to ranks (LoadOptions(per_rank_on_resize='skip') keeps the current ones)"
         )
     own = {comm.rank} if per_rank_needed and not resized else set()
+    nbytes, error = _read_into_state(session, ops, own, plan, flat, comm, options, resized)
+    outcomes = _agree(comm, error, time.perf_counter() - t0, nbytes, where)
+    seconds = time.perf_counter() - t0
+    log.info(
+        "loaded %s: %.3f GiB on rank %d in %.2fs (%.2f GiB/s)",
+        where, nbytes / 2**30, comm.rank, seconds, nbytes / 2**30 / max(seconds, 1e-9),
+    )
+    if comm.rank == 0 and len(outcomes) > 1:
+        _log_skew(where, outcomes)
+    return LoadResult(where, nbytes, seconds, dict(manifest.meta), tuple(sorted(plan.missing)), tuple(unexpected))
+
+
+def _read_into_state(session: ReadSession, ops: list[CopyOp], own: set[int], plan: _Plan, flat: FlatState,
+                     comm: Comm, options: LoadOptions, resized: bool) -> tuple[int, BaseException | None]:
+    """Plan the reads, read (once per job when ranks share bytes), place, assign values. Returns the
+    bytes this rank read from storage and its error, if any (not raised: the caller agrees on it).
+    Collective when reading once: every rank enters it whatever failed before."""
+    where = session.url
+    manifest = session.manifest
     targets = [d.work for d in plan.dests]
     nbytes = 0
     reading = False
     read_plan = None
+    error: BaseException | None = None
     try:
         read_plan = session.plan(ops, extra_ranks=own)  # reads the writers' indexes: may find damage
     except Exception as exc:  # noqa: BLE001 - carried through the collective below, then re-raised
@@ -233,33 +253,35 @@ def load_state(
             if reading else exc
     except Exception as exc:  # noqa: BLE001 - carried through the collective below, then re-raised
         error = exc
-    # A damaged piece fails only the ranks that read it: every rank learns of it, so a load succeeds
-    # on every rank or on none (a rank that went on would wait forever in the trainer's next collective).
+    return nbytes, error
+
+
+def _agree(comm: Comm, error: BaseException | None, seconds: float, nbytes: int, where: str) -> list[Any]:
+    """Every rank's (failed, seconds, bytes read); raise on every rank if any failed.
+
+    A damaged piece fails only the ranks that read it: every rank learns of it, so a load succeeds
+    on every rank or on none (a rank that went on would wait forever in the trainer's next
+    collective). The times come along because the skew between ranks is what trips a job's
+    collective timeouts at scale, so every load states it."""
     try:
-        # one all-gather: whether any rank failed, and every rank's time (the skew between ranks is what
-        # trips a job's collective timeouts at scale, so every load states it)
-        outcomes = comm.all_gather_json((error is not None, time.perf_counter() - t0, nbytes))
-        any_failed = any(failed for failed, _, _ in outcomes)
+        outcomes = comm.all_gather_json((error is not None, seconds, nbytes))
     except RuntimeError as exc:  # a rank died mid-load: its connections are gone
         raise PeerFailureError(f"loading {where}: another rank stopped answering ({exc}); the state may be "
                                "partially overwritten") from (error or exc)
-    if any_failed:
+    if any(failed for failed, _, _ in outcomes):
         if error is not None:
             raise error
         raise PeerFailureError(f"loading {where} failed on another rank (the state may be partially "
                                "overwritten; load another checkpoint); see that rank's error")
-    seconds = time.perf_counter() - t0
-    log.info(
-        "loaded %s: %.3f GiB on rank %d in %.2fs (%.2f GiB/s)",
-        where, nbytes / 2**30, comm.rank, seconds, nbytes / 2**30 / max(seconds, 1e-9),
-    )
-    if comm.rank == 0 and len(outcomes) > 1:
-        times = sorted(t for _, t, _ in outcomes)
-        slowest = max(range(len(outcomes)), key=lambda r: outcomes[r][1])
-        log.info("loaded %s on %d ranks: %.2fs to %.2fs per rank (median %.2fs, skew %.2fs, slowest rank %d); "
-                 "%.3f GiB read from storage in all", where, len(times), times[0], times[-1], times[len(times) // 2],
-                 times[-1] - times[0], slowest, sum(n for _, _, n in outcomes) / 2**30)
-    return LoadResult(where, nbytes, seconds, dict(manifest.meta), tuple(sorted(plan.missing)), tuple(unexpected))
+    return outcomes
+
+
+def _log_skew(where: str, outcomes: list[Any]) -> None:
+    times = sorted(t for _, t, _ in outcomes)
+    slowest = max(range(len(outcomes)), key=lambda r: outcomes[r][1])
+    log.info("loaded %s on %d ranks: %.2fs to %.2fs per rank (median %.2fs, skew %.2fs, slowest rank %d); "
+             "%.3f GiB read from storage in all", where, len(times), times[0], times[-1], times[len(times) // 2],
+             times[-1] - times[0], slowest, sum(n for _, _, n in outcomes) / 2**30)
 
 
 def _check_own_split_values(flat: FlatState, manifest: Manifest, rank: int, where: str) -> None:
