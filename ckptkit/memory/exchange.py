@@ -100,9 +100,3 @@ class Link:
                     dist.recv(_u8(buf), self._global(sender), group=self.group)
                 got[key] = buf
         return got
-
-    def close(self) -> None:
-        try:
-            dist.destroy_process_group(self.group)
-        except Exception:  # noqa: BLE001 - best effort at shutdown
-            pass

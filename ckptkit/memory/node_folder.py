@@ -174,12 +174,16 @@ class NodeFolder:
             store.write_object(name, [data])
         return store
 
+    def share_header(self, step: int, holder: int) -> ShareHeader:
+        """A parity share's header alone (what an inventory lists; its bytes are checked at a restore)."""
+        where = os.path.join(self.step_path(step), f"share-{holder:05d}.json")
+        with open(where, "rb") as f:
+            return ShareHeader.from_json(f.read(MAX_HEADER + 1), where)
+
     def read_share(self, step: int, holder: int) -> tuple[ShareHeader, bytes]:
         """A parity share and its header, checked against the digest the header records."""
         base = os.path.join(self.step_path(step), f"share-{holder:05d}")
-        where = base + ".json"
-        with open(where, "rb") as f:
-            header = ShareHeader.from_json(f.read(MAX_HEADER + 1), where)
+        header = self.share_header(step, holder)
         with open(base + ".bin", "rb") as f:
             data = f.read(header.chunk + 1)
         if len(data) != header.chunk or hashlib.sha256(data).hexdigest() != header.share_digest:

@@ -82,21 +82,13 @@ def _inventory(tier: MemorySnapshots, at_most: int) -> dict[int, dict[str, Any]]
         for h in tier.folder.shares_at(step):
             if tier.claims(h):
                 try:
-                    header = _share_header(tier, step, h)
+                    header = tier.folder.share_header(step, h)
                     shares.append((h, header.members, header.index))
                 except (CkptkitError, OSError) as exc:
                     log.warning("memory tier: step %d, parity share %d unreadable, not used: %s", step, h, exc)
         if copies or shares:
             out[step] = {"copies": copies, "shares": shares}
     return out
-
-
-def _share_header(tier: MemorySnapshots, step: int, holder: int) -> ShareHeader:
-    import os
-
-    path = os.path.join(tier.folder.step_path(step), f"share-{holder:05d}.json")
-    with open(path, "rb") as f:
-        return ShareHeader.from_json(f.read(1 << 20), path)
 
 
 def _usable(copies: list[_Copy], fingerprints: list[str], world_size: int) -> frozenset[int]:

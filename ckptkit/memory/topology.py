@@ -160,12 +160,3 @@ def _rebuildable(rank: int, direct: Mapping[int, Source], parity: Sequence[Parit
     held = {s.index for s in shares if s.members == members}
     others = [i for i, m in enumerate(members) if m != rank]
     return all(members[i] in direct for i in others) and all(i in held for i in others)
-
-
-def parity_share_holders(rank: int, parity: Sequence[ParityShare | None]) -> dict[int, int]:
-    """member index -> the lowest rank holding that share of ``rank``'s group (for a rebuild)."""
-    out: dict[int, int] = {}
-    for holder, share in enumerate(parity):
-        if share is not None and rank in share.members and share.index not in out:
-            out[share.index] = holder
-    return out
