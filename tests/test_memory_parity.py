@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from ckptkit.errors import CorruptCheckpointError
 from ckptkit.memory import parity
-from ckptkit.memory.node_folder import NodeFolder, pack_bundle, unpack_bundle
+from ckptkit.memory.bundle import pack_bundle, unpack_bundle
+from ckptkit.memory.node_folder import NodeFolder
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8, torch.float64]
 
@@ -69,7 +70,7 @@ def test_bundle_names_outside_the_folder_are_refused(tmp_path, name):
     import json
     import struct
 
-    from ckptkit.memory.node_folder import MAGIC
+    from ckptkit.memory.bundle import MAGIC
 
     header = json.dumps({"files": [[name, 1], ["manifest.json", 2]]}).encode()
     blob = MAGIC + struct.pack("<Q", len(header)) + header + b"x{}"

@@ -22,6 +22,7 @@ A background failure is kept and raised on the next ``save``/``wait``/
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -67,8 +68,14 @@ class SaveHandle:
     staged: Future[None]
     committed: Future[SaveResult]
     blocked_seconds: float = 0.0
-    #: views of the staged copy of each saved tensor (rank-local savers only; see staging.staged_views)
-    staged_tensors: list[Any] | None = None
+    #: how to view the staged copy of each saved tensor (rank-local savers only): made on demand,
+    #: since only a snapshot lent to a persistent save of the same step needs them
+    _views_of_staged: Callable[[], list[Any]] | None = None
+
+    @property
+    def staged_tensors(self) -> list[Any] | None:
+        """Views of the staged copy of each saved tensor (see :func:`ckptkit.engine.staging.staged_views`)."""
+        return self._views_of_staged() if self._views_of_staged is not None else None
 
     def wait(self, timeout: float | None = None) -> SaveResult:
         return self.committed.result(timeout)
@@ -188,7 +195,7 @@ class AsyncSaver:
             staged_future.set_result(None)
         handle = SaveHandle(store.url, step, staged_future, Future(), time.perf_counter() - t0)
         if self.rank_local and staged is not None and prep is not None:
-            handle.staged_tensors = staged_views(prep.plan, prep.tensors, staged.buffer)
+            handle._views_of_staged = functools.partial(staged_views, prep.plan, prep.tensors, staged.buffer)
         self._inflight = handle
         self._executor.submit(self._persist, handle, prep, staged, planned, store, metadata, after_commit, deadline,
                               direct)

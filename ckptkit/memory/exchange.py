@@ -8,6 +8,7 @@ Two shapes of transfer:
 
 * :meth:`Link.swap` — a round in which every rank sends to one rank and receives from another
   (a permutation: the replica rounds, the parity rounds). All pairs run at once.
+  :meth:`Link.swap_parts` is the same round for a message per file, in place.
 * :meth:`Link.transfer` — a list of ``(sender, receiver, key)`` moves that every rank walks in the
   same order, each rank acting only in its own (a restore's copies from peers). The same order on
   every rank means no two ranks ever wait on each other in a cycle.
@@ -66,6 +67,19 @@ class Link:
             ops.append((_u8(out), recv_from, False))
         self._batch(ops)
         return out
+
+    def swap_parts(self, send_to: int, parts: Sequence[memoryview], recv_from: int,
+                   sinks: Sequence[memoryview]) -> None:
+        """Send ``parts`` to ``send_to`` while receiving into ``sinks`` from ``recv_from``, one message
+        per part, in order. Both sides already know every size (a swapped header listed them), so
+        nothing else goes over the wire and each part is read from, and received into, its place."""
+        for i in range(max(len(parts), len(sinks))):
+            ops = []
+            if i < len(parts) and len(parts[i]):
+                ops.append((_u8(parts[i]), send_to, True))
+            if i < len(sinks) and len(sinks[i]):
+                ops.append((_u8(sinks[i]), recv_from, False))
+            self._batch(ops)
 
     def _batch(self, ops: list[tuple[torch.Tensor, int, bool]]) -> None:
         if not ops:

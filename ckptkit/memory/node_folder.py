@@ -6,9 +6,8 @@
     <root>/step-0000000500/share-00007.json its header (group, chunk size, members' lengths and
                                             SHA-256 digests), written last: the share's commit
 
-A rank's snapshot travels between nodes as a *bundle*: the files of its folder behind a small
-JSON header (names and sizes). A received bundle is checked (names, sizes, no path outside the
-folder) and written back as files, manifest last, so a half-written copy is never committed.
+A rank's snapshot travels between nodes as a *bundle* (:mod:`ckptkit.memory.bundle`): checked
+on arrival and written back as files, manifest last, so a half-written copy is never committed.
 Whether a copy is *good* is decided by ckptkit's own checks (:func:`verified`): digests of the
 metadata and a CRC32C of every block, the same as for any checkpoint.
 """
@@ -21,12 +20,12 @@ import logging
 import os
 import re
 import shutil
-import struct
 from dataclasses import dataclass
 from typing import Any
 
 from ckptkit.errors import CkptkitError, CorruptCheckpointError
 from ckptkit.layout.manifest import MANIFEST_NAME
+from ckptkit.memory.bundle import MAX_HEADER, IncomingBundle, OutgoingBundle, unpack_bundle
 from ckptkit.storage.local import LocalStore
 
 log = logging.getLogger("ckptkit")
@@ -34,9 +33,6 @@ log = logging.getLogger("ckptkit")
 STEP_RE = re.compile(r"^step-(\d{10})$")
 RANK_RE = re.compile(r"^rank-(\d{5})$")
 SHARE_RE = re.compile(r"^share-(\d{5})\.json$")
-MAGIC = b"CKMT1\n"
-MAX_HEADER = 1 << 20
-MAX_FILES = 4096
 
 
 def step_name(step: int) -> str:
@@ -81,46 +77,6 @@ class ShareHeader:
                                                                        for n in header.lengths):
             raise CorruptCheckpointError(f"{where}: inconsistent parity share header")
         return header
-
-
-def pack_bundle(store: LocalStore) -> bytes:
-    """A rank folder's files as one byte string: magic, header length, JSON header, the files."""
-    keys = store.list_keys()
-    if MANIFEST_NAME not in keys:
-        raise CorruptCheckpointError(f"{store.url}: not a committed snapshot (no {MANIFEST_NAME})")
-    datas = [store.read_bytes(k) for k in keys]
-    header = json.dumps({"files": [[k, len(d)] for k, d in zip(keys, datas)]}).encode()
-    return b"".join([MAGIC, struct.pack("<Q", len(header)), header, *datas])
-
-
-def unpack_bundle(blob: bytes | memoryview, where: str) -> list[tuple[str, memoryview]]:
-    """The files of a bundle, checked: known layout, plain relative names, sizes that add up."""
-    view = memoryview(blob).cast("B")
-    if len(view) < len(MAGIC) + 8 or bytes(view[: len(MAGIC)]) != MAGIC:
-        raise CorruptCheckpointError(f"{where}: not a ckptkit memory snapshot bundle")
-    (hlen,) = struct.unpack("<Q", view[len(MAGIC): len(MAGIC) + 8])
-    start = len(MAGIC) + 8
-    if hlen > min(MAX_HEADER, len(view) - start):
-        raise CorruptCheckpointError(f"{where}: bundle header of {hlen} bytes does not fit")
-    try:
-        files = json.loads(bytes(view[start:start + hlen]))["files"]
-        entries = [(str(name), int(size)) for name, size in files]
-    except (ValueError, KeyError, TypeError) as exc:
-        raise CorruptCheckpointError(f"{where}: bundle header unreadable: {exc}") from None
-    if len(entries) > MAX_FILES:
-        raise CorruptCheckpointError(f"{where}: bundle lists {len(entries)} files (at most {MAX_FILES})")
-    pos, out = start + hlen, []
-    for name, size in entries:
-        parts = name.split("/")
-        if not name or name.startswith("/") or any(p in ("", ".", "..") for p in parts) or "\\" in name or size < 0:
-            raise CorruptCheckpointError(f"{where}: bundle names a file outside its folder: {name!r}")
-        if pos + size > len(view):
-            raise CorruptCheckpointError(f"{where}: bundle file {name!r} runs past the end")
-        out.append((name, view[pos:pos + size]))
-        pos += size
-    if pos != len(view) or MANIFEST_NAME not in {n for n, _ in out}:
-        raise CorruptCheckpointError(f"{where}: bundle sizes do not add up, or it holds no {MANIFEST_NAME}")
-    return out
 
 
 class NodeFolder:
@@ -173,6 +129,16 @@ class NodeFolder:
         for name, data in sorted(files, key=lambda f: f[0] == MANIFEST_NAME):
             store.write_object(name, [data])
         return store
+
+    def outgoing(self, step: int, rank: int) -> OutgoingBundle:
+        """Rank ``rank``'s committed folder at ``step``, opened to be streamed to a peer."""
+        return OutgoingBundle.open(self.rank_store(step, rank))
+
+    def incoming(self, step: int, rank: int, header: bytes | bytearray | memoryview) -> IncomingBundle:
+        """Receive rank ``rank``'s folder at ``step`` (replacing whatever is there) as ``header`` lists it."""
+        store = self.rank_store(step, rank)
+        self.remove_rank(step, rank)
+        return IncomingBundle(store, header)
 
     def share_header(self, step: int, holder: int) -> ShareHeader:
         """A parity share's header alone (what an inventory lists; its bytes are checked at a restore)."""

@@ -37,7 +37,8 @@ from ckptkit.errors import CkptkitError, CorruptCheckpointError
 from ckptkit.layout.values import decode_value
 from ckptkit.memory import parity
 from ckptkit.memory.local_view import LocalView, local_view
-from ckptkit.memory.node_folder import ShareHeader, pack_bundle, verified
+from ckptkit.memory.bundle import pack_bundle
+from ckptkit.memory.node_folder import ShareHeader, verified
 from ckptkit.memory.tier import MemorySnapshots
 from ckptkit.memory.topology import ParityShare, Source, plan_sources
 

@@ -34,7 +34,8 @@ from ckptkit.errors import SaveError
 from ckptkit.memory import parity
 from ckptkit.memory.exchange import Link
 from ckptkit.memory.local_view import local_view, mirror_state
-from ckptkit.memory.node_folder import NodeFolder, ShareHeader, pack_bundle
+from ckptkit.memory.bundle import pack_bundle
+from ckptkit.memory.node_folder import NodeFolder, ShareHeader
 from ckptkit.memory.options import MemoryTier
 from ckptkit.memory.topology import Topology
 from ckptkit.options import AsyncOptions
@@ -144,20 +145,33 @@ class MemorySnapshots:
         t0 = time.perf_counter()
         handle.wait()  # the own copy is committed in node memory
         if self.link is not None:
-            blob = pack_bundle(self.folder.rank_store(step, self.rank))
             if self.topology.parity is not None:
-                self._parity_rounds(step, blob)
+                self._parity_rounds(step, pack_bundle(self.folder.rank_store(step, self.rank)))
             else:
-                for holder, source in zip(self.topology.replica_holders(self.rank),
-                                          self.topology.replica_sources(self.rank)):
-                    got = self.link.swap(holder, blob, source)
-                    self.folder.write_bundle(step, source, got)
-            del blob
+                self._replica_rounds(step)
             self.link.barrier()  # every rank's copies of `step` are complete: older steps may go
         self.retire_before(step)
         self.last_protected = (step, time.perf_counter() - t0)
         log.debug("memory snapshot of step %d protected in %.3fs", step, self.last_protected[1])
         return step
+
+    def _replica_rounds(self, step: int) -> None:
+        """Stream this rank's folder to each replica holder while receiving a source's, file by file,
+        straight from the own files' pages into the new files' pages."""
+        assert self.link is not None
+        out = self.folder.outgoing(step, self.rank)
+        try:
+            for holder, source in zip(self.topology.replica_holders(self.rank),
+                                      self.topology.replica_sources(self.rank)):
+                header = self.link.swap(holder, out.header, source)
+                sink = self.folder.incoming(step, source, header)
+                try:
+                    self.link.swap_parts(holder, out.parts, source, sink.parts)
+                    sink.commit()
+                finally:
+                    sink.close()
+        finally:
+            out.close()
 
     def _parity_rounds(self, step: int, blob: bytes) -> None:
         """Fold every member's chunks into the shares of this rank's group: ``g - 1`` rounds, in round

@@ -1,0 +1,123 @@
+"""The streamed form of a memory snapshot bundle: sent from the sender's mapped files, received into
+the receiver's new files, manifest last; hostile headers refused before anything is written."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import ckptkit
+from ckptkit.errors import CorruptCheckpointError
+from ckptkit.memory.bundle import MAGIC, IncomingBundle, OutgoingBundle, pack_bundle
+from ckptkit.memory.node_folder import NodeFolder
+from ckptkit.storage.local import LocalStore
+
+
+def _snapshot(path) -> LocalStore:
+    ckptkit.save({"w": torch.arange(5000, dtype=torch.float32), "b": torch.ones(3, dtype=torch.bfloat16),
+                  "empty": torch.zeros(0), "n": 3}, str(path))
+    return LocalStore(str(path))
+
+
+def _stream(out: OutgoingBundle, folder: NodeFolder, step: int, rank: int, *, commit: bool = True) -> IncomingBundle:
+    """What Link.swap_parts does between two ranks, in one process: each part into its sink."""
+    sink = folder.incoming(step, rank, out.header)
+    assert len(sink.parts) == len(out.parts)
+    for src, dst in zip(out.parts, sink.parts):
+        dst[:] = src
+    if commit:
+        sink.commit()
+    sink.close()
+    return sink
+
+
+def test_a_streamed_copy_is_the_same_checkpoint_byte_for_byte(tmp_path):
+    src = _snapshot(tmp_path / "src")
+    folder = NodeFolder(str(tmp_path / "node"))
+    out = OutgoingBundle.open(src)
+    try:
+        _stream(out, folder, 4, 1)
+    finally:
+        out.close()
+    copy = folder.rank_store(4, 1)
+    assert ckptkit.verify(copy.url).ok
+    assert hashlib.sha256(pack_bundle(copy)).digest() == hashlib.sha256(pack_bundle(src)).digest()
+    assert folder.ranks_at(4) == [1]
+
+
+def test_a_copy_cut_short_is_never_committed(tmp_path):
+    src = _snapshot(tmp_path / "src")
+    folder = NodeFolder(str(tmp_path / "node"))
+    out = OutgoingBundle.open(src)
+    try:
+        _stream(out, folder, 4, 1, commit=False)
+    finally:
+        out.close()
+    assert folder.ranks_at(4) == []  # files are there, the manifest is not
+    assert not os.path.exists(os.path.join(folder.rank_store(4, 1).root, "manifest.json"))
+
+
+def test_a_new_copy_replaces_a_damaged_one(tmp_path):
+    src = _snapshot(tmp_path / "src")
+    folder = NodeFolder(str(tmp_path / "node"))
+    out = OutgoingBundle.open(src)
+    try:
+        _stream(out, folder, 4, 1)
+        root = folder.rank_store(4, 1).root
+        victim = max((os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs), key=os.path.getsize)
+        with open(victim, "r+b") as f:
+            f.seek(100)
+            f.write(b"\xff\xfe")
+        assert not ckptkit.verify(root).ok
+        _stream(out, folder, 4, 1)
+    finally:
+        out.close()
+    assert ckptkit.verify(folder.rank_store(4, 1).url).ok
+
+
+def _header(files) -> bytes:
+    doc = json.dumps({"files": files}).encode()
+    return MAGIC + struct.pack("<Q", len(doc)) + doc
+
+
+@pytest.mark.parametrize("files, why", [
+    ([["../escape", 1], ["manifest.json", 2]], "outside its folder"),
+    ([["/abs", 1], ["manifest.json", 2]], "outside its folder"),
+    ([["a/../../b", 1], ["manifest.json", 2]], "outside its folder"),
+    ([["data", 1]], "no manifest.json"),
+    ([["a", 1], ["a", 1], ["manifest.json", 2]], "a file twice"),
+    ([["a", 1], ["a/b", 1], ["manifest.json", 2]], "under another of its files"),
+    ([["a", -1], ["manifest.json", 2]], "outside its folder"),
+])
+def test_a_hostile_header_is_refused_before_anything_is_written(tmp_path, files, why):
+    folder = NodeFolder(str(tmp_path / "node"))
+    with pytest.raises(CorruptCheckpointError, match=why):
+        folder.incoming(1, 0, _header(files))
+    assert not os.path.exists(tmp_path / "escape") and not os.path.exists(tmp_path / "b")
+    assert folder.ranks_at(1) == []
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.text(alphabet="ab./", min_size=0, max_size=6), st.integers(-2, 64)), max_size=5),
+       st.booleans())
+def test_any_header_writes_only_inside_its_rank_folder(tmp_path_factory, files, with_manifest):
+    base = tmp_path_factory.mktemp("fuzz")
+    folder = NodeFolder(str(base / "node"))
+    entries = [list(f) for f in files] + ([["manifest.json", 4]] if with_manifest else [])
+    try:
+        sink = folder.incoming(1, 0, _header(entries))
+    except CorruptCheckpointError:
+        assert folder.ranks_at(1) == []
+        return
+    rank_root = os.path.realpath(folder.rank_store(1, 0).root)
+    sink.close()
+    for dirpath, _, names in os.walk(base):
+        for name in names:
+            assert os.path.realpath(os.path.join(dirpath, name)).startswith(rank_root + os.sep)
