@@ -22,6 +22,7 @@ from ckptkit.errors import (
     CoverageError,
     DTypeMismatchError,
     LayoutError,
+    LoadStalledError,
     ManifestError,
     MissingKeysError,
     PeerFailureError,
@@ -51,6 +52,7 @@ if TYPE_CHECKING:
     from ckptkit.resilience.controller import ResilienceController, TrainingStopped
     from ckptkit.resilience.incidents import IncidentLogOptions
     from ckptkit.resilience.lr import ScaledLR
+    from ckptkit.engine.load_progress import LoadProgress
     from ckptkit.engine.loader import LoadResult
     from ckptkit.engine.saver import SaveResult
     from ckptkit.engine.state import Experts, PerRank, Sharded
@@ -82,6 +84,7 @@ _LAZY = {
     "ScaledLR": "ckptkit.resilience.lr",
     "SaveResult": "ckptkit.engine.saver",
     "LoadResult": "ckptkit.engine.loader",
+    "LoadProgress": "ckptkit.engine.load_progress",
     "Sharded": "ckptkit.engine.state",
     "PerRank": "ckptkit.engine.state",
     "Experts": "ckptkit.engine.state",
@@ -117,7 +120,8 @@ __all__ = [
     "CkptkitError", "CheckpointNotFoundError", "CheckpointUnreadableError", "TooLargeError", "UncommittedCheckpointError", "ManifestError",
     "UnsupportedVersionError", "UnsafePathError", "CorruptCheckpointError", "StateMismatchError",
     "MissingKeysError", "UnexpectedKeysError", "DTypeMismatchError", "ShapeMismatchError",
-    "CoverageError", "LayoutError", "StorageError", "SaveError", "PeerFailureError", "CheckpointManager",
+    "CoverageError", "LayoutError", "StorageError", "SaveError", "PeerFailureError", "LoadStalledError", "LoadProgress",
+    "CheckpointManager",
     "ResilienceController", "IncidentLogOptions", "TrainingStopped", "ScaledLR", "SpikePolicy", "CheckpointView",
     "SavePolicy", "MemoryTier", "RestoreInfo", "RetentionPolicy", "BestK", "StepNaming",
     "list_checkpoints", "describe", "verify", "diff", "reshard", "plan_reshard", "ReshardOptions",

@@ -88,6 +88,31 @@ class PeerFailureError(CkptkitError):
     """A collective operation failed on another rank; that rank raised the real error."""
 
 
+class LoadStalledError(CkptkitError, TimeoutError):
+    """A rank made no progress in a load for ``LoadOptions.stall_seconds``; raised on every rank.
+
+    A load whose storage read never returns would otherwise hang every rank silently: the others
+    wait in a collective for the stalled one, and nothing in a load times out before the process
+    group's own timeout (30 minutes for gloo), which then names no rank and no object. The load
+    watchdog (:mod:`ckptkit.engine.watchdog`) tells every rank out of band, through the job's
+    key-value store, so no rank needs the stalled one's cooperation. ``rank`` is the stalled rank
+    (global), ``object`` the storage key it was reading (None if it was not reading).
+
+    After this error the process group may still hold collectives the other ranks entered and
+    the stalled one never will: do not run more collectives on it; restart the job (torchrun's
+    ``--max-restarts`` does). The stalled rank's own process may not exit by itself while its
+    read is stuck (Python joins its reader threads at exit); the launcher's kill ends it.
+    """
+
+    def __init__(self, message: str, rank: int | None = None, object: str | None = None) -> None:  # noqa: A002
+        super().__init__(message)
+        self.rank = rank
+        self.object = object
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
 class StorageError(CkptkitError, OSError):
     """The byte store failed (permission, disk full, network) in a way retries did not fix."""
 

@@ -38,6 +38,7 @@ from ckptkit.errors import (
     CheckpointUnreadableError,
     CorruptCheckpointError,
     CoverageError,
+    LoadStalledError,
     ManifestError,
     OptionsError,
     PeerFailureError,
@@ -363,6 +364,10 @@ class CheckpointManager:
             lease = self.folder.acquire_lease(name, self.rank)
             try:
                 load_state(flatten_state(state), self.root.child(name), self._comm, strict=strict, options=self.load_options)
+            except LoadStalledError:
+                # raised on every rank by the watchdog; the group may hold collectives the stalled rank
+                # never joins, so no agreement (no collective) follows: straight to the caller
+                raise
             except PeerFailureError as exc:
                 damaged = exc  # another rank failed; its own flag says why
             except _DAMAGED as exc:

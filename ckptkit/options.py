@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from ckptkit.errors import OptionsError
 
@@ -56,17 +57,42 @@ class LoadOptions:
     ``read_once``: ranks that need the same stored bytes (data-parallel replicas of the weights)
     read them from storage once in the job, one reader sending them to the others over the
     process group (:mod:`ckptkit.engine.read_once`); False: every rank reads all it needs itself.
+    ``stall_seconds``: the load watchdog (:mod:`ckptkit.engine.watchdog`). A rank that makes no
+    progress for this long — no storage read finishes (reads are counted in chunks of at most
+    64 MiB), no piece is placed, no phase ends — while it is not waiting for other ranks fails the
+    load on *every* rank with :class:`~ckptkit.errors.LoadStalledError`, naming that rank and the
+    object it was reading; the others learn it through the job's key-value store, not through a
+    collective the stalled rank would have to join. The default, 600 s: a working load never
+    comes near it (one 64 MiB chunk in ten minutes is 0.1 MB/s); it is torch's default NCCL
+    collective timeout, the silence a training job already tolerates; and it ends a hung load
+    with the rank and object named well before gloo's 30-minute default timeout would end it
+    with neither. Progress resets the clock: a slow load that keeps moving is never stopped.
+    None turns the watchdog off (the load then runs on the calling thread, as before). Must be
+    the same on every rank, like the other collective arguments.
+    ``on_progress``: called about every ``min(stall_seconds / 8, 5)`` seconds (every second
+    without a watchdog) with this rank's :class:`~ckptkit.engine.load_progress.LoadProgress`
+    (bytes read, pieces placed, phase, the object being read), and once more when the load ends;
+    from the thread that called the load. An exception it raises is logged, never raised.
     """
 
     io_threads: int = 4
     per_rank_on_resize: Literal["error", "skip"] = "error"
     read_once: bool = True
+    stall_seconds: float | None = 600.0
+    on_progress: Callable[[Any], None] | None = None
 
     def __post_init__(self) -> None:
         if self.io_threads < 1:
             raise OptionsError(f"io_threads {self.io_threads} must be >= 1")
         if self.per_rank_on_resize not in ("error", "skip"):
             raise OptionsError(f"per_rank_on_resize must be 'error' or 'skip', got {self.per_rank_on_resize!r}")
+        stall = self.stall_seconds
+        if stall is not None and (isinstance(stall, bool) or not isinstance(stall, (int, float))
+                                  or not math.isfinite(stall) or stall <= 0):
+            raise OptionsError(f"stall_seconds must be a positive, finite number of seconds or None (no watchdog), "
+                               f"got {stall!r}")
+        if self.on_progress is not None and not callable(self.on_progress):
+            raise OptionsError(f"on_progress must be callable or None, got {type(self.on_progress).__name__}")
 
 
 @dataclass(frozen=True)

@@ -28,9 +28,11 @@ import torch
 
 from ckptkit.engine.dtensor_grid import grid_of, is_dtensor, local_of
 from ckptkit.engine.collective import Comm
+from ckptkit.engine.load_progress import LoadProgress, ProgressRecord, WatchedComm
 from ckptkit.engine.read_once import read_once
 from ckptkit.engine.read_session import ReadSession
 from ckptkit.engine.state import FlatState, dtype_name
+from ckptkit.engine.watchdog import supervise
 from ckptkit.errors import (
     CorruptCheckpointError,
     DTypeMismatchError,
@@ -59,6 +61,7 @@ class LoadResult:
     meta: dict[str, Any] = field(default_factory=dict)
     missing: tuple[str, ...] = ()
     unexpected: tuple[str, ...] = ()
+    progress: LoadProgress | None = None  # this rank's, at the end (bytes read, pieces placed)
 
 
 @dataclass
@@ -161,6 +164,18 @@ def load_state(
     strict: bool = True,
     options: LoadOptions = LoadOptions(),
 ) -> LoadResult:
+    """Load ``flat`` from ``store``; collective over ``comm``.
+
+    Under the load watchdog (``options.stall_seconds``, :mod:`ckptkit.engine.watchdog`) the load
+    runs on a worker thread while this one watches its progress, so a read that never returns
+    fails the load on every rank, naming the rank and the object, instead of hanging the job."""
+    record = ProgressRecord(comm.rank)
+    return supervise(lambda: _load(flat, store, WatchedComm(comm, record), strict, options, record), record,
+                     where=store.url, comm=comm, stall_seconds=options.stall_seconds, on_progress=options.on_progress)
+
+
+def _load(flat: FlatState, store: ByteStore, comm: Comm, strict: bool, options: LoadOptions,
+          record: ProgressRecord) -> LoadResult:
     t0 = time.perf_counter()
     where = store.url
     error: BaseException | None = None
@@ -169,8 +184,9 @@ def load_state(
     ops: list[CopyOp] = []
     session: ReadSession | None = None
     try:
-        session = ReadSession(store, io_threads=options.io_threads)
+        session = ReadSession(store, io_threads=options.io_threads, progress=record)
         manifest = session.manifest
+        record.phase("planning")
         plan = _targets(flat, manifest, strict, where)
         if manifest.world_size == comm.world_size:
             _check_own_split_values(flat, manifest, comm.rank, where)
@@ -204,7 +220,9 @@ def load_state(
         )
     own = {comm.rank} if per_rank_needed and not resized else set()
     nbytes, error = _read_into_state(session, ops, own, plan, flat, comm, options, resized)
+    record.phase("agreement")
     outcomes = _agree(comm, error, time.perf_counter() - t0, nbytes, where)
+    record.finish()
     seconds = time.perf_counter() - t0
     log.info(
         "loaded %s: %.3f GiB on rank %d in %.2fs (%.2f GiB/s)",
@@ -212,7 +230,8 @@ def load_state(
     )
     if comm.rank == 0 and len(outcomes) > 1:
         _log_skew(where, outcomes)
-    return LoadResult(where, nbytes, seconds, dict(manifest.meta), tuple(sorted(plan.missing)), tuple(unexpected))
+    return LoadResult(where, nbytes, seconds, dict(manifest.meta), tuple(sorted(plan.missing)), tuple(unexpected),
+                      record.snapshot())
 
 
 def _read_into_state(session: ReadSession, ops: list[CopyOp], own: set[int], plan: _Plan, flat: FlatState,
@@ -231,6 +250,8 @@ def _read_into_state(session: ReadSession, ops: list[CopyOp], own: set[int], pla
         read_plan = session.plan(ops, extra_ranks=own)  # reads the writers' indexes: may find damage
     except Exception as exc:  # noqa: BLE001 - carried through the collective below, then re-raised
         error = exc
+    assert session.progress is not None
+    session.progress.phase("reading")
     try:
         if options.read_once and comm.world_size > 1 and hasattr(comm, "group"):
             reading = read_plan is not None
@@ -243,6 +264,7 @@ def _read_into_state(session: ReadSession, ops: list[CopyOp], own: set[int], pla
             nbytes = session.execute(read_plan, targets)
         if error is not None:
             raise error
+        session.progress.phase("values")
         indexes = session.indexes(own)
         for d in plan.dests:
             d.finish()

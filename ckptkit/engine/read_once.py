@@ -19,13 +19,17 @@ the fallback tier), so a rank never trusts another's bytes further than its own 
 Runs move in *windows* of at most :data:`WINDOW` bytes; each window's reads end with an agreement
 (one all-gather of errors) before anything is sent, so a reader that cannot read makes the load
 fail on every rank, naming the reader and the object, and a reader that dies fails its peers'
-receives (bounded by the group's timeout), never a silent hang.
+receives (bounded by the group's timeout), never a silent hang. A reader that neither fails nor
+dies (a read that never returns) is the load watchdog's (:mod:`ckptkit.engine.watchdog`): the
+transfers here count as waiting for other ranks in the load's progress, so only the stuck reader
+is named.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from contextlib import AbstractContextManager, nullcontext
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -255,8 +259,11 @@ def _window(session: ReadSession, group: list[int], runs: list[Run], readers: li
             ops.append(dist.P2POp(dist.irecv, first.slice(run), _global(net, reader), net, tag))
             received += run.length
     if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+        with _waiting(session):  # a transfer waits for other ranks: not this rank's own stall
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        if session.progress is not None:
+            session.progress.received(received)
     for i in group:  # a received run that two of this rank's requests share
         if readers[i] != me and me in runs[i].needers and len(of_run[i]) > 1:
             for other in of_run[i][1:]:
@@ -277,10 +284,22 @@ def _finish(session: ReadSession, p: _Pending, targets: list[torch.Tensor]) -> i
         p.buf = None
         n = execute_request(p.req, session.store, targets, dtypes, session.url)
         session.count_read(n)
+        _placed(session, p)
         return n
     place(p.req, p.buf, targets, dtypes)
     p.buf = None
+    _placed(session, p)
     return 0
+
+
+def _placed(session: ReadSession, p: _Pending) -> None:
+    if session.progress is not None:
+        session.progress.placed(len(p.req.ops))
+
+
+def _waiting(session: ReadSession) -> AbstractContextManager[None]:
+    """Waiting for other ranks, in a load's progress (the watchdog does not count it as idle)."""
+    return nullcontext() if session.progress is None else session.progress.waiting()
 
 
 def _global(group: object, rank: int) -> int:

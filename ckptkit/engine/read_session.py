@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import crc32c
 
+from ckptkit.engine.load_progress import ProgressRecord, ProgressStore
 from ckptkit.engine.metadata_io import read_index, read_manifest
 from ckptkit.errors import CkptkitError, CorruptCheckpointError
 from ckptkit.layout.box import Box, Region
@@ -63,9 +64,12 @@ class ReadPlan:
 class ReadSession:
     """One committed checkpoint opened for reading (metadata cached, objects checked once)."""
 
-    def __init__(self, store: ByteStore, manifest: Manifest | None = None, *, io_threads: int = 4) -> None:
-        self.store = store
-        self.manifest = manifest if manifest is not None else read_manifest(store)
+    def __init__(self, store: ByteStore, manifest: Manifest | None = None, *, io_threads: int = 4,
+                 progress: ProgressRecord | None = None) -> None:
+        # a load's progress (for its watchdog and on_progress): every read through the store noted
+        self.progress = progress
+        self.store = store if progress is None else ProgressStore(store, progress)  # type: ignore[assignment]
+        self.manifest = manifest if manifest is not None else read_manifest(self.store)
         self.io_threads = io_threads
         self._lock = threading.Lock()
         self._indexes: dict[int, Index] = {}
@@ -183,7 +187,9 @@ class ReadSession:
         from ckptkit.engine.reader import execute_reads
 
         dtypes = {op.op.tensor: self.dtype(op.op.tensor) for r in plan.requests for op in r.ops}
-        n = execute_reads(list(plan.requests), self.store, dests, dtypes, self.url, self.io_threads, progress, scratch)
+        done = None if self.progress is None else (lambda req: self.progress.placed(len(req.ops)))  # type: ignore[union-attr]
+        n = execute_reads(list(plan.requests), self.store, dests, dtypes, self.url, self.io_threads, progress, scratch,
+                          done)
         with self._lock:
             self._bytes_read += n
         return n

@@ -153,24 +153,33 @@ def execute_reads(
     threads: int,
     progress: Callable[[int], None] | None = None,
     scratch: BufferPool | None = None,
+    done: Callable[[ReadRequest], None] | None = None,
 ) -> int:
     """Run ``requests`` with up to ``threads`` in flight; return bytes read.
 
     Requests that are not read straight into their targets go through a
     scratch buffer of their span: taken from ``scratch`` when given (reused,
-    bounded), else allocated per request.
+    bounded), else allocated per request. ``done`` is told of each request
+    once it is read, verified and placed, on the thread that did it (a
+    load's progress counts placed pieces as they land).
     """
+    def one(req: ReadRequest) -> int:
+        n = execute_request(req, store, targets, dtypes, where, scratch)
+        if done is not None:
+            done(req)
+        return n
+
     if threads <= 1 or len(requests) <= 1:
         total = 0
         for req in requests:
-            n = execute_request(req, store, targets, dtypes, where, scratch)
+            n = one(req)
             total += n
             if progress is not None:
                 progress(n)
         return total
     total = 0
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ckptkit-read") as pool:
-        futures = [pool.submit(execute_request, r, store, targets, dtypes, where, scratch) for r in requests]
+        futures = [pool.submit(one, r) for r in requests]
         for fut in futures:
             n = fut.result()
             total += n
