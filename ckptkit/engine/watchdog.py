@@ -26,8 +26,8 @@ the rank nor the object. Here:
   *dies* still fails its peers' receives (``PeerFailureError``); the watchdog covers what those
   cannot see, a rank that neither fails nor dies.
 
-Store traffic per rank and poll (every ``min(stall_seconds / 8, 5)`` s): one set, two checks,
-one multi-get, with keys under a per-load prefix (a counter per group, the same on every rank
+The watchdog looks at its own rank every ``min(stall_seconds / 8, 5)`` s. Store traffic per rank
+and round (every ``min(stall_seconds / 8, 60)`` s): one set, two checks, one multi-get, with keys under a per-load prefix (a counter per group, the same on every rank
 because loads are collective; torchrun's restart count keeps a restarted attempt away from a
 dead attempt's keys). A rank deletes its own key of the load before last, when every rank has
 finished it. If the store cannot be reached, the rank logs it and keeps watching itself.
@@ -52,7 +52,11 @@ from ckptkit.errors import LoadStalledError
 log = logging.getLogger("ckptkit")
 
 POLL_MAX = 5.0
-"""The longest time between two looks at the progress (and two heartbeats), in seconds."""
+"""The longest time between two looks at the progress, in seconds."""
+STORE_PERIOD_MAX = 60.0
+"""The longest time between two rounds of store traffic (heartbeat, peer check, verdict check): an
+eighth of ``stall_seconds``, at most this. At the default 600 s that is one round a minute per rank,
+about 1,100 store calls a second at 16,384 ranks (a round every 5 s would be 13,000)."""
 WATCHED_PEERS = 2
 """How many ring neighbours each rank watches for silence (any one frozen rank is watched by two)."""
 _SEQ: dict[str, int] = {}
@@ -61,7 +65,8 @@ _SEQ_LOCK = threading.Lock()
 
 def poll_interval(stall_seconds: float | None) -> float:
     """How often the watchdog looks: 8 times per ``stall_seconds`` (a stall is caught within an
-    eighth of it), at most every :data:`POLL_MAX` s (store traffic at 10^4 ranks); every second
+    eighth of it), at most every :data:`POLL_MAX` s (the store is reached less often: see
+    :meth:`Heartbeats.due`); every second
     when there is only an ``on_progress`` callback to feed."""
     if stall_seconds is None:
         return 1.0
@@ -179,7 +184,7 @@ class _Judge:
         if self.stall is None:
             return None
         verdict = self._own(snap)
-        if self.beats is not None:
+        if self.beats is not None and (verdict is not None or self.beats.due()):
             self.beats.publish(snap)
             verdict = verdict or self.beats.silent_peer(self.where)
             verdict = self.beats.claim(verdict) if verdict is not None else self.beats.posted()
@@ -225,6 +230,7 @@ class Heartbeats:
         watched = [(me + i) % len(ranks) for i in range(1, WATCHED_PEERS + 1)]
         self.peers = {k: _Peer(changed=self.start) for k in dict.fromkeys(watched) if k != me}
         self.broken = False
+        self.last_round = self.start
 
     @classmethod
     def open(cls, comm: Any, stall: float) -> Heartbeats | None:
@@ -249,6 +255,14 @@ class Heartbeats:
         beats = cls(store, seq, group_rank, ranks, stall)
         beats._op(lambda: store.delete_key(beats._beat_key(group_rank, seq - 2)))  # every rank finished that load
         return beats
+
+    def due(self) -> bool:
+        """Whether a round of store traffic is due (see :data:`STORE_PERIOD_MAX`)."""
+        now = time.monotonic()
+        if now - self.last_round < min(STORE_PERIOD_MAX, max(0.02, self.stall / 8)):
+            return False
+        self.last_round = now
+        return True
 
     def _beat_key(self, rank: int, seq: int | None = None) -> str:
         return f"{self.seq if seq is None else seq}/beat/{rank}"
