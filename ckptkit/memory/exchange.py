@@ -12,6 +12,7 @@ Two shapes of transfer:
 * :meth:`Link.transfer` — a list of ``(sender, receiver, key)`` moves that every rank walks in the
   same order, each rank acting only in its own (a restore's copies from peers). The same order on
   every rank means no two ranks ever wait on each other in a cycle.
+  :meth:`Link.transfer_bundles` is the same walk for whole rank folders, streamed in place.
 """
 
 from __future__ import annotations
@@ -19,10 +20,13 @@ from __future__ import annotations
 import datetime
 import warnings
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from ckptkit.memory.bundle import IncomingBundle, OutgoingBundle
 
 
 def _u8(buf: bytes | bytearray | memoryview) -> torch.Tensor:
@@ -114,3 +118,67 @@ class Link:
                     dist.recv(_u8(buf), self._global(sender), group=self.group)
                 got[key] = buf
         return got
+
+    def transfer_bundles(self, moves: Sequence[tuple[int, int, Hashable]],
+                         open_out: Callable[[Hashable], OutgoingBundle],
+                         open_in: Callable[[Hashable, bytearray], IncomingBundle]) -> dict[Hashable, str | None]:
+        """Carry out ``moves`` of whole rank folders in order, each streamed file by file from the
+        sender's mapped files into the receiver's; return, by key received here, None when the copy
+        arrived and is committed, else why not.
+
+        The receiver answers the header before any file moves: a header it refuses (or a sender that
+        could not open its copy, which sends an empty header) ends that move on both sides, so one
+        bad copy never leaves the next move's messages out of step."""
+        got: dict[Hashable, str | None] = {}
+        for sender, receiver, key in moves:
+            if sender == self.rank:
+                self._send_bundle(self._global(receiver), open_out, key)
+            elif receiver == self.rank:
+                got[key] = self._receive_bundle(self._global(sender), open_in, key)
+        return got
+
+    def _send_bundle(self, peer: int, open_out: Callable[[Hashable], OutgoingBundle], key: Hashable) -> None:
+        try:
+            out: OutgoingBundle | None = open_out(key)
+        except Exception:  # noqa: BLE001 - the receiver reports the missing copy
+            out = None
+        try:
+            header = out.header if out is not None else b""
+            dist.send(torch.tensor([len(header)], dtype=torch.int64), peer, group=self.group)
+            if out is None:
+                return
+            dist.send(_u8(header), peer, group=self.group)
+            ack = torch.zeros(1, dtype=torch.int64)
+            dist.recv(ack, peer, group=self.group)
+            if int(ack.item()):
+                for part in out.parts:
+                    if len(part):
+                        dist.send(_u8(part), peer, group=self.group)
+        finally:
+            if out is not None:
+                out.close()
+
+    def _receive_bundle(self, peer: int, open_in: Callable[[Hashable, bytearray], IncomingBundle],
+                        key: Hashable) -> str | None:
+        size = torch.zeros(1, dtype=torch.int64)
+        dist.recv(size, peer, group=self.group)
+        if not int(size.item()):
+            return "its holder could not read it"
+        header = bytearray(int(size.item()))
+        dist.recv(_u8(header), peer, group=self.group)
+        try:
+            sink: IncomingBundle | None = open_in(key, header)
+            why = None
+        except Exception as exc:  # noqa: BLE001 - refused before any file moves; reported to the caller
+            sink, why = None, f"{type(exc).__name__}: {exc}"
+        dist.send(torch.tensor([int(sink is not None)], dtype=torch.int64), peer, group=self.group)
+        if sink is None:
+            return why
+        try:
+            for part in sink.parts:
+                if len(part):
+                    dist.recv(_u8(part), peer, group=self.group)
+            sink.commit()
+        finally:
+            sink.close()
+        return None

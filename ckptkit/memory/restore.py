@@ -243,13 +243,21 @@ def _restore_step(tier: MemorySnapshots, view: LocalView, step: int, plan: dict[
     """Move, rebuild and load this rank's snapshot of ``step``; the error, if any (not raised:
     every rank must reach the agreement that follows)."""
     try:
-        got = tier.link.transfer(_moves(plan, gathered, step), _payload(tier, step, gathered)) \
-            if tier.link is not None else {}
+        moves = _moves(plan, gathered, step)
+        whole = [m for m in moves if m[2] == ("copy", m[1])]  # a peer's copy of the receiver's own snapshot
+        got: dict[Hashable, bytearray] = {}
+        arrived: dict[Hashable, str | None] = {}
+        if tier.link is not None:
+            got = tier.link.transfer([m for m in moves if m not in whole], _payload(tier, step, gathered))
+            arrived = tier.link.transfer_bundles(
+                whole, lambda key: tier.folder.outgoing(step, key[1]),  # type: ignore[index]
+                lambda key, header: tier.folder.incoming(step, key[1], header))  # type: ignore[index]
         src = plan[tier.rank]
         store = tier.folder.rank_store(step, tier.rank)
-        if src.kind == "peer":
-            store = tier.folder.write_bundle(step, tier.rank, got[("copy", tier.rank)])
-        elif src.kind == "parity":
+        if src.kind == "peer" and arrived.get(("copy", tier.rank)) is not None:
+            raise CorruptCheckpointError(f"memory tier: rank {src.holder}'s copy of rank {tier.rank}'s snapshot of "
+                                         f"step {step} did not arrive: {arrived[('copy', tier.rank)]}")
+        if src.kind == "parity":
             store = tier.folder.write_bundle(step, tier.rank, _rebuild(tier, step, plan, gathered, got))
         load_state(flatten_state(view.state), store, LocalComm(), strict=True)
         view.write_back()
