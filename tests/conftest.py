@@ -12,10 +12,17 @@ SLOW = {"on": False}
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--run-slow", action="store_true", help="run the long reliability tests at full count")
+    parser.addoption("--module-costs", action="store_true",
+                     help="print each test module's wall time and the machine's CPU time meanwhile (all processes: "
+                          "the ranks of its worlds, its servers, its subprocesses), the most costly first")
 
 
 def pytest_configure(config: pytest.Config) -> None:
     SLOW["on"] = bool(config.getoption("--run-slow"))
+    if config.getoption("--module-costs"):
+        from tests.module_costs import ModuleCosts
+
+        config.pluginmanager.register(ModuleCosts(), "module-costs")
 
 
 def trials(default: int, slow: int) -> int:
