@@ -63,18 +63,8 @@ import torch.distributed as dist
 
 import ckptkit
 from ckptkit.adapters.deepspeed_record import (  # FORMAT, META: the record's names, kept importable here
-    FORMAT,
-    META,
-    RECORD_KEY,
-    Counters,
-    FrameworkState,
-    RecordSources,
-    SavedLayout,
-    build_record,
-    client_state_record,
-    parse_record,
-    scalar_record,
-    scalar_value,
+    FORMAT, META, RECORD_KEY, Counters, FrameworkState, RecordSources, SavedLayout, build_record, client_state_record,
+    parse_record, scalar_record, scalar_value,
 )
 from ckptkit.engine.metadata_io import read_manifest
 from ckptkit.engine.state import Sharded
@@ -372,20 +362,15 @@ def _shared(engine: Any) -> dict[str, str]:
     return out
 
 
-def engine_state(engine: Any, client_state: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The ckptkit state of a live engine (see the module docstring); tensors are the engine's own."""
-    layout = engine_layout(engine)
-    if engine.micro_steps % engine.gradient_accumulation_steps():
-        raise StateMismatchError(
-            f"DeepSpeed engine: micro step {engine.micro_steps} is inside a gradient-accumulation window of "
-            f"{engine.gradient_accumulation_steps()}; save after engine.step() completes a global step")
-    base = engine.optimizer.optimizer
+def group_entries(layout: EngineLayout, base_state: Mapping[Any, Any]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Each flat partition's fp32 masters, base-optimizer state tensors and training-dtype weights as Sharded
+    declarations, and each group's scalar state (apart, so tests/scale_zero3.py declares 512 ranks' partitions)."""
     state: dict[str, Any] = {}
     scalars: list[dict[str, Any]] = []
     for i, g in enumerate(layout.groups):
         entry: dict[str, Any] = {FP32: Sharded(g.fp32, _pieces(g, lambda n: optim_key(FP32, n)), g.rule)}
         group_scalars: dict[str, Any] = {}
-        for key, value in base.state.get(g.fp32, {}).items():
+        for key, value in base_state.get(g.fp32, {}).items():
             if isinstance(value, torch.Tensor) and value.shape == g.fp32.shape:
                 entry[key] = Sharded(value, _pieces(g, lambda n, k=key: optim_key(k, n)), g.rule)
             else:
@@ -394,6 +379,17 @@ def engine_state(engine: Any, client_state: Mapping[str, Any] | None = None) -> 
             entry[f"lp{j}"] = Sharded(local, pieces, g.rule)
         state[f"g{i}"] = entry
         scalars.append(group_scalars)
+    return state, scalars
+
+
+def engine_state(engine: Any, client_state: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The ckptkit state of a live engine (see the module docstring); tensors are the engine's own."""
+    layout = engine_layout(engine)
+    if engine.micro_steps % engine.gradient_accumulation_steps():
+        raise StateMismatchError(
+            f"DeepSpeed engine: micro step {engine.micro_steps} is inside a gradient-accumulation window of "
+            f"{engine.gradient_accumulation_steps()}; save after engine.step() completes a global step")
+    state, scalars = group_entries(layout, engine.optimizer.optimizer.state)
     for key, (local, pieces) in _frozen_and_buffers(engine, layout).items():
         state[key] = Sharded(local, pieces)
     state_keys = sorted({k for e in state.values() if isinstance(e, dict) for k in e

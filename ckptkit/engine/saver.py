@@ -41,7 +41,7 @@ from ckptkit.engine.writer import write_pieces
 from ckptkit.errors import CkptkitError, SaveError
 from ckptkit.version import __version__
 from ckptkit.layout.grid import GridLayout, Mesh, Replicate
-from ckptkit.layout.manifest import MANIFEST_NAME, Index, IndexRef, sha256_hex
+from ckptkit.layout.manifest import MANIFEST_NAME, Index, IndexRef, Manifest, sha256_hex
 from ckptkit.layout.rules import PartitionRule, rule_from_grid
 from ckptkit.layout.values import encode_value
 from ckptkit.plan.merge import RankReport, merge_reports, merge_values
@@ -295,10 +295,17 @@ def plan_collective(cls: Classified | None, failure: Outcome, comm: Comm, where:
     try:
         groups = agree_plain_replicas(cls.plain, [o.payload[1] for o in outcomes], comm)
         combined = combine_replica_meshes([o.payload[0] for o in outcomes])
-        decls = apply_replica_meshes(cls.grid, combined) + apply_plain_groups(cls.plain, groups, comm.rank, comm.world_size)
-        return plan_save(comm.rank, decls, cls.explicit), Outcome(True)
+        return plan_agreed(cls, groups, combined, comm.rank, comm.world_size), Outcome(True)
     except CkptkitError as exc:
         return None, _fail(exc)
+
+
+def plan_agreed(cls: Classified, groups: dict[str, tuple[int, ...]], combined: dict[str, tuple[Mesh, int]], rank: int,
+                world_size: int) -> SavePlan:
+    """This rank's plan once the ranks agree on replicas (the part of :func:`plan_collective` after its
+    gathers): pure, so a simulation of many ranks in one process plans each exactly as a job would."""
+    decls = apply_replica_meshes(cls.grid, combined) + apply_plain_groups(cls.plain, groups, rank, world_size)
+    return plan_save(rank, decls, cls.explicit)
 
 
 def bind(plan: SavePlan, cls: Classified) -> Prepared:
@@ -359,7 +366,7 @@ def commit(
     Collective (an all-gather of value digests, a gather, a broadcast)."""
     object_bytes = sum(prep.plan.objects.values()) if prep is not None else 0
     values = prep.values if prep is not None else {}
-    digests = comm.all_gather(_values_digest(values))
+    digests = comm.all_gather(values_digest(values))
     send = values if digests.index(digests[comm.rank]) == comm.rank else None  # each distinct set once
     gathered = comm.gather((report, prep.plan.nbytes if prep is not None else 0, object_bytes, send))
     outcome: Outcome
@@ -370,29 +377,7 @@ def commit(
             _raise_failures([g[0] for g in gathered], 0, store.url, "planning or persist")
             if deadline is not None and time.monotonic() > deadline:
                 raise SaveError(f"{store.url}: abandoned: the save could not be committed before its deadline")
-            total = sum(g[1] for g in gathered)
-            stored = sum(g[2] + g[0].payload.index.size for g in gathered)
-            meta = {
-                "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                "ckptkit_version": __version__,
-                "tensor_bytes": total,  # model-space bytes of every stored piece
-                "stored_bytes": stored,  # data objects (with alignment) and indexes, without the manifest
-                "user": encode_value(dict(metadata or {}), "metadata"),
-            }
-            agreed, rank_values = merge_values(_value_groups(digests, [g[3] for g in gathered]))
-            manifest = merge_reports(
-                [g[0].payload for g in gathered],
-                world_size=comm.world_size,
-                values=agreed,
-                rank_values=rank_values,
-                meta=meta,
-                parallel=None,
-                where=store.url,
-                attempt=attempt,
-            )
-            if rank_values:
-                log.warning("%s: values %s differ between ranks; each rank's own value is stored and restored to it "
-                            "(wrap such values in ckptkit.PerRank to say so)", store.url, sorted(rank_values)[:5])
+            manifest, total = merge_gathered(gathered, digests, store.url, metadata, attempt)
             publish(store, manifest.to_json_bytes())
             outcome = Outcome(True, total)
         except (CkptkitError, OSError) as exc:
@@ -409,7 +394,30 @@ def commit(
     return int(outcome.payload)
 
 
-def _values_digest(values: dict[str, Any]) -> str:
+def merge_gathered(gathered: list[Any], digests: list[str], where: str, metadata: dict[str, Any] | None,
+                   attempt: str | None) -> tuple[Manifest, int]:
+    """Rank 0's merge of what :func:`commit` gathered (per rank: its report, tensor bytes, object bytes
+    and its values if first with their digest) into the manifest; and the checkpoint's tensor bytes.
+    Pure, apart from the creation time: a simulation of many ranks merges exactly as a job does."""
+    total = sum(g[1] for g in gathered)
+    stored = sum(g[2] + g[0].payload.index.size for g in gathered)
+    meta = {
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "ckptkit_version": __version__,
+        "tensor_bytes": total,  # model-space bytes of every stored piece
+        "stored_bytes": stored,  # data objects (with alignment) and indexes, without the manifest
+        "user": encode_value(dict(metadata or {}), "metadata"),
+    }
+    agreed, rank_values = merge_values(_value_groups(digests, [g[3] for g in gathered]))
+    manifest = merge_reports([g[0].payload for g in gathered], world_size=len(gathered), values=agreed,
+                             rank_values=rank_values, meta=meta, parallel=None, where=where, attempt=attempt)
+    if rank_values:
+        log.warning("%s: values %s differ between ranks; each rank's own value is stored and restored to it "
+                    "(wrap such values in ckptkit.PerRank to say so)", where, sorted(rank_values)[:5])
+    return manifest, total
+
+
+def values_digest(values: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(values, separators=(",", ":"), allow_nan=False).encode()).hexdigest()
 
 

@@ -40,7 +40,9 @@ from ckptkit.errors import (
 )
 from ckptkit.layout.box import Box, Region
 from ckptkit.layout.coverage import check_coverage, named_axes
+from ckptkit.layout.flat_split import FlatSplit, find_split
 from ckptkit.layout.grid import GridLayout, Mesh
+from ckptkit.layout.piece_index import PieceIndex
 from ckptkit.layout.rules import PartitionRule
 from ckptkit.layout.strict_json import (
     MAX_WORLD,
@@ -55,7 +57,9 @@ from ckptkit.layout.strict_json import (
 FORMAT = "ckptkit"
 INDEX_FORMAT = "ckptkit-index"
 VERSION = 2  # manifests written now: sealed by their own digest, attempt-named objects, rank_values
-READ_VERSIONS = (1, 2)  # manifests this ckptkit reads
+SPLIT_VERSION = 3  # a manifest with a FlatSplit layout (ZeRO-3's runs); otherwise as version 2
+SPLIT_MIN_RUNS = 64  # pieces of a tensor recorded as a FlatSplit from this many runs on (ZeRO-3 over 64+ ranks)
+READ_VERSIONS = (1, 2, 3)  # manifests this ckptkit reads
 INDEX_VERSION = 1  # the index format is unchanged since version 1
 MANIFEST_NAME = "manifest.json"
 SEAL_FIELD = "manifest_sha256"
@@ -112,15 +116,34 @@ class ExplicitLayout:
 
     Read from a manifest, the pieces are parsed and validated on first use: at
     16k ranks the directories of all tensors are megabytes of JSON, and a
-    loading rank needs only the tensors it holds.
+    loading rank needs only the tensors it holds. Pieces that cut the tensor's
+    flattening into equal runs (ZeRO-3) are kept as a :class:`FlatSplit`
+    (``split``): a run length and the writers, whatever the number of ranks.
     """
 
     def __init__(self, pieces: tuple[tuple[Region, int], ...] | None = None, *, raw: Any = None,
                  shape: tuple[int, ...] = (), world: int = 0, where: str = "", key: str = "",
-                 axes: dict[int, str] | None = None) -> None:
+                 axes: dict[int, str] | None = None, split: FlatSplit | None = None) -> None:
         self._pieces = pieces
         self._raw = (raw, shape, world, where, key)
         self._axes = axes
+        self._index: PieceIndex | None = None
+        self.split = split
+
+    @staticmethod
+    def of(shape: tuple[int, ...], pieces: tuple[tuple[Region, int], ...]) -> ExplicitLayout:
+        """The layout of checked pieces: as a FlatSplit when they are one of at least SPLIT_MIN_RUNS runs,
+        else as listed (a few pieces cost nothing to list, and a manifest without a split stays version 2,
+        which ckptkit versions before the split read)."""
+        split = find_split(shape, pieces) if len(pieces) >= SPLIT_MIN_RUNS else None
+        return ExplicitLayout(split=split) if split is not None else ExplicitLayout(pieces)
+
+    def to_json(self) -> dict[str, Any]:
+        if self.split is not None:
+            return {"kind": "explicit", "split": self.split.to_json()}
+        return {"kind": "explicit",
+                "pieces": [[list(r.box.offsets), list(r.box.sizes), list(r.flat) if r.flat else None, w]
+                           for r, w in self.pieces]}
 
     @staticmethod
     def from_json(raw: Any, shape: tuple[int, ...], world: int, where: str, key: str = "",
@@ -133,6 +156,8 @@ class ExplicitLayout:
     def pieces(self) -> tuple[tuple[Region, int], ...]:
         """The stored pieces; parsed from the manifest on first use and checked to cover the tensor
         exactly once (so no read path can leave an element unfilled or fill one twice)."""
+        if self._pieces is None and self.split is not None:
+            self._pieces = self.split.pieces()  # consecutive runs of the whole flattening: exact by construction
         if self._pieces is None:
             raw, shape, world, where, key = self._raw
             pieces = _parse_pieces(raw, shape, world, f"{where}: tensor {key!r}")
@@ -151,11 +176,12 @@ class ExplicitLayout:
         return f"ExplicitLayout({len(self.pieces)} pieces)"
 
     def overlapping(self, box: Box) -> list[tuple[Region, int]]:
-        out = []
-        for region, writer in self.pieces:
-            if any(b.intersect(box) is not None for b in region.boxes()):
-                out.append((region, writer))
-        return out
+        """The stored pieces sharing an element with ``box``, in stored order (an index built on first use)."""
+        if self.split is not None:
+            return self.split.overlapping(box)
+        if self._index is None:
+            self._index = PieceIndex(self.pieces)
+        return self._index.overlapping(box)
 
 
 def _parse_pieces(raw: Any, shape: tuple[int, ...], world: int, where: str) -> tuple[tuple[Region, int], ...]:
@@ -255,19 +281,14 @@ class Manifest:
                 entry["layout"] = t.layout.to_json(mesh_id)
                 entry["layout"]["rotation"] = t.rotation
             else:
-                entry["layout"] = {
-                    "kind": "explicit",
-                    "pieces": [
-                        [list(r.box.offsets), list(r.box.sizes), list(r.flat) if r.flat else None, w]
-                        for r, w in t.layout.pieces
-                    ],
-                }
+                entry["layout"] = t.layout.to_json()
             if t.rule is not None:
                 entry["rule"] = t.rule.to_json()
             tensors[key] = entry
+        split = any(isinstance(t.layout, ExplicitLayout) and t.layout.split is not None for t in self.tensors.values())
         doc = {
             "format": FORMAT,
-            "version": VERSION,
+            "version": SPLIT_VERSION if split else VERSION,  # older readers refuse a split by its version
             "world_size": self.world_size,
             "parallel": self.parallel,
             "attempt": self.attempt,
@@ -287,7 +308,7 @@ class Manifest:
 
     @staticmethod
     def from_json_bytes(data: bytes, where: str) -> Manifest:
-        """Parse a stored manifest: check its seal (version 2), then every field."""
+        """Parse a stored manifest: check its seal (version 2 and later), then every field."""
         body, sealed = unseal(data, where)
         doc = load_json(body, where)
         if not sealed and doc.get("version") != 1 and doc.get("format") == FORMAT and doc.get("version") in READ_VERSIONS:
@@ -423,6 +444,9 @@ def _tensor_from_json(key: str, tdoc: Any, meshes: dict[str, Mesh], world: int, 
             layout: GridLayout | ExplicitLayout = GridLayout.from_json(ldoc, mesh, shape)
             rotation = as_int(ldoc.get("rotation", 0), f"{where}: rotation", minimum=0)
             return TensorMeta(key, dtype, shape, layout, rotation, rule)
+        if ldoc.get("kind") == "explicit" and "split" in ldoc:
+            return TensorMeta(key, dtype, shape, ExplicitLayout(split=FlatSplit.from_json(ldoc["split"], shape, world,
+                                                                                        where)), 0, rule)
         if ldoc.get("kind") == "explicit":
             layout_e = ExplicitLayout.from_json(ldoc.get("pieces"), shape, world, file, key, named_axes(rule))
             return TensorMeta(key, dtype, shape, layout_e, 0, rule)

@@ -110,7 +110,7 @@ def merge_reports(
                 )
         pieces = tuple(sorted(((e.region, rank) for e, rank in items), key=lambda p: (p[0].key(), p[1])))
         check_coverage(key, first.shape, pieces, where, named_axes(first.rule))
-        tensors[key] = TensorMeta(key, first.dtype, first.shape, ExplicitLayout(pieces), rule=first.rule)
+        tensors[key] = TensorMeta(key, first.dtype, first.shape, ExplicitLayout.of(first.shape, pieces), rule=first.rule)
     per_rank: set[str] = set()
     for rep in reports:
         per_rank.update(rep.per_rank_keys)

@@ -239,14 +239,14 @@ def read_meta(path: str | os.PathLike[str], storage_options: dict[str, Any] | No
     return meta, {k: t.shape for k, t in manifest.tensors.items()}
 
 
-def load(model: Any, path: str | os.PathLike[str], *, optimizer: Any = None, scheduler: Any = None,
-         load_optimizer: bool = True, options: LoadOptions = LoadOptions(),
-         storage_options: dict[str, Any] | None = None) -> MegatronLoadInfo:
-    """Load a checkpoint of this adapter into the model chunks (and optimizer, scheduler) of this job,
-    at this job's TP/PP/DP/VPP, whatever the saving job's were (collective)."""
-    meta, shapes = read_meta(path, storage_options)
+def load_entries(model: Any, meta: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]], *, optimizer: Any = None,
+                 load_optimizer: bool = True, where: str = "") -> tuple[dict[str, Any], list[opt_state.ParamState], bool]:
+    """What a load fills, as Sharded declarations of this job's own tensors at this job's layout: the
+    model chunks, and the optimizer's state (primed if it has not stepped). ``meta`` and ``shapes`` are
+    :func:`read_meta`'s. Also the optimizer's per-parameter states and whether main copies are loaded.
+    Apart so that the load a large layout would do can be planned without reading (tests/scale_megatron.py)."""
     vocab = ModelSpaceOptions(meta["vocab_size"], meta["make_vocab_size_divisible_by"])
-    spaces = padding_plan(_spaces(model, vocab), shapes, "model/")
+    spaces = padding_plan(_spaces(model, vocab), dict(shapes), "model/")
     entries: dict[str, Any] = {}
     for i, s in enumerate(spaces):
         entries[f"p{i}"] = Sharded(s.view(), s.box_pieces("model/", for_save=False))
@@ -255,7 +255,7 @@ def load(model: Any, path: str | os.PathLike[str], *, optimizer: Any = None, sch
     load_main = False
     if optimizer is not None and load_optimizer:
         if saved_opt is None:
-            raise MissingKeysError(f"{path}: the checkpoint holds no optimizer state record (saved with "
+            raise MissingKeysError(f"{where}: the checkpoint holds no optimizer state record (saved with "
                                    "save_optimizer=False or without an optimizer, or imported from a Megatron "
                                    "checkpoint); pass load_optimizer=False to load weights only")
         states = opt_state.param_states(optimizer, spaces)
@@ -267,8 +267,19 @@ def load(model: Any, path: str | os.PathLike[str], *, optimizer: Any = None, sch
     needed = {p.tensor for e in entries.values() for p in e.pieces}
     missing = sorted(needed - set(shapes))
     if missing:
-        raise MissingKeysError(f"{path}: {len(missing)} tensor(s) this job needs are not in the checkpoint: "
+        raise MissingKeysError(f"{where}: {len(missing)} tensor(s) this job needs are not in the checkpoint: "
                                f"{', '.join(repr(k) for k in missing[:8])}")
+    return entries, states, load_main
+
+
+def load(model: Any, path: str | os.PathLike[str], *, optimizer: Any = None, scheduler: Any = None,
+         load_optimizer: bool = True, options: LoadOptions = LoadOptions(),
+         storage_options: dict[str, Any] | None = None) -> MegatronLoadInfo:
+    """Load a checkpoint of this adapter into the model chunks (and optimizer, scheduler) of this job,
+    at this job's TP/PP/DP/VPP, whatever the saving job's were (collective)."""
+    meta, shapes = read_meta(path, storage_options)
+    entries, states, load_main = load_entries(model, meta, shapes, optimizer=optimizer, load_optimizer=load_optimizer,
+                                              where=str(path))
     same = same_layout(meta["layout"], layout())
     if same:
         entries["rng"] = PerRank(None)
@@ -290,6 +301,7 @@ __all__ = [
     "MegatronOptions",
     "layout",
     "load",
+    "load_entries",
     "megatron_state",
     "read_meta",
     "save",

@@ -38,6 +38,7 @@ padding rows of the saving layout go to a side tensor ``<key>.vocab_padding``
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from math import prod
@@ -200,21 +201,61 @@ def _sharded_tensors(leaf: Any) -> list[Any]:
     return []
 
 
-def _owner(view: torch.Tensor, params: list[tuple[int, int, int, torch.Tensor]]) -> torch.Tensor:
-    ptr = view.untyped_storage().data_ptr()
-    at = view.storage_offset()
-    for p_ptr, start, stop, p in params:
-        if p_ptr == ptr and start <= at and at + view.numel() <= stop:
-            return p
-    raise LayoutError(f"a ShardedTensor of shape {tuple(view.shape)} is not a view of any model parameter or buffer")
+def storage_id(t: torch.Tensor) -> int:
+    """Identity of the storage ``t`` views (shared by every view of it).
+
+    Not ``data_ptr()``: on the meta device (a model built without memory, as large-layout checks
+    and deferred initialisation do) every storage's pointer is 0, so distinct parameters would look
+    like views of one another. The storage object's own handle tells them apart on every device."""
+    return t.untyped_storage()._cdata
 
 
-def _rule(param: torch.Tensor, prepend: int, n_parts: int, key: str, vocab: ModelSpaceOptions, global_shape: tuple,
-          stage: int | None, expert: bool) -> PartitionRule:
-    """How the tensor splits at any layout, from Megatron's per-parameter attributes."""
-    tp_axis = None
+class _Owners:
+    """The model's parameters and buffers by storage, sorted by offset: which one holds a declared view.
+
+    A bisection per view, so a model chunk with thousands of parameters (many local experts) costs
+    ``n log n``, not a scan of every parameter per view."""
+
+    def __init__(self, tensors: Iterable[torch.Tensor]) -> None:
+        runs: dict[int, list[tuple[int, int, torch.Tensor]]] = {}
+        for p in tensors:
+            runs.setdefault(storage_id(p), []).append((p.storage_offset(), p.storage_offset() + p.numel(), p))
+        self._runs = {k: sorted(v, key=lambda r: (r[0], r[1])) for k, v in runs.items()}
+        self._starts = {k: [r[0] for r in v] for k, v in self._runs.items()}
+
+    def owner(self, view: torch.Tensor) -> torch.Tensor:
+        key, at = storage_id(view), view.storage_offset()
+        runs = self._runs.get(key, [])
+        for i in range(bisect_right(self._starts.get(key, []), at) - 1, -1, -1):
+            start, stop, p = runs[i]
+            if at + view.numel() <= stop:
+                return p
+        raise LayoutError(f"a ShardedTensor of shape {tuple(view.shape)} is not a view of any model parameter or buffer")
+
+
+def _tp_axis(param: torch.Tensor, sts: list[Any], prepend: int, key: str) -> int | None:
+    """The axis tensor parallelism splits, at any layout.
+
+    Where the declarations are split beyond their prepended (layer, expert) axes, i.e. at tp > 1
+    (etp > 1 for experts), that axis is the answer. Megatron's per-parameter attributes
+    (``tensor_model_parallel``, ``partition_dim``) are only the fallback for an unsplit layout:
+    Megatron sets them on weights only while initialising, so a model built with
+    ``perform_initialization=False`` (Megatron-LM's ``--no-initialization``, common when resuming a
+    large model) has none, and Megatron-LM's ``get_model`` then defaults them to "not parallel"."""
+    split = {i for st in sts for i, f in enumerate(st.axis_fragmentations or ()) if i >= prepend and f > 1}
+    if len(split) > 1:
+        raise LayoutError(f"{key}: declared split along several axes {sorted(split)}; ckptkit reads one "
+                          "tensor-parallel axis per tensor")
+    if split:
+        return split.pop()
     if getattr(param, "tensor_model_parallel", False):
-        tp_axis = prepend + int(getattr(param, "partition_dim", 0))
+        return prepend + int(getattr(param, "partition_dim", 0))
+    return None
+
+
+def _rule(tp_axis: int | None, prepend: int, n_parts: int, key: str, vocab: ModelSpaceOptions, global_shape: tuple,
+          stage: int | None, expert: bool) -> PartitionRule:
+    """How the tensor splits at any layout (``tp_axis`` from :func:`_tp_axis`)."""
     fused = None
     if n_parts > 1:
         if tp_axis is None:
@@ -267,8 +308,7 @@ def chunk_params(chunks: Iterable[Any], vocab: ModelSpaceOptions, dp_sizes: Data
         _refuse_transposed_experts(model)
         experts = routed_expert_params(model)
         tensors = [*model.parameters(), *(b for b in model.buffers() if b.numel())]
-        params = [(p.untyped_storage().data_ptr(), p.storage_offset(), p.storage_offset() + p.numel(), p)
-                  for p in tensors]
+        owners = _Owners(tensors)
         grouped: dict[int, list[Any]] = {}
         for _, leaf in _expand(model.sharded_state_dict()):
             sts = _sharded_tensors(leaf)
@@ -277,7 +317,7 @@ def chunk_params(chunks: Iterable[Any], vocab: ModelSpaceOptions, dp_sizes: Data
                     objects.append((leaf.key, leaf))
                 continue
             for st in sts:
-                owner = _owner(st.data, params)
+                owner = owners.owner(st.data)
                 grouped.setdefault(id(owner), [owner]).append(st)
         for owner, *sts in grouped.values():
             expert = id(owner) in experts
@@ -329,7 +369,8 @@ def _param_space(param: torch.Tensor, sts: list[Any], vocab: ModelSpaceOptions, 
             and not key.startswith(("decoder.final", "output_layer", "embedding.")):
         raise LayoutError(f"{key}: a tensor outside the layer stack that ckptkit cannot place on a pipeline stage "
                           "(expected embedding.*, decoder.final_layernorm.*, output_layer.*)")
-    rule = _rule(param, prepend, n_parts, key, vocab, tuple(sts[0].global_shape), stage, expert)
+    rule = _rule(_tp_axis(param, sts, prepend, key), prepend, n_parts, key, vocab, tuple(sts[0].global_shape), stage,
+                 expert)
     rules: dict[str, PartitionRule | None] = {key: rule}
     if any(s.tensor.endswith(PADDING_SUFFIX) for s in segments):
         rules[key + PADDING_SUFFIX] = None

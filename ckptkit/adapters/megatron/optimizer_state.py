@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from ckptkit.adapters.megatron.model_space import ParamSpace
+from ckptkit.adapters.megatron.model_space import ParamSpace, storage_id
 from ckptkit.engine.state import Sharded, dtype_name
 from ckptkit.errors import StateMismatchError
 
@@ -55,7 +55,7 @@ def _optimizers(optimizer: Any) -> list[Any]:
 
 
 def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    return storage_id(a) == storage_id(b)
 
 
 def param_states(optimizer: Any, spaces: list[ParamSpace]) -> list[ParamState]:

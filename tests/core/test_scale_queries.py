@@ -1,0 +1,169 @@
+"""The planners' queries that the 1,024-rank simulations (tests/test_scale_layouts.py) found slow.
+
+* PieceIndex, the explicit layout's overlap query, agrees with a scan of every stored piece. It
+  replaced that scan, which cost pieces x questions: a loading rank's source matching was the largest
+  part of its metadata work at 128 ranks already, and grows with the job.
+* A mesh answers "which coordinate has rank r" from a table built once per mesh.
+* ZeRO-3's per-parameter runs are recorded as a FlatSplit (run length and writers), not piece by
+  piece: at dp 128 the 70B model's manifest was 15 MB and a loading rank spent its time parsing it.
+"""
+
+from __future__ import annotations
+
+from math import prod
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ckptkit.layout.box import Box, Region
+from ckptkit.layout.manifest import ExplicitLayout
+from ckptkit.layout.piece_index import PieceIndex
+
+from .strategies import shapes_st
+
+
+def scan(pieces, box):
+    return [(r, w) for r, w in pieces if any(b.intersect(box) is not None for b in r.boxes())]
+
+
+@st.composite
+def box_in(draw, shape):
+    offs = tuple(draw(st.integers(0, n - 1)) for n in shape)
+    return Box(offs, tuple(draw(st.integers(0, n - o)) for o, n in zip(offs, shape)))
+
+
+@st.composite
+def pieces_and_query(draw):
+    """Whole boxes and flat fragments of boxes (ZeRO, distributed optimizer), overlapping or not."""
+    shape = draw(shapes_st)
+    pieces = []
+    for writer in range(draw(st.integers(0, 12))):
+        box = draw(box_in(shape)) if shape else Box((), ())
+        if draw(st.booleans()) and box.numel:
+            a = draw(st.integers(0, box.numel - 1))
+            flat = (a, draw(st.integers(a, box.numel)))
+        else:
+            flat = None
+        pieces.append((Region(box, flat), writer))
+    query = draw(box_in(shape)) if shape else Box((), ())
+    return pieces, query
+
+
+@settings(max_examples=400, deadline=None)
+@given(pieces_and_query())
+def test_index_matches_a_scan(case):
+    pieces, query = case
+    assert PieceIndex(pieces).overlapping(query) == scan(pieces, query)
+
+
+def test_stacked_layers_and_flat_fragments_at_scale():
+    """A distributed-optimizer-like tensor: 80 layers, each cut into flat fragments over 32 ranks; a query for
+    one layer's rows finds exactly that layer's fragments, without looking at the others."""
+    shape = (80, 1024, 64)
+    per_layer = prod(shape[1:])
+    pieces = []
+    for layer in range(80):
+        box = Box((layer, 0, 0), (1, 1024, 64))
+        cuts = [per_layer * k // 32 for k in range(33)]
+        pieces += [(Region(box, (a, b)), k) for k, (a, b) in enumerate(zip(cuts, cuts[1:]))]
+    layout = ExplicitLayout(tuple(pieces))
+    query = Box((41, 100, 0), (1, 200, 64))
+    found = layout.overlapping(query)
+    assert found == scan(pieces, query)
+    assert {w for _, w in found} == set(range(3, 10)) and all(r.box.offsets[0] == 41 for r, _ in found)
+
+
+def test_mesh_coordinates_are_tabled_once_per_mesh(monkeypatch):
+    """A planner asks a mesh for its writers' coordinates once per writer; each answer used to hash the
+    mesh's whole rank tuple (a 1,024-rank reshard plan spent a third of its time there)."""
+    from ckptkit.layout import grid
+
+    calls = []
+    real = grid._coordinates
+    monkeypatch.setattr(grid, "_coordinates", lambda shape, ranks: calls.append(1) or real(shape, ranks))
+    mesh = grid.Mesh(("dp", "tp"), (256, 4), tuple(range(1024))[::-1])
+    assert [mesh.coordinate(r) for r in (1023, 0, 5)] == [(0, 0), (255, 3), (254, 2)]
+    assert all(mesh.coordinate(r) is not None for r in range(1024)) and mesh.coordinate(1024) is None
+    assert len(calls) == 1
+
+
+# ---------------------------------------------------------------- ZeRO-3's runs as a FlatSplit
+
+def zero3_pieces(shape, dp, writers=None):
+    """Rank r's ZeRO-3 fragment of a parameter (tests/scale_zero3.py, ckptkit/layout/zero_partition.py)."""
+    from ckptkit.layout.zero_partition import Zero3SubGroup
+
+    group = Zero3SubGroup((prod(shape),), dp)
+    out = []
+    for r in range(dp):
+        f = group.param_fragment(0, r)
+        if f is not None:
+            out.append((Region(Box.full(shape), (f.start, f.stop)), (writers or list(range(dp)))[r]))
+    return out
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 9), min_size=1, max_size=3), st.integers(1, 40), st.data())
+def test_zero3_partitions_are_recognised_and_queried_exactly(dims, dp, data):
+    from ckptkit.layout.flat_split import find_split
+
+    shape = tuple(dims)
+    pieces = zero3_pieces(shape, dp)
+    split = find_split(shape, pieces)
+    assert split is not None and split.pieces() == tuple(pieces)
+    query = data.draw(box_in(shape))
+    assert split.overlapping(query) == scan(pieces, query)
+
+
+def test_other_piece_sets_are_not_a_split():
+    from ckptkit.layout.flat_split import find_split
+
+    shape = (6, 4)
+    full = Box.full(shape)
+    runs = [(Region(full, (0, 8)), 0), (Region(full, (8, 16)), 1), (Region(full, (16, 24)), 2)]
+    assert find_split(shape, runs) is not None
+    assert find_split(shape, runs[:2]) is None  # a gap at the end
+    assert find_split(shape, [runs[0], (Region(full, (8, 20)), 1), (Region(full, (20, 24)), 2)]) is None  # unequal
+    assert find_split(shape, [runs[0], runs[1], (Region(full, (16, 24)), 0)]) is None  # a writer twice
+    assert find_split(shape, [(Region(Box((0, 0), (3, 4))), 0), (Region(Box((3, 0), (3, 4))), 1)]) is None  # boxes
+    assert find_split(shape, [(Region(full), 0)]) is None  # a whole-box piece names no flat range
+
+
+def test_a_split_manifest_round_trips_as_version_3_and_others_stay_version_2():
+    from ckptkit.layout.manifest import IndexRef, Manifest
+    from ckptkit.plan.merge import RankReport, merge_reports
+    from ckptkit.plan.save_plan import ExplicitReport
+
+    shape, dp = (1000, 24), 64
+    by_rank = {w: [ExplicitReport("optimizer/exp_avg/w", "float32", shape, r)] for r, w in zero3_pieces(shape, dp)}
+    by_rank[3].append(ExplicitReport("model/b", "float32", (8,), Region(Box((0,), (8,)))))  # listed, not a split
+    reports = [RankReport(r, IndexRef(r, f"index/rank-{r:05d}.json", 1, "0" * 64), (), tuple(by_rank.get(r, ())))
+               for r in range(dp)]
+    manifest = merge_reports(reports, world_size=dp, values={}, meta={}, parallel=None, where="t")
+    blob = manifest.to_json_bytes()
+    assert b'"split":{"part":375,"writers":{"start":0,"step":1}}' in blob and b'"version":3' in blob
+    back = Manifest.from_json_bytes(blob, "t")
+    assert back.tensors["optimizer/exp_avg/w"].stored_pieces() == zero3_pieces(shape, dp)
+    assert back.tensors["model/b"].layout.split is None
+    del manifest.tensors["optimizer/exp_avg/w"]
+    assert b'"version":2' in manifest.to_json_bytes()
+    few = [RankReport(w, IndexRef(w, f"index/rank-{w:05d}.json", 1, "0" * 64), (),
+                      (ExplicitReport("w", "float32", shape, r),)) for r, w in zero3_pieces(shape, 4)]
+    small = merge_reports(few, world_size=4, values={}, meta={}, parallel=None, where="t")
+    assert small.tensors["w"].layout.split is None and b'"version":2' in small.to_json_bytes()  # 4 runs: listed
+
+
+def test_a_hostile_split_is_refused():
+    import pytest
+
+    from ckptkit.errors import ManifestError
+    from ckptkit.layout.flat_split import FlatSplit
+
+    shape = (1 << 40,)
+    for raw, what in [({"part": 0, "writers": []}, "below 1"),
+                      ({"part": 1, "writers": {"start": 0, "step": 1}}, "more than the 8 ranks"),
+                      ({"part": 1 << 38, "writers": [0, 1, 2, 8]}, "distinct ranks"),
+                      ({"part": 1 << 38, "writers": [0, 1, 1, 2]}, "distinct ranks"),
+                      ({"part": 1 << 38, "writers": [0, 1]}, "4 runs, 2 writers")]:
+        with pytest.raises(ManifestError, match=what):
+            FlatSplit.from_json(raw, shape, 8, "t")
