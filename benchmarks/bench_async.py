@@ -21,6 +21,11 @@ only waits (it does not touch the state). Methods:
                    blocking = until save_async returns (plus ``handle.staged`` if
                    it is not resolved yet -- on CPU it always is)
   ckptkit-process  the same with AsyncOptions(executor="process")
+  ckptkit-thread-waves / ckptkit-process-waves
+                   the same with max_staging_bytes = 1/4 of the rank's state
+                   (AsyncOptions.over_budget="waves", the default): staged in
+                   waves through a buffer of a quarter of the state; blocking =
+                   until save_async returns, i.e. the last window is copied
   dcp-thread       dcp.async_save(THREAD), no stager: DCP's own default stager
                    copies synchronously into freshly allocated memory;
                    blocking = until async_save returns
@@ -207,6 +212,22 @@ class CkptkitAsync(Method):
         ckptkit.load(dest, d)
 
 
+class CkptkitWaves(CkptkitAsync):
+    """Staging in waves: a budget of a quarter of the rank's state (set once the state is known)."""
+
+    def __init__(self, executor: str) -> None:
+        super().__init__(executor)
+        self.executor = executor
+        self.key = f"ckptkit-{executor}-waves"
+        self.label = (f"ckptkit.save_async(options=AsyncOptions(executor={executor!r}, max_staging_bytes=state/4)): "
+                      "staged in waves; blocking = until it returns")
+
+    def setup(self, state: dict[str, Any]) -> None:
+        rank_bytes = sum(t.nbytes for t in local_shards(state).values())
+        self.options = ckptkit.AsyncOptions(executor=self.executor,  # type: ignore[arg-type]
+                                            max_staging_bytes=max(1 << 20, rank_bytes // 4))
+
+
 class DcpAsync(Method):
     family = "dcp-async"
 
@@ -265,6 +286,8 @@ def all_methods() -> dict[str, Callable[[], Method]]:
         "copy": CopyFloor,
         "ckptkit-thread": lambda: CkptkitAsync("thread"),
         "ckptkit-process": lambda: CkptkitAsync("process"),
+        "ckptkit-thread-waves": lambda: CkptkitWaves("thread"),
+        "ckptkit-process-waves": lambda: CkptkitWaves("process"),
         "dcp-thread": lambda: DcpAsync(AsyncCheckpointerType.THREAD, False),
         "dcp-process": lambda: DcpAsync(AsyncCheckpointerType.PROCESS, False),
         "dcp-thread+st": lambda: DcpAsync(AsyncCheckpointerType.THREAD, True),
@@ -491,7 +514,7 @@ def report(args: argparse.Namespace, world: int, p1: dict[str, Any] | None, p2: 
             "mutation-safe = checkpoint(s) load back equal to the state at save time although every tensor was "
             "add_(1)-ed right after the blocking part)"
         )
-        for key in ("ckptkit-thread", "ckptkit-process"):
+        for key in ("ckptkit-thread", "ckptkit-process", "ckptkit-thread-waves", "ckptkit-process-waves"):
             if key in res and res[key]["reported_block_median_s"] is not None:
                 print(f"  {key}: handle.blocked_seconds median {ms(res[key]['reported_block_median_s'])} ms (ckptkit's own figure)")
         if args.quick:

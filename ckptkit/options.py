@@ -102,8 +102,24 @@ class AsyncOptions:
     ``executor``: who persists the snapshot — ``"thread"`` (a background
     thread of the training process) or ``"process"`` (a persistent writer
     process reading the snapshot from shared memory).
-    ``max_staging_bytes``: per-rank budget for the staging buffer; a save that
-    needs more fails with a clear error (None: no budget).
+    ``max_staging_bytes``: per-rank budget for the staging buffer, allocated
+    once and reused (None: no budget, the buffer is the size of the rank's
+    data). ``over_budget`` says what a save that needs more does:
+    ``"waves"`` (the default) stages it in waves through a buffer of the
+    budget's size: copy a window of the data, persist it while the next is
+    copied, and so on (:mod:`ckptkit.engine.waves`); the checkpoint is byte
+    for byte a one-shot save's. The default because whoever sets a budget
+    wants host memory bounded (650 GB of staging per node OOM-killed 744B
+    saves), and a save that fails protects nothing. Its cost: ``save`` then
+    returns only once the *last* window is copied, so the step is blocked
+    for about the time to persist all but the last two windows (about
+    ``(1 - budget/state)`` of the persist time) instead of one copy. The
+    state must not change until ``save`` returns (as always; ``handle.staged``
+    is done by then). ``"error"``: such a save fails with a clear error
+    (the behaviour before waves, for who would rather raise the budget than
+    ever block on storage). Waves need ``max_staging_bytes >= 8192`` and a
+    store that streams writes (local files, S3); a rank-local saver's
+    ``staged_tensors`` are None for a save staged in waves.
     ``on_busy``: when a save is requested while the previous one is still
     persisting, ``"wait"`` for it (the default: no checkpoint is dropped) or
     ``"skip"`` the new one (training never waits; every rank skips together).
@@ -113,6 +129,7 @@ class AsyncOptions:
     max_staging_bytes: int | None = None
     on_busy: Literal["wait", "skip"] = "wait"
     block_size: int = 4 << 20
+    over_budget: Literal["waves", "error"] = "waves"
 
     def __post_init__(self) -> None:
         if self.executor not in ("thread", "process"):
@@ -121,4 +138,10 @@ class AsyncOptions:
             raise OptionsError(f"on_busy must be 'wait' or 'skip', got {self.on_busy!r}")
         if self.max_staging_bytes is not None and self.max_staging_bytes < 0:
             raise OptionsError("max_staging_bytes must be >= 0")
+        if self.over_budget not in ("waves", "error"):
+            raise OptionsError(f"over_budget must be 'waves' or 'error', got {self.over_budget!r}")
+        if (self.over_budget == "waves" and self.max_staging_bytes is not None
+                and self.max_staging_bytes < 8192):
+            raise OptionsError(f"max_staging_bytes={self.max_staging_bytes} is too small to stage in waves "
+                               "(at least 8192: two 4 KiB windows); raise it or use over_budget='error'")
         SaveOptions(block_size=self.block_size)  # same validation

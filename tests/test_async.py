@@ -116,7 +116,8 @@ def test_skip_policy_drops_the_new_save_while_one_persists(tmp_path, monkeypatch
 
 
 def test_staging_budget_fails_clearly(tmp_path):
-    saver = AsyncSaver(options=ckptkit.AsyncOptions(max_staging_bytes=1024))
+    """over_budget="error" (the default stages in waves instead: tests/test_async_waves.py)."""
+    saver = AsyncSaver(options=ckptkit.AsyncOptions(max_staging_bytes=1024, over_budget="error"))
     with pytest.raises(ckptkit.SaveError, match="does not fit the staging budget of 1024 bytes"):
         saver.save(make_state(), open_store(str(tmp_path / "c")))
     saver.close()

@@ -9,7 +9,11 @@ Per save, on the training thread:
    branch (wait / skip / raise / replan) and no collective is left unmatched;
 3. only if the structure changed: the planning all-gather; otherwise the
    cached plan is reused (steady-state saves run no planning collective);
-4. the snapshot into the reusable staging buffer (:mod:`staging`).
+4. the snapshot into the reusable staging buffer (:mod:`staging`) — or, for a
+   rank whose data is larger than ``max_staging_bytes``, staging in waves
+   (:mod:`waves`): the background writer starts first and streams each window
+   of the data object while the training thread copies the next; ``save``
+   returns once the last window is copied.
 
 Then a background executor checks the target, writes the staged bytes and
 the index, and commits, coordinating over a second, dedicated *commit*
@@ -48,6 +52,7 @@ from ckptkit.engine.saver import (
     write_index,
 )
 from ckptkit.engine.staging import Staged, StagingPool, snapshot, staged_views
+from ckptkit.engine.waves import WaveChannel, WaveSchedule, stage_in_waves, write_waves
 from ckptkit.engine.state import flatten_state
 from ckptkit.engine.writer import write_staged
 from ckptkit.errors import CkptkitError, SaveError
@@ -56,6 +61,25 @@ from ckptkit.plan.save_plan import SavePlan
 from ckptkit.storage.base import ByteStore
 
 log = logging.getLogger("ckptkit")
+
+
+@dataclass
+class _Waves:
+    """A save staged in waves: its schedule, the slots' buffer, and the producer's error if it failed."""
+
+    schedule: WaveSchedule
+    buffer: Any
+    error: BaseException | None = None
+
+
+def _settle(future: Future[None], exc: BaseException | None = None) -> None:
+    """Resolve ``future`` unless it already is (the training thread and the writer may both try)."""
+    if future.done():
+        return
+    try:
+        future.set_exception(exc) if exc is not None else future.set_result(None)
+    except Exception:  # noqa: BLE001 - InvalidStateError: the other thread was first
+        pass
 
 
 @dataclass
@@ -106,10 +130,14 @@ class AsyncSaver:
         self.pool = StagingPool(options.max_staging_bytes, shared=options.executor == "process")
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptkit-persist")
         self._writer: Any = None
+        self._channel: WaveChannel | None = None
         if options.executor == "process":
             from ckptkit.engine.writer_process import WriterProcess
 
             self._writer = WriterProcess()
+            self._channel = self._writer.channel
+        elif options.over_budget == "waves" and options.max_staging_bytes is not None:
+            self._channel = WaveChannel.for_threads()
         self._inflight: SaveHandle | None = None
         self._plans: dict[str, SavePlan] = {}
         self._lock = threading.Lock()
@@ -170,13 +198,13 @@ class AsyncSaver:
         plan: SavePlan | None
         if any_changed:
             plan, planned = plan_collective(cls, failure, self.plan_comm, store.url)
-            over = plan is not None and self.pool.over_budget(plan)
+            over = plan is not None and self.pool.over_budget(plan) and self.options.over_budget == "error"
             if self.plan_comm.any_flags([over])[0]:
                 raise SaveError(
                     f"saving {store.url}: a snapshot does not fit the staging budget of "
                     f"{self.options.max_staging_bytes} bytes on "
                     + (f"this rank ({sum(plan.objects.values())} bytes needed)" if over and plan else "another rank")
-                    + " (AsyncOptions.max_staging_bytes)"
+                    + " (AsyncOptions.max_staging_bytes; over_budget='waves' stages it in waves instead)"
                 )
             if plan is not None:
                 self._plans = {cls.fingerprint: plan}  # one structure at a time: its buffer is the pool's
@@ -186,19 +214,26 @@ class AsyncSaver:
         staged_future: Future[None] = Future()
         staged: Staged | None = None
         direct = private and self._writer is None
+        waves: _Waves | None = None
         if prep is not None and not direct:
             try:
-                staged = snapshot(prep.plan, prep.tensors, self.pool)
+                if self.options.over_budget == "waves" and self.pool.over_budget(prep.plan):
+                    waves = self._waves_for(prep.plan, prep.tensors)  # staged below, once the writer runs
+                else:
+                    staged = snapshot(prep.plan, prep.tensors, self.pool)
             except (CkptkitError, OSError, RuntimeError) as exc:
                 planned, prep = _fail(exc), None
-        if staged is None or staged.ready is None:
+        if waves is None and (staged is None or staged.ready is None):
             staged_future.set_result(None)
         handle = SaveHandle(store.url, step, staged_future, Future(), time.perf_counter() - t0)
         if self.rank_local and staged is not None and prep is not None:
             handle._views_of_staged = functools.partial(staged_views, prep.plan, prep.tensors, staged.buffer)
         self._inflight = handle
         self._executor.submit(self._persist, handle, prep, staged, planned, store, metadata, after_commit, deadline,
-                              direct)
+                              direct, waves)
+        if waves is not None and prep is not None:
+            self._produce(waves, prep, handle)
+            handle.blocked_seconds = time.perf_counter() - t0
         return handle
 
     def wait(self) -> SaveResult | None:
@@ -229,6 +264,34 @@ class AsyncSaver:
                 self._writer.close()
 
     # ------------------------------------------------------------- internals
+    def _waves_for(self, plan: SavePlan, tensors: list[Any]) -> _Waves:
+        """The schedule and the slots' buffer (the pool's, allocated once at the budget's size) of a
+        save staged in waves. The channel is reset here: the previous save is over on both sides."""
+        assert self._channel is not None and self.options.max_staging_bytes is not None
+        schedule = WaveSchedule.for_budget(sum(plan.objects.values()), self.options.max_staging_bytes)
+        on_device = any(t.device.type != "cpu" for t in tensors)
+        buffer = self.pool.buffer_of(schedule.buffer_bytes, on_device, plan.rank)
+        self._channel.reset()
+        return _Waves(schedule, buffer)
+
+    def _produce(self, waves: _Waves, prep: Prepared, handle: SaveHandle) -> None:
+        """On the training thread: copy every window, each once the writer freed its slot. A failure
+        aborts the writer (the save then fails at its commit, on every rank, and is cleaned up) and
+        is reported by ``handle.committed``, as any persist failure is; ``handle.staged`` says it."""
+        assert self._channel is not None
+        alive = self._writer.alive if self._writer is not None else None
+        try:
+            stage_in_waves(prep.plan, prep.tensors, waves.buffer, waves.schedule, self._channel, alive)
+        except BaseException as exc:
+            if not self._channel.aborted:  # our own failure, not the writer's: the save reports it
+                waves.error = exc
+                self._channel.abort()
+            _settle(handle.staged, exc)
+            if not isinstance(exc, Exception):
+                raise  # KeyboardInterrupt and the like are the caller's
+            return
+        _settle(handle.staged)
+
     def _wait_inflight(self) -> None:
         handle = self._inflight
         if handle is not None:
@@ -256,6 +319,7 @@ class AsyncSaver:
         after_commit: Callable[[SaveResult], None] | None,
         deadline: float | None,
         direct: bool = False,
+        waves: _Waves | None = None,
     ) -> None:
         t0 = time.perf_counter()
         try:
@@ -273,6 +337,8 @@ class AsyncSaver:
                     report = Outcome(True, persist(prep, store, self.options.block_size))
                 except (CkptkitError, OSError) as exc:
                     report = _fail(exc)
+            elif prep is not None and waves is not None and planned.ok:
+                report = self._write_waves(waves, prep, store)
             elif prep is not None and staged is not None and planned.ok:
                 try:
                     if self._writer is not None:
@@ -293,6 +359,22 @@ class AsyncSaver:
                 after_commit(result)
             handle.committed.set_result(result)
         except BaseException as exc:  # noqa: BLE001 - kept for the next save/wait/close
-            if not handle.staged.done():
-                handle.staged.set_exception(exc)
+            if waves is None:  # with waves, the training thread owns ``staged``
+                _settle(handle.staged, exc)
             handle.committed.set_exception(exc)
+        finally:
+            if waves is not None and self._channel is not None:
+                self._channel.abort()  # a producer still waiting (the writer never started) stops
+
+    def _write_waves(self, waves: _Waves, prep: Prepared, store: ByteStore) -> Outcome:
+        """Stream the data object as the training thread stages it; then the index."""
+        assert self._channel is not None
+        try:
+            if self._writer is not None:
+                entries = self._writer.write(store, prep.plan, waves.buffer, self.options.block_size, waves.schedule)
+            else:
+                entries = write_waves(store, prep.plan, waves.buffer, self.options.block_size, waves.schedule,
+                                      self._channel)
+            return Outcome(True, write_index(prep, store, self.options.block_size, entries))
+        except (CkptkitError, OSError) as exc:
+            return _fail(waves.error if waves.error is not None else exc)

@@ -10,8 +10,9 @@ same structure. It is pinned host memory when the tensors live on a GPU (the
 device-to-host copies are then asynchronous and ordered on the current
 stream), shared memory when a separate writer process persists it, plain
 host memory otherwise. Its size is known before the first save and checked
-against a budget: a save that does not fit fails with a clear error rather
-than allocating without bound.
+against a budget: a save that does not fit is staged in waves through a
+buffer of the budget's size (:mod:`ckptkit.engine.waves`), or, with
+``over_budget="error"``, fails with a clear error, never allocating without bound.
 """
 
 from __future__ import annotations
@@ -70,6 +71,16 @@ class StagingPool:
                 f"rank {plan.rank}: a snapshot needs {size / 2**30:.3f} GiB of staging memory, over the "
                 f"configured budget of {self.max_bytes / 2**30:.3f} GiB (AsyncOptions.max_staging_bytes)"
             )
+        return self._buffer_of(size, on_device, plan.rank)
+
+    def buffer_of(self, size: int, on_device: bool, rank: int) -> torch.Tensor:
+        """A buffer of exactly ``size`` bytes, within the budget (staging in waves asks for its
+        slots this way: :mod:`ckptkit.engine.waves`)."""
+        if self.max_bytes is not None and size > self.max_bytes:
+            raise SaveError(f"rank {rank}: {size} bytes of staging asked for, over the budget of {self.max_bytes}")
+        return self._buffer_of(size, on_device, rank)
+
+    def _buffer_of(self, size: int, on_device: bool, rank: int) -> torch.Tensor:
         if self._buffer is None or self._buffer.numel() != size:
             self._buffer = None  # release the old one before allocating the new one
             pin = on_device and torch.cuda.is_available() and not self.shared
@@ -79,7 +90,7 @@ class StagingPool:
             else:
                 buf = torch.zeros(size, dtype=torch.uint8, pin_memory=pin)
             self.kind = "pinned" if pin else ("shared" if self.shared else "host")
-            log.info("ckptkit staging pool on rank %d: %.3f GiB of %s memory", plan.rank, size / 2**30, self.kind)
+            log.info("ckptkit staging pool on rank %d: %.3f GiB of %s memory", rank, size / 2**30, self.kind)
             self._buffer = buf
         return self._buffer
 

@@ -6,6 +6,11 @@ not the bytes); each save then sends only the plan. The process writes the
 data object and computes the checksums, and returns them; the trainer's
 background thread writes the index and coordinates the commit as with the
 thread executor. The process is started once and reused by every save.
+
+A save staged in waves (:mod:`ckptkit.engine.waves`) sends its schedule with
+the plan; the process then streams each window as the trainer fills it,
+through a :class:`~ckptkit.engine.waves.WaveChannel` made before the process
+starts (multiprocessing semaphores are shared only by inheritance).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
+from ckptkit.engine.waves import WaveChannel, WaveSchedule, write_waves
 from ckptkit.errors import SaveError
 from ckptkit.layout.manifest import IndexEntry
 from ckptkit.plan.save_plan import SavePlan
@@ -26,7 +32,7 @@ _POLL = 1.0
 READY_TIMEOUT = 120.0
 
 
-def _serve(requests: Any, responses: Any) -> None:
+def _serve(requests: Any, responses: Any, channel: WaveChannel) -> None:
     from ckptkit.engine.writer import write_staged
 
     torch.set_num_threads(1)
@@ -36,11 +42,14 @@ def _serve(requests: Any, responses: Any) -> None:
         msg = requests.get()
         if msg is None:
             return
-        buffer_id, buffer, store, plan, block = msg
+        buffer_id, buffer, store, plan, block, waves = msg
         if buffer is not None:
             buffers = {buffer_id: buffer}  # one staging buffer at a time, like the pool
         try:
-            entries = write_staged(store, plan, buffers[buffer_id], block)
+            if waves is not None:
+                entries = write_waves(store, plan, buffers[buffer_id], block, waves, channel)
+            else:
+                entries = write_staged(store, plan, buffers[buffer_id], block)
             responses.put(("ok", [e.crcs for e in entries]))
         except BaseException as exc:  # noqa: BLE001 - reported to the trainer
             responses.put(("err", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
@@ -51,7 +60,8 @@ class WriterProcess:
         ctx = mp.get_context("spawn")
         self._requests = ctx.Queue()
         self._responses = ctx.Queue()
-        self._proc = ctx.Process(target=_serve, args=(self._requests, self._responses), daemon=True,
+        self.channel = WaveChannel.for_processes(ctx)
+        self._proc = ctx.Process(target=_serve, args=(self._requests, self._responses, self.channel), daemon=True,
                                  name="ckptkit-writer")
         try:
             self._proc.start()
@@ -78,13 +88,18 @@ class WriterProcess:
             raise SaveError(f"the ckptkit writer process failed to start: {reply}")
         self._ready = True
 
-    def write(self, store: ByteStore, plan: SavePlan, buffer: torch.Tensor, block: int) -> list[IndexEntry]:
-        """Persist ``buffer`` (shared memory) as ``plan``'s data object; return its index entries."""
+    def alive(self) -> bool:
+        return self._proc.is_alive()
+
+    def write(self, store: ByteStore, plan: SavePlan, buffer: torch.Tensor, block: int,
+              waves: WaveSchedule | None = None) -> list[IndexEntry]:
+        """Persist ``buffer`` (shared memory) as ``plan``'s data object — whole, or window by window as
+        the trainer stages it (``waves``); return its index entries."""
         if not self._ready:
             self._wait_ready()
         buffer_id = id(buffer.untyped_storage())
         send = buffer if self._sent != buffer_id else None
-        self._requests.put((buffer_id, send, store, plan, block))
+        self._requests.put((buffer_id, send, store, plan, block, waves))
         self._sent = buffer_id
         while True:
             try:
