@@ -2,7 +2,7 @@
 
 A waves save must be the one-shot save, byte for byte (data, index, manifest apart from the
 attempt id, the time and the hashes of what names the attempt), with either executor, across
-gloo worlds; its staging must stay within the budget (peak RSS, measured by the kernel); and a
+gloo worlds, to local files and to S3 (a real moto server); its staging must stay within the budget (peak RSS, measured by the kernel); and a
 failure in the middle of the waves must commit nothing and leave the previous checkpoint alone.
 """
 
@@ -23,6 +23,7 @@ from ckptkit.errors import OptionsError, StorageError
 from ckptkit.storage import open_store
 from ckptkit.storage.local import LocalStore
 from tests.peak_memory import section, zygote
+from tests.s3_server import s3_env, s3_server  # noqa: F401 - fixtures
 
 BUDGET = 64 << 10  # 32 KiB windows: the state below needs ~14 of them
 
@@ -269,3 +270,20 @@ def test_a_store_that_holds_chunks_is_refused_clearly(tmp_path):
         saver.wait()
     saver.close()
     assert not (tmp_path / "c" / "manifest.json").exists()
+
+
+def test_waves_to_s3_equal_a_one_shot_save(s3_env, s3_server):  # noqa: F811
+    """The S3 store streams each window into its multipart part buffer (a real moto server)."""
+    state, expected = make_state(), make_state()
+    client = s3_server.client()
+    bodies = []
+    for name, options in (("one", ckptkit.AsyncOptions()), ("waves", ckptkit.AsyncOptions(max_staging_bytes=BUDGET))):
+        saver = AsyncSaver(options=options)
+        saver.save(state, open_store(f"s3://{s3_env}/{name}")).wait()
+        saver.close()
+        listed = client.list_objects_v2(Bucket=s3_env, Prefix=f"{name}/data/")["Contents"]
+        bodies.append(client.get_object(Bucket=s3_env, Key=listed[0]["Key"])["Body"].read())
+    assert bodies[0] == bodies[1]
+    loaded = zeros_like_state(expected)
+    ckptkit.load(loaded, f"s3://{s3_env}/waves")
+    assert_same_state(expected, loaded)
