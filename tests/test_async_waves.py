@@ -2,8 +2,9 @@
 
 A waves save must be the one-shot save, byte for byte (data, index, manifest apart from the
 attempt id, the time and the hashes of what names the attempt), with either executor, across
-gloo worlds, to local files and to S3 (a real moto server); its staging must stay within the budget (peak RSS, measured by the kernel); and a
-failure in the middle of the waves must commit nothing and leave the previous checkpoint alone.
+gloo worlds, to local files and to S3 (a real moto server); its staging must stay within the
+budget (peak RSS, measured by the kernel); and a failure in the middle of the waves must commit
+nothing and leave the previous checkpoint alone.
 """
 
 from __future__ import annotations
@@ -242,7 +243,7 @@ def waves_in_a_world(run: str, executor: str) -> bool:
 
     save_twice(fresh(False), run, executor, BUDGET)
     dist.barrier()
-    same = normalized(os.path.join(run, "one")) == normalized(os.path.join(run, "waves")) if dist.get_rank() == 0 else True
+    same = dist.get_rank() != 0 or normalized(os.path.join(run, "one")) == normalized(os.path.join(run, "waves"))
     loaded, expected = fresh(True), fresh(False)
     ckptkit.load(loaded, os.path.join(run, "waves"))
     for key in ("rows", "cols"):
