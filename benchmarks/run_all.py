@@ -14,6 +14,9 @@
 * ``bench_reshard.py`` (offline ``ckptkit reshard`` tp2pp2 -> tp4pp2 in a subprocess vs a raw copy of the same bytes) as a plain single-process script, then again with ``--moe`` (a 64-expert MoE GPT, ep8 -> tp2 ep4);
 * ``bench_hf_export.py`` (``ckptkit convert --format hf`` of a 2.6 GiB 64-expert Qwen3-MoE checkpoint in a
   subprocess vs a raw write of the same bytes; peak RSS vs 2x the largest tensor + 300 MB);
+* ``bench_scale_layouts.py`` (planning time and metadata size of the realistic layouts at 128, 512
+  and 1,024 ranks, from every rank's real declarations on a fake process group; each layout in a
+  process of its own) as a plain single-process script;
 * every other ``benchmarks/bench_*.py`` that defines ``main()`` (e.g.
   ``bench_plan_scale.py``) as a plain single-process script.
 

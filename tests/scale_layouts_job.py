@@ -60,10 +60,11 @@ def megatron_load_ranks(load: str | None, tp: int, pp: int, dp: int) -> list[int
     return megatron_sample(tp, pp, dp, [0, pp - 1] if load == "edges" else None)
 
 
-def _common(root: str, world: int, classify: Callable[[int], Any], keep: bool) -> tuple[Any, dict[str, Any]]:
-    """Save every rank, then the exactly-once and index checks; the manifest and what they measured."""
+def _common(root: str, world: int, classify: Callable[[int], Any], explicit: bool) -> tuple[Any, dict[str, Any]]:
+    """Save every rank, then the exactly-once and index checks; the manifest and what they measured.
+    ``explicit``: the framework declares pieces only (no DTensors): one pass over the ranks suffices."""
     saver = sim.SaveSim(root, world)
-    manifest, seconds = _timed(lambda: saver.run_classified(classify, keep=keep))
+    manifest, seconds = _timed(lambda: saver.run_classified(classify, keep=False, explicit_only=explicit))
     elements, check_seconds = _timed(lambda: sim.check_exactly_once(manifest))
     sim.check_indexes(manifest, saver.stats)
     return manifest, {"save": saver.stats.summary(), "save_wall_s": seconds, "elements_checked": elements,
@@ -122,7 +123,7 @@ def megatron(spec: dict[str, Any], root: str) -> dict[str, Any]:
         reshard_to = "tp2pp8"
     if layers:
         job, target = job.with_layers(layers), target.with_layers(layers)
-    manifest, out = _common(root, job.world, _classify(lambda r: sm.save_state(job, r)), keep=True)
+    manifest, out = _common(root, job.world, _classify(lambda r: sm.save_state(job, r)), explicit=True)
     meta, shapes = mckpt.read_meta(root)
     ranks = megatron_load_ranks(spec.get("load"), target.tp, target.pp, target.dp)
     load = sim.simulate_load(root, ((r, sm.load_state(target, r, meta, shapes)) for r in ranks))
@@ -139,7 +140,7 @@ def zero3(spec: dict[str, Any], root: str) -> dict[str, Any]:
     job = sz.Zero3Job(dp=spec["dp"])
     if spec.get("layers"):
         job = replace(job, layers=spec["layers"])
-    manifest, out = _common(root, job.world, _classify(lambda r: sz.rank_state(job, r)), keep=False)
+    manifest, out = _common(root, job.world, _classify(lambda r: sz.rank_state(job, r)), explicit=True)
     target = replace(job, dp=spec.get("load_dp", job.dp // 2))
     ranks = range(target.dp) if spec.get("load") == "all" else sorted({0, 1, target.dp // 2, target.dp - 1})
     load = sim.simulate_load(root, ((r, sz.rank_state(target, r)) for r in ranks))
@@ -154,7 +155,7 @@ def titan(spec: dict[str, Any], root: str) -> dict[str, Any]:
     base, build_seconds = _timed(lambda: st.classified(job, 0))
     checked = sorted(spec.get("check", [job.world - 1]))
     _, check_seconds = _timed(lambda: st.check_ranks(job, base, checked))
-    manifest, out = _common(root, job.world, _derived(lambda r: st.at_rank(base, r)), keep=False)
+    manifest, out = _common(root, job.world, _derived(lambda r: st.at_rank(base, r)), explicit=False)
     load = {"scenario": "titan-load", "root": root, "dp": spec.get("load_dp", job.dp * 2),
             "tp": spec.get("load_tp", job.tp // 2), "layers": job.layers, "load": spec.get("load", "sample")}
     loaded = _in_own_process(load)  # a second torchtitan job cannot be built in this process (scale_titan)

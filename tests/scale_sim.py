@@ -18,7 +18,11 @@ rank by rank, exactly as in a job:
 
 What replaces the process group: a collective's result is every rank's
 contribution, which the simulation has in hand after a first pass over the
-ranks (:class:`Gathered`). Nothing of ckptkit is replaced.
+ranks (:class:`Gathered`; no pass is needed for frameworks that declare only
+explicit pieces, whose planning gather carries nothing). Nothing of ckptkit is
+replaced. Times are CPU seconds (:data:`clock`); each rank's own planning is
+timed with what earlier ranks left behind frozen out of the garbage collector,
+as in a job, where that is in other processes.
 
 Checks: every tensor of the manifest is covered exactly once
 (:func:`ckptkit.layout.coverage.check_coverage`, grids included), every stored
@@ -29,6 +33,7 @@ complete (the planners raise a CoverageError / ReshardError on any gap).
 
 from __future__ import annotations
 
+import gc
 import os
 import tempfile
 import time
@@ -161,15 +166,20 @@ class SaveSim:
         again, for states that are cheap to rebuild and costly to hold)."""
         return self.run_classified(lambda rank: classified(state_of(rank), rank), keep=keep)
 
-    def run_classified(self, classify: Callable[[int], tuple[Classified, float]], *, keep: bool = True) -> Manifest:
-        """:meth:`run` from each rank's classification and the CPU seconds it took (:func:`classified`)."""
+    def run_classified(self, classify: Callable[[int], tuple[Classified, float]], *, keep: bool = True,
+                       explicit_only: bool = False) -> Manifest:
+        """:meth:`run` from each rank's classification and the CPU seconds it took (:func:`classified`).
+
+        ``explicit_only``: the ranks declare every tensor piece by piece (Megatron, DeepSpeed), so what
+        the planning all-gather carries is known to be empty and the first pass is skipped; each rank
+        is checked to declare no grid or plain tensor."""
         kept: dict[int, tuple[Classified, float]] = {}
-        first: list[Outcome] = []
-        descs: list[Any] = []
-        for rank in range(self.world):  # pass one: what every rank gives plan_collective's all-gather
+        first: list[Outcome] = [Outcome(True, ([], None))] * self.world
+        descs: list[Any] = [()] * self.world
+        for rank in range(0 if explicit_only else self.world):  # pass one: what each gives the all-gather
             cls, seconds = classify(rank)
-            first.append(Outcome(True, (mesh_reports(cls.grid), _plain_hash(cls.plain))))
-            descs.append(plain_descs(cls.plain))
+            first[rank] = Outcome(True, (mesh_reports(cls.grid), _plain_hash(cls.plain)))
+            descs[rank] = plain_descs(cls.plain)
             if keep:
                 kept[rank] = (cls, seconds)
         hashes = [o.payload[1] for o in first]
@@ -179,7 +189,10 @@ class SaveSim:
         combine_seconds = clock() - t0
         gathered, digests, groups_of = [], [], {}
         for rank in range(self.world):  # pass two: each rank plans and persists its index
-            cls, seconds = kept.pop(rank) if keep else classify(rank)
+            gc.freeze()  # what earlier ranks left is not this rank's to collect (in a job it is in another process)
+            cls, seconds = kept.pop(rank) if rank in kept else classify(rank)
+            if explicit_only and (cls.grid or cls.plain):
+                raise AssertionError(f"rank {rank} declares grid or plain tensors; explicit_only does not hold")
             mesh_fingerprint.cache_clear()  # a rank's own process has only its own meshes in this cache
             t0 = clock()
             if hashes[rank] not in groups_of:  # one answer per set of plain tensors
@@ -188,6 +201,7 @@ class SaveSim:
             self.stats.plan_seconds.append(seconds + combine_seconds + clock() - t0)
             gathered.append(self._persist(rank, cls, plan))
             digests.append(values_digest(cls.values))
+        gc.unfreeze()
         firsts = {d: r for r, d in reversed(list(enumerate(digests)))}
         gathered = [(g[0], g[1], g[2], g[3] if firsts[digests[r]] == r else None) for r, g in enumerate(gathered)]
         return self._commit(gathered, digests)
@@ -262,6 +276,7 @@ class LoadStats:
     manifest_parse_seconds: float = 0.0
     match_seconds: list[float] = field(default_factory=list)
     read_plan_seconds: list[float] = field(default_factory=list)
+    total_seconds: list[float] = field(default_factory=list)
     indexes_needed: list[int] = field(default_factory=list)
     index_bytes_needed: list[int] = field(default_factory=list)
     requests: int = 0
@@ -276,6 +291,7 @@ class LoadStats:
             "read_plan_per_rank_s_max": max(self.read_plan_seconds, default=0),
             "match_per_rank_s_mean": sum(self.match_seconds) / n,
             "read_plan_per_rank_s_mean": sum(self.read_plan_seconds) / n,
+            "per_rank_s_mean": sum(self.total_seconds) / n, "per_rank_s_max": max(self.total_seconds, default=0),
             "indexes_per_rank_max": max(self.indexes_needed, default=0),
             "index_bytes_per_rank_max": max(self.index_bytes_needed, default=0),
             "requests": self.requests, "target_bytes": self.target_bytes, "read_bytes": self.read_bytes,
@@ -333,6 +349,7 @@ def simulate_load(root: str, ranks: Iterable[tuple[int, Any]]) -> LoadStats:
     out = LoadStats()
     sizes = {r: ref.size for r, ref in read_manifest(store).indexes.items()}
     for rank, what in ranks:
+        gc.collect()  # the previous rank's garbage is not this rank's to collect (in a job: another process)
         t0 = clock()
         manifest = read_manifest(store)  # each rank parses the manifest itself, and its layouts on first use
         session = ReadSession(store, manifest)
@@ -346,6 +363,7 @@ def simulate_load(root: str, ranks: Iterable[tuple[int, Any]]) -> LoadStats:
         out.manifest_parse_seconds = max(out.manifest_parse_seconds, t1 - t0)
         out.match_seconds.append(t2 - t1)
         out.read_plan_seconds.append(t3 - t2)
+        out.total_seconds.append(t3 - t0)
         out.ranks += 1
         out.indexes_needed.append(len(read.writers))
         out.index_bytes_needed.append(sum(sizes[w] for w in read.writers))

@@ -34,31 +34,31 @@ class FlatSplit:
     shape: tuple[int, ...]
     part: int
     writers: tuple[int, ...]
-    _pieces: list = field(default_factory=list, init=False, repr=False, compare=False)
+    box: Box = field(init=False, repr=False, compare=False)
+    numel: int = field(init=False, repr=False, compare=False)
+    _all: list = field(default_factory=list, init=False, repr=False, compare=False)
 
-    @property
-    def numel(self) -> int:
-        return prod(self.shape)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "box", Box.full(self.shape))
+        object.__setattr__(self, "numel", prod(self.shape))
 
     def run(self, i: int) -> tuple[Region, int]:
         """Run ``i`` as ``(region, writer)``: the region its writer's index names."""
-        n = self.numel
-        return Region(Box.full(self.shape), (i * self.part, min(n, (i + 1) * self.part))), self.writers[i]
+        return Region(self.box, (i * self.part, min(self.numel, (i + 1) * self.part))), self.writers[i]
 
     def pieces(self) -> tuple[tuple[Region, int], ...]:
         """Every run, in order (built once)."""
-        if not self._pieces:
-            self._pieces.append(tuple(self.run(i) for i in range(len(self.writers))))
-        return self._pieces[0]
+        if not self._all:
+            self._all.append(tuple(self.run(i) for i in range(len(self.writers))))
+        return self._all[0]
 
     def overlapping(self, box: Box) -> list[tuple[Region, int]]:
         """The runs sharing an element with ``box``: only those between its first and last element's runs
         are looked at (a loading rank asks about a few; a tensor may have a run per rank of thousands)."""
         if box.is_empty() or not self.writers:
             return []
-        full = Box.full(self.shape)
-        first = full.position(box.offsets)
-        last = full.position(tuple(e - 1 for e in box.ends))
+        first = self.box.position(box.offsets)
+        last = self.box.position(tuple(e - 1 for e in box.ends))
         out = []
         for i in range(first // self.part, last // self.part + 1):
             region, writer = self.run(i)
@@ -104,13 +104,12 @@ def find_split(shape: tuple[int, ...], pieces: Sequence[tuple[Region, int]]) -> 
     if not pieces or n == 0 or n > MAX_LAYOUT_INT:
         return None
     full = Box.full(shape)
-    ordered = sorted(pieces, key=lambda p: p[0].stream_start)
-    if any(r.box != full or r.flat is None for r, _ in ordered) or len({w for _, w in ordered}) != len(ordered):
+    if any(r.box != full or r.flat is None for r, _ in pieces) or len({w for _, w in pieces}) != len(pieces):
         return None
+    ordered = sorted(pieces, key=lambda p: p[0].flat)
     part = ordered[0][0].numel
-    split = FlatSplit(tuple(shape), part, tuple(w for _, w in ordered)) if part else None
-    if split is None or len(ordered) != -(-n // part):
+    if not part or len(ordered) != -(-n // part):
         return None
-    if [r.key() for r, _ in ordered] != [r.key() for r, _ in split.pieces()]:
+    if any(r.flat != (i * part, min(n, (i + 1) * part)) for i, (r, _) in enumerate(ordered)):
         return None
-    return split
+    return FlatSplit(tuple(shape), part, tuple(w for _, w in ordered))
