@@ -51,6 +51,7 @@ from ckptkit.layout.strict_json import (
     as_list,
     check_depth,
     check_text,
+    gc_paused,
     load_json,
 )
 
@@ -160,7 +161,8 @@ class ExplicitLayout:
             self._pieces = self.split.pieces()  # consecutive runs of the whole flattening: exact by construction
         if self._pieces is None:
             raw, shape, world, where, key = self._raw
-            pieces = _parse_pieces(raw, shape, world, f"{where}: tensor {key!r}")
+            with gc_paused():
+                pieces = _parse_pieces(raw, shape, world, f"{where}: tensor {key!r}")
             try:
                 check_coverage(key, shape, pieces, where, self._axes)
             except CoverageError as exc:
@@ -309,6 +311,11 @@ class Manifest:
     @staticmethod
     def from_json_bytes(data: bytes, where: str) -> Manifest:
         """Parse a stored manifest: check its seal (version 2 and later), then every field."""
+        with gc_paused():
+            return Manifest._parse(data, where)
+
+    @staticmethod
+    def _parse(data: bytes, where: str) -> Manifest:
         body, sealed = unseal(data, where)
         doc = load_json(body, where)
         if not sealed and doc.get("version") != 1 and doc.get("format") == FORMAT and doc.get("version") in READ_VERSIONS:
@@ -497,6 +504,11 @@ class Index:
 
     @staticmethod
     def from_json_bytes(data: bytes, where: str) -> Index:
+        with gc_paused():
+            return Index._parse(data, where)
+
+    @staticmethod
+    def _parse(data: bytes, where: str) -> Index:
         doc = load_json(data, where)
         _check_header(doc, INDEX_FORMAT, where, (INDEX_VERSION,))
         rank = as_int(doc.get("rank"), f"{where}: rank", minimum=0, maximum=MAX_WORLD)

@@ -6,6 +6,7 @@
 * A mesh answers "which coordinate has rank r" from a table built once per mesh.
 * ZeRO-3's per-parameter runs are recorded as a FlatSplit (run length and writers), not piece by
   piece: at dp 128 the 70B model's manifest was 15 MB and a loading rank spent its time parsing it.
+* Metadata is parsed with the cyclic garbage collector paused.
 """
 
 from __future__ import annotations
@@ -167,3 +168,41 @@ def test_a_hostile_split_is_refused():
                       ({"part": 1 << 38, "writers": [0, 1]}, "4 runs, 2 writers")]:
         with pytest.raises(ManifestError, match=what):
             FlatSplit.from_json(raw, shape, 8, "t")
+
+
+def test_metadata_parses_with_the_collector_paused_and_restores_it():
+    """Manifests and indexes are parsed with the cyclic GC paused (most of an index's parse went to the
+    collector in a process holding a large heap); its state before is restored, nested or not, threads too."""
+    import gc
+    import threading
+
+    from ckptkit.layout.strict_json import gc_paused
+
+    seen = []
+    for enabled in (True, False):
+        (gc.enable if enabled else gc.disable)()
+        try:
+            with gc_paused():
+                seen.append(gc.isenabled())
+                with gc_paused():
+                    seen.append(gc.isenabled())
+            assert gc.isenabled() is enabled
+        finally:
+            gc.enable()
+    assert seen == [False, False, False, False]
+
+    def parse_in_thread() -> None:
+        with gc_paused():
+            barrier.wait()
+            barrier.wait()
+
+    barrier = threading.Barrier(3)
+    workers = [threading.Thread(target=parse_in_thread) for _ in range(2)]
+    for w in workers:
+        w.start()
+    barrier.wait()  # both inside: paused
+    assert not gc.isenabled()
+    barrier.wait()
+    for w in workers:
+        w.join()
+    assert gc.isenabled()
