@@ -107,6 +107,14 @@ def unpack_bundle(blob: bytes | bytearray | memoryview, where: str) -> list[tupl
     return out
 
 
+def _unmap(parts: list[memoryview], maps: list[mmap.mmap]) -> None:
+    """Release the views first: a map with a view still exported cannot close."""
+    for part in parts:
+        part.release()
+    for m in maps:
+        m.close()
+
+
 @dataclass
 class OutgoingBundle:
     """A committed rank folder opened for sending: its header and its files, memory-mapped."""
@@ -144,10 +152,7 @@ class OutgoingBundle:
         return out
 
     def close(self) -> None:
-        for part in self.parts:
-            part.release()
-        for m in self._maps:
-            m.close()
+        _unmap(self.parts, self._maps)
         self.parts, self._maps = [], []
 
 
@@ -200,8 +205,5 @@ class IncomingBundle:
         return self.store
 
     def close(self) -> None:
-        for part in self.parts:
-            part.release()
-        for m in self._maps:
-            m.close()
+        _unmap(self.parts, self._maps)
         self.parts, self._maps = [], []
