@@ -195,21 +195,7 @@ class AsyncSaver:
         if any_failed:
             raise SaveError(f"saving {store.url} failed during preparation: " + (failure.error or "failed on another rank"))
         assert cls is not None
-        plan: SavePlan | None
-        if any_changed:
-            plan, planned = plan_collective(cls, failure, self.plan_comm, store.url)
-            over = plan is not None and self.pool.over_budget(plan) and self.options.over_budget == "error"
-            if self.plan_comm.any_flags([over])[0]:
-                raise SaveError(
-                    f"saving {store.url}: a snapshot does not fit the staging budget of "
-                    f"{self.options.max_staging_bytes} bytes on "
-                    + (f"this rank ({sum(plan.objects.values())} bytes needed)" if over and plan else "another rank")
-                    + " (AsyncOptions.max_staging_bytes; over_budget='waves' stages it in waves instead)"
-                )
-            if plan is not None:
-                self._plans = {cls.fingerprint: plan}  # one structure at a time: its buffer is the pool's
-        else:
-            plan, planned = self._plans[cls.fingerprint], Outcome(True)
+        plan, planned = self._plan(cls, failure, store.url) if any_changed else (self._plans[cls.fingerprint], Outcome(True))
         prep = bind(plan, cls) if plan is not None else None
         staged_future: Future[None] = Future()
         staged: Staged | None = None
@@ -235,6 +221,22 @@ class AsyncSaver:
             self._produce(waves, prep, handle)
             handle.blocked_seconds = time.perf_counter() - t0
         return handle
+
+    def _plan(self, cls: Classified, failure: Outcome, where: str) -> tuple[SavePlan | None, Outcome]:
+        """Plan a new structure (collective), refuse it when over the staging budget with
+        ``over_budget="error"``, and cache it: one structure at a time, its buffer is the pool's."""
+        plan, planned = plan_collective(cls, failure, self.plan_comm, where)
+        over = plan is not None and self.pool.over_budget(plan) and self.options.over_budget == "error"
+        if self.plan_comm.any_flags([over])[0]:
+            raise SaveError(
+                f"saving {where}: a snapshot does not fit the staging budget of "
+                f"{self.options.max_staging_bytes} bytes on "
+                + (f"this rank ({sum(plan.objects.values())} bytes needed)" if over and plan else "another rank")
+                + " (AsyncOptions.max_staging_bytes; over_budget='waves' stages it in waves instead)"
+            )
+        if plan is not None:
+            self._plans = {cls.fingerprint: plan}
+        return plan, planned
 
     def wait(self) -> SaveResult | None:
         """Block until the in-flight save (if any) is committed; raise its error."""
