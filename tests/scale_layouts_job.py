@@ -159,7 +159,7 @@ def titan(spec: dict[str, Any], root: str) -> dict[str, Any]:
     load = {"scenario": "titan-load", "root": root, "dp": spec.get("load_dp", job.dp * 2),
             "tp": spec.get("load_tp", job.tp // 2), "layers": job.layers, "load": spec.get("load", "sample")}
     loaded = _in_own_process(load)  # a second torchtitan job cannot be built in this process (scale_titan)
-    return {**out, "layout": job.layout, "model": f"torchtitan llama3 {job.flavor}", "model_layers": job.layers,
+    return {**out, "layout": job.layout, "model": f"torchtitan llama3 {job.flavor}", "model_layers": job.model_layers,
             "build_rank0_s": build_seconds, "ranks_built_and_compared": checked, "compare_s": check_seconds,
             "load_layout": loaded["layout"], "load": loaded["load"], "reshard": _reshard(manifest, "tp4dp8")}
 

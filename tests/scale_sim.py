@@ -349,7 +349,7 @@ def simulate_load(root: str, ranks: Iterable[tuple[int, Any]]) -> LoadStats:
     out = LoadStats()
     sizes = {r: ref.size for r, ref in read_manifest(store).indexes.items()}
     for rank, what in ranks:
-        gc.collect()  # the previous rank's garbage is not this rank's to collect (in a job: another process)
+        gc.freeze()  # what earlier ranks left is not this rank's to collect (in a job: another process)
         t0 = clock()
         manifest = read_manifest(store)  # each rank parses the manifest itself, and its layouts on first use
         session = ReadSession(store, manifest)
@@ -370,6 +370,7 @@ def simulate_load(root: str, ranks: Iterable[tuple[int, Any]]) -> LoadStats:
         out.requests += len(read.requests)
         out.target_bytes += sum(t.region.numel * session.dtype(t.tensor).itemsize for t in targets)
         out.read_bytes += read.nbytes
+    gc.unfreeze()
     return out
 
 

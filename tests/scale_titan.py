@@ -50,6 +50,13 @@ class TitanJob:
     def with_layers(self, layers: int) -> TitanJob:
         return replace(self, layers=layers)
 
+    @property
+    def model_layers(self) -> int:
+        """The model object's layers: ``layers``, or all of the flavour's."""
+        from torchtitan.models.llama3 import model_registry
+
+        return self.layers if self.layers is not None else len(model_registry(self.flavor).model.layers)
+
 
 def enter_rank(job: TitanJob, rank: int) -> None:
     """A fake process group of ``job.world`` ranks, this process being ``rank``."""

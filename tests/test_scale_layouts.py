@@ -114,6 +114,8 @@ def test_torchtitan_fsdp2_tp_at_1024_ranks(results):
     check_complete(r, 1024, kinds)
     assert r["ranks_built_and_compared"] == [1023]  # built for real: declares what rank 0's grids give it
     assert r["load_layout"] == "fsdp256xtp4" and r["reshard"]["unruled"] == []
+    # the 17 replicated step scalars share one writer: a loading rank reads a dozen indexes, not 17 more
+    assert r["load"]["indexes_per_rank_max"] <= 16, r["load"]
 
 
 def test_rules_do_not_depend_on_megatron_initialising_weights(results):

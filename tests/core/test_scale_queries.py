@@ -206,3 +206,26 @@ def test_metadata_parses_with_the_collector_paused_and_restores_it():
     for w in workers:
         w.join()
     assert gc.isenabled()
+
+
+def test_small_replicated_tensors_share_one_writer_in_large_groups():
+    """Per-parameter scalars replicated over every rank (torchtitan's Adam ``step``) went to a writer each,
+    so a loading rank read hundreds of indexes for them; from 64 replicas on they share one writer, while
+    large tensors still spread over the replicas. Small groups are planned as before."""
+    from ckptkit.layout.grid import GridLayout, Mesh, Replicate
+    from ckptkit.plan.save_plan import GridDecl, grid_rotations
+
+    def decls(replicas):
+        mesh = Mesh(("replica", "rank"), (replicas, 1), tuple(range(replicas)))
+        tiny = [GridDecl(i, f"step.{i}", "float32", 4, (), GridLayout(mesh, (Replicate(), Replicate()), ()), (0, 0))
+                for i in range(300)]
+        big = [GridDecl(300 + i, f"w.{i}", "float32", 4, (512, 512), GridLayout(mesh, (Replicate(), Replicate()),
+                                                                                 (512, 512)), (0, 0))
+               for i in range(5)]
+        return tiny + big
+
+    rot = grid_rotations(decls(128))
+    assert len({rot[f"step.{i}"] for i in range(300)}) == 1
+    assert len({rot[f"w.{i}"] for i in range(5)}) == 5
+    few = grid_rotations(decls(8))
+    assert len({few[f"step.{i}"] for i in range(300)}) > 1  # spread over the least loaded, as before
