@@ -20,6 +20,7 @@ from typing import Any
 from ckptkit.errors import LayoutError
 from ckptkit.layout.coverage import check_coverage, named_axes
 from ckptkit.layout.manifest import ExplicitLayout, IndexRef, Manifest, TensorMeta
+from ckptkit.layout.strict_json import gc_paused
 from ckptkit.plan.save_plan import ExplicitReport
 
 
@@ -74,6 +75,16 @@ def merge_reports(
     rank_values: dict[str, tuple[tuple[Any, tuple[int, ...]], ...]] | None = None,
     attempt: str | None = None,
 ) -> Manifest:
+    """Every rank's report -> the validated manifest (see the module docstring). With the cyclic GC
+    paused: a ZeRO-3 save of 1,024 ranks reports three million pieces, and collections walking them
+    while the merge allocates would cost rank 0 more than the merge itself."""
+    with gc_paused():
+        return _merge(reports, world_size, values, meta, parallel, where, rank_values, attempt)
+
+
+def _merge(reports: list[RankReport], world_size: int, values: dict[str, Any], meta: dict[str, Any],
+           parallel: str | None, where: str, rank_values: dict[str, tuple[tuple[Any, tuple[int, ...]], ...]] | None,
+           attempt: str | None) -> Manifest:
     digests: dict[str, tuple[int, int]] = {}
     for rep in reports:
         for tag, value in rep.rotation_digest.items():
