@@ -116,28 +116,39 @@ def test_a_load_into_inference_tensors_still_works(tmp_path):
 # ------------------------------------------------------------------ stores for the tests
 
 
-class Stalling:
-    """A store whose data reads block until ``release`` is set: a read that never returns."""
+class DataReadHook:
+    """A store that calls :meth:`before` ahead of every data read; everything else is the inner store's."""
 
-    def __init__(self, inner: Any, release: threading.Event) -> None:
-        self._inner, self._release = inner, release
-        self.blocked: list[str] = []  # the objects of the reads now blocked (several threads may read)
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
 
-    def _gate(self, key: str) -> None:
-        if key.startswith("data/"):
-            self.blocked.append(key)
-            self._release.wait(120)
+    def before(self, key: str) -> None:
+        raise NotImplementedError
 
     def read_into(self, key: str, offset: int, out: Any) -> None:
-        self._gate(key)
+        self.before(key)
         self._inner.read_into(key, offset, out)
 
     def read_into_vectored(self, key: str, offset: int, buffers: Any) -> None:
-        self._gate(key)
+        self.before(key)
         self._inner.read_into_vectored(key, offset, buffers)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
+
+
+class Stalling(DataReadHook):
+    """A store whose data reads block until ``release`` is set: a read that never returns."""
+
+    def __init__(self, inner: Any, release: threading.Event) -> None:
+        super().__init__(inner)
+        self._release = release
+        self.blocked: list[str] = []  # the objects of the reads now blocked (several threads may read)
+
+    def before(self, key: str) -> None:
+        if key.startswith("data/"):
+            self.blocked.append(key)
+            self._release.wait(120)
 
 
 class Slow:
@@ -287,28 +298,18 @@ def test_dp4_a_stalled_reader_fails_every_rank_naming_it(worlds, tmp_path, read_
         assert r["seconds"] < STALL + 5, (rank, r["seconds"])
 
 
-class Freezing:
+class Freezing(DataReadHook):
     """A store whose first data read stops the whole process (SIGSTOP) after ``after`` seconds: a rank too
     frozen to report its own stall, its watchdog thread included."""
 
     def __init__(self, inner: Any, after: float) -> None:
-        self._inner, self._after = inner, after
+        super().__init__(inner)
+        self._after = after
 
-    def _freeze(self, key: str) -> None:
+    def before(self, key: str) -> None:
         if key.startswith("data/"):
             time.sleep(self._after)  # long enough for a heartbeat that shows the read in flight
             os.kill(os.getpid(), signal.SIGSTOP)
-
-    def read_into(self, key: str, offset: int, out: Any) -> None:
-        self._freeze(key)
-        self._inner.read_into(key, offset, out)
-
-    def read_into_vectored(self, key: str, offset: int, buffers: Any) -> None:
-        self._freeze(key)
-        self._inner.read_into_vectored(key, offset, buffers)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
 
 
 def load_with_a_frozen_rank(path: str, frozen: int, stall: float) -> dict:

@@ -28,24 +28,20 @@ def _snapshot(path) -> LocalStore:
 
 def _stream(out: OutgoingBundle, folder: NodeFolder, step: int, rank: int, *, commit: bool = True) -> IncomingBundle:
     """What Link.swap_parts does between two ranks, in one process: each part into its sink."""
-    sink = folder.incoming(step, rank, out.header)
-    assert len(sink.parts) == len(out.parts)
-    for src, dst in zip(out.parts, sink.parts):
-        dst[:] = src
-    if commit:
-        sink.commit()
-    sink.close()
+    with folder.incoming(step, rank, out.header) as sink:
+        assert len(sink.parts) == len(out.parts)
+        for src, dst in zip(out.parts, sink.parts):
+            dst[:] = src
+        if commit:
+            sink.commit()
     return sink
 
 
 def test_a_streamed_copy_is_the_same_checkpoint_byte_for_byte(tmp_path):
     src = _snapshot(tmp_path / "src")
     folder = NodeFolder(str(tmp_path / "node"))
-    out = OutgoingBundle.open(src)
-    try:
+    with OutgoingBundle.open(src) as out:
         _stream(out, folder, 4, 1)
-    finally:
-        out.close()
     copy = folder.rank_store(4, 1)
     assert ckptkit.verify(copy.url).ok
     assert hashlib.sha256(pack_bundle(copy)).digest() == hashlib.sha256(pack_bundle(src)).digest()
@@ -55,11 +51,8 @@ def test_a_streamed_copy_is_the_same_checkpoint_byte_for_byte(tmp_path):
 def test_a_copy_cut_short_is_never_committed(tmp_path):
     src = _snapshot(tmp_path / "src")
     folder = NodeFolder(str(tmp_path / "node"))
-    out = OutgoingBundle.open(src)
-    try:
+    with OutgoingBundle.open(src) as out:
         _stream(out, folder, 4, 1, commit=False)
-    finally:
-        out.close()
     assert folder.ranks_at(4) == []  # files are there, the manifest is not
     assert not os.path.exists(os.path.join(folder.rank_store(4, 1).root, "manifest.json"))
 
@@ -67,8 +60,7 @@ def test_a_copy_cut_short_is_never_committed(tmp_path):
 def test_a_new_copy_replaces_a_damaged_one(tmp_path):
     src = _snapshot(tmp_path / "src")
     folder = NodeFolder(str(tmp_path / "node"))
-    out = OutgoingBundle.open(src)
-    try:
+    with OutgoingBundle.open(src) as out:
         _stream(out, folder, 4, 1)
         root = folder.rank_store(4, 1).root
         victim = max((os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs), key=os.path.getsize)
@@ -77,8 +69,6 @@ def test_a_new_copy_replaces_a_damaged_one(tmp_path):
             f.write(b"\xff\xfe")
         assert not ckptkit.verify(root).ok
         _stream(out, folder, 4, 1)
-    finally:
-        out.close()
     assert ckptkit.verify(folder.rank_store(4, 1).url).ok
 
 

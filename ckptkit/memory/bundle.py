@@ -23,6 +23,7 @@ import json
 import mmap
 import os
 import struct
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
 from ckptkit.errors import CorruptCheckpointError, StorageError
@@ -115,8 +116,15 @@ def _unmap(parts: list[memoryview], maps: list[mmap.mmap]) -> None:
         m.close()
 
 
+class _Closing(AbstractContextManager):
+    """``with bundle:`` closes it (releases its maps) on the way out, whatever happened."""
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()  # type: ignore[attr-defined]
+
+
 @dataclass
-class OutgoingBundle:
+class OutgoingBundle(_Closing):
     """A committed rank folder opened for sending: its header and its files, memory-mapped."""
 
     header: bytes
@@ -156,7 +164,7 @@ class OutgoingBundle:
         self.parts, self._maps = [], []
 
 
-class IncomingBundle:
+class IncomingBundle(_Closing):
     """A rank folder being received: every file created at its final size and memory-mapped, so the
     bytes arrive in place; the manifest is held apart and written by :meth:`commit`, last."""
 

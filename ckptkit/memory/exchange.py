@@ -174,11 +174,9 @@ class Link:
         dist.send(torch.tensor([int(sink is not None)], dtype=torch.int64), peer, group=self.group)
         if sink is None:
             return why
-        try:
+        with sink:
             for part in sink.parts:
                 if len(part):
                     dist.recv(_u8(part), peer, group=self.group)
             sink.commit()
-        finally:
-            sink.close()
         return None

@@ -159,19 +159,13 @@ class MemorySnapshots:
         """Stream this rank's folder to each replica holder while receiving a source's, file by file,
         straight from the own files' pages into the new files' pages."""
         assert self.link is not None
-        out = self.folder.outgoing(step, self.rank)
-        try:
+        with self.folder.outgoing(step, self.rank) as out:
             for holder, source in zip(self.topology.replica_holders(self.rank),
                                       self.topology.replica_sources(self.rank)):
                 header = self.link.swap(holder, out.header, source)
-                sink = self.folder.incoming(step, source, header)
-                try:
+                with self.folder.incoming(step, source, header) as sink:
                     self.link.swap_parts(holder, out.parts, source, sink.parts)
                     sink.commit()
-                finally:
-                    sink.close()
-        finally:
-            out.close()
 
     def _parity_rounds(self, step: int, blob: bytes) -> None:
         """Fold every member's chunks into the shares of this rank's group: ``g - 1`` rounds, in round
