@@ -40,3 +40,28 @@ bench: setup
 
 clean:
 	rm -rf $(VENV) runs bench-out .pytest_cache .hypothesis
+
+# The GPU check (issue 28; docs/testing.md "GPU"). `make gpu-wheels` here (registry access) builds the
+# wheels a GPU machine without registry access lacks into $(GPU_WHEELS)/ (git-ignored; must fit the device
+# tool's 64 MiB with the tree); `make gpu-check` there installs them with --no-deps into $(GPU_SITE) for
+# the machine's own python3 and torch (never the CPU pin: no torch wheel is carried), then runs
+# benchmarks/gpu_check.py: every tests/test_gpu_*.py and the GPU benchmark, one line each, then PASS /
+# FAIL / INCOMPLETE / NO-GPU (exit 0 only for PASS). A target list of its own: neither touches .venv.
+# (GPU_SITE, not a venv: the machine's python3 is itself a venv, /opt/torch/.venv, so a
+# --system-site-packages venv made from it would not see its torch.)
+GPU_WHEELS ?= gpu-wheels
+GPU_PYTHON ?= python3
+GPU_SITE ?= /tmp/ckptkit-gpu-site
+
+.PHONY: gpu-wheels gpu-check
+
+gpu-wheels: setup
+	$(PY) benchmarks/gpu_wheels.py --out $(GPU_WHEELS)
+
+gpu-check:
+	@test -d $(GPU_WHEELS) || { echo "gpu-check: FAIL: no $(GPU_WHEELS)/ here: run make gpu-wheels where a registry is reachable and carry the folder"; exit 1; }
+	@rm -rf $(GPU_SITE)
+	@$(GPU_PYTHON) -m pip install -q --disable-pip-version-check --no-index --no-deps --no-compile --no-cache-dir \
+		--target $(GPU_SITE) $(GPU_WHEELS)/*.whl \
+		|| echo "gpu-check: installing $(GPU_WHEELS)/ into $(GPU_SITE) failed (is $(GPU_PYTHON) the GPU machine's Python 3.12?)"
+	PYTHONPATH=$(GPU_SITE) PYTHONUNBUFFERED=1 $(GPU_PYTHON) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
