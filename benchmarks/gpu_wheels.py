@@ -142,10 +142,24 @@ def requires(path: str) -> list[str]:
     return out
 
 
+SKIPPED_DIRS = {".git", ".venv", "gpu-wheels", "gpu-out", "runs", "bench-out", "__pycache__", ".pytest_cache",
+                ".hypothesis", "build", "dist"}
+"""Where git is not there (the device machine's copy of the tree): the folders .gitignore leaves out."""
+
+
 def tree_bytes(root: str = ROOT) -> int:
-    """Bytes of what the device tool sends besides the carried paths: tracked and untracked-not-ignored files."""
-    out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=root,
-                         capture_output=True, check=True).stdout
+    """Bytes of what the device tool sends besides the carried paths: tracked and untracked-not-ignored files
+    (without git: every file outside :data:`SKIPPED_DIRS`)."""
+    try:
+        out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=root,
+                             capture_output=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        total = 0
+        for dirpath, dirs, files in os.walk(root):
+            dirs[:] = [d for d in dirs if d not in SKIPPED_DIRS and not d.endswith(".egg-info")]
+            total += sum(os.path.getsize(os.path.join(dirpath, f)) for f in files
+                         if not os.path.islink(os.path.join(dirpath, f)))
+        return total
     total = 0
     for rel in out.decode().split("\0"):
         path = os.path.join(root, rel)
