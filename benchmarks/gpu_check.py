@@ -136,11 +136,15 @@ def _tail(text: str, n: int = 15) -> str:
     return "\n".join("    | " + line for line in text.rstrip().splitlines()[-n:])
 
 
-def junit(path: str) -> tuple[int, list[str], list[str]]:
-    """(passed, failures as 'test: message', skips as 'test: reason') from pytest's junit XML."""
-    passed, failed, skipped = 0, [], []
+def junit(path: str) -> tuple[int, list[str], list[str], list[str]]:
+    """(passed, failures as 'test: message', skips as 'test: reason', notes) from pytest's junit XML. A note is
+    a test's ``record_property("note", text)``: what the line should say besides the counts."""
+    passed, failed, skipped, notes = 0, [], [], []
     for case in ET.parse(path).getroot().iter("testcase"):
         name = case.get("name", "?")
+        for prop in case.iter("property"):
+            if prop.get("name") == "note" and prop.get("value") and prop.get("value") not in notes:
+                notes.append(prop.get("value"))
         bad = case.find("failure") if case.find("failure") is not None else case.find("error")
         skip = case.find("skipped")
         if bad is not None:
@@ -150,7 +154,7 @@ def junit(path: str) -> tuple[int, list[str], list[str]]:
             skipped.append(f"{name}: {reason[:200]}")
         else:
             passed += 1
-    return passed, failed, skipped
+    return passed, failed, skipped, notes
 
 
 def run_test_file(path: str, timeout: float, out: str, log: str) -> Result:
@@ -167,9 +171,9 @@ def run_test_file(path: str, timeout: float, out: str, log: str) -> Result:
         return Result(name, "FAIL", f"timed out after {timeout:.0f} s\n{_tail(output)}", secs)
     if not os.path.exists(xml):
         return Result(name, "FAIL", f"pytest exited {rc} without a report\n{_tail(output)}", secs)
-    passed, failed, skipped = junit(xml)
+    passed, failed, skipped, notes = junit(xml)
     os.remove(xml)  # the device tool brings back at most 8 files
-    counts = f"{passed} passed, {len(failed)} failed, {len(skipped)} skipped"
+    counts = f"{passed} passed, {len(failed)} failed, {len(skipped)} skipped" + "".join(f"; {n}" for n in notes)
     if failed or rc not in (0, 5):
         return Result(name, "FAIL", f"{counts}: " + "; ".join(failed or [f'pytest exited {rc}']) + "\n" + _tail(output),
                       secs)

@@ -14,12 +14,13 @@ checkout's CPU suite runs (read from the running interpreter, i.e. ``.venv``):
   that the machine lacks: hjson, pydantic, pydantic-core (cp312), annotated-types,
   typing-inspection, typing-extensions;
 * torchtitan and what it imports on the checks' path: torchdata, spmd-types, tyro,
-  docstring-parser, typeguard, torch-checkpointing.
+  docstring-parser, typeguard, torch-checkpointing, and datasets with dill and multiprocess (a
+  model config's ``update_from_config`` imports ``torchtitan.trainer``, which imports them).
 
 Not carried, because nothing on the checks' path imports them (each is named in a check's skip
 reason if that ever changes): torch (the machine's own is used, never the CPU pin), torchao
-(a torch-version-specific binary; torchtitan imports it only for float8/MX training), datasets and
-wandb (torchtitan's HF data loading and logging), zarr (a test-only extra of ckptkit: the zarr
+(a torch-version-specific binary; torchtitan imports it only for float8/MX training), wandb
+(torchtitan's optional logger), zarr (a test-only extra of ckptkit: the zarr
 converter), s3fs and moto (S3 tests).
 
 The folder must fit, with the working tree, into the device tool's 64 MiB per call; the script
@@ -57,8 +58,10 @@ DOWNLOADED = [
     "megatron-core",
     # what deepspeed imports that the machine lacks
     "hjson", "pydantic", "pydantic-core", "annotated-types", "typing-inspection", "typing-extensions",
-    # torchtitan and what it imports on the checks' path
+    # torchtitan and what it imports on the checks' path (its model configs import torchtitan.trainer, which
+    # imports its HF data loading: datasets, with dill and multiprocess; pandas, pyarrow, xxhash are there)
     "torchtitan", "torchdata", "spmd-types", "tyro", "docstring-parser", "typeguard", "torch-checkpointing",
+    "datasets", "dill", "multiprocess",
 ]
 BUILT = ["deepspeed", "ckptkit"]
 """Built here: deepspeed from its sdist (pure Python with DS_BUILD_OPS=0), ckptkit from the working tree."""
@@ -69,12 +72,11 @@ ON_GPU_MACHINE = {
     "tqdm", "msgpack", "ninja", "py-cpuinfo", "tensorboard", "triton", "pytest", "hypothesis", "packaging",
     "pyyaml", "requests", "urllib3", "tokenizers", "pillow", "filelock", "jinja2", "sympy", "networkx",
     "setuptools", "wheel", "pytest-timeout", "huggingface-hub", "xxhash", "protobuf", "absl-py", "pyarrow",
-    "pandas", "typer", "regex", "sentencepiece", "tiktoken", "ml-dtypes",
+    "pandas", "typer", "regex", "sentencepiece", "tiktoken", "ml-dtypes", "httpx", "aiohttp", "huggingface-hub",
 }
 NOT_CARRIED = {
     "torch": "the machine's own CUDA build is used",
     "torchao": "torch-version-specific binary; torchtitan imports it only for float8/MX training",
-    "datasets": "torchtitan's HF data loading, not on the checks' path",
     "wandb": "torchtitan's optional logger, not on the checks' path",
     "tensorboard": "on the machine",
     "zarr": "a test-only extra of ckptkit (the zarr converter)",

@@ -65,12 +65,13 @@ def test_a_test_file_is_judged_from_its_junit_report(tmp_path):
     xml = tmp_path / "r.xml"
     xml.write_text(
         '<testsuites><testsuite name="pytest">'
-        '<testcase classname="t" name="test_ok" time="0.1"/>'
+        '<testcase classname="t" name="test_ok" time="0.1"><properties><property name="note" value="with a stub"/>'
+        '</properties></testcase>'
         '<testcase classname="t" name="test_skip" time="0"><skipped message="megatron-core cannot be imported"/>'
         '</testcase><testcase classname="t" name="test_bad" time="0"><failure message="assert 1 == 2">x</failure>'
         '</testcase></testsuite></testsuites>')
-    passed, failed, skipped = gpu_check.junit(str(xml))
-    assert passed == 1
+    passed, failed, skipped, notes = gpu_check.junit(str(xml))
+    assert passed == 1 and notes == ["with a stub"]
     assert failed == ["test_bad: assert 1 == 2"]
     assert skipped == ["test_skip: megatron-core cannot be imported"]
 
