@@ -190,31 +190,86 @@ def verify_consistency(saver: Any, state: dict[str, torch.Tensor], scratch: Scra
     return ok
 
 
-def dcp_isolated(state: dict[str, torch.Tensor], scratch: Scratch, reps: int) -> dict[str, float]:
-    from torch.distributed.checkpoint import async_save
-    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+class DCP:
+    """DCP's best async mode: ``async_save`` on a thread with ``DefaultStager`` (pinned memory, async staging on
+    a side stream, non-blocking copies), the stager (and its cached pinned buffers) reused from save to save.
 
-    stager = DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False, use_async_staging=True,
-                                          use_non_blocking_copy=True))
+    torch 2.11's stager was seen (on CPU stand-ins) to fail its second ``stage`` with ``KeyError(<class
+    'type'>)``; should that happen, each save gets a fresh stager (no buffer reuse: DCP then pays its
+    allocation every save) and :attr:`note` says so in the figures."""
+
+    note: str | None = None
+
+    def __init__(self) -> None:
+        self.stager = self._new()
+
+    @staticmethod
+    def _new() -> Any:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        return DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False, use_async_staging=True,
+                                            use_non_blocking_copy=True))
+
+    def save(self, state: dict[str, Any], path: str) -> Any:
+        from torch.distributed.checkpoint import async_save
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+        if DCP.note is not None:
+            self.stager.close()
+            self.stager = self._new()
+        resp = async_save(state, checkpoint_id=path, async_checkpointer_type=AsyncCheckpointerType.THREAD,
+                          async_stager=self.stager)
+        return resp
+
+    def staged(self, resp: Any) -> None:
+        self._wait(resp.staging_completion)
+
+    def uploaded(self, resp: Any) -> None:
+        self._wait(resp.upload_completion)
+
+    def _wait(self, future: Any) -> None:
+        try:
+            future.result()
+        except KeyError as exc:
+            if DCP.note is not None or exc.args != (type,):
+                raise
+            DCP.note = (f"torch {torch.__version__}: DCP's DefaultStager failed on reuse (KeyError(type)); "
+                        "a fresh stager per save (no pinned-buffer reuse)")
+            print(f"gpu_bench: {DCP.note}", flush=True)
+            raise _Retry() from exc
+
+    def close(self) -> None:
+        self.stager.close()
+
+
+class _Retry(Exception):
+    pass
+
+
+def dcp_isolated(state: dict[str, torch.Tensor], scratch: Scratch, reps: int) -> dict[str, float]:
+    dcp = DCP()
     ret, staged = [], []
     try:
         for rep in range(reps + 1):
-            path = scratch.next()
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            resp = async_save(state, checkpoint_id=path, async_checkpointer_type=AsyncCheckpointerType.THREAD,
-                              async_stager=stager)
-            t1 = time.perf_counter()
-            resp.staging_completion.result()
-            t2 = time.perf_counter()
-            resp.upload_completion.result()
+            for attempt in (0, 1):  # a second attempt only after the stager failed on reuse (see DCP)
+                path = scratch.next()
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                resp = dcp.save(state, path)
+                t1 = time.perf_counter()
+                try:
+                    dcp.staged(resp)
+                    t2 = time.perf_counter()
+                    dcp.uploaded(resp)
+                    break
+                except _Retry:
+                    scratch.drop(path)
             if rep:
                 ret.append(t1 - t0)
                 staged.append(t2 - t0)
             scratch.drop(path)
     finally:
-        stager.close()
+        dcp.close()
     return {"return_s": statistics.median(ret), "staged_s": statistics.median(staged)}
 
 
@@ -235,10 +290,6 @@ def loop(state_gib: float, scratch: Scratch, rounds: int, steps: int, overlap: b
     import ckptkit
     from ckptkit.engine.async_save import AsyncSaver
     from ckptkit.storage import open_store
-    from torch.distributed.checkpoint import async_save
-    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
     width = 4096
     depth = max(1, round(state_gib * GiB / (12 * width * width)))  # fp32 weight + 2 moments: 12 bytes a parameter
     torch.manual_seed(0)
@@ -297,24 +348,26 @@ def loop(state_gib: float, scratch: Scratch, rounds: int, steps: int, overlap: b
 
     for name in savers:
         variants[name] = ckptkit_variant(name)
-    stager = DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False, use_async_staging=True,
-                                          use_non_blocking_copy=True))
+    stager = DCP()
 
     def dcp(n: int) -> None:
         resp = None
         pending: list[tuple[Any, str]] = []
         for i in range(n):
-            wait = resp.staging_completion.result if resp is not None else None
+            if resp is not None:
+                r = resp
+                wait = lambda: stager.staged(r)  # noqa: E731
+            else:
+                wait = None
             train_step(x, before_step=wait)  # torchtitan's maybe_wait_for_staging before the optimizer step
             if i % SAVE_EVERY == 0:
                 if pending:  # one upload in flight, as ckptkit's on_busy="wait"
-                    pending[-1][0].upload_completion.result()
+                    stager.uploaded(pending[-1][0])
                 path = scratch.next()
-                resp = async_save(state(), checkpoint_id=path, async_checkpointer_type=AsyncCheckpointerType.THREAD,
-                                  async_stager=stager)
+                resp = stager.save(state(), path)
                 pending.append((resp, path))
         for r, path in pending:
-            r.upload_completion.result()
+            stager.uploaded(r)
             scratch.drop(path)
 
     variants["dcp"] = dcp
@@ -384,7 +437,8 @@ def main(argv: list[str] | None = None) -> int:
     overlap = has_overlap()
     staging: dict[str, Any] = {}
     vs_dcp: dict[str, Any] = {"isolated": {}}
-    errors: list[str] = []
+    errors: list[str] = []  # ckptkit's staging: fail both checks
+    dcp_errors: list[str] = []  # the comparison (DCP, the overlapped mode, the loop): fail bench-vs-dcp
     sizes = [float(s) for s in args.sizes.split(",") if s]
     t_first = None
     try:
@@ -407,17 +461,23 @@ def main(argv: list[str] | None = None) -> int:
                 if not ours["verified"]:
                     errors.append(f"{gib:g} GiB: the checkpoint does not hold the state of the save call")
             staging[f"{gib:g}GiB"] = row
-            iso = {"dcp": dcp_isolated(state, scratch, reps), "ckptkit": ours}
-            blocking = {"ckptkit": ours["staged_s"], "dcp": iso["dcp"]["return_s"]}
+            iso: dict[str, Any] = {"ckptkit": ours}
+            blocking = {"ckptkit": ours["staged_s"]}
+            try:
+                iso["dcp"] = dcp_isolated(state, scratch, reps)
+                blocking["dcp"] = iso["dcp"]["return_s"]
+            except Exception as exc:  # the comparison fails; ckptkit's own figures stand
+                traceback.print_exc()
+                dcp_errors.append(f"{gib:g} GiB, DCP async_save: {type(exc).__name__}: {str(exc)[:300]}")
             if overlap:
                 try:
                     iso["ckptkit-overlap"] = ckptkit_isolated(state, scratch, reps, overlap=True, verify=i == 0)
                     blocking["ckptkit-overlap"] = iso["ckptkit-overlap"]["return_s"]
                     if not iso["ckptkit-overlap"].get("verified", True):
-                        errors.append(f"{gib:g} GiB: the overlapped snapshot's checkpoint is not the state of the call")
+                        dcp_errors.append(f"{gib:g} GiB: the overlapped snapshot's checkpoint is not the state of the call")
                 except Exception as exc:
                     traceback.print_exc()
-                    errors.append(f"{gib:g} GiB, snapshot='overlap': {type(exc).__name__}: {str(exc)[:300]}")
+                    dcp_errors.append(f"{gib:g} GiB, snapshot='overlap': {type(exc).__name__}: {str(exc)[:300]}")
             vs_dcp["isolated"][f"{gib:g}GiB"] = {
                 **{k: {kk: round(vv, 4) if isinstance(vv, float) else vv for kk, vv in v.items()} for k, v in iso.items()},
                 "blocking_s": {k: round(v, 4) for k, v in blocking.items()}}
@@ -431,8 +491,12 @@ def main(argv: list[str] | None = None) -> int:
             if i == 0:
                 left = deadline - time.monotonic()
                 if left > 60:
-                    vs_dcp["loop"] = loop(gib, scratch, rounds=2, steps=4 * SAVE_EVERY, overlap=overlap)
-                    print(f"gpu_bench: loop {vs_dcp['loop']}", flush=True)
+                    try:
+                        vs_dcp["loop"] = loop(gib, scratch, rounds=2, steps=4 * SAVE_EVERY, overlap=overlap)
+                        print(f"gpu_bench: loop {vs_dcp['loop']}", flush=True)
+                    except Exception as exc:
+                        traceback.print_exc()
+                        dcp_errors.append(f"loop: {type(exc).__name__}: {str(exc)[:300]}")
                 else:
                     vs_dcp["loop"] = f"not run: {left:.0f} s of the budget left"
     except Exception:
@@ -454,11 +518,13 @@ def main(argv: list[str] | None = None) -> int:
     else:
         results["bench-staging"] = {"status": "FAIL", "detail": "; ".join(errors) or "no figures", "figures": staging}
     iso = vs_dcp["isolated"].get(first)
+    errors = errors + dcp_errors
     if isinstance(iso, dict):
         b = iso["blocking_s"]
         best = min((k for k in b if k != "dcp"), key=lambda k: b[k])
         parts = [f"blocking at {first}: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in b.items())]
-        parts.append(f"target ckptkit <= dcp: {'met' if b[best] <= b['dcp'] else 'MISSED'} ({best})")
+        if "dcp" in b:
+            parts.append(f"target ckptkit <= dcp: {'met' if b[best] <= b['dcp'] else 'MISSED'} ({best})")
         lp = vs_dcp.get("loop")
         if isinstance(lp, dict):
             parts.append("step overhead (save every 5): " + ", ".join(f"{k} {v * 100:+.2f}%" for k, v in
@@ -467,6 +533,9 @@ def main(argv: list[str] | None = None) -> int:
             parts.append(f"target <= 1%: {'met' if ours_best <= 0.01 else 'MISSED'}")
         elif lp is not None:
             parts.append(f"loop {lp}")
+        if DCP.note is not None:
+            vs_dcp["dcp_note"] = DCP.note
+            parts.append(DCP.note)
         for k, v in vs_dcp["isolated"].items():
             if k != first:
                 parts.append(f"{k}: " + (", ".join(f"{kk} {vv * 1e3:.0f} ms" for kk, vv in v["blocking_s"].items())
