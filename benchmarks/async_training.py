@@ -147,6 +147,13 @@ def fsdp_job(cfg: TrainConfig, mesh: Any, rank: int) -> tuple[int, Callable[[], 
     """The benchmarks' training job: TinyLM under FSDP2 (per block and at the root) with AdamW, the same
     initial weights on every rank, synthetic tokens per rank. Returns (parameters, one training step,
     the state dict to checkpoint)."""
+    n_params, train_step, make_state, _ = fsdp_job_with_optimizer(cfg, mesh, rank)
+    return n_params, train_step, make_state
+
+
+def fsdp_job_with_optimizer(cfg: TrainConfig, mesh: Any,
+                            rank: int) -> tuple[int, Callable[[], None], Callable[[], dict[str, Any]], Any]:
+    """:func:`fsdp_job`, and its optimizer (the overlapped snapshot's guard)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
     from torch.distributed.fsdp import fully_shard
 
@@ -170,7 +177,7 @@ def fsdp_job(cfg: TrainConfig, mesh: Any, rank: int) -> tuple[int, Callable[[], 
     def make_state() -> dict[str, Any]:
         return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optim)}
 
-    return n_params, train_step, make_state
+    return n_params, train_step, make_state, optim
 
 
 def part_training(args: argparse.Namespace, mesh: Any, rank: int, world: int, scratch: str, say: Callable[[str], None]) -> dict[str, Any]:
@@ -183,7 +190,7 @@ def part_training(args: argparse.Namespace, mesh: Any, rank: int, world: int, sc
     steps = max(K, (args.steps or K) // K * K)  # a multiple of K: every save has K-1 steps after it in its block
     rounds = args.rounds or (3 if args.quick else 18)
 
-    n_params, train_step, make_state = fsdp_job(cfg, mesh, rank)
+    n_params, train_step, make_state, optim = fsdp_job_with_optimizer(cfg, mesh, rank)
 
     warm = 3 if args.quick else 10
     for _ in range(warm):  # the optimizer state exists from the first step on
@@ -198,13 +205,17 @@ def part_training(args: argparse.Namespace, mesh: Any, rank: int, world: int, sc
         f"state dict {'built ONCE (its tensors are the live ones: ' + why + ')' if live else 'rebuilt per save (' + why + ')'}"
     )
 
-    variants = ["none", "ckptkit-thread", "ckptkit-process"]
+    variants = [v for v in ("none", "ckptkit-thread", "ckptkit-process", "ckptkit-overlap")
+                if v == "none" or v in args.variants.split(",")]
     managers: dict[str, Any] = {}
     for v in variants[1:]:
+        overlap = v == "ckptkit-overlap"
         managers[v] = ckptkit.CheckpointManager(
             os.path.join(scratch, f"train-{v}"), save=ckptkit.SavePolicy(every_steps=K),
             keep=ckptkit.RetentionPolicy(keep_last=2),
-            asynchronous=ckptkit.AsyncOptions(executor=v.removeprefix("ckptkit-")),  # type: ignore[arg-type]
+            asynchronous=ckptkit.AsyncOptions(executor="thread" if overlap else v.removeprefix("ckptkit-"),  # type: ignore[arg-type]
+                                              snapshot="overlap" if overlap else "blocking"),
+            guard=optim if overlap else None,
         )
     step_counter = [0]
 

@@ -73,6 +73,7 @@ def save_async(
     options: AsyncOptions = AsyncOptions(),
     process_group: Any = None,
     storage_options: dict[str, Any] | None = None,
+    guard: Any = None,
 ) -> SaveHandle:
     """Snapshot ``state`` and save it to ``path`` in the background.
 
@@ -81,6 +82,11 @@ def save_async(
     in flight per process group: a second call waits for the first. Collective.
     The first call creates the background machinery (two gloo groups, the
     staging buffer); :func:`wait_async` / :func:`close_async` finish it.
+
+    ``guard``: the optimizer(s) whose ``step`` changes ``state`` (one, or a list; hooked once per
+    saver). Required by ``options=AsyncOptions(snapshot="overlap")``, which returns before any copy:
+    the guard's next ``step`` waits for the background copy, and until it begins nothing else may
+    change a saved tensor (docs/overlap.md).
     """
     from ckptkit.engine.async_save import AsyncSaver
 
@@ -88,6 +94,8 @@ def save_async(
     saver = _default_savers.get(key)
     if saver is None or saver.closed:
         saver = _default_savers[key] = AsyncSaver(process_group, options)
+    if guard is not None:
+        saver.guard(*(guard if isinstance(guard, (list, tuple)) else (guard,)))
     handle = saver.save(state, open_store(path, storage_options), metadata=metadata)
     assert handle is not None  # on_busy="skip" belongs to CheckpointManager; here a second save waits
     return handle

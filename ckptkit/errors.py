@@ -130,6 +130,11 @@ class SaveError(CkptkitError):
     """A save failed; the previous committed checkpoint is untouched."""
 
 
+class SnapshotRaceError(SaveError):
+    """An overlapped snapshot (``AsyncOptions(snapshot="overlap")``) saw a saved tensor change in place
+    before its copy was final, by a path no guard hooks: that save fails, nothing of it is committed."""
+
+
 class OptionsError(CkptkitError, ValueError):
     """An options or policy object was given a value it cannot take (every options dataclass raises this)."""
 

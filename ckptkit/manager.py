@@ -87,6 +87,10 @@ class CheckpointManager:
     protects a checkpoint from retention. ``memory``: a :class:`~ckptkit.MemoryTier` in front of
     the persistent checkpoints: snapshots into node memory every few steps, protected by peer
     replicas or parity, restored from first when they are the newest (docs/memory_tier.md).
+    ``guard``: the optimizer(s) whose ``step`` changes the saved state (one, or a list). Needed by
+    ``AsyncOptions(snapshot="overlap")``, where ``maybe_save`` returns before the state is copied
+    and a guard's next ``step`` waits for the copy (see :meth:`guard`, docs/overlap.md); harmless
+    otherwise.
     """
 
     def __init__(
@@ -103,6 +107,7 @@ class CheckpointManager:
         process_group: Any = None,
         lease_seconds: float = 3600.0,
         memory: MemoryTier | None = None,
+        guard: Any = None,
     ) -> None:
         if asynchronous is not None and not isinstance(asynchronous, AsyncOptions):
             raise OptionsError(f"asynchronous must be AsyncOptions(...) or None (synchronous saves), got {asynchronous!r}")
@@ -138,12 +143,28 @@ class CheckpointManager:
             ranks = (dist.get_process_group_ranks(process_group)
                      if process_group is not None and dist.is_initialized() else None)
             self._memory = MemorySnapshots(memory, self._comm, store.url, ranks)
+        if guard is not None:
+            self.guard(*(guard if isinstance(guard, (list, tuple)) else (guard,)))
 
     @property
     def rank(self) -> int:
         return self._comm.rank
 
     # ------------------------------------------------------------------ saving
+    def guard(self, *optimizers: Any) -> None:
+        """Hook each optimizer's ``step`` (``register_step_pre_hook``) so that, with
+        ``AsyncOptions(snapshot="overlap")``, it waits for the pending snapshot's background copy
+        before it changes the state. Until a guard's step begins, nothing else may change a saved
+        tensor in place; a change that does is caught and fails that save (docs/overlap.md)."""
+        if self._saver is not None:
+            self._saver.guard(*optimizers)
+
+    def wait_snapshot(self) -> None:
+        """Wait until the pending overlapped snapshot no longer needs the state unchanged (what a
+        guard's hook does): call it before changing the saved state by a path no guard hooks."""
+        if self._saver is not None:
+            self._saver.wait_snapshot()
+
     def request_save(self) -> None:
         """Ask for a save at the next :meth:`maybe_save` (e.g. from a preemption signal handler).
 

@@ -123,6 +123,26 @@ class AsyncOptions:
     ``on_busy``: when a save is requested while the previous one is still
     persisting, ``"wait"`` for it (the default: no checkpoint is dropped) or
     ``"skip"`` the new one (training never waits; every rank skips together).
+    ``snapshot``: when the copy into staging happens. ``"blocking"`` (the
+    default): ``save`` copies, then returns; the state may change the moment
+    it returns. ``"overlap"``: ``save`` returns before any copy; the copy runs
+    in the background (a thread on CPU; a side CUDA stream, ordered after the
+    work queued before the save, for GPU tensors) while training goes on, and
+    the first step of a *guard* (a torch optimizer hooked with
+    ``register_step_pre_hook``: ``CheckpointManager(guard=...)``,
+    ``save_async(guard=...)``, :meth:`AsyncSaver.guard`) waits for it. The
+    contract: until a guard's step begins, nothing may change a saved tensor
+    (forward, backward, ``zero_grad`` and gradient accumulation are fine:
+    they read the saved tensors and write activations and gradients); every
+    change of the state must go through a guarded optimizer's ``step``.
+    An in-place change that bypasses it is caught by each tensor's version
+    counter and fails that save (:class:`~ckptkit.errors.SnapshotRaceError`,
+    naming the tensor; nothing is committed). The default stays
+    ``"blocking"`` because it is what measured fastest on CPU, where the
+    background copy competes with training for the same cores (docs/overlap.md).
+    Refused: ``"overlap"`` with staging in waves under a budget (a wave is
+    copied only once the writer freed its slot, so the state would have to stay
+    unchanged for most of the persist time, not one copy).
     """
 
     executor: Literal["thread", "process"] = "thread"
@@ -130,8 +150,17 @@ class AsyncOptions:
     on_busy: Literal["wait", "skip"] = "wait"
     block_size: int = 4 << 20
     over_budget: Literal["waves", "error"] = "waves"
+    snapshot: Literal["blocking", "overlap"] = "blocking"
 
     def __post_init__(self) -> None:
+        if self.snapshot not in ("blocking", "overlap"):
+            raise OptionsError(f"snapshot must be 'blocking' or 'overlap', got {self.snapshot!r}")
+        if self.snapshot == "overlap" and self.max_staging_bytes is not None and self.over_budget == "waves":
+            raise OptionsError(
+                "snapshot='overlap' cannot stage in waves (max_staging_bytes with over_budget='waves'): a wave is "
+                "copied only once the writer has persisted the one before, so the state would have to stay "
+                "unchanged for most of the persist time, not for one background copy; use over_budget='error' "
+                "(a budget the state must fit) or snapshot='blocking'")
         if self.executor not in ("thread", "process"):
             raise OptionsError(f"executor must be 'thread' or 'process', got {self.executor!r}")
         if self.on_busy not in ("wait", "skip"):

@@ -13,7 +13,11 @@ Per save, on the training thread:
    rank whose data is larger than ``max_staging_bytes``, staging in waves
    (:mod:`waves`): the background writer starts first and streams each window
    of the data object while the training thread copies the next; ``save``
-   returns once the last window is copied.
+   returns once the last window is copied;
+5. or, with ``AsyncOptions(snapshot="overlap")`` (:mod:`overlap`), no copy at
+   all: the versions of the saved tensors are recorded, ``save`` returns, and the
+   persist thread copies while training goes on; a guarded optimizer's next
+   ``step`` waits for the copy (:mod:`guards`).
 
 Then a background executor checks the target, writes the staged bytes and
 the index, and commits, coordinating over a second, dedicated *commit*
@@ -38,6 +42,8 @@ from typing import Any
 import torch.distributed as dist
 
 from ckptkit.engine.collective import Comm, LocalComm, Outcome, TorchComm
+from ckptkit.engine.guards import Guards
+from ckptkit.engine.overlap import OverlapSnapshot
 from ckptkit.engine.saver import (
     Classified,
     Prepared,
@@ -55,7 +61,7 @@ from ckptkit.engine.staging import Staged, StagingPool, snapshot, staged_views
 from ckptkit.engine.waves import WaveChannel, WaveSchedule, stage_in_waves, write_waves
 from ckptkit.engine.state import flatten_state
 from ckptkit.engine.writer import write_staged
-from ckptkit.errors import CkptkitError, SaveError
+from ckptkit.errors import CkptkitError, OptionsError, SaveError, SnapshotRaceError
 from ckptkit.options import AsyncOptions
 from ckptkit.plan.save_plan import SavePlan
 from ckptkit.storage.base import ByteStore
@@ -108,6 +114,14 @@ class SaveHandle:
         return self.committed.done()
 
 
+def _unguarded(where: str, here: bool) -> OptionsError:
+    return OptionsError(
+        f"saving {where}: AsyncOptions(snapshot='overlap') needs a guard on " + ("this rank" if here else "another rank")
+        + ": save returns before the state is copied, so the first change of the state must wait for the copy, "
+        "and nothing hooks that change. Pass the optimizer(s) that update the saved state (CheckpointManager("
+        "guard=...), save_async(guard=...), AsyncSaver.guard(...)), or use snapshot='blocking'")
+
+
 def _new_comm(process_group: Any) -> Comm:
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(process_group) == 1:
         return LocalComm()
@@ -139,6 +153,9 @@ class AsyncSaver:
         elif options.over_budget == "waves" and options.max_staging_bytes is not None:
             self._channel = WaveChannel.for_threads()
         self._inflight: SaveHandle | None = None
+        self._overlap: OverlapSnapshot | None = None  # the overlapped snapshot whose gate is not passed yet
+        self._side_streams: dict[Any, Any] = {}
+        self.guards = Guards(self.wait_snapshot)
         self._plans: dict[str, SavePlan] = {}
         self._lock = threading.Lock()
         self.closed = False
@@ -148,6 +165,24 @@ class AsyncSaver:
         return self.plan_comm.rank
 
     # ------------------------------------------------------------------ public
+    def guard(self, *optimizers: Any) -> None:
+        """Make each optimizer's ``step`` wait for an overlapped snapshot (``AsyncOptions(snapshot=
+        "overlap")``) before it changes the state: its ``register_step_pre_hook`` calls
+        :meth:`wait_snapshot`. Adding one twice hooks it once. Harmless in the blocking mode."""
+        self.guards.add(*optimizers)
+
+    def wait_snapshot(self) -> None:
+        """Wait until the pending overlapped snapshot no longer needs the state unchanged: on the CPU
+        until its copy is done; for GPU tensors until every copy is queued, then the current stream
+        waits for them. Then check that no saved tensor changed in place since the save call (such a
+        change fails that save). What a guard's hook calls; call it yourself before changing the state
+        by any other path. Does nothing when no snapshot is pending."""
+        snap = self._overlap
+        if snap is not None:
+            snap.pass_gate()
+            if self._overlap is snap:
+                self._overlap = None
+
     def save(
         self,
         state: dict[str, Any],
@@ -169,6 +204,9 @@ class AsyncSaver:
         if self.closed:
             raise SaveError("this AsyncSaver is closed")
         t0 = time.perf_counter()
+        self.wait_snapshot()  # the previous snapshot's copy is final before anything reuses its buffer
+        direct = private and self._writer is None
+        overlap = self.options.snapshot == "overlap" and not direct
         cls: Classified | None = None
         failure = Outcome(True)
         try:
@@ -179,9 +217,11 @@ class AsyncSaver:
         busy = prev is not None and not prev.done()
         prev_failed = prev is not None and prev.done() and prev.committed.exception() is not None
         changed = cls is not None and cls.fingerprint not in self._plans
-        any_busy, any_prev_failed, any_changed, any_failed = self.plan_comm.any_flags(
-            [busy, prev_failed, changed, not failure.ok]
+        any_busy, any_prev_failed, any_changed, any_failed, any_unguarded = self.plan_comm.any_flags(
+            [busy, prev_failed, changed, not failure.ok, overlap and not self.guards]
         )
+        if any_unguarded:
+            raise _unguarded(store.url, overlap and not self.guards)
         if any_prev_failed:
             self._raise_previous(prev)
         if any_busy:
@@ -199,28 +239,37 @@ class AsyncSaver:
         prep = bind(plan, cls) if plan is not None else None
         staged_future: Future[None] = Future()
         staged: Staged | None = None
-        direct = private and self._writer is None
         waves: _Waves | None = None
+        snap: OverlapSnapshot | None = None
         if prep is not None and not direct:
             try:
-                if self.options.over_budget == "waves" and self.pool.over_budget(prep.plan):
-                    waves = self._waves_for(prep.plan, prep.tensors)  # staged below, once the writer runs
-                else:
-                    staged = snapshot(prep.plan, prep.tensors, self.pool)
+                staged, waves, snap = self._stage(prep, overlap, store.url)
             except (CkptkitError, OSError, RuntimeError) as exc:
                 planned, prep = _fail(exc), None
-        if waves is None and (staged is None or staged.ready is None):
+        if waves is None and snap is None and (staged is None or staged.ready is None):
             staged_future.set_result(None)
         handle = SaveHandle(store.url, step, staged_future, Future(), time.perf_counter() - t0)
         if self.rank_local and staged is not None and prep is not None:
             handle._views_of_staged = functools.partial(staged_views, prep.plan, prep.tensors, staged.buffer)
         self._inflight = handle
+        self._overlap = snap
         self._executor.submit(self._persist, handle, prep, staged, planned, store, metadata, after_commit, deadline,
-                              direct, waves)
+                              direct, waves, snap)
         if waves is not None and prep is not None:
             self._produce(waves, prep, handle)
             handle.blocked_seconds = time.perf_counter() - t0
         return handle
+
+    def _stage(self, prep: Prepared, overlap: bool,
+               where: str) -> tuple[Staged | None, _Waves | None, OverlapSnapshot | None]:
+        """One of: the snapshot taken now (blocking), a save to stage in waves (once the writer runs),
+        or an overlapped snapshot (copied by the persist thread; the gate is its own until passed)."""
+        if overlap:
+            return None, None, OverlapSnapshot(prep.plan, prep.tensors,
+                                               functools.partial(self.pool.buffer_for, prep.plan), where)
+        if self.options.over_budget == "waves" and self.pool.over_budget(prep.plan):
+            return None, self._waves_for(prep.plan, prep.tensors), None
+        return snapshot(prep.plan, prep.tensors, self.pool), None, None
 
     def _plan(self, cls: Classified, failure: Outcome, where: str) -> tuple[SavePlan | None, Outcome]:
         """Plan a new structure (collective), refuse it when over the staging budget with
@@ -240,6 +289,7 @@ class AsyncSaver:
 
     def wait(self) -> SaveResult | None:
         """Block until the in-flight save (if any) is committed; raise its error."""
+        self.wait_snapshot()
         handle = self._inflight
         if handle is None:
             return None
@@ -261,6 +311,7 @@ class AsyncSaver:
             self.wait()
         finally:
             self.closed = True
+            self.guards.remove_all()
             self._executor.shutdown(wait=True)
             if self._writer is not None:
                 self._writer.close()
@@ -322,9 +373,12 @@ class AsyncSaver:
         deadline: float | None,
         direct: bool = False,
         waves: _Waves | None = None,
+        snap: OverlapSnapshot | None = None,
     ) -> None:
         t0 = time.perf_counter()
         try:
+            if snap is not None:
+                staged, planned = self._copy_overlapped(snap, handle, planned)
             if staged is not None:
                 staged.wait()
                 if not handle.staged.done():
@@ -350,7 +404,16 @@ class AsyncSaver:
                     report = Outcome(True, write_index(prep, store, self.options.block_size, entries))
                 except (CkptkitError, OSError) as exc:
                     report = _fail(exc)
-            total = commit(report, prep, store, comm, metadata, deadline, target)
+            race = snap.verdict() if snap is not None and report.ok else None
+            if race is not None:
+                report = _fail(race)
+            try:
+                total = commit(report, prep, store, comm, metadata, deadline, target)
+            except SaveError as exc:
+                found = race if race is not None else (snap.error if snap is not None else None)
+                if isinstance(found, SnapshotRaceError):  # this rank saw it: raised as what it is
+                    raise found from exc
+                raise
             assert prep is not None
             result = SaveResult(store.url, prep.plan.nbytes, total, handle.blocked_seconds + time.perf_counter() - t0)
             log.info(
@@ -361,12 +424,32 @@ class AsyncSaver:
                 after_commit(result)
             handle.committed.set_result(result)
         except BaseException as exc:  # noqa: BLE001 - kept for the next save/wait/close
+            if snap is not None:
+                snap.abandon(exc)
             if waves is None:  # with waves, the training thread owns ``staged``
                 _settle(handle.staged, exc)
             handle.committed.set_exception(exc)
         finally:
             if waves is not None and self._channel is not None:
                 self._channel.abort()  # a producer still waiting (the writer never started) stops
+
+    def _copy_overlapped(self, snap: OverlapSnapshot, handle: SaveHandle,
+                         planned: Outcome) -> tuple[Staged | None, Outcome]:
+        """The persist thread's first task in the overlapped mode: the copy into staging. Its failure
+        (or a race it saw) fails the save at the commit, on every rank; ``handle.staged`` says it."""
+        side = None
+        if snap.device is not None:
+            import torch
+
+            side = self._side_streams.get(snap.device)
+            if side is None:
+                side = self._side_streams[snap.device] = torch.cuda.Stream(device=snap.device)
+        snap.copy(side)
+        if snap.error is not None or snap.buffer is None:
+            error = snap.error or SaveError("no staging buffer")
+            _settle(handle.staged, error)
+            return None, _fail(error) if planned.ok else planned
+        return Staged(snap.buffer), planned
 
     def _write_waves(self, waves: _Waves, prep: Prepared, store: ByteStore) -> Outcome:
         """Stream the data object as the training thread stages it; then the index."""

@@ -26,7 +26,7 @@ import torch
 from ckptkit.engine.state import torch_dtype
 from ckptkit.errors import SaveError
 from ckptkit.layout.pieces import LocalBox
-from ckptkit.plan.save_plan import SavePlan
+from ckptkit.plan.save_plan import SavePlan, WriteItem
 
 log = logging.getLogger("ckptkit")
 
@@ -101,22 +101,24 @@ def snapshot(plan: SavePlan, tensors: list[torch.Tensor], pool: StagingPool) -> 
     buf = pool.buffer_for(plan, on_device)
     with torch.no_grad():
         for item in plan.items:
-            local = tensors[item.ref]
-            dtype = torch_dtype(item.dtype)
-            dst = buf[item.offset:item.offset + item.nbytes].view(dtype)
-            if isinstance(item.local, LocalBox):
-                index = tuple(slice(o, o + s) for o, s in zip(item.local.offsets, item.region.box.sizes))
-                src = local[index] if index else local
-                dst = dst.view(item.region.box.sizes)
-            else:
-                flat = local.reshape(-1) if local.is_contiguous() else local.contiguous().reshape(-1)
-                src = flat[item.local.start:item.local.start + item.region.numel]
+            src, dst = piece_pair(item, tensors[item.ref], buf)
             dst.copy_(src, non_blocking=src.device.type == "cuda")
     ready = None
     if on_device and torch.cuda.is_available():
         ready = torch.cuda.Event()
         ready.record()
     return Staged(buf, ready)
+
+
+def piece_pair(item: WriteItem, local: torch.Tensor, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(source, destination) of one planned piece: its part of ``local``, and its place in the
+    staging buffer ``buf``, shaped alike so that one ``copy_`` stages it."""
+    dst = buf[item.offset:item.offset + item.nbytes].view(torch_dtype(item.dtype))
+    if isinstance(item.local, LocalBox):
+        index = tuple(slice(o, o + s) for o, s in zip(item.local.offsets, item.region.box.sizes))
+        return (local[index] if index else local), dst.view(item.region.box.sizes)
+    flat = local.reshape(-1) if local.is_contiguous() else local.contiguous().reshape(-1)
+    return flat[item.local.start:item.local.start + item.region.numel], dst
 
 
 def staged_views(plan: SavePlan, tensors: list[torch.Tensor], buffer: torch.Tensor) -> list[torch.Tensor | None]:
