@@ -32,8 +32,14 @@ $(VENV)/.ckptkit-installed: pyproject.toml Makefile
 demo: setup
 	$(PY) examples/demo.py
 
+# Two pytest-xdist workers, one test file at a time each (module fixtures and worlds stay in one worker), in
+# the order tests/conftest.py gives (the costliest modules first): on 2 cores the suite's single-process
+# modules and its waits (S3 retries, watchdog stalls, torchrun restarts) fill the core a serial run leaves
+# idle. TEST_WORKERS=0 runs serially (needed for `PYTEST_ARGS=--module-costs`).
+TEST_WORKERS ?= 2
+
 test: setup
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 bench: setup
 	$(PY) benchmarks/run_all.py $(BENCH_ARGS)
@@ -43,10 +49,11 @@ clean:
 
 # The GPU check (issue 28; docs/testing.md "GPU"). `make gpu-wheels` here (registry access) builds the
 # wheels a GPU machine without registry access lacks into $(GPU_WHEELS)/ (git-ignored; must fit the device
-# tool's 64 MiB with the tree); `make gpu-check` there installs them with --no-deps into $(GPU_SITE) for
-# the machine's own python3 and torch (never the CPU pin: no torch wheel is carried), then runs
-# benchmarks/gpu_check.py: every tests/test_gpu_*.py and the GPU benchmark, one line each, then PASS /
-# FAIL / INCOMPLETE / NO-GPU (exit 0 only for PASS). A target list of its own: neither touches .venv.
+# tool's 64 MiB with the tree); `make gpu-check` there (= `python3 benchmarks/gpu_check.py --install
+# gpu-wheels`, for a machine without make) installs them with --no-deps into $(GPU_SITE) for the machine's
+# own python3 and torch (never the CPU pin: no torch wheel is carried), then runs every tests/test_gpu_*.py
+# and the GPU benchmark, one line each, then PASS / FAIL / INCOMPLETE / NO-GPU (exit 0 only for PASS).
+# Neither target touches .venv's packages.
 # (GPU_SITE, not a venv: the machine's python3 is itself a venv, /opt/torch/.venv, so a
 # --system-site-packages venv made from it would not see its torch.)
 GPU_WHEELS ?= gpu-wheels
@@ -59,9 +66,4 @@ gpu-wheels: setup
 	$(PY) benchmarks/gpu_wheels.py --out $(GPU_WHEELS)
 
 gpu-check:
-	@test -d $(GPU_WHEELS) || { echo "gpu-check: FAIL: no $(GPU_WHEELS)/ here: run make gpu-wheels where a registry is reachable and carry the folder"; exit 1; }
-	@rm -rf $(GPU_SITE)
-	@$(GPU_PYTHON) -m pip install -q --disable-pip-version-check --no-index --no-deps --no-compile --no-cache-dir \
-		--target $(GPU_SITE) $(GPU_WHEELS)/*.whl \
-		|| echo "gpu-check: installing $(GPU_WHEELS)/ into $(GPU_SITE) failed (is $(GPU_PYTHON) the GPU machine's Python 3.12?)"
-	PYTHONPATH=$(GPU_SITE) PYTHONUNBUFFERED=1 $(GPU_PYTHON) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
+	PYTHONUNBUFFERED=1 $(GPU_PYTHON) benchmarks/gpu_check.py --install $(GPU_WHEELS) --site $(GPU_SITE) $(GPU_CHECK_ARGS)

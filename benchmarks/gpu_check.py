@@ -230,12 +230,45 @@ def line(r: Result) -> str:
     return text + ("\n" + rest if rest else "")
 
 
+def install_and_rerun(args: argparse.Namespace) -> int:
+    """pip-install the carried wheels for this interpreter (its own torch stays: no torch wheel is carried),
+    then run the checks in a fresh interpreter that sees them (the budget counts the install)."""
+    import shutil
+
+    t0 = time.monotonic()
+    wheels = sorted(glob.glob(os.path.join(args.install, "*.whl")))
+    if not wheels:
+        print(f"gpu-check: FAIL: no wheels in {args.install}/: run make gpu-wheels where a registry is reachable "
+              "and carry the folder", flush=True)
+        return VERDICT_EXIT["FAIL"]
+    shutil.rmtree(args.site, ignore_errors=True)
+    proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-index",
+                           "--no-deps", "--no-compile", "--no-cache-dir", "--target", args.site, *wheels],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        print(f"gpu-check: installing {len(wheels)} wheels into {args.site} failed (is {sys.executable} the GPU "
+              f"machine's Python 3.12?):\n{_tail(proc.stdout + proc.stderr, 6)}", flush=True)
+    else:
+        print(f"gpu-check: installed {len(wheels)} wheels from {args.install}/ into {args.site} "
+              f"({time.monotonic() - t0:.1f} s)", flush=True)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (args.site, env.get("PYTHONPATH", "")) if p)
+    cmd = [sys.executable, os.path.abspath(__file__), "--budget", f"{args.budget - (time.monotonic() - t0):.0f}",
+           "--out", args.out, *(["--only", *args.only] if args.only else [])]
+    return subprocess.run(cmd, env=env).returncode
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--budget", type=float, default=BUDGET, help="seconds for the whole run (default %(default)s)")
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(ROOT, "gpu-out"))
     ap.add_argument("--only", nargs="*", help="run only these checks (names as printed)")
+    ap.add_argument("--install", metavar="DIR", help="first install DIR/*.whl (make gpu-wheels' folder) with pip "
+                    "--no-index --no-deps into --site, then run with --site on PYTHONPATH (what make gpu-check does)")
+    ap.add_argument("--site", default="/tmp/ckptkit-gpu-site", help="where --install puts the wheels")
     args = ap.parse_args(argv)
+    if args.install:
+        return install_and_rerun(args)
     deadline = time.monotonic() + args.budget
     os.makedirs(args.out, exist_ok=True)
     log = os.path.join(args.out, "gpu-check.log")

@@ -132,3 +132,12 @@ def test_pyproject_lists_every_package():
                 rel = os.path.relpath(dirpath, os.path.join(ROOT, top))
                 found.add(name if rel == "." else name + "." + rel.replace(os.sep, "."))
     assert found == listed, (sorted(found - listed), sorted(listed - found))
+
+
+def test_install_without_wheels_fails_plainly(tmp_path):
+    """``make gpu-check`` on a machine where gpu-wheels/ was not carried: a FAIL line, exit 1, nothing run."""
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_check.py"), "--install",
+                           str(tmp_path / "none"), "--site", str(tmp_path / "site"), "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert proc.returncode == 1
+    assert proc.stdout.strip().splitlines()[-1].startswith("gpu-check: FAIL: no wheels in")
