@@ -53,7 +53,7 @@ clean:
 # gpu-wheels`, for a machine without make) installs them with --no-deps into $(GPU_SITE) for the machine's
 # own python3 and torch (never the CPU pin: no torch wheel is carried), then runs every tests/test_gpu_*.py
 # and the GPU benchmark, one line each, then PASS / FAIL / INCOMPLETE / NO-GPU (exit 0 only for PASS).
-# Neither target touches .venv's packages.
+# gpu-wheels reads the versions from .venv (the CPU suite's); gpu-check uses no .venv at all.
 # (GPU_SITE, not a venv: the machine's python3 is itself a venv, /opt/torch/.venv, so a
 # --system-site-packages venv made from it would not see its torch.)
 GPU_WHEELS ?= gpu-wheels
