@@ -1,10 +1,18 @@
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
 
 from tests.worlds import Worlds
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # pytest-xdist gives its workers COLUMNS=80 / LINES=24. The CLI reads COLUMNS as the user's wish for a
+    # width when stdout is piped, so the tests' CLI output (asserted line by line) would wrap where a user's
+    # pipe does not: the workers see the environment a plain pytest run has.
+    os.environ.pop("COLUMNS", None)
+    os.environ.pop("LINES", None)
 
 
 SLOW = {"on": False}
@@ -20,9 +28,29 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     SLOW["on"] = bool(config.getoption("--run-slow"))
     if config.getoption("--module-costs"):
+        if config.getoption("numprocesses", None):
+            raise pytest.UsageError("--module-costs measures a serial run: add -n 0 (make test TEST_WORKERS=0)")
         from tests.module_costs import ModuleCosts
 
         config.pluginmanager.register(ModuleCosts(), "module-costs")
+
+
+COSTLY_FIRST = (
+    "test_megatron_moe.py", "test_megatron.py", "test_megatron_convert.py", "test_torchtitan_moe.py",
+    "test_torchtitan.py", "test_resilience_dist.py", "test_scale_layouts.py", "test_dtensor_reshard.py",
+    "test_memory_tier_torchrun.py", "test_crash_consistency.py", "test_deepspeed.py", "test_deepspeed_convert.py",
+    "test_s3_restore_faults.py", "test_s3_faults.py", "test_store_s3.py", "test_async_waves.py",
+)
+"""The most costly modules (``pytest --module-costs``, 2 cores), the costliest first. They run first, the rest in
+file order after them: with two workers (``make test`` runs pytest-xdist, one test file at a time per worker)
+the long ones start early and the short ones fill the end, instead of one long module running alone last.
+A family's modules stay next to each other, so a worker that runs two of them in a row keeps their worlds
+(:data:`FAMILIES`)."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    order = {name: i for i, name in enumerate(COSTLY_FIRST)}
+    items.sort(key=lambda item: order.get(item.path.name, len(order)))  # stable: file order within and after
 
 
 def trials(default: int, slow: int) -> int:

@@ -40,18 +40,29 @@ TITAN = {"scenario": "titan", "dp": 128, "tp": 8, "layers": 2}
 RULES = {"scenario": "megatron-rules"}
 
 
-def run_job(specs: list[dict]) -> dict[str, dict]:
-    proc = subprocess.run([sys.executable, "-m", "tests.scale_layouts_job", json.dumps(specs)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+def start_job(specs: list[dict]) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "tests.scale_layouts_job", json.dumps(specs)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def job_results(proc: subprocess.Popen) -> dict[str, dict]:
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-6000:]
+    results = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     return {r["spec"]["scenario"]: r for r in results}
 
 
 @pytest.fixture(scope="module")
 def results() -> dict[str, dict]:
-    """Megatron (dense, MoE, the rules check) and ZeRO-3 in one process, torchtitan in another."""
-    return {**run_job([DENSE, MOE, RULES, ZERO3]), **run_job([TITAN])}
+    """Megatron (dense, MoE, the rules check) and ZeRO-3 in one process, torchtitan in another, side by side
+    (each is one busy core for most of its time)."""
+    jobs = [start_job([DENSE, MOE, RULES, ZERO3]), start_job([TITAN])]
+    try:
+        return {k: v for proc in jobs for k, v in job_results(proc).items()}
+    finally:
+        for proc in jobs:  # a failed or timed-out job leaves no process behind
+            proc.kill()
+            proc.wait()
 
 
 def llama_params(hidden: int, layers: int, ffn: int, heads: int, groups: int, vocab: int) -> int:
