@@ -68,7 +68,7 @@ from ckptkit.adapters.deepspeed_record import (  # FORMAT, META: the record's na
 )
 from ckptkit.engine.metadata_io import read_manifest
 from ckptkit.engine.state import Sharded
-from ckptkit.errors import LayoutError, MissingKeysError, StateMismatchError
+from ckptkit.errors import LayoutError, MissingKeysError, OptionsError, StateMismatchError
 from ckptkit.layout.box import Box
 from ckptkit.layout.pieces import Piece, box_piece, flat_piece
 from ckptkit.layout.rules import PartitionRule
@@ -426,11 +426,28 @@ def save(engine: Any, path: str | os.PathLike[str], *, client_state: Mapping[str
          asynchronous: bool = False, options: AsyncOptions = AsyncOptions(),
          storage_options: dict[str, Any] | None = None) -> Any:
     """Save ``engine`` to ``path`` (collective). Synchronous: returns the SaveResult. Asynchronous:
-    returns a :class:`ckptkit.SaveHandle` once the snapshot is taken; training may continue at once."""
+    returns a :class:`ckptkit.SaveHandle` once the snapshot is taken; training may continue at once.
+    With ``options=AsyncOptions(snapshot="overlap")`` it returns before the copy, and the engine's
+    next optimizer step waits for it (:func:`guards`)."""
     state = engine_state(engine, client_state)
     if asynchronous:
-        return ckptkit.save_async(state, path, options=options, storage_options=storage_options)
+        guard = guards(engine) if options.snapshot == "overlap" else None
+        return ckptkit.save_async(state, path, options=options, storage_options=storage_options, guard=guard)
     return ckptkit.save(state, path, storage_options=storage_options)
+
+
+def guards(engine: Any) -> list[Any]:
+    """What guards an overlapped snapshot of ``engine``: the base torch optimizer inside its ZeRO
+    optimizer. ``engine.step()`` changes the saved state (fp32 masters, moments, then the bit16
+    partitions copied from the masters) only inside or after the base optimizer's ``step``, which
+    ZeRO calls once per parameter group; backward and gradient accumulation touch gradients only."""
+    inner = getattr(getattr(engine, "optimizer", None), "optimizer", None)
+    if inner is None or not callable(getattr(inner, "register_step_pre_hook", None)):
+        raise OptionsError(
+            "snapshot='overlap' needs the DeepSpeed engine's base torch optimizer (engine.optimizer.optimizer) "
+            f"to hook its step, and this engine has {type(inner).__name__ if inner is not None else 'none'}; "
+            "use snapshot='blocking'")
+    return [inner]
 
 
 # -------------------------------------------------------------------- load
@@ -566,7 +583,8 @@ class DeepSpeedCheckpointer:
         self.storage_options = storage_options
         self.manager = ckptkit.CheckpointManager(
             root, save=ckptkit.SavePolicy(every_steps=every_steps), keep=ckptkit.RetentionPolicy(keep_last=keep_last),
-            asynchronous=options if asynchronous else None, storage_options=storage_options)
+            asynchronous=options if asynchronous else None, storage_options=storage_options,
+            guard=guards(engine) if asynchronous and options.snapshot == "overlap" else None)
 
     def maybe_save(self, *, client_state: Mapping[str, Any] | None = None) -> Any:
         """Save if ``every_steps`` says so at ``engine.global_steps``; the handle, or None."""

@@ -31,7 +31,10 @@ What differs from torchtitan's DCP manager, and why:
 * ``async_mode``: ``"async"`` persists on a background thread,
   ``"async_process"`` (alias ``"async_with_pinned_mem"``) in a writer process
   reading shared memory; both block only for the snapshot, so
-  ``maybe_wait_for_staging`` has nothing to wait for.
+  ``maybe_wait_for_staging`` has nothing to wait for. With ``snapshot="overlap"``
+  a save returns before the copy, and ``maybe_wait_for_staging`` (which the
+  trainer calls right before ``optimizers.step()``) and the optimizers' own step
+  hook wait for it.
 * A committed checkpoint is never overwritten (ckptkit's rule): resuming from
   an older ``load_step`` and training past newer step folders fails at the
   first colliding save.
@@ -183,6 +186,15 @@ def _check_compatible(saved: Mapping[str, Any], kind: str, info: Mapping[str, An
                 )
 
 
+def optimizer_guards(optimizers: Any) -> list[Any]:
+    """What guards an overlapped snapshot: torchtitan's optimizers container (a torch Optimizer whose
+    ``step`` steps every model part's optimizer) and each optimizer inside it. The inner ones matter
+    when the container's own ``step`` is not what updates the weights (optimizers in backward step
+    per parameter from gradient hooks). The gate runs before any other step pre-hook, so the MoE
+    load-balancing hook's ``expert_bias`` update comes after the copy."""
+    return [optimizers, *getattr(optimizers, "optimizers", [])]
+
+
 # ---------------------------------------------------------------------- manager
 class CkptkitCheckpointManager(BaseCheckpointManager):
     """torchtitan checkpoint manager backed by :class:`ckptkit.CheckpointManager` (see the module docstring)."""
@@ -205,6 +217,11 @@ class CkptkitCheckpointManager(BaseCheckpointManager):
         max_staging_bytes: int | None = None
         """Per-rank budget for the asynchronous snapshot buffer (None: unbounded)."""
 
+        snapshot: Literal["blocking", "overlap"] = "blocking"
+        """blocking: a save returns once the state is copied. overlap: it returns before the copy, which runs in the
+        background, and the optimizers' next step waits for it (ckptkit.AsyncOptions(snapshot=...), docs/overlap.md);
+        needs an async_mode."""
+
         dataloader_resize: Literal["exact", "approximate"] = "exact"
         """When the DP degree changed: 'exact' refuses data-loader positions that cannot continue exactly;
         'approximate' keeps the consumed fraction of the epoch and logs how many samples repeat or skip."""
@@ -220,6 +237,11 @@ class CkptkitCheckpointManager(BaseCheckpointManager):
                     "CkptkitCheckpointManager reads and writes ckptkit checkpoints only; for Hugging Face "
                     "safetensors use ckptkit's converters (ckptkit_converters.hf.exporter / `ckptkit convert`)"
                 )
+            if self.snapshot not in ("blocking", "overlap"):
+                raise OptionsError(f"snapshot must be 'blocking' or 'overlap', got {self.snapshot!r}")
+            if self.snapshot == "overlap" and self.async_mode == "disabled":
+                raise OptionsError("snapshot='overlap' overlaps an asynchronous save's copy with training: it needs "
+                                   "async_mode='async' or 'async_process' (a synchronous save blocks until written)")
             if self.dataloader_resize not in ("exact", "approximate"):
                 raise OptionsError(f"dataloader_resize must be 'exact' or 'approximate', got {self.dataloader_resize!r}")
 
@@ -253,12 +275,14 @@ class CkptkitCheckpointManager(BaseCheckpointManager):
         """Routed-expert parameters (FQN -> expert axis): saved with the expert axis in their rules."""
         self.asynchronous = config.async_mode != "disabled"
         options = AsyncOptions(executor=_EXECUTORS.get(config.async_mode, "thread"),  # type: ignore[arg-type]
-                               on_busy=config.on_busy, max_staging_bytes=config.max_staging_bytes)
+                               on_busy=config.on_busy, max_staging_bytes=config.max_staging_bytes,
+                               snapshot=config.snapshot)
         self.storage_options = dict(config.storage_options) or None
         self.manager = ckptkit.CheckpointManager(
             self.folder, keep=RetentionPolicy(keep_last=config.keep_latest_k or None),
             asynchronous=options if self.asynchronous else None, load=LoadOptions(per_rank_on_resize="skip"),
             naming=NAMING, storage_options=self.storage_options, local_dir=config.local_dir,
+            guard=optimizer_guards(optimizers) if self.asynchronous and config.snapshot == "overlap" else None,
         )
         self._comm: Comm = resolve_comm(None)
         self._holders: list[int] | None = None
@@ -274,7 +298,10 @@ class CkptkitCheckpointManager(BaseCheckpointManager):
             self.manager.close()
 
     def _maybe_wait_for_staging(self) -> None:
-        """Nothing to wait for: ckptkit's save returns once the snapshot is taken."""
+        """A blocking snapshot: nothing to wait for (ckptkit's save returns once it is taken). An overlapped
+        one: wait for its background copy (torchtitan's trainer calls this right before the optimizers'
+        step, whose hook would wait for it too)."""
+        self.manager.wait_snapshot()
 
     def _wait_for_saving(self) -> None:
         self.manager.wait()

@@ -218,11 +218,14 @@ def save(model: Any, path: str | os.PathLike[str], *, optimizer: Any = None, sch
          asynchronous: bool = False, async_options: AsyncOptions = AsyncOptions(),
          storage_options: dict[str, Any] | None = None) -> Any:
     """Save (collective over the world). Synchronous: the SaveResult; asynchronous: a SaveHandle once
-    the snapshot is taken, training may go on at once."""
+    the snapshot is taken, training may go on at once. With ``async_options=AsyncOptions(snapshot=
+    "overlap")`` it returns before the copy, and ``optimizer.step()`` waits for it
+    (:func:`~ckptkit.adapters.megatron.optimizer_state.guards`)."""
+    guard = opt_state.guards(optimizer, _chunks(model)) if asynchronous and async_options.snapshot == "overlap" else None
     state = megatron_state(model, optimizer=optimizer, scheduler=scheduler, iteration=iteration, extra=extra,
                            options=options)
     if asynchronous:
-        return ckptkit.save_async(state, path, options=async_options, storage_options=storage_options)
+        return ckptkit.save_async(state, path, options=async_options, storage_options=storage_options, guard=guard)
     return ckptkit.save(state, path, storage_options=storage_options)
 
 

@@ -31,9 +31,14 @@ class MegatronCheckpointer:
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.options = options if options is not None else MegatronOptions()
         self.storage_options = storage_options
+        from ckptkit.adapters.megatron import _chunks
+        from ckptkit.adapters.megatron.optimizer_state import guards
+
+        overlap = asynchronous and async_options.snapshot == "overlap"
         self.manager = ckptkit.CheckpointManager(
             root, save=ckptkit.SavePolicy(every_steps=every_steps), keep=ckptkit.RetentionPolicy(keep_last=keep_last),
-            asynchronous=async_options if asynchronous else None, storage_options=storage_options)
+            asynchronous=async_options if asynchronous else None, storage_options=storage_options,
+            guard=guards(optimizer, _chunks(model)) if overlap else None)
 
     def maybe_save(self, iteration: int, *, extra: Mapping[str, Any] | None = None) -> Any:
         """Save if ``every_steps`` says so at ``iteration``; the handle, or None."""

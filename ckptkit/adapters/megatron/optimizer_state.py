@@ -32,7 +32,7 @@ import torch
 
 from ckptkit.adapters.megatron.model_space import ParamSpace, storage_id
 from ckptkit.engine.state import Sharded, dtype_name
-from ckptkit.errors import StateMismatchError
+from ckptkit.errors import OptionsError, StateMismatchError
 
 MAIN = "main"
 
@@ -52,6 +52,32 @@ class ParamState:
 
 def _optimizers(optimizer: Any) -> list[Any]:
     return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+
+
+def guards(optimizer: Any, chunks: list[Any]) -> list[Any]:
+    """What guards an overlapped snapshot (``AsyncOptions(snapshot="overlap")``): the torch optimizer
+    inside each Megatron optimizer (each of a ``ChainedOptimizer``'s). ``MegatronOptimizer.step``
+    first prepares gradients (main grads only), then calls that optimizer's ``step``, and only then
+    copies main parameters into the model weights, so its step pre-hook runs before the first change
+    of anything saved. Refused: a model-only save (no optimizer: nothing to hook), and routers with
+    an expert bias (``moe_router_enable_expert_bias``): Megatron updates that saved buffer in
+    ``finalize_model_grads``, after backward and *before* ``optimizer.step()``."""
+    biased = [type(m).__name__ for c in chunks for m in c.modules() if getattr(m, "expert_bias", None) is not None]
+    if biased:
+        raise OptionsError(
+            f"snapshot='overlap' is not covered for Megatron routers with an expert bias ({biased[0]}): Megatron "
+            "updates the saved expert_bias in finalize_model_grads, after backward and before optimizer.step(), "
+            "so it would change before the guarded step; use snapshot='blocking'")
+    if optimizer is None:
+        raise OptionsError(
+            "snapshot='overlap' needs the Megatron optimizer whose step changes the saved weights, to hook it; "
+            "a save without one (model only) cannot know when the weights change: use snapshot='blocking'")
+    inner = [getattr(opt, "optimizer", None) for opt in _optimizers(optimizer)]
+    if not inner or any(not callable(getattr(o, "register_step_pre_hook", None)) for o in inner):
+        raise OptionsError(
+            f"snapshot='overlap': {type(optimizer).__name__} holds no torch optimizer to hook "
+            "(expected .optimizer, or .chained_optimizers[i].optimizer); use snapshot='blocking'")
+    return inner
 
 
 def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
