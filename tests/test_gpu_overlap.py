@@ -64,9 +64,9 @@ def committed(path: str) -> bool:
     return os.path.exists(os.path.join(path, "manifest.json"))
 
 
-@pytest.mark.parametrize("width,layers,reps", [(2048, 4, 24), (8192, 6, 4)])
+@pytest.mark.parametrize("width,layers,reps", [(2048, 4, 24), (8192, 4, 3)])
 def test_the_next_step_starts_at_once_and_the_checkpoint_is_the_state_at_the_save(tmp_path, width, layers, reps):
-    """(2048, 4): 4 x 16 MiB weights + moments, 24 saves; (8192, 6): 6 x 256 MiB + moments, ~4.5 GiB."""
+    """(2048, 4): 4 x 16 MiB weights + moments (192 MiB), 24 saves; (8192, 4): 4 x 256 MiB + moments, 3 GiB."""
     model, optim = make_job(width, layers)
     saver = AsyncSaver(options=OVERLAP)
     saver.guard(optim)
@@ -139,13 +139,13 @@ def test_an_in_place_change_bypassing_the_optimizer_is_caught(tmp_path):
 
 
 def test_the_save_returns_in_a_fraction_of_a_blocking_snapshot(tmp_path):
-    model, optim = make_job(8192, 4, seed=3)
+    model, optim = make_job(8192, 2, seed=3)  # 1.5 GiB of weights and moments
     times = {}
     for mode in ("blocking", "overlap"):
         saver = AsyncSaver(options=ckptkit.AsyncOptions(snapshot=mode))  # type: ignore[arg-type]
         saver.guard(optim)
         try:
-            for i in range(3):  # the first allocates the pinned buffer
+            for i in range(2):  # the first allocates the pinned buffer; the second is timed
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
                 h = saver.save(job_state(model, optim), open_store(str(tmp_path / f"{mode}{i}")))
@@ -154,6 +154,7 @@ def test_the_save_returns_in_a_fraction_of_a_blocking_snapshot(tmp_path):
                 times[mode] = time.perf_counter() - t0
                 optim.step()
                 h.wait()
+                shutil.rmtree(h.path)
         finally:
             saver.close()
     print(f"blocking snapshot {times['blocking'] * 1e3:.1f} ms, overlapped save call {times['overlap'] * 1e3:.1f} ms "
