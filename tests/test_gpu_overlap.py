@@ -64,9 +64,10 @@ def committed(path: str) -> bool:
     return os.path.exists(os.path.join(path, "manifest.json"))
 
 
-@pytest.mark.parametrize("width,layers,reps", [(2048, 4, 24), (8192, 4, 3)])
+@pytest.mark.parametrize("width,layers,reps", [(2048, 4, 16), (8192, 4, 2)])
 def test_the_next_step_starts_at_once_and_the_checkpoint_is_the_state_at_the_save(tmp_path, width, layers, reps):
-    """(2048, 4): 4 x 16 MiB weights + moments (192 MiB), 24 saves; (8192, 4): 4 x 256 MiB + moments, 3 GiB."""
+    """(2048, 4): 4 x 16 MiB weights + moments (192 MiB), 16 saves; (8192, 4): 4 x 256 MiB + moments, 3 GiB, 2 saves
+    (within the GPU check's 150 s for this file: every save is written, loaded back and compared)."""
     model, optim = make_job(width, layers)
     saver = AsyncSaver(options=OVERLAP)
     saver.guard(optim)
@@ -91,7 +92,7 @@ def test_a_save_every_step_through_the_manager(tmp_path):
     with ckptkit.CheckpointManager(str(tmp_path), save=ckptkit.SavePolicy(every_steps=1),
                                    keep=ckptkit.RetentionPolicy(keep_last=50), asynchronous=OVERLAP,
                                    guard=optim) as mgr:
-        for step in range(1, 21):
+        for step in range(1, 13):
             state = job_state(model, optim)
             expected[step] = gpu_clone(state)
             assert mgr.maybe_save(step, state) is not None
@@ -106,7 +107,7 @@ def test_a_tensor_dropped_after_the_save_is_not_overwritten_before_it_is_copied(
     guard = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1, device="cuda"))], lr=0.1)
     saver.guard(guard)
     try:
-        for i in range(8):
+        for i in range(6):
             t = torch.randn(64 << 20, device="cuda")  # 256 MiB
             expected = {"s": {"t": t.clone()}}
             h = saver.save({"s": {"t": t}}, open_store(str(tmp_path / f"c{i}")))
