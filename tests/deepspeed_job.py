@@ -74,16 +74,17 @@ class Block(torch.nn.Module):
 
 
 class TinyLM(torch.nn.Module):
-    """Two blocks, vocab 37, width 18, with the output head tied to the embedding (a shared parameter)."""
+    """Two blocks, vocab 37, width 18, with the output head tied to the embedding (a shared parameter); the GPU
+    check (tests/test_gpu_deepspeed.py) builds it larger."""
 
     VOCAB, DIM, SEQ = 37, 18, 6
 
-    def __init__(self) -> None:
+    def __init__(self, vocab: int = VOCAB, dim: int = DIM, heads: int = 3) -> None:
         super().__init__()
-        self.emb = torch.nn.Embedding(self.VOCAB, self.DIM)
-        self.blocks = torch.nn.ModuleList([Block(self.DIM, 3) for _ in range(2)])
-        self.norm = torch.nn.LayerNorm(self.DIM)
-        self.head = torch.nn.Linear(self.DIM, self.VOCAB, bias=False)
+        self.emb = torch.nn.Embedding(vocab, dim)
+        self.blocks = torch.nn.ModuleList([Block(dim, heads) for _ in range(2)])
+        self.norm = torch.nn.LayerNorm(dim)
+        self.head = torch.nn.Linear(dim, vocab, bias=False)
         self.head.weight = self.emb.weight
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -35,50 +35,28 @@ def deepspeed(tmp_path_factory):
         pytest.skip(f"deepspeed cannot be imported here: {type(exc).__name__}: {exc}")
     if get_accelerator().device_name() != "cuda":
         pytest.skip(f"deepspeed chose the {get_accelerator().device_name()!r} accelerator, not CUDA")
-    import torch.distributed as dist
+    from tests.one_gpu_rank import one_rank_group
 
-    torch.cuda.set_device(0)
     for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}.items():  # what a launcher sets
         os.environ.setdefault(key, value)
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    own = not dist.is_initialized()
-    if own:
-        store = dist.FileStore(str(tmp_path_factory.mktemp("store") / "s"), 1)
-        dist.init_process_group("cpu:gloo,cuda:nccl", store=store, rank=0, world_size=1)
-    deepspeed.init_distributed()
-    try:
+    with one_rank_group(tmp_path_factory.mktemp("store")):
+        deepspeed.init_distributed()
         yield deepspeed
-    finally:
-        torch.use_deterministic_algorithms(False)
-        if own:
-            dist.destroy_process_group()
 
 
-class LM(torch.nn.Module):
-    """Two pre-norm blocks, vocab 517, width 96, the head tied to the embedding."""
+def lm() -> torch.nn.Module:
+    """tests/deepspeed_job.py's tied-head LM at GPU sizes: two pre-norm blocks, vocab 517, width 96."""
+    from tests.deepspeed_job import TinyLM
 
-    VOCAB, DIM, SEQ = 517, 96, 33
+    return TinyLM(vocab=517, dim=96, heads=4)
 
-    def __init__(self) -> None:
-        super().__init__()
-        from tests.deepspeed_job import Block
 
-        self.emb = torch.nn.Embedding(self.VOCAB, self.DIM)
-        self.blocks = torch.nn.ModuleList([Block(self.DIM, 4) for _ in range(2)])
-        self.norm = torch.nn.LayerNorm(self.DIM)
-        self.head = torch.nn.Linear(self.DIM, self.VOCAB, bias=False)
-        self.head.weight = self.emb.weight
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.emb(tokens)
-        for block in self.blocks:
-            h = block(h)
-        return self.head(self.norm(h))
+VOCAB, SEQ = 517, 33
 
 
 def _engine(deepspeed: Any, stage: int, dtype: str, seed: int) -> Any:
     torch.manual_seed(seed)
-    model = LM()
+    model = lm()
     cfg: dict[str, Any] = {
         "train_batch_size": GLOBAL_BATCH, "train_micro_batch_size_per_gpu": GLOBAL_BATCH,
         "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
@@ -98,9 +76,9 @@ def _engine(deepspeed: Any, stage: int, dtype: str, seed: int) -> Any:
 
 def _step(engine: Any, step: int) -> float:
     g = torch.Generator().manual_seed(1000 + step)
-    tokens = torch.randint(0, LM.VOCAB, (GLOBAL_BATCH, LM.SEQ + 1), generator=g).cuda()
+    tokens = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ + 1), generator=g).cuda()
     out = engine(tokens[:, :-1]).float()
-    loss = torch.nn.functional.cross_entropy(out.reshape(-1, LM.VOCAB), tokens[:, 1:].reshape(-1))
+    loss = torch.nn.functional.cross_entropy(out.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
     engine.backward(loss)
     engine.step()
     return loss.item()

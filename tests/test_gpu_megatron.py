@@ -42,20 +42,10 @@ def megatron(tmp_path_factory):
         from megatron.core.models.gpt.gpt_model import GPTModel  # noqa: F401
     except Exception as exc:  # ImportError, or a torch this megatron-core does not run on
         pytest.skip(f"megatron-core cannot be imported here: {type(exc).__name__}: {exc}")
-    import torch.distributed as dist
+    from tests.one_gpu_rank import one_rank_group
 
-    torch.cuda.set_device(0)
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    own = not dist.is_initialized()
-    if own:
-        store = dist.FileStore(str(tmp_path_factory.mktemp("store") / "s"), 1)
-        dist.init_process_group("cpu:gloo,cuda:nccl", store=store, rank=0, world_size=1)
-    try:
+    with one_rank_group(tmp_path_factory.mktemp("store")):
         yield
-    finally:
-        torch.use_deterministic_algorithms(False)
-        if own:
-            dist.destroy_process_group()
 
 
 def _setup(bf16: bool, seed: int) -> dict[str, Any]:

@@ -32,6 +32,8 @@ from typing import Any
 import pytest
 import torch
 
+from tests.token_samples import TokenSamples
+
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -58,30 +60,10 @@ def titan(tmp_path_factory):
         from ckptkit.adapters.torchtitan import CkptkitCheckpointManager  # noqa: F401
     except Exception as exc:
         pytest.skip(f"torchtitan cannot be imported with torch {torch.__version__}: {type(exc).__name__}: {exc}")
-    import torch.distributed as dist
+    from tests.one_gpu_rank import one_rank_group
 
-    if DEVICE == "cuda":
-        torch.cuda.set_device(0)
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    own = not dist.is_initialized()
-    if own:
-        store = dist.FileStore(str(tmp_path_factory.mktemp("store") / "s"), 1)
-        dist.init_process_group("cpu:gloo,cuda:nccl", store=store, rank=0, world_size=1)
-    try:
+    with one_rank_group(tmp_path_factory.mktemp("store"), device=DEVICE):
         yield
-    finally:
-        torch.use_deterministic_algorithms(False)
-        if own:
-            dist.destroy_process_group()
-
-
-class Samples(torch.utils.data.Dataset):
-    def __len__(self) -> int:
-        return N_SAMPLES
-
-    def __getitem__(self, i: int) -> tuple[dict[str, Any], torch.Tensor]:
-        tokens = torch.randint(0, VOCAB, (SEQ + 1,), generator=torch.Generator().manual_seed(1000 + i))
-        return {"input": tokens[:-1], "sample": i}, tokens[1:]
 
 
 class Job:
@@ -142,7 +124,7 @@ class Job:
         self.lr_schedulers = LRSchedulersContainer.Config(warmup_steps=2, decay_ratio=0.8, decay_type="linear",
                                                           min_lr_factor=0.0).build(optimizers=self.optimizers,
                                                                                    training_steps=STEPS)
-        data = Samples()
+        data = TokenSamples(N_SAMPLES, SEQ, VOCAB)
         sampler = StatefulDistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=7)
         self.dataloader = ParallelAwareDataloader(data, dp_rank=0, dp_world_size=1, sampler=sampler, batch_size=BATCH)
         self.train_state = TrainState()

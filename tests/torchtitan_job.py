@@ -52,6 +52,7 @@ from torchtitan.models.common.attention import ScaledDotProductAttention
 from torchtitan.models.llama3 import model_registry
 
 from ckptkit.adapters.torchtitan import CkptkitCheckpointManager
+from tests.token_samples import TokenSamples
 from ckptkit.errors import SaveError
 
 _parallel_dims.device_type = "cpu"  # shim 1
@@ -63,17 +64,6 @@ GLOBAL_BATCH = 8
 N_SAMPLES = 96
 VOCAB = 2048
 STEPS = 6
-
-
-class TokenSamples(torch.utils.data.Dataset):
-    """Sample ``i``: SEQ+1 tokens drawn from a generator seeded with ``i``, plus ``i`` itself."""
-
-    def __len__(self) -> int:
-        return N_SAMPLES
-
-    def __getitem__(self, i: int) -> tuple[dict[str, Any], torch.Tensor]:
-        tokens = torch.randint(0, VOCAB, (SEQ + 1,), generator=torch.Generator().manual_seed(1000 + i))
-        return {"input": tokens[:-1], "sample": i}, tokens[1:]
 
 
 class TrainState(Stateful):
@@ -149,7 +139,7 @@ class Job:
             dp_rank = batch.get_local_rank()
         else:
             dp_rank = 0
-        data = TokenSamples()
+        data = TokenSamples(N_SAMPLES, SEQ, VOCAB)
         sampler = StatefulDistributedSampler(data, num_replicas=dp, rank=dp_rank, shuffle=True, seed=7)
         self.dataloader = ParallelAwareDataloader(data, dp_rank=dp_rank, dp_world_size=dp, sampler=sampler,
                                                   batch_size=GLOBAL_BATCH // dp)
