@@ -36,10 +36,11 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 COSTLY_FIRST = (
-    "test_megatron_moe.py", "test_megatron.py", "test_megatron_convert.py", "test_torchtitan_moe.py",
-    "test_torchtitan.py", "test_resilience_dist.py", "test_scale_layouts.py", "test_dtensor_reshard.py",
-    "test_memory_tier_torchrun.py", "test_crash_consistency.py", "test_deepspeed.py", "test_deepspeed_convert.py",
-    "test_s3_restore_faults.py", "test_s3_faults.py", "test_store_s3.py", "test_async_waves.py",
+    "test_megatron_moe.py", "test_megatron.py", "test_megatron_convert.py", "test_overlap_megatron.py",
+    "test_torchtitan_moe.py", "test_torchtitan.py", "test_overlap_torchtitan.py", "test_resilience_dist.py",
+    "test_scale_layouts.py", "test_dtensor_reshard.py", "test_memory_tier_torchrun.py", "test_crash_consistency.py",
+    "test_deepspeed.py", "test_deepspeed_convert.py", "test_overlap_adapters.py", "test_s3_restore_faults.py",
+    "test_s3_faults.py", "test_store_s3.py", "test_async_waves.py", "test_async_overlap.py",
 )
 """The most costly modules (``pytest --module-costs``, 2 cores), the costliest first. They run first, the rest in
 file order after them: with two workers (``make test`` runs pytest-xdist, one test file at a time per worker)
