@@ -49,9 +49,24 @@ A family's modules stay next to each other, so a worker that runs two of them in
 (:data:`FAMILIES`)."""
 
 
+MULTI_RANK_BY_LAUNCHER = ("test_resilience_dist.py", "test_memory_tier_torchrun.py")
+"""Modules whose gloo worlds are started by torchrun rather than by the ``worlds`` fixture."""
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The costliest modules first (:data:`COSTLY_FIRST`), and, for ``make test``'s two workers
+    (``--dist loadgroup``), every module that runs a multi-rank gloo world in one group, "worlds", which one
+    worker runs in order, while every other module is a group of its own. Two 4-rank worlds at once on 2
+    cores put 8 ranks in every collective's way: measured, tests that take 4 s alone took 40-70 s. So the
+    worlds run one at a time, beside the single-process modules and the waits of the other worker."""
     order = {name: i for i, name in enumerate(COSTLY_FIRST)}
     items.sort(key=lambda item: order.get(item.path.name, len(order)))  # stable: file order within and after
+    worlds_modules = {item.path for item in items
+                      if "worlds" in item.fixturenames or item.path.name in MULTI_RANK_BY_LAUNCHER}
+    for item in items:
+        group = "worlds" if item.path in worlds_modules else item.path.name
+        item.add_marker(pytest.mark.xdist_group(group))
 
 
 def trials(default: int, slow: int) -> int:
