@@ -32,15 +32,15 @@ $(VENV)/.ckptkit-installed: pyproject.toml Makefile
 demo: setup
 	$(PY) examples/demo.py
 
-# Two pytest-xdist workers, a whole group of test files at a time each (module fixtures and worlds stay in one
-# worker): tests/conftest.py puts every module that runs a multi-rank world in one group, run in order by one
-# worker, and makes every other module a group of its own, the costliest first. On 2 cores the other worker's
+# Two pytest-xdist workers, whole test files at a time (module fixtures and worlds stay in one worker): the
+# scheduler in tests/conftest.py makes every module that runs a multi-rank world one unit, run in order by one
+# worker, and every other module a unit of its own, the costliest first. On 2 cores the other worker's
 # single-process modules and waits (S3 retries, watchdog stalls) fill the core a serial run leaves idle,
 # and no two multi-rank worlds compete. TEST_WORKERS=0 runs serially (needed for `PYTEST_ARGS=--module-costs`).
 TEST_WORKERS ?= 2
 
 test: setup
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 bench: setup
 	$(PY) benchmarks/run_all.py $(BENCH_ARGS)

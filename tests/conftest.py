@@ -53,20 +53,43 @@ MULTI_RANK_BY_LAUNCHER = ("test_resilience_dist.py", "test_memory_tier_torchrun.
 """Modules whose gloo worlds are started by torchrun rather than by the ``worlds`` fixture."""
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
+def runs_worlds(test_file: str) -> bool:
+    """Whether a test module runs multi-rank gloo worlds: it names the ``worlds`` fixture, or torchrun starts
+    its worlds (:data:`MULTI_RANK_BY_LAUNCHER`). Read from the source, because xdist's controller schedules
+    from node ids alone; a module that only mentions worlds lands in the worlds lane, which costs nothing."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), test_file)
+    if os.path.basename(path) in MULTI_RANK_BY_LAUNCHER:
+        return True
+    try:
+        with open(path, encoding="utf-8") as f:
+            return "worlds" in f.read()
+    except OSError:
+        return False
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``make test``'s two workers: every module that runs multi-rank worlds is one work unit, "worlds", which
+    one worker runs in order; every other module is a unit of its own, the costliest first (collection
+    order). Two 4-rank worlds at once on 2 cores put 8 ranks in every collective's way: measured with one
+    unit per file, tests that take 4 s alone took 40-70 s. So the worlds run one at a time, beside the
+    single-process modules and the waits (S3 retries, watchdog stalls) of the other worker. (xdist's own
+    ``loadgroup`` cannot do this here: it renames node ids in a way pytest 9.2 no longer sees.)"""
+    if config.getvalue("dist") not in ("load", "loadfile", "loadscope", "loadgroup"):
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class WorldsLane(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            test_file = nodeid.split("::", 1)[0]
+            return "worlds" if runs_worlds(test_file) else test_file
+
+    return WorldsLane(config, log)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The costliest modules first (:data:`COSTLY_FIRST`), and, for ``make test``'s two workers
-    (``--dist loadgroup``), every module that runs a multi-rank gloo world in one group, "worlds", which one
-    worker runs in order, while every other module is a group of its own. Two 4-rank worlds at once on 2
-    cores put 8 ranks in every collective's way: measured, tests that take 4 s alone took 40-70 s. So the
-    worlds run one at a time, beside the single-process modules and the waits of the other worker."""
+    """The costliest modules first (:data:`COSTLY_FIRST`); file order within and after them."""
     order = {name: i for i, name in enumerate(COSTLY_FIRST)}
-    items.sort(key=lambda item: order.get(item.path.name, len(order)))  # stable: file order within and after
-    worlds_modules = {item.path for item in items
-                      if "worlds" in item.fixturenames or item.path.name in MULTI_RANK_BY_LAUNCHER}
-    for item in items:
-        group = "worlds" if item.path in worlds_modules else item.path.name
-        item.add_marker(pytest.mark.xdist_group(group))
+    items.sort(key=lambda item: order.get(item.path.name, len(order)))  # stable
 
 
 def trials(default: int, slow: int) -> int:
