@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any
 
@@ -53,6 +54,7 @@ MULTI_RANK_BY_LAUNCHER = ("test_resilience_dist.py", "test_memory_tier_torchrun.
 """Modules whose gloo worlds are started by torchrun rather than by the ``worlds`` fixture."""
 
 
+@functools.lru_cache(maxsize=None)
 def runs_worlds(test_file: str) -> bool:
     """Whether a test module runs multi-rank gloo worlds: it names the ``worlds`` fixture, or torchrun starts
     its worlds (:data:`MULTI_RANK_BY_LAUNCHER`). Read from the source, because xdist's controller schedules
