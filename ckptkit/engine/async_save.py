@@ -41,7 +41,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ckptkit.engine.collective import Comm, LocalComm, Outcome, TorchComm
+from ckptkit.engine.collective import LocalComm, Outcome, TorchComm
 from ckptkit.engine.guards import Guards
 from ckptkit.engine.overlap import OverlapSnapshot
 from ckptkit.engine.saver import (
@@ -122,11 +122,11 @@ def _unguarded(where: str, here: bool) -> OptionsError:
         "guard=...), save_async(guard=...), AsyncSaver.guard(...)), or use snapshot='blocking'")
 
 
-def _new_comm(process_group: Any) -> Comm:
+def _new_comm(process_group: Any) -> LocalComm | TorchComm:
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(process_group) == 1:
         return LocalComm()
     ranks = dist.get_process_group_ranks(process_group) if process_group is not None else None
-    return TorchComm(dist.new_group(ranks=ranks, backend="gloo"))
+    return TorchComm(dist.new_group(ranks=ranks, backend="gloo"), owned=True)
 
 
 class AsyncSaver:
@@ -315,6 +315,8 @@ class AsyncSaver:
             self._executor.shutdown(wait=True)
             if self._writer is not None:
                 self._writer.close()
+            for comm in (self.plan_comm, self.commit_comm):
+                comm.close()  # their gloo threads joined now, not in the interpreter's teardown
 
     # ------------------------------------------------------------- internals
     def _waves_for(self, plan: SavePlan, tensors: list[Any]) -> _Waves:

@@ -13,8 +13,8 @@ by a rank that already failed: failures travel *inside* the collective
 
 from __future__ import annotations
 
+import atexit
 import json
-
 import threading
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -68,6 +68,9 @@ class LocalComm:
     def broadcast(self, obj: Any) -> Any:
         return obj
 
+    def close(self) -> None:
+        """Nothing to release."""
+
     def any_flags(self, flags: list[bool]) -> list[bool]:
         return list(flags)
 
@@ -76,10 +79,12 @@ class LocalComm:
 
 
 class TorchComm:
-    """Collectives over a gloo process group."""
+    """Collectives over a gloo process group; ``owned``: a group made for this communicator alone,
+    which :meth:`close` destroys."""
 
-    def __init__(self, group: Any) -> None:
+    def __init__(self, group: Any, *, owned: bool = False) -> None:
         self.group = group
+        self.owned = owned
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size(group)
         self.group_rank = dist.get_rank(group)
@@ -124,6 +129,12 @@ class TorchComm:
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
         return [int(x) for x in t.tolist()]
 
+    def close(self) -> None:
+        """Destroy the group if this communicator owns it (:func:`release_group`); not collective."""
+        if self.owned and self.group is not None:
+            group, self.group = self.group, None
+            release_group(group)
+
 
 _gloo_groups: dict[Any, Any] = {}
 _lock = threading.Lock()
@@ -142,6 +153,36 @@ def resolve_comm(process_group: Any = None) -> Comm:
             key = group if group is not None else "world"
             if key not in _gloo_groups:
                 ranks = dist.get_process_group_ranks(group) if group is not None else None
+                if not _gloo_groups:
+                    atexit.register(_release_cached_groups)
                 _gloo_groups[key] = dist.new_group(ranks=ranks, backend="gloo")
             group = _gloo_groups[key]
     return TorchComm(group)
+
+
+def release_group(group: Any) -> None:
+    """Destroy a gloo group that ckptkit made for itself, now, and let the caller drop its last reference.
+
+    A gloo group's worker threads free each finished collective's tensors after the caller has its
+    result, and freeing a tensor that Python created takes the GIL. If the group is still alive when
+    the interpreter finalizes (a reference held until the last garbage collection), a worker thread
+    that reaches that point then is ended by the interpreter inside C++ code, and the process aborts
+    ("terminate called without an active exception", SIGABRT). Seen on a rank of a torchrun job that
+    exited right after an abandoned emergency save. Destroyed here, from Python, the group's
+    destructor runs with the GIL released and joins those threads while the interpreter still runs.
+    Not collective: each rank releases its own handle. A group already destroyed with the whole
+    world (``dist.destroy_process_group()``) is only dropped."""
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group(group)
+        except ValueError:  # no longer registered: the world was destroyed first
+            pass
+
+
+def _release_cached_groups() -> None:
+    """At exit, before the interpreter finalizes: the cached gloo groups of NCCL jobs (:func:`release_group`)."""
+    with _lock:
+        groups = list(_gloo_groups.values())
+        _gloo_groups.clear()
+    for group in groups:
+        release_group(group)

@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from ckptkit.engine.collective import release_group
+
 if TYPE_CHECKING:
     from ckptkit.memory.bundle import IncomingBundle, OutgoingBundle
 
@@ -44,6 +46,12 @@ class Link:
                                     timeout=datetime.timedelta(seconds=timeout_seconds))
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
+
+    def close(self) -> None:
+        """Destroy this link's group now (see :func:`ckptkit.engine.collective.release_group`)."""
+        if self.group is not None:
+            group, self.group = self.group, None
+            release_group(group)
 
     def _global(self, rank: int) -> int:
         return dist.get_global_rank(self.group, rank)

@@ -139,6 +139,8 @@ class MemorySnapshots:
             self._saver.close()
         finally:
             self._executor.shutdown(wait=True)
+            if self.link is not None:
+                self.link.close()
 
     # ------------------------------------------------------------- background
     def _protect(self, step: int, handle: SaveHandle) -> int:
