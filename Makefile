@@ -36,7 +36,8 @@ demo: setup
 # scheduler in tests/conftest.py makes every module that runs a multi-rank world one unit, run in order by one
 # worker, and every other module a unit of its own, the costliest first. On 2 cores the other worker's
 # single-process modules and waits (S3 retries, watchdog stalls) fill the core a serial run leaves idle,
-# and no two multi-rank worlds compete. TEST_WORKERS=0 runs serially (needed for `PYTEST_ARGS=--module-costs`).
+# and no two multi-rank worlds compete; that worker runs at a lower priority (os.nice), so a world's ranks never
+# wait for a core behind it. TEST_WORKERS=0 runs serially (needed for `PYTEST_ARGS=--module-costs`).
 TEST_WORKERS ?= 2
 
 test: setup
