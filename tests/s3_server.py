@@ -6,6 +6,7 @@ No s3fs or botocore call is mocked: every test talks HTTP to this server.
 from __future__ import annotations
 
 import os
+import threading
 import uuid
 
 import pytest
@@ -17,10 +18,39 @@ CREDENTIALS = {
 }
 
 
+_CONDITIONAL_WRITES = threading.Lock()
+
+
+def _make_conditional_writes_atomic() -> None:
+    """Keep S3's promise that a conditional write is atomic: of writers racing ``If-None-Match: *`` PUTs
+    (or completing multipart uploads so) to one key, exactly one succeeds. ckptkit's commit rests on it.
+    moto 5.2 checks whether the key exists and then writes, with nothing between, and its threaded
+    server runs requests side by side: two of eight racing conditional PUTs both succeeded once (the
+    store conformance race test). Here conditional writes (``If-None-Match``/``If-Match``) run one at
+    a time; everything else in the server is untouched."""
+    from moto.s3.responses import S3Response
+
+    if getattr(S3Response, "_ckptkit_atomic_conditional_writes", False):
+        return
+    for name in ("put_object", "_key_response_post"):  # PutObject; CompleteMultipartUpload
+        original = getattr(S3Response, name)
+
+        def serialized(self, *args, _original=original, **kwargs):
+            if self.headers.get("If-None-Match") or self.headers.get("If-Match"):
+                with _CONDITIONAL_WRITES:
+                    return _original(self, *args, **kwargs)
+            return _original(self, *args, **kwargs)
+
+        setattr(S3Response, name, serialized)
+    S3Response._ckptkit_atomic_conditional_writes = True
+
+
 class MotoS3:
     def __init__(self) -> None:
         os.environ.update(CREDENTIALS)
         from moto.server import ThreadedMotoServer
+
+        _make_conditional_writes_atomic()
 
         self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
         self.server.start()
