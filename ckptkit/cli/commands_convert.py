@@ -17,6 +17,7 @@ import click
 from ckptkit.cli.grouped import GroupedCommand, grouped
 from ckptkit.cli.options import KEY_VALUE, LAYOUT, json_option, storage_option, threads_option
 from ckptkit.cli.output import Output, human_bytes
+from ckptkit import CkptkitError
 
 if TYPE_CHECKING:
     from ckptkit.offline import ConvertResult, Format
@@ -180,9 +181,12 @@ def convert_cmd(ctx: click.Context, source: str, dest: str, fmt: str | None, fro
       ckptkit convert runs/mlm/step-0001000 mlm_tp4/iter_0001000 --format megatron --to tp4pp1
       ckptkit convert runs/ds/step-0000200 ds_dp4/ --format deepspeed --opt dp=4 --opt tag=resumed
     """
-    from ckptkit.offline import RunOptions
+    from ckptkit.offline import RunOptions, launched_by_torchrun
     from ckptkit_converters.registry import convert, detect, format_named
 
+    if launched_by_torchrun():  # every process would write the same destination
+        raise CkptkitError("convert runs in one process (conversions are not spread over torchrun's processes "
+                           "yet; reshard is): run it without torchrun")
     out = Output(as_json)
     source_fmt = format_named(from_fmt) if from_fmt else detect(source, storage_options)
     target = fmt or ("ckptkit" if source_fmt is not None else "zarr")

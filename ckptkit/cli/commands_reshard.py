@@ -11,6 +11,7 @@ or legacy, DCP, DeepSpeed, a zarr export) is imported first by the library, to a
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -78,6 +79,12 @@ def reshard_cmd(source: str, dest: str | None, to: ParallelConfig, dp: int | Non
     stays under --max-memory: fewer ranks are written at once, and a region
     too big even alone is stored in pieces.
 
+    Launched by torchrun (python -m ckptkit under torchrun), the work is
+    spread over every process, on every node: each writes the target ranks
+    of its share, the first commits once and alone prints (one progress
+    bar). The result is the same, byte for byte, as one process's.
+    --max-memory is then per process.
+
     \b
     Examples:
       ckptkit reshard runs/exp1/step-0001000 runs/exp1-tp4pp2/step-0001000 --to tp4pp2
@@ -86,6 +93,7 @@ def reshard_cmd(source: str, dest: str | None, to: ParallelConfig, dp: int | Non
       ckptkit reshard runs/a/step-100 runs/b/step-100 --to tp2pp2 --vpp 2 --dp 4 --max-memory 4GiB
       ckptkit reshard runs/moe/step-100 runs/moe-ep4/step-100 --to tp2pp2ep4 --etp 1 --dry-run
       ckptkit reshard mlm/iter_0001000 mlm_tp4/iter_0001000 --to tp4pp1 --format megatron  # Megatron -> Megatron
+      torchrun --nnodes 4 --nproc_per_node 8 -m ckptkit reshard /lustre/a/step-100 /lustre/b/step-100 --to tp8pp4
     """
     changes: dict[str, object] = {}
     if dp is not None:
@@ -99,11 +107,17 @@ def reshard_cmd(source: str, dest: str | None, to: ParallelConfig, dp: int | Non
     target = dataclasses.replace(to, **changes) if changes else to  # type: ignore[arg-type]
     facts = {k: v for k, v in (("vocab_size", vocab_size), ("make_vocab_size_divisible_by", divisible_by))
              if v is not None}
-    out = Output(as_json)
+    from ckptkit.offline import launched_by_torchrun
+
+    spread = launched_by_torchrun()
+    out = Output(as_json, quiet=spread and os.environ.get("RANK") != "0")
     if fmt == "megatron":
+        if spread:
+            raise CkptkitError("reshard --format megatron runs in one process (the Megatron export is not spread "
+                               "over torchrun's processes yet): run it without torchrun")
         _to_megatron(out, source, dest, target, facts, dry_run=dry_run, storage_options=storage_options)
         return
-    from ckptkit.offline import ReshardOptions, ReshardPlanOptions, plan_reshard, reshard
+    from ckptkit.offline import ReshardOptions, ReshardPlanOptions, plan_reshard, reshard, torchrun_group
 
     options = ReshardOptions(ReshardPlanOptions(max_memory=max_memory, strict=strict, num_layers=num_layers),
                              format="ckptkit", source_options=_source_options(source, facts, storage_options))
@@ -112,9 +126,9 @@ def reshard_cmd(source: str, dest: str | None, to: ParallelConfig, dp: int | Non
     else:
         if dest is None:
             raise CkptkitError("reshard needs DEST (where to write the resharded checkpoint), or --dry-run")
-        with out.progress("resharding") as progress:
+        with torchrun_group() as group, out.progress("resharding") as progress:
             result = reshard(source, dest, target, options=options, storage_options=storage_options,
-                             progress=progress)
+                             progress=progress, process_group=group)
     if as_json:
         out.json(result.to_json())
     else:

@@ -70,10 +70,13 @@ Column = tuple[str, str]  # (name, "left" | "right")
 
 
 class Output:
-    """Where one command's output goes: ``as_json`` or text; see the module docstring."""
+    """Where one command's output goes: ``as_json`` or text; see the module docstring. ``quiet``:
+    nowhere (the processes other than the first of a command spread over ``torchrun``: one of
+    them speaks for all; errors still go to stderr)."""
 
-    def __init__(self, as_json: bool = False) -> None:
+    def __init__(self, as_json: bool = False, *, quiet: bool = False) -> None:
         self.as_json = as_json
+        self.quiet = quiet
         self._console: Console | None = None
 
     @property
@@ -84,10 +87,14 @@ class Output:
 
     def json(self, doc: Any) -> None:
         """The one JSON document of a ``--json`` run."""
+        if self.quiet:
+            return
         click.echo(json.dumps(doc, indent=2))
 
     def text(self, line: str = "", *, markup: bool = False) -> None:
         """One line of text; ``markup``: rich markup (escape what came from a checkpoint with :func:`escape`)."""
+        if self.quiet:
+            return
         if markup:
             self.console.print(line, overflow="fold")
         else:
@@ -95,6 +102,8 @@ class Output:
 
     def table(self, columns: Sequence[Column], rows: Iterable[Sequence[str]], *, title: str | None = None) -> None:
         """A table (cells are rich markup: escape what came from a checkpoint)."""
+        if self.quiet:
+            return
         from rich.table import Table
 
         table = Table(title=title, title_justify="left")
@@ -108,7 +117,7 @@ class Output:
     def progress(self, label: str, *, data: bool = True) -> Iterator[ProgressFn | None]:
         """A ``progress(done, total)`` callback drawing one bar (bytes when ``data``, else a count),
         or None when the output is JSON or stdout is not a terminal."""
-        if self.as_json or not sys.stdout.isatty():
+        if self.as_json or self.quiet or not sys.stdout.isatty():
             yield None
             return
         from rich.progress import (

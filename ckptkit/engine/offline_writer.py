@@ -35,7 +35,10 @@ import torch
 
 from ckptkit.options import Progress, SaveOptions, progress_counter
 from ckptkit.engine.checkpoint_dir import remove_attempt, remove_other_attempts
-from ckptkit.engine.saver import Prepared, check_target, persist, publish
+from ckptkit.engine.collective import Comm, Outcome
+from ckptkit.engine.metadata_io import read_manifest
+from ckptkit.engine.offline_spread import SharedProgress, share_of
+from ckptkit.engine.saver import Prepared, Target, check_target, check_target_collective, persist, publish
 from ckptkit.errors import CkptkitError, LayoutError, OptionsError, StorageError
 from ckptkit.layout.box import Region
 from ckptkit.layout.manifest import (
@@ -174,12 +177,19 @@ def write_offline(
     options: OfflineWriteOptions = OfflineWriteOptions(),
     progress: Progress | None = None,
     what: str | None = None,
+    comm: Comm | None = None,
     **fields: Any,
 ) -> OfflineWriteResult:
     """Write and commit ``checkpoint`` at ``store`` as its ``world_size`` virtual ranks.
 
     ``source(rank, pieces)`` builds the :class:`PieceSource` of one rank, in the
     thread that writes it. ``what`` names the operation in errors.
+
+    ``comm``, a communicator over several processes (``torchrun``), spreads the
+    write: every process must call this with the same checkpoint; each writes
+    the virtual ranks of its share and process 0 commits
+    (:mod:`ckptkit.engine.offline_spread`). The output is the same, byte for
+    byte, as one process's. ``progress`` is reported on process 0 only.
 
     The first form of this call, ``write_offline(store, world_size=...,
     tensors=..., pieces=..., source=..., ...)`` with :class:`OfflineCheckpoint`'s
@@ -194,6 +204,8 @@ def write_offline(
         raise TypeError("write_offline() needs a source: the factory of each rank's PieceSource")
     what = what or f"writing {store.url}"
     _check_pieces(checkpoint, what)
+    if comm is not None and comm.world_size > 1:
+        return _write_spread(store, checkpoint, source, options, progress, what, comm)
     target = check_target(store)
     total = checkpoint.nbytes
     writer = _RankWriter(store, checkpoint, source, target.attempt, options.block_size,
@@ -211,6 +223,61 @@ def write_offline(
     if target.leftovers:
         _remove_leftovers(store, target.attempt)
     return OfflineWriteResult(merged, total, writer.bytes_read)
+
+
+def _write_spread(store: ByteStore, checkpoint: OfflineCheckpoint, source: SourceFactory,
+                  options: OfflineWriteOptions, progress: Progress | None, what: str, comm: Comm) -> OfflineWriteResult:
+    """:func:`write_offline` over the processes of ``comm``: collective (a broadcast of the attempt, a
+    gather of the rank reports, a broadcast of the outcome); any process's failure fails all of them."""
+    target = check_target_collective(store, comm)
+    rank_bytes = {r: sum(region.numel * DTYPES[checkpoint.tensors[k].dtype] for k, region in items)
+                  for r, items in checkpoint.pieces.items()}
+    mine = share_of(rank_bytes, checkpoint.world_size, comm.world_size)[comm.rank]
+    total = checkpoint.nbytes
+    shared = SharedProgress(comm, progress, total, sum(rank_bytes.get(r, 0) for r in mine),
+                            f"ckptkit/offline/{target.attempt}/bytes")
+    writer = _RankWriter(store, checkpoint, source, target.attempt, options.block_size, shared.tick)
+    try:
+        with ThreadPoolExecutor(max_workers=options.threads, thread_name_prefix="ckptkit-offline") as pool:
+            mine_written = list(pool.map(writer.write, mine))
+        outcome = Outcome(True, (mine_written, writer.bytes_read))
+    except Exception as exc:  # noqa: BLE001 - reported to process 0, raised on every process below
+        outcome = Outcome(False, error=str(exc) or type(exc).__name__, error_type=type(exc).__name__)
+    finally:
+        shared.close()
+    gathered = comm.gather(outcome)
+    result, manifest = Outcome(True), None
+    if comm.rank == 0:
+        assert gathered is not None
+        result, manifest = _commit_spread(store, checkpoint, gathered, target, what)
+    result = comm.broadcast(result)
+    if not result.ok:
+        raise StorageError(result.error)
+    shared.finish()
+    return OfflineWriteResult(manifest if manifest is not None else read_manifest(store), total, result.payload)
+
+
+def _commit_spread(store: ByteStore, checkpoint: OfflineCheckpoint, gathered: Sequence[Outcome], target: Target,
+                   what: str) -> tuple[Outcome, Manifest | None]:
+    """Process 0: every process's ranks merged and published, or the failures named and the partial
+    output removed. The outcome (broadcast) carries the bytes every process read; the manifest
+    stays here (the other processes read the published one)."""
+    failed = [(p, o) for p, o in enumerate(gathered) if not o.ok]
+    try:
+        if failed:
+            lines = "; ".join(f"process {p}: {o.error}" for p, o in failed[:4])
+            more = f" (and {len(failed) - 4} more processes)" if len(failed) > 4 else ""
+            raise StorageError(f"{what} failed: {lines}{more}")
+        written = sorted((w for o in gathered for w in o.payload[0]), key=lambda w: w.report.rank)
+        merged = _merge(store, checkpoint, written, target.attempt)
+        publish(store, merged.to_json_bytes())
+    except Exception as exc:  # noqa: BLE001 - broadcast to every process, which raise it
+        _remove_partial(store, target.attempt)
+        message = str(exc) if isinstance(exc, CkptkitError) else f"{what} failed: {exc}"
+        return Outcome(False, error=message, error_type=type(exc).__name__), None
+    if target.leftovers:
+        _remove_leftovers(store, target.attempt)
+    return Outcome(True, sum(o.payload[1] for o in gathered)), merged
 
 
 def _checkpoint_of(checkpoint: OfflineCheckpoint | None, fields: Mapping[str, Any]) -> OfflineCheckpoint:

@@ -13,6 +13,8 @@ a notebook, on local paths and ``s3://`` URLs, and return typed, frozen results 
 * :func:`diff` -> :class:`DiffReport`: two checkpoints of any layouts, tensor by tensor;
 * :func:`reshard` / :func:`plan_reshard` -> :class:`ReshardResult`: rewrite (or plan rewriting)
   a checkpoint for another parallel layout, of any format a registered converter detects;
+* :func:`torchrun_group`: the process group of a ``torchrun`` launch, which :func:`reshard`
+  spreads its work over (``process_group=``);
 * :class:`Format`, :class:`RunOptions`, :class:`ConvertResult`: the contract every other format
   implements (``ckptkit_converters``), how a conversion runs, and what it returns.
 
@@ -29,6 +31,7 @@ if TYPE_CHECKING:
     from ckptkit.offline.comparison import DiffOptions, DiffReport, TensorDiff, ValueDiff, diff
     from ckptkit.offline.listing import CheckpointInfo, list_checkpoints
     from ckptkit.offline.resharding import ReshardOptions, ReshardResult, plan_reshard, reshard
+    from ckptkit.offline.spread import SpreadError, launched_by_torchrun, torchrun_group
     from ckptkit.offline.verification import Problem, VerifyReport, verify
     from ckptkit.offline.view import CheckpointView, TensorEntry, TensorView, ViewOptions, open
     from ckptkit.offline.formats import (Format, ImportOptions, MissingImportOptions, RunOptions, detect_format,
@@ -43,6 +46,7 @@ _WHERE = {
     **dict.fromkeys(("CheckpointInfo", "list_checkpoints"), "listing"),
     **dict.fromkeys(("ReshardOptions", "ReshardResult", "plan_reshard", "reshard"), "resharding"),
     **dict.fromkeys(("Problem", "VerifyReport", "verify"), "verification"),
+    **dict.fromkeys(("SpreadError", "launched_by_torchrun", "torchrun_group"), "spread"),
     **dict.fromkeys(("CheckpointView", "TensorEntry", "TensorView", "ViewOptions", "open"), "view"),
     # other formats: the contract converters implement, and what the CLI builds and prints
     **dict.fromkeys(("Format", "RunOptions", "ImportOptions", "MissingImportOptions", "options_from",
@@ -68,7 +72,7 @@ __all__ = [
     "CheckpointDescription", "CheckpointInfo", "CheckpointView", "DiffOptions", "DiffReport", "MeshInfo",
     "Problem", "RankInfo", "ReshardOptions", "ReshardResult", "TensorDiff", "TensorEntry", "TensorInfo",
     "TensorView", "ValueDiff", "VerifyReport", "ViewOptions", "describe", "diff", "list_checkpoints", "open",
-    "plan_reshard", "reshard", "verify",
+    "plan_reshard", "reshard", "verify", "SpreadError", "launched_by_torchrun", "torchrun_group",
     "ConvertResult", "Format", "ImportOptions", "MissingImportOptions", "ReshardPlanOptions", "RunOptions",
     "detect_format", "option_types", "options_from", "parse_options", "plan_summary_lines",
 ]

@@ -52,6 +52,8 @@ from ckptkit.layout.config import ParallelConfig
 from ckptkit.layout.manifest import MANIFEST_NAME, Manifest
 from ckptkit.offline.view import CheckpointView, ViewOptions
 from ckptkit.offline.formats import ImportOptions, RunOptions, detect_format, import_options_for
+from ckptkit.engine.collective import Comm
+from ckptkit.offline.spread import agreed, spread_comm, spread_source
 from ckptkit.options import Progress
 from ckptkit.plan.reshard_plan import (
     ReshardError,
@@ -151,6 +153,7 @@ def reshard(
     options: ReshardOptions = ReshardOptions(),
     storage_options: dict[str, Any] | None = None,
     progress: Progress | None = None,
+    process_group: Any = None,
 ) -> ReshardResult:
     """Write the checkpoint at ``source`` as a committed checkpoint at ``dest`` laid out for ``target``.
 
@@ -160,21 +163,34 @@ def reshard(
     ``source`` may be of any format a registered converter detects (Megatron
     ``torch_dist`` or legacy, DCP, DeepSpeed, a zarr export): it is imported to
     a temporary ckptkit checkpoint first (on local disk, removed afterwards).
+
+    ``process_group`` (a ``torch.distributed`` group, e.g. ``torch.distributed.group.WORLD``
+    under ``torchrun``) spreads the work over its processes, which must all make this call with
+    the same arguments: each writes the target ranks of its share, process 0 commits once and
+    reports ``progress``; the output is the same, byte for byte, as one process's
+    (:mod:`ckptkit.offline.spread`). None (the default): this process alone, whatever job it is in.
     """
-    with ckptkit_source(source, options, storage_options) as (url, src_opts):
-        result = _reshard(url, dest, target, options, src_opts, storage_options, progress)
+    comm = spread_comm(process_group)
+    with spread_source(comm, lambda scratch: ckptkit_source(source, options, storage_options, scratch), dest,
+                       storage_options) as (url, src_opts):
+        result = agreed(comm, lambda: _prepare(url, dest, target, options, src_opts, storage_options))
+        result = _reshard(result, options, progress, comm, None if url == os.fspath(source) else os.fspath(source))
     return result if url == os.fspath(source) else replace(result, source=os.fspath(source))
 
 
-def _reshard(
-    source: str,
-    dest: str | os.PathLike[str],
-    target: ParallelConfig,
-    options: ReshardOptions,
-    source_options: dict[str, Any] | None,
-    storage_options: dict[str, Any] | None,
-    progress: Progress | None,
-) -> ReshardResult:
+@dataclass(frozen=True)
+class _Prepared:
+    """What every process of a reshard knows before it writes: the stores, the source manifest and the plan."""
+
+    src: Any
+    out: Any
+    manifest: Manifest
+    plan: ReshardPlan
+    started: float
+
+
+def _prepare(source: str, dest: str | os.PathLike[str], target: ParallelConfig, options: ReshardOptions,
+             source_options: dict[str, Any] | None, storage_options: dict[str, Any] | None) -> _Prepared:
     t0 = time.perf_counter()
     src = open_store(source, source_options)
     out = open_store(dest, storage_options)
@@ -185,6 +201,15 @@ def _reshard(
                         "(choose another destination, or delete it first)")
     the_plan = plan_layout(manifest.tensors, target, options.plan)
     check_plan(the_plan)
+    return _Prepared(src, out, manifest, the_plan, t0)
+
+
+def _reshard(prep: _Prepared, options: ReshardOptions, progress: Progress | None, comm: Comm | None,
+             imported_from: str | None) -> ReshardResult:
+    """Write the plan. ``imported_from``: the foreign source a temporary import was made of (recorded
+    in place of the import's own folder and creation time, which name nothing that lasts)."""
+    src, out, manifest, the_plan = prep.src, prep.out, prep.manifest, prep.plan
+    target = the_plan.target
     by_rank = the_plan.pieces_by_rank()
     # Fixed, reused buffers (see ckptkit.engine.buffers): the pieces in flight and the read scratch.
     # Piece buffers: per rank being written, its read-ahead plus the piece being written, and one
@@ -200,8 +225,9 @@ def _reshard(
     meta = {
         "user": orig.get("user", {}),
         "resharded_from": {
-            "url": src.url, "parallel": manifest.parallel, "world_size": manifest.world_size,
-            "created": orig.get("created"), "dropped_per_rank_values": list(dropped),
+            "url": imported_from or src.url, "parallel": manifest.parallel, "world_size": manifest.world_size,
+            "created": None if imported_from else orig.get("created"), "dropped_per_rank_values": list(dropped),
+            **({"converted_from": orig.get("converted_from")} if imported_from else {}),
         },
         "layout": {"parallel": str(target), "pp_layers": list(target.pp_layers) if target.pp_layers else None},
     }
@@ -216,23 +242,25 @@ def _reshard(
             parallel=str(target),
             layouts={t.key: t.meta() for t in the_plan.tensors},
         )
-        write_offline(
+        written = write_offline(
             out,
             checkpoint,
             lambda rank, _: _target_pieces(view, by_rank.get(rank, []), pool, the_plan.read_ahead, pieces_pool),
             options=OfflineWriteOptions(block_size=options.block_size, threads=the_plan.threads),
             progress=progress,
             what=f"resharding {src.url} to {target} at {out.url}",
+            comm=comm,
         )
-    return ReshardResult(src.url, out.url, manifest.parallel, the_plan, dropped, view.bytes_read,
-                         time.perf_counter() - t0, False)
+    return ReshardResult(src.url, out.url, manifest.parallel, the_plan, dropped, written.bytes_read,
+                         time.perf_counter() - prep.started, False)
 
 
 @contextmanager
-def ckptkit_source(source: str | os.PathLike[str], options: ReshardOptions,
-                   storage_options: dict[str, Any] | None) -> Iterator[tuple[str, dict[str, Any] | None]]:
+def ckptkit_source(source: str | os.PathLike[str], options: ReshardOptions, storage_options: dict[str, Any] | None,
+                   scratch_parent: str | None = None) -> Iterator[tuple[str, dict[str, Any] | None]]:
     """``source`` itself when it is a ckptkit checkpoint; else a temporary import of it by the
-    converter that detects its format (removed on exit). Yields the URL and its storage options."""
+    converter that detects its format (in a new folder under ``scratch_parent``, default the
+    system's temporary folder; removed on exit). Yields the URL and its storage options."""
     url = os.fspath(source)
     store = open_store(url, storage_options)
     if store.exists(MANIFEST_NAME):
@@ -243,7 +271,7 @@ def ckptkit_source(source: str | os.PathLike[str], options: ReshardOptions,
         read_manifest(store)  # the usual error: not found, or uncommitted
         yield url, storage_options
         return
-    scratch = tempfile.mkdtemp(prefix="ckptkit-import-")
+    scratch = tempfile.mkdtemp(prefix=".ckptkit-import-", dir=scratch_parent)
     try:
         log.info("%s is a %s checkpoint: importing it to %s first", url, fmt.name, scratch)
         given = options.source_options if options.source_options is not None else options.imports

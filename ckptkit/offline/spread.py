@@ -1,0 +1,149 @@
+"""The offline operations' part of a spread (``torchrun``) run: agreeing before writing.
+
+The write itself is spread by :mod:`ckptkit.engine.offline_spread`. Before it,
+every process plans on its own (the plan is a pure function of the source's
+manifest, so each finds the same one without exchanging it). What can differ
+between processes is failure: one that cannot read the source, or finds the
+destination committed, must not leave the others waiting at the write's
+first collective. :func:`agreed` runs a step on every process and, if any
+failed, fails it on all of them, naming the process.
+
+A source of another format is imported once, by process 0
+(:func:`spread_source`), to a folder every process can read: a local
+temporary folder when all processes run on one machine, else a hidden
+folder beside the destination (a shared file system, as multi-node jobs
+have). Process 0 removes it after every process is done.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from datetime import timedelta
+from typing import Any, TypeVar
+
+from ckptkit.engine.collective import Comm, resolve_comm
+from ckptkit.errors import CkptkitError
+
+T = TypeVar("T")
+SourceFactory = Callable[[str | None], AbstractContextManager[tuple[str, dict[str, Any] | None]]]
+"""``factory(scratch_parent)``: the context manager yielding a ckptkit source's URL and storage options
+(importing a foreign source into a temporary folder under ``scratch_parent``; None: the system's)."""
+
+
+class SpreadError(CkptkitError):
+    """Another process of a spread operation failed; its message is in this one."""
+
+
+def spread_comm(process_group: Any) -> Comm | None:
+    """The communicator over ``process_group``; None for None (this process alone)."""
+    if process_group is None:
+        return None
+    comm = resolve_comm(process_group)
+    return comm if comm.world_size > 1 else None
+
+
+def agreed(comm: Comm | None, step: Callable[[], T]) -> T:
+    """``step()`` on every process; if it raised on any, it raises on all (collective: one exchange
+    of JSON). A process's own error is raised as it is; the others raise :class:`SpreadError`."""
+    if comm is None:
+        return step()
+    error: BaseException | None = None
+    try:
+        value = step()
+    except Exception as exc:  # noqa: BLE001 - told to every process, raised below
+        error = exc
+    errors = comm.all_gather_json(None if error is None else str(error) or type(error).__name__)
+    if error is not None:
+        raise error
+    failed = [(p, e) for p, e in enumerate(errors) if e is not None]
+    if failed:
+        p, e = failed[0]
+        raise SpreadError(f"process {p} of {comm.world_size} failed: {e}")
+    return value
+
+
+@contextmanager
+def spread_source(comm: Comm | None, factory: SourceFactory, dest: str | os.PathLike[str],
+                  storage_options: dict[str, Any] | None) -> Iterator[tuple[str, dict[str, Any] | None]]:
+    """The ckptkit source every process reads: ``factory``'s, entered by process 0 only when spread
+    (a foreign source is imported once), its URL told to all. Collective when spread."""
+    if comm is None:
+        with factory(None) as found:
+            yield found
+        return
+    hosts = comm.all_gather_json(socket.gethostname())
+    manager = None
+    found: tuple[str, dict[str, Any] | None] | None = None
+
+    def enter() -> tuple[str, bool]:
+        nonlocal manager, found
+        if comm.rank != 0:
+            return "", False
+        manager = factory(None if len(set(hosts)) == 1 else _beside(dest))
+        found = manager.__enter__()
+        return found[0], found[1] is not storage_options
+
+    try:
+        url, imported = agreed(comm, enter)
+        told = comm.all_gather_json([url, imported])[0]
+        url, imported = told[0], told[1]
+        yield url, (None if imported else storage_options)
+    finally:
+        try:
+            comm.all_gather_json(None)  # every process is done with the source before it is removed
+        finally:
+            if manager is not None:
+                manager.__exit__(None, None, None)
+
+
+def launched_by_torchrun() -> bool:
+    """Whether this process is one of several that ``torchrun`` (or a launcher setting its
+    variables) started: ``WORLD_SIZE`` > 1 and a ``RANK``."""
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ
+    except ValueError:
+        return False
+
+
+SPREAD_TIMEOUT = timedelta(hours=6)
+"""The process group's collective timeout in a spread CLI run: a process waits at the commit for the
+slowest one's whole share (and, for a foreign source, for process 0's import first), which at
+terabytes takes long; a process that dies ends the job through torchrun, not through this timeout."""
+
+
+@contextmanager
+def torchrun_group() -> Iterator[Any]:
+    """The process group of a ``torchrun`` launch (gloo over every process, made here and destroyed on
+    exit), or None when this process runs alone. What ``python -m ckptkit reshard`` spreads over."""
+    if not launched_by_torchrun():
+        yield None
+        return
+    import torch.distributed as dist
+
+    from ckptkit.resilience.restart import init_process_group
+
+    made = not dist.is_initialized()
+    if made:
+        init_process_group("gloo", timeout=SPREAD_TIMEOUT)
+    try:
+        yield dist.group.WORLD
+    finally:
+        if made and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _beside(dest: str | os.PathLike[str]) -> str:
+    """The folder that holds ``dest``: where a multi-node job imports a foreign source (shared storage)."""
+    path = os.fspath(dest)
+    if "://" in path and not path.startswith("file://"):
+        raise CkptkitError(
+            f"a source of another format is imported before it is resharded; with processes on several "
+            f"machines it goes beside the destination, and {path} is not a file-system path: import it "
+            "first (ckptkit convert SRC DIR --format ckptkit), then reshard DIR")
+    path = path.removeprefix("file://")
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    return parent

@@ -1,0 +1,195 @@
+"""``reshard`` spread over the processes of a real gloo job (and over ``torchrun``): the same checkpoint,
+byte for byte, as one process writes; one failure anywhere fails every process and commits nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import ckptkit
+from ckptkit.engine.offline_spread import share_of
+from ckptkit.layout.config import ParallelConfig
+from ckptkit.offline.resharding import ReshardOptions, reshard
+from ckptkit.plan.reshard_plan import ReshardPlanOptions
+from tests.ckpt_files import manifest_doc
+from tests.reshard_fixtures import gpt_tensors, write_at
+from tests.test_import_trust_folders import torch_dist_folder
+from tests.worlds import free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ATTEMPT = re.compile(r"-[0-9a-f]{12}(?=\.(?:bin|json))")
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("spread") / "src-tp2pp2"
+    write_at(path, gpt_tensors(), ParallelConfig.parse("tp2pp2"), values={"step": 7, "sched": {"lr": 0.5}})
+    return path
+
+
+def checkpoint_bytes(path: Path) -> dict[str, Any]:
+    """Everything a checkpoint folder holds, with what must differ between two writes taken out: the
+    save-attempt id in object names (and in the index and manifest that name the objects), the
+    manifest's creation time and its digests of the indexes (whose bytes name the objects). Data objects
+    are compared as raw bytes."""
+    doc = json.loads(ATTEMPT.sub("", json.dumps(manifest_doc(path))))
+    doc.pop("attempt", None)
+    doc["meta"].pop("created", None)
+    doc["indexes"] = [ref[:3] for ref in doc["indexes"]]  # [rank, key, size, sha256]: the digest names the attempt
+    out: dict[str, Any] = {"manifest.json": doc}
+    for p in sorted(path.rglob("*")):
+        name = ATTEMPT.sub("", str(p.relative_to(path)))
+        if not p.is_file() or name == "manifest.json":
+            continue
+        out[name] = p.read_bytes() if name.endswith(".bin") else json.loads(ATTEMPT.sub("", p.read_text()))
+    return out
+
+
+def assert_same_checkpoint(a: Path, b: Path) -> None:
+    ca, cb = checkpoint_bytes(a), checkpoint_bytes(b)
+    assert sorted(ca) == sorted(cb)
+    assert any(k.endswith(".bin") and ca[k] for k in ca)
+    for k in ca:
+        assert ca[k] == cb[k], f"{k} differs"
+    assert ckptkit.diff(a, b).identical
+
+
+SMALL = ReshardPlanOptions(max_memory=8 << 10, source_block=0)  # regions cut into pieces (tests/test_reshard.py)
+
+
+def spread(source: str, dest: str, to: str, plan: ReshardPlanOptions = ReshardPlanOptions()) -> dict[str, Any]:
+    """One process's part of a spread reshard (run on every rank of a world)."""
+    import torch.distributed as dist
+
+    result = reshard(source, dest, ParallelConfig.parse(to), options=ReshardOptions(plan),
+                     process_group=dist.group.WORLD)
+    return {"destination": result.destination, "bytes_read": result.bytes_read, "split": len(result.plan.split)}
+
+
+def spread_expecting_failure(source: str, dest: str, to: str, fail_on: int | None = None) -> str:
+    """A spread reshard that must fail on this process; ``fail_on``: the process whose writer is made to
+    fail (fault injection in that process only). Returns the error's type and message."""
+    import torch.distributed as dist
+
+    from ckptkit.engine import offline_writer
+
+    if fail_on is not None and dist.get_rank() == fail_on:
+        real = offline_writer._RankWriter.write
+
+        def failing(self: Any, rank: int) -> Any:
+            raise OSError(f"injected failure writing target rank {rank}")
+
+        offline_writer._RankWriter.write = failing  # type: ignore[method-assign]
+    try:
+        reshard(source, dest, ParallelConfig.parse(to), process_group=dist.group.WORLD)
+    except Exception as exc:  # noqa: BLE001 - the test looks at what every process raised
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        if fail_on is not None and dist.get_rank() == fail_on:
+            offline_writer._RankWriter.write = real  # type: ignore[possibly-undefined]
+    return "no error"
+
+
+@pytest.mark.parametrize("processes,to,small", [(2, "tp4pp2", False), (4, "tp2pp1", True), (4, "tp2pp2dp2", False),
+                                                (4, "tp1pp4", False)])
+def test_a_spread_reshard_is_the_one_process_checkpoint_byte_for_byte(worlds, src: Path, tmp_path: Path,
+                                                                      processes: int, to: str, small: bool):
+    """tp2pp1 from 4 processes: two of them write no target rank, and regions are cut into pieces."""
+    plan = SMALL if small else ReshardPlanOptions()
+    one = reshard(src, tmp_path / "one", ParallelConfig.parse(to), options=ReshardOptions(plan))
+    assert bool(one.plan.split) == small
+    results = worlds.run(processes, spread, str(src), str(tmp_path / "spread"), to, plan)
+    assert len({r["destination"] for r in results}) == 1 and results[0]["destination"].endswith("spread")
+    assert len({r["bytes_read"] for r in results}) == 1 and results[0]["bytes_read"] > 0
+    assert_same_checkpoint(tmp_path / "one", tmp_path / "spread")
+
+
+def dcp_folder(folder: Path) -> Path:
+    """A DCP checkpoint as torchtitan's ``dcp.save`` of a model and its optimizer state writes one."""
+    import torch.distributed.checkpoint as dcp
+
+    g = torch.Generator().manual_seed(3)
+    state = {"model": {f"layers.{i}.attention.wq.weight": torch.randn(16, 16, generator=g) for i in range(4)},
+             "optimizer": {"state": {"layers.0.attention.wq.weight": {"exp_avg": torch.randn(16, 16, generator=g)}}},
+             "train_state": {"step": 5}}
+    dcp.save(state, checkpoint_id=str(folder), no_dist=True)
+    return folder
+
+
+@pytest.mark.parametrize("kind", ["torch_dist", "dcp"])
+def test_a_foreign_source_is_imported_once_and_resharded_spread_byte_for_byte(worlds, tmp_path: Path, kind: str):
+    source = torch_dist_folder(tmp_path / "mlm") if kind == "torch_dist" else dcp_folder(tmp_path / "dcp")
+    reshard(source, tmp_path / "one", ParallelConfig.parse("tp2pp1"))
+    worlds.run(2, spread, str(source), str(tmp_path / "spread"), "tp2pp1")
+    assert_same_checkpoint(tmp_path / "one", tmp_path / "spread")
+    assert not [p for p in tmp_path.rglob(".ckptkit-import-*")]
+
+
+def test_a_failing_process_fails_every_process_and_commits_nothing(worlds, src: Path, tmp_path: Path):
+    errors = worlds.run(4, spread_expecting_failure, str(src), str(tmp_path / "out"), "tp4pp2", 2)
+    assert all(e.startswith("StorageError: ") for e in errors), errors
+    assert all("process 2: injected failure writing target rank" in e for e in errors), errors
+    assert not (tmp_path / "out" / "manifest.json").exists()
+    assert not [p for p in (tmp_path / "out").rglob("*") if p.is_file()]  # the partial output is removed
+    # the same destination then takes a good reshard
+    worlds.run(4, spread, str(src), str(tmp_path / "out"), "tp4pp2")
+    assert ckptkit.diff(src, tmp_path / "out").identical
+
+
+def test_a_committed_destination_fails_every_process_before_writing(worlds, src: Path, tmp_path: Path):
+    reshard(src, tmp_path / "out", ParallelConfig.parse("tp4pp2"))
+    before = checkpoint_bytes(tmp_path / "out")
+    errors = worlds.run(2, spread_expecting_failure, str(src), str(tmp_path / "out"), "tp1pp4")
+    assert all("already holds a committed checkpoint" in e for e in errors), errors
+    assert checkpoint_bytes(tmp_path / "out") == before
+
+
+def test_a_missing_source_fails_every_process_naming_it(worlds, tmp_path: Path):
+    errors = worlds.run(2, spread_expecting_failure, str(tmp_path / "nothing"), str(tmp_path / "out"), "tp2pp1")
+    assert all(str(tmp_path / "nothing") in e for e in errors), errors
+
+
+def test_torchrun_spreads_the_cli_reshard(src: Path, tmp_path: Path):
+    reshard(src, tmp_path / "one", ParallelConfig.parse("tp4pp2"))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master-addr=127.0.0.1",
+           f"--master-port={free_port()}", "-m", "ckptkit", "reshard", str(src), str(tmp_path / "spread"),
+           "--to", "tp4pp2", "--json"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    job = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
+    doc = json.loads(job.stdout)  # one JSON document: only the first process prints
+    assert doc["destination"].endswith("spread") and not doc["dry_run"]
+    assert_same_checkpoint(tmp_path / "one", tmp_path / "spread")
+    # convert is not spread: under torchrun it refuses (every process would write DEST) rather than race
+    cmd[cmd.index("reshard"):] = ["convert", str(src), str(tmp_path / "z"), "--format", "zarr"]
+    cmd[cmd.index(next(c for c in cmd if c.startswith("--master-port")))] = f"--master-port={free_port()}"
+    job = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert job.returncode != 0 and "convert runs in one process" in job.stderr
+    assert not (tmp_path / "z").exists()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 1 << 30), min_size=0, max_size=64), st.integers(1, 16))
+def test_shares_deal_every_rank_once_balanced_and_alike_everywhere(sizes: list[int], processes: int):
+    rank_bytes = dict(enumerate(sizes))
+    shares = share_of(rank_bytes, len(sizes), processes)
+    assert shares == share_of(dict(reversed(list(rank_bytes.items()))), len(sizes), processes)  # order-free
+    assert sorted(r for s in shares for r in s) == list(range(len(sizes)))
+    assert all(s == sorted(s) for s in shares)
+    loads = [sum(sizes[r] for r in s) for s in shares]
+    # greedy largest-first: no process exceeds the mean by more than one rank's bytes
+    if sizes:
+        assert max(loads) <= sum(sizes) / processes + max(sizes)
+        counts = [len(s) for s in shares]
+        if not any(sizes):
+            assert max(counts) - min(counts) <= 1  # ranks storing nothing are dealt by count
