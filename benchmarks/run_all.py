@@ -50,7 +50,8 @@ S3_BENCH = "bench_s3.py"  # a plain script that also takes --reps
 VARIANTS = {"bench_reshard.py": [[], ["--moe"]]}  # scripts run more than once, with these extra arguments
 SCRATCH_PREFIXES = ("bench_io-scratch-", "bench_async-scratch-", "bench_s3-scratch-", "bench_modelspace-scratch-", "bench_torchtitan-scratch-",
                     "bench_deepspeed-scratch-", "bench_reshard-scratch-", "bench_hf_export-scratch-",
-                    "bench_memory_tier-scratch-", "bench_read_once-scratch-")
+                    "bench_memory_tier-scratch-", "bench_read_once-scratch-", "bench_reshard_spread-scratch-",
+                    "bench_fp32_consolidate-scratch-")
 
 
 def other_benchmarks() -> list[str]:

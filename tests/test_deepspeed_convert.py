@@ -22,6 +22,7 @@ pytest.importorskip("deepspeed")
 
 import torch
 
+from ckptkit.offline.view import TensorView
 from ckptkit_converters.deepspeed.exporter import export_deepspeed
 from ckptkit_converters.deepspeed.fp32 import consolidated_fp32_state_dict, export_fp32
 from ckptkit_converters.deepspeed.importer import import_deepspeed
@@ -78,6 +79,25 @@ def test_consolidated_fp32_equals_zero_to_fp32(saved, tmp_path, case):
     export_fp32(f"{folder}/ckptkit", tmp_path / "model.safetensors")
     written = load_file(str(tmp_path / "model.safetensors"))
     assert all(torch.equal(written[k], v) for k, v in theirs.items()) and set(written) == set(theirs)
+    # streamed under a budget smaller than the largest tensor: every read within it, the same file's tensors
+    largest = max(v.numel() * v.element_size() for v in theirs.values())
+    budget = largest // 3
+    reads: list[int] = []
+    real_read = TensorView.read
+
+    def spied(self, index=Ellipsis):
+        out = real_read(self, index)
+        cast = out.is_floating_point() and out.dtype != torch.float32
+        reads.append(out.numel() * (out.element_size() + (4 if cast else 0)))  # the run and its fp32 copy
+        return out
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(TensorView, "read", spied)
+        export_fp32(imported, tmp_path / "budget.safetensors", max_memory=budget)
+    assert reads and max(reads) <= budget < largest
+    streamed = load_file(str(tmp_path / "budget.safetensors"))
+    assert set(streamed) == set(theirs) and all(torch.equal(streamed[k], v) for k, v in theirs.items())
+    assert not list(tmp_path.glob("*.partial-*"))
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f"z{s}-{d}" for s, d in CASES])

@@ -8,8 +8,14 @@ frozen ones cast, tied aliases sharing one tensor, and DeepSpeed-MoE experts onc
 
 from __future__ import annotations
 
+import contextlib
+import itertools
+import json
+import math
 import os
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -17,6 +23,9 @@ import torch
 import ckptkit
 from ckptkit.adapters.deepspeed import FP32, model_key, optim_key
 from ckptkit.engine.offline_writer import ConvertResult
+from ckptkit.engine.state import torch_dtype
+from ckptkit.errors import OptionsError
+from ckptkit.options import Progress
 from ckptkit_converters.deepspeed.record import read_meta
 
 
@@ -50,19 +59,118 @@ def consolidated_fp32_state_dict(source: str | os.PathLike[str], *,
     return out
 
 
-def export_fp32(source: str | os.PathLike[str], out_file: str | os.PathLike[str], *,
-                storage_options: dict[str, Any] | None = None) -> ConvertResult:
-    """Write :func:`consolidated_fp32_state_dict` as a safetensors file (tied aliases as copies:
-    safetensors refuses tensors that share memory)."""
-    from safetensors.torch import save_file
+@dataclass(frozen=True)
+class _Entry:
+    """One tensor of the consolidated file: its name there, the ckptkit tensor it comes from (``lead``:
+    the leading index that picks one expert of a stacked tensor), its shape and dtypes."""
 
+    name: str
+    key: str
+    lead: tuple[int, ...]
+    shape: tuple[int, ...]
+    source: torch.dtype
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def _entries(view: Any, meta: dict[str, Any]) -> list[_Entry]:
+    """The tensors :func:`consolidated_fp32_state_dict` returns, as (name, source, shape), in its order;
+    tied aliases are entries of their own (safetensors refuses shared memory, so they are copies)."""
+    out: dict[str, _Entry] = {}
+
+    def add(name: str, key: str, lead: tuple[int, ...] = ()) -> None:
+        m = view.meta_of(key)
+        source = torch_dtype(m.dtype)
+        out[name] = _Entry(name, key, lead, tuple(m.shape[len(lead):]), source,
+                           torch.float32 if source.is_floating_point else source)
+
+    for b in meta["buffers"]:
+        add(b, model_key(b))
+    for n in meta.get("frozen", []):
+        add(n, model_key(n))
+    experts = meta.get("experts") or {}
+    for n in meta["param_shapes"]:
+        if n in experts:
+            info = experts[n]
+            for e in range(int(info["num_experts"])):
+                add(f"{info['module']}.{e}.{info['param']}", optim_key(FP32, n), (e,))
+        else:
+            add(n, optim_key(FP32, n))
+    for alias, name in meta.get("shared", {}).items():
+        if name in out:
+            out[alias] = replace(out[name], name=alias)
+    return list(out.values())
+
+
+def _chunks(shape: tuple[int, ...], item: int, budget: int) -> Iterator[tuple[int | slice, ...]]:
+    """Index tuples that split a row-major tensor of ``shape`` into contiguous runs of at most ``budget``
+    bytes (``item`` bytes per element, all copies of it held at once), in storage order: whole
+    trailing blocks, a range of the axis before them, single indices before that."""
+    k = len(shape)
+    while k > 0 and math.prod(shape[k - 1:]) * item <= budget:
+        k -= 1
+    if k == 0:
+        yield ()
+        return
+    axis, inner = k - 1, math.prod(shape[k:]) * item
+    step = max(1, budget // inner)
+    for lead in itertools.product(*(range(n) for n in shape[:axis])):
+        for start in range(0, shape[axis], step):
+            yield (*lead, slice(start, min(start + step, shape[axis])))
+
+
+def export_fp32(source: str | os.PathLike[str], out_file: str | os.PathLike[str], *,
+                max_memory: int = 1 << 30, storage_options: dict[str, Any] | None = None,
+                progress: Progress | None = None) -> ConvertResult:
+    """Write :func:`consolidated_fp32_state_dict` as one safetensors file, streaming: the header is
+    computed from the manifest, then every tensor is read and written in contiguous runs of at most
+    ``max_memory`` bytes (source and fp32 copy together), so memory stays bounded whatever the model's
+    size, where DeepSpeed's ``zero_to_fp32`` holds the whole model (and more) at once. The file
+    appears only when complete (written beside it, then renamed). Tied aliases are written as copies
+    (safetensors refuses tensors that share memory)."""
+    if max_memory < 16:
+        raise OptionsError(f"max_memory {max_memory} must hold at least one element and its fp32 copy (16 bytes)")
     t0 = time.perf_counter()
-    sd = consolidated_fp32_state_dict(source, storage_options=storage_options)
-    seen: set[int] = set()
-    flat = {}
-    for k, v in sd.items():
-        flat[k] = v.clone() if id(v) in seen else v.contiguous()
-        seen.add(id(v))
-    save_file(flat, os.fspath(out_file))
-    return ConvertResult(str(source), os.fspath(out_file), "safetensors", len(flat),
-                         sum(v.numel() * v.element_size() for v in flat.values()), 0, time.perf_counter() - t0)
+    view = ckptkit.open(source, storage_options=storage_options)
+    entries = _entries(view, read_meta(view))
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for e in entries:
+        header[e.name] = {"dtype": _SAFETENSORS[e.dtype], "shape": list(e.shape), "data_offsets": [offset, offset + e.nbytes]}
+        offset += e.nbytes
+    body = json.dumps(header, separators=(",", ":")).encode()
+    body += b" " * (-len(body) % 8)
+    path = os.fspath(out_file)
+    partial = f"{path}.partial-{os.getpid()}"
+    read0, done = view.bytes_read, 0
+    try:
+        with open(partial, "wb") as f:
+            f.write(len(body).to_bytes(8, "little") + body)
+            for e in entries:
+                item = e.source.itemsize + (e.dtype.itemsize if e.dtype != e.source else 0)
+                tensor = view[e.key]
+                for index in _chunks(e.shape, item, max_memory):
+                    part = tensor[(*e.lead, *index)] if e.lead or index else tensor.read()
+                    part = part.to(e.dtype).contiguous()
+                    if part.numel():
+                        f.write(memoryview(part.reshape(-1).view(torch.uint8).numpy()))
+                    done += part.numel() * e.dtype.itemsize
+                    del part
+                    if progress is not None:
+                        progress(done, offset)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(partial, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(partial)
+        raise
+    return ConvertResult(str(source), path, "safetensors", len(entries), offset, view.bytes_read - read0,
+                         time.perf_counter() - t0)
+
+
+_SAFETENSORS = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+                torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+                torch.bool: "BOOL"}
