@@ -300,10 +300,14 @@ def _read_needs(tensors: Mapping[str, TensorMeta], placed: Mapping[str, list[_Pl
     for key, items in placed.items():
         itemsize = DTYPES[tensors[key].dtype]
         item_max = max(item_max, itemsize)
+        shape = tensors[key].shape
         for _, box, reads in items:
             largest = max(largest, box.numel * itemsize)
+            run = _run_of(box, shape)
             for r in reads:
                 src_max = max(src_max, r.region.numel * itemsize)
+                if run is not None and _flat_of_whole(r.region, shape):
+                    continue  # one run of the flattening against a flat run: the span is what is needed
                 amp = max(amp, _span(r.region, box) * itemsize / r.nbytes)
     return largest, item_max, _Window(amp, src_max, source_block)
 
@@ -388,12 +392,12 @@ def _reads(meta: TensorMeta, box: Box) -> tuple[SourceRead, ...]:
     """The stored source pieces overlapping ``box``, with the bytes of each that ``box`` needs."""
     itemsize = DTYPES[meta.dtype]
     out = []
+    run = _run_of(box, meta.shape)
     for region, writer in meta.stored_overlapping(box):
-        n = 0
-        for b in region.boxes():
-            hit = b.intersect(box)
-            if hit is not None:
-                n += hit.numel
+        if run is not None and _flat_of_whole(region, meta.shape):  # ZeRO runs: two ranges' overlap
+            n = max(0, min(run[1], region.flat[1]) - max(run[0], region.flat[0]))  # type: ignore[index]
+        else:
+            n = region.elements_in(box)
         if n:
             out.append(SourceRead(writer, region, n * itemsize))
     if sum(r.nbytes for r in out) != box.numel * itemsize:
@@ -442,6 +446,16 @@ def _budget(largest: int, item_max: int, window: _Window, o: ReshardPlanOptions)
                            f"element at a time needs about {need} bytes of read buffers (the largest region is "
                            f"{largest} bytes); raise --max-memory")
     return 1, 0, lo, _estimate(1, 0, o.io_threads, lo, window)
+
+
+def _run_of(box: Box, shape: tuple[int, ...]) -> tuple[int, int] | None:
+    """``box`` as one run ``[first, stop)`` of the tensor's flattening, if it is one."""
+    return box.run_in(Box.full(shape)) if box.within(shape) else None
+
+
+def _flat_of_whole(region: Region, shape: tuple[int, ...]) -> bool:
+    """A flat range of the whole tensor's flattening (ZeRO's partitions)."""
+    return region.flat is not None and region.box.sizes == shape and not any(region.box.offsets)
 
 
 def _span(region: Region, box: Box) -> int:

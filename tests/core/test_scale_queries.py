@@ -229,3 +229,71 @@ def test_small_replicated_tensors_share_one_writer_in_large_groups():
     assert len({rot[f"w.{i}"] for i in range(5)}) == 5
     few = grid_rotations(decls(8))
     assert len({few[f"step.{i}"] for i in range(300)}) > 1  # spread over the least loaded, as before
+
+
+def _positions(box: Box, outer: Box) -> list[int]:
+    """Row-major positions in ``outer`` of every element of ``box``, by enumeration (the oracle)."""
+    import itertools
+
+    return sorted(outer.position(idx) for idx in itertools.product(*(range(o, o + s) for o, s in zip(box.offsets, box.sizes))))
+
+
+@st.composite
+def run_box_in(draw, shape):
+    """A box that is one consecutive run of ``shape``'s flattening: single indices, one cut axis, full axes."""
+    cut = draw(st.integers(0, len(shape) - 1))
+    offs, sizes = [], []
+    for d, n in enumerate(shape):
+        if d < cut:
+            offs.append(draw(st.integers(0, n - 1)))
+            sizes.append(1)
+        elif d == cut:
+            o = draw(st.integers(0, n - 1))
+            offs.append(o)
+            sizes.append(draw(st.integers(1, n - o)))
+        else:
+            offs.append(0)
+            sizes.append(n)
+    return Box(tuple(offs), tuple(sizes))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(1, 6), min_size=1, max_size=4), st.data())
+def test_run_in_is_the_positions_a_box_covers_when_they_are_consecutive(dims, data):
+    shape = tuple(dims)
+    outer = Box.full(shape)
+    box = data.draw(st.one_of(box_in(shape), run_box_in(shape)))
+    got = box.run_in(outer)
+    pos = _positions(box, outer)
+    consecutive = bool(pos) and pos == list(range(pos[0], pos[0] + len(pos)))
+    assert (got is not None) == consecutive
+    if got is not None:
+        assert got == (pos[0], pos[-1] + 1)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(1, 6), min_size=0, max_size=4), st.data())
+def test_elements_in_counts_a_regions_elements_inside_a_box(dims, data):
+    shape = tuple(dims)
+    outer = Box.full(shape)
+    n = prod(shape)
+    a = data.draw(st.integers(0, n))
+    region = Region(outer, (a, data.draw(st.integers(a, n)))) if data.draw(st.booleans()) else Region(
+        data.draw(box_in(shape)) if shape else outer)
+    box = data.draw(st.one_of(box_in(shape), run_box_in(shape))) if shape else outer
+    stored = set(_positions(region.box, outer)) if region.flat is None else set(
+        _positions(region.box, outer)[region.flat[0]:region.flat[1]])
+    assert region.elements_in(box) == len(stored & set(_positions(box, outer)))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 9), min_size=1, max_size=3), st.integers(1, 40), st.data())
+def test_zero3_runs_overlapping_a_run_of_the_tensor_are_found_by_arithmetic(dims, dp, data):
+    from ckptkit.layout.flat_split import find_split
+
+    shape = tuple(dims)
+    pieces = zero3_pieces(shape, dp)
+    split = find_split(shape, pieces)
+    assert split is not None
+    query = data.draw(run_box_in(shape))
+    assert split.overlapping(query) == scan(pieces, query)
