@@ -39,6 +39,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(1, os.path.dirname(HERE))
 
+from bench_reshard import run_child  # noqa: E402
 from common import GiB, MiB, drop_page_cache, exit_on_sigterm, median, remove_tree, table, torchrun_command, write_results  # noqa: E402
 
 TAG = "global_step1"
@@ -88,16 +89,11 @@ def save_phase(args: argparse.Namespace) -> None:
 
 
 def measured_run(code: str, *argv: str) -> tuple[float, int]:
-    """``python -c code argv`` in a subprocess: (wall seconds, its peak RSS from wait4)."""
-    import time
-
-    t0 = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-c", code, *argv], env=dict(os.environ, PYTHONWARNINGS="ignore"))
-    _, status, usage = os.wait4(proc.pid, 0)
-    wall = time.perf_counter() - t0
-    if os.waitstatus_to_exitcode(status):
-        raise RuntimeError(f"{code.strip().splitlines()[-1][:80]} failed ({status})")
-    return wall, usage.ru_maxrss * 1024
+    """``python -c code argv`` in a subprocess: (wall seconds, its own peak RSS), measured one process
+    removed (bench_reshard.run_child: Linux carries ru_maxrss across exec, and this process holds torch
+    and has imported the checkpoint, so a direct child would report our peak instead of its own)."""
+    wall, rss, _ = run_child([sys.executable, "-c", code, *argv])
+    return wall, rss
 
 
 def parse_size(text: str) -> int:
