@@ -57,16 +57,23 @@ def setup_deepspeed() -> Any:
     return deepspeed
 
 
+def mlp(width: int, depth: int) -> Any:
+    """``depth`` square linears of ``width`` with GELUs between: the benchmarks' DeepSpeed model (seeded)."""
+    import torch
+
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = []
+    for _ in range(depth):
+        layers += [torch.nn.Linear(width, width), torch.nn.GELU()]
+    return torch.nn.Sequential(*layers)
+
+
 def build_engine(args: argparse.Namespace, *, universal: bool = False) -> Any:
     import torch
 
     deepspeed = setup_deepspeed()
-    torch.manual_seed(0)
     width, depth = (512, 4) if args.quick else (3072, 8)
-    layers: list[torch.nn.Module] = []
-    for _ in range(depth):
-        layers += [torch.nn.Linear(width, width), torch.nn.GELU()]
-    model = torch.nn.Sequential(*layers)
+    model = mlp(width, depth)
     world = torch.distributed.get_world_size()
     cfg: dict[str, Any] = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 8 // world,
                            "zero_optimization": {"stage": 2}, "steps_per_print": 10 ** 9}

@@ -66,16 +66,12 @@ def save_phase(args: argparse.Namespace) -> None:
     """Under torchrun: one ZeRO-3 optimizer step, then DeepSpeed's own save."""
     import torch
 
-    from bench_deepspeed import setup_deepspeed
+    from bench_deepspeed import mlp, setup_deepspeed
 
     warnings.filterwarnings("ignore")
     deepspeed = setup_deepspeed()
-    torch.manual_seed(0)
     width, depth = (512, 4) if args.quick else (4096, 11)
-    layers: list[torch.nn.Module] = []
-    for _ in range(depth):
-        layers += [torch.nn.Linear(width, width), torch.nn.GELU()]
-    model = torch.nn.Sequential(*layers)
+    model = mlp(width, depth)
     world = torch.distributed.get_world_size()
     cfg = {"train_batch_size": 2 * world, "train_micro_batch_size_per_gpu": 2, "steps_per_print": 10 ** 9,
            "zero_optimization": {"stage": 3, "memory_efficient_linear": False}}

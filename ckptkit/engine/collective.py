@@ -14,9 +14,11 @@ by a rank that already failed: failures travel *inside* the collective
 from __future__ import annotations
 
 import atexit
+import os
 import json
 import threading
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Protocol
 
 import torch
@@ -186,3 +188,20 @@ def _release_cached_groups() -> None:
         _gloo_groups.clear()
     for group in groups:
         release_group(group)
+
+
+def init_process_group(backend: str = "gloo", timeout: timedelta | None = None, **kwargs: Any) -> None:
+    """``torch.distributed.init_process_group`` that survives torchrun restarts: under ``torchrun
+    --max-restarts`` the agent keeps one store for the whole job, and a restarted attempt could read
+    the previous attempt's peer addresses before the new peers overwrote them (seen with gloo as
+    ``connectFullMesh ... Connection refused``); the store is namespaced by attempt
+    (``TORCHELASTIC_RESTART_COUNT``). Outside torchrun it is the plain call."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or "store" in kwargs or "MASTER_ADDR" not in os.environ:
+        dist.init_process_group(backend, timeout=timeout, **kwargs)
+        return
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                         timeout=timeout or timedelta(minutes=10))
+    store = dist.PrefixStore(f"/ckptkit/attempt-{attempt}", base)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout, **kwargs)

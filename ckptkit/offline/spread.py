@@ -24,7 +24,7 @@ from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
 from typing import Any, TypeVar
 
-from ckptkit.engine.collective import Comm, resolve_comm
+from ckptkit.engine.collective import Comm, init_process_group, resolve_comm
 from ckptkit.errors import CkptkitError
 
 T = TypeVar("T")
@@ -122,8 +122,6 @@ def torchrun_group() -> Iterator[Any]:
         yield None
         return
     import torch.distributed as dist
-
-    from ckptkit.resilience.restart import init_process_group
 
     made = not dist.is_initialized()
     if made:
