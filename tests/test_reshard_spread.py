@@ -68,12 +68,19 @@ SMALL = ReshardPlanOptions(max_memory=8 << 10, source_block=0)  # regions cut in
 
 
 def spread(source: str, dest: str, to: str, plan: ReshardPlanOptions = ReshardPlanOptions()) -> dict[str, Any]:
-    """One process's part of a spread reshard (run on every rank of a world)."""
+    """One process's part of a spread reshard (run on every rank of a world); every call of the
+    progress callback it was given, and the plan's bytes."""
     import torch.distributed as dist
 
+    calls: list[tuple[int, int]] = []
     result = reshard(source, dest, ParallelConfig.parse(to), options=ReshardOptions(plan),
-                     process_group=dist.group.WORLD)
-    return {"destination": result.destination, "bytes_read": result.bytes_read, "split": len(result.plan.split)}
+                     process_group=dist.group.WORLD, progress=lambda done, total: calls.append((done, total)))
+    from torch.distributed import distributed_c10d
+
+    attempt = manifest_doc(dest)["attempt"]  # the shared counter every process added its bytes to
+    counted = int(distributed_c10d._get_default_store().add(f"ckptkit/offline/{attempt}/bytes", 0))
+    return {"destination": result.destination, "bytes_read": result.bytes_read, "split": len(result.plan.split),
+            "progress": calls, "nbytes": result.plan.nbytes, "counted": counted}
 
 
 def spread_expecting_failure(source: str, dest: str, to: str, fail_on: int | None = None) -> str:
@@ -110,6 +117,12 @@ def test_a_spread_reshard_is_the_one_process_checkpoint_byte_for_byte(worlds, sr
     assert bool(one.plan.split) == small
     results = worlds.run(processes, spread, str(src), str(tmp_path / "spread"), to, plan)
     assert len({r["destination"] for r in results}) == 1 and results[0]["destination"].endswith("spread")
+    # one progress bar, on process 0: every process's bytes, never past the total, ending at it
+    first, total = results[0]["progress"], results[0]["nbytes"]
+    assert first and all(r["progress"] == [] for r in results[1:])
+    assert all(t == total for _, t in first) and first[-1] == (total, total)
+    assert [d for d, _ in first] == sorted(d for d, _ in first)
+    assert {r["counted"] for r in results} == {total}  # the shared counter saw every process's bytes
     assert len({r["bytes_read"] for r in results}) == 1 and results[0]["bytes_read"] > 0
     assert_same_checkpoint(tmp_path / "one", tmp_path / "spread")
 
