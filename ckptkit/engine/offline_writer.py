@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import datetime
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from dataclasses import fields as dataclass_fields
@@ -211,10 +211,8 @@ def write_offline(
     writer = _RankWriter(store, checkpoint, source, target.attempt, options.block_size,
                          progress_counter(progress, total))
     try:
-        with ThreadPoolExecutor(max_workers=options.threads, thread_name_prefix="ckptkit-offline") as pool:
-            written = list(pool.map(writer.write, range(checkpoint.world_size)))
-        merged = _merge(store, checkpoint, written, target.attempt)
-        publish(store, merged.to_json_bytes())
+        written = _write_ranks(writer, range(checkpoint.world_size), options.threads)
+        merged = _commit(store, checkpoint, written, target.attempt)
     except BaseException as exc:
         _remove_partial(store, target.attempt)
         if isinstance(exc, CkptkitError) or not isinstance(exc, Exception):
@@ -238,9 +236,7 @@ def _write_spread(store: ByteStore, checkpoint: OfflineCheckpoint, source: Sourc
                             f"ckptkit/offline/{target.attempt}/bytes")
     writer = _RankWriter(store, checkpoint, source, target.attempt, options.block_size, shared.tick)
     try:
-        with ThreadPoolExecutor(max_workers=options.threads, thread_name_prefix="ckptkit-offline") as pool:
-            mine_written = list(pool.map(writer.write, mine))
-        outcome = Outcome(True, (mine_written, writer.bytes_read))
+        outcome = Outcome(True, (_write_ranks(writer, mine, options.threads), writer.bytes_read))
     except Exception as exc:  # noqa: BLE001 - reported to process 0, raised on every process below
         outcome = Outcome(False, error=str(exc) or type(exc).__name__, error_type=type(exc).__name__)
     finally:
@@ -269,8 +265,7 @@ def _commit_spread(store: ByteStore, checkpoint: OfflineCheckpoint, gathered: Se
             more = f" (and {len(failed) - 4} more processes)" if len(failed) > 4 else ""
             raise StorageError(f"{what} failed: {lines}{more}")
         written = sorted((w for o in gathered for w in o.payload[0]), key=lambda w: w.report.rank)
-        merged = _merge(store, checkpoint, written, target.attempt)
-        publish(store, merged.to_json_bytes())
+        merged = _commit(store, checkpoint, written, target.attempt)
     except Exception as exc:  # noqa: BLE001 - broadcast to every process, which raise it
         _remove_partial(store, target.attempt)
         message = str(exc) if isinstance(exc, CkptkitError) else f"{what} failed: {exc}"
@@ -278,6 +273,21 @@ def _commit_spread(store: ByteStore, checkpoint: OfflineCheckpoint, gathered: Se
     if target.leftovers:
         _remove_leftovers(store, target.attempt)
     return Outcome(True, sum(o.payload[1] for o in gathered)), merged
+
+
+def _write_ranks(writer: _RankWriter, ranks: Iterable[int], threads: int) -> list[_WrittenRank]:
+    """Persist ``ranks`` (their data objects and indexes), ``threads`` at a time."""
+    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ckptkit-offline") as pool:
+        return list(pool.map(writer.write, ranks))
+
+
+def _commit(store: ByteStore, checkpoint: OfflineCheckpoint, written: Sequence[_WrittenRank], attempt: str) -> Manifest:
+    """Merge every rank's report and publish the manifest: the commit. If it raises, nothing is
+    committed and the caller removes the attempt's objects; after it returns, never (other attempts'
+    leftovers are removed then, outside the caller's clean-up)."""
+    merged = _merge(store, checkpoint, written, attempt)
+    publish(store, merged.to_json_bytes())
+    return merged
 
 
 def _checkpoint_of(checkpoint: OfflineCheckpoint | None, fields: Mapping[str, Any]) -> OfflineCheckpoint:

@@ -172,15 +172,9 @@ class Region:
         return _flat_range_boxes(self.box.offsets, self.box.sizes, a, b)
 
     def elements_in(self, box: Box) -> int:
-        """How many of the region's elements lie in ``box`` (a box of the same tensor). A flat range
-        against a box that is one run of the same tensor is an overlap of two ranges; otherwise the
-        region's boxes are intersected with it."""
-        if self.flat is not None and box.within(self.box.sizes) and not any(self.box.offsets):
-            run = box.run_in(self.box)
-            if run is not None:
-                return max(0, min(run[1], self.flat[1]) - max(run[0], self.flat[0]))
-            if box.is_empty():
-                return 0
+        """How many of the region's elements lie in ``box`` (a box of the same tensor): its boxes
+        intersected with it. (A reshard plan counts ZeRO's flat runs against a run of the tensor by
+        range arithmetic instead, once per target box: ``reshard_plan._reads``.)"""
         n = 0
         for b in self.boxes():
             hit = b.intersect(box)

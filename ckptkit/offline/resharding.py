@@ -171,8 +171,8 @@ def reshard(
     (:mod:`ckptkit.offline.spread`). None (the default): this process alone, whatever job it is in.
     """
     comm = spread_comm(process_group)
-    with spread_source(comm, lambda scratch: ckptkit_source(source, options, storage_options, scratch), dest,
-                       storage_options) as (url, src_opts):
+    with spread_source(comm, lambda scratch: ckptkit_source(source, options, storage_options, scratch), source,
+                       dest, storage_options) as (url, src_opts):
         result = agreed(comm, lambda: _prepare(url, dest, target, options, src_opts, storage_options))
         result = _reshard(result, options, progress, comm, None if url == os.fspath(source) else os.fspath(source))
     return result if url == os.fspath(source) else replace(result, source=os.fspath(source))

@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -66,37 +66,30 @@ def agreed(comm: Comm | None, step: Callable[[], T]) -> T:
 
 
 @contextmanager
-def spread_source(comm: Comm | None, factory: SourceFactory, dest: str | os.PathLike[str],
+def spread_source(comm: Comm | None, factory: SourceFactory, source: str | os.PathLike[str],
+                  dest: str | os.PathLike[str],
                   storage_options: dict[str, Any] | None) -> Iterator[tuple[str, dict[str, Any] | None]]:
     """The ckptkit source every process reads: ``factory``'s, entered by process 0 only when spread
-    (a foreign source is imported once), its URL told to all. Collective when spread."""
+    (a foreign source is imported once), its URL told to all. A URL other than ``source`` is an
+    import, read without the caller's storage options (as ``factory`` itself yields it). Collective
+    when spread."""
     if comm is None:
         with factory(None) as found:
             yield found
         return
     hosts = comm.all_gather_json(socket.gethostname())
-    manager = None
-    found: tuple[str, dict[str, Any] | None] | None = None
+    with ExitStack() as held:
 
-    def enter() -> tuple[str, bool]:
-        nonlocal manager, found
-        if comm.rank != 0:
-            return "", False
-        manager = factory(None if len(set(hosts)) == 1 else _beside(dest))
-        found = manager.__enter__()
-        return found[0], found[1] is not storage_options
+        def enter() -> str:
+            if comm.rank != 0:
+                return ""
+            return held.enter_context(factory(None if len(set(hosts)) == 1 else _beside(dest)))[0]
 
-    try:
-        url, imported = agreed(comm, enter)
-        told = comm.all_gather_json([url, imported])[0]
-        url, imported = told[0], told[1]
-        yield url, (None if imported else storage_options)
-    finally:
         try:
-            comm.all_gather_json(None)  # every process is done with the source before it is removed
+            url = comm.all_gather_json(agreed(comm, enter))[0]
+            yield url, (storage_options if url == os.fspath(source) else None)
         finally:
-            if manager is not None:
-                manager.__exit__(None, None, None)
+            comm.all_gather_json(None)  # every process is done with the source before process 0 removes it
 
 
 def launched_by_torchrun() -> bool:

@@ -9,8 +9,6 @@ frozen ones cast, tied aliases sharing one tensor, and DeepSpeed-MoE experts onc
 from __future__ import annotations
 
 import contextlib
-import itertools
-import json
 import math
 import os
 import time
@@ -25,7 +23,10 @@ from ckptkit.adapters.deepspeed import FP32, model_key, optim_key
 from ckptkit.engine.offline_writer import ConvertResult
 from ckptkit.engine.state import torch_dtype
 from ckptkit.errors import OptionsError
+from ckptkit.layout.box import Box
 from ckptkit.options import Progress
+from ckptkit.plan.reshard_plan import split_box
+from ckptkit_converters.common.safetensors_out import safetensors_header
 from ckptkit_converters.deepspeed.record import read_meta
 
 
@@ -105,21 +106,12 @@ def _entries(view: Any, meta: dict[str, Any]) -> list[_Entry]:
     return list(out.values())
 
 
-def _chunks(shape: tuple[int, ...], item: int, budget: int) -> Iterator[tuple[int | slice, ...]]:
+def _chunks(shape: tuple[int, ...], item: int, budget: int) -> Iterator[tuple[slice, ...]]:
     """Index tuples that split a row-major tensor of ``shape`` into contiguous runs of at most ``budget``
-    bytes (``item`` bytes per element, all copies of it held at once), in storage order: whole
-    trailing blocks, a range of the axis before them, single indices before that."""
-    k = len(shape)
-    while k > 0 and math.prod(shape[k - 1:]) * item <= budget:
-        k -= 1
-    if k == 0:
-        yield ()
-        return
-    axis, inner = k - 1, math.prod(shape[k:]) * item
-    step = max(1, budget // inner)
-    for lead in itertools.product(*(range(n) for n in shape[:axis])):
-        for start in range(0, shape[axis], step):
-            yield (*lead, slice(start, min(start + step, shape[axis])))
+    bytes (``item`` bytes per element, all copies of it held at once), in storage order: the reshard's
+    own cut (:func:`ckptkit.plan.reshard_plan.split_box`) as slices."""
+    for box in split_box(Box.full(shape), item, budget, "fp32 export"):
+        yield tuple(slice(o, o + n) for o, n in zip(box.offsets, box.sizes))
 
 
 def export_fp32(source: str | os.PathLike[str], out_file: str | os.PathLike[str], *,
@@ -136,18 +128,14 @@ def export_fp32(source: str | os.PathLike[str], out_file: str | os.PathLike[str]
     t0 = time.perf_counter()
     view = ckptkit.open(source, storage_options=storage_options)
     entries = _entries(view, read_meta(view))
-    header, offset = {"__metadata__": {"format": "pt"}}, 0
-    for e in entries:
-        header[e.name] = {"dtype": _SAFETENSORS[e.dtype], "shape": list(e.shape), "data_offsets": [offset, offset + e.nbytes]}
-        offset += e.nbytes
-    body = json.dumps(header, separators=(",", ":")).encode()
-    body += b" " * (-len(body) % 8)
+    header = safetensors_header((e.name, e.dtype, e.shape) for e in entries)
+    total = sum(e.nbytes for e in entries)
     path = os.fspath(out_file)
     partial = f"{path}.partial-{os.getpid()}"
     read0, done = view.bytes_read, 0
     try:
         with open(partial, "wb") as f:
-            f.write(len(body).to_bytes(8, "little") + body)
+            f.write(header)
             for e in entries:
                 item = e.source.itemsize + (e.dtype.itemsize if e.dtype != e.source else 0)
                 tensor = view[e.key]
@@ -159,7 +147,7 @@ def export_fp32(source: str | os.PathLike[str], out_file: str | os.PathLike[str]
                     done += part.numel() * e.dtype.itemsize
                     del part
                     if progress is not None:
-                        progress(done, offset)
+                        progress(done, total)
             f.flush()
             os.fsync(f.fileno())
         os.replace(partial, path)
@@ -167,10 +155,5 @@ def export_fp32(source: str | os.PathLike[str], out_file: str | os.PathLike[str]
         with contextlib.suppress(OSError):
             os.unlink(partial)
         raise
-    return ConvertResult(str(source), path, "safetensors", len(entries), offset, view.bytes_read - read0,
+    return ConvertResult(str(source), path, "safetensors", len(entries), total, view.bytes_read - read0,
                          time.perf_counter() - t0)
-
-
-_SAFETENSORS = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-                torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-                torch.bool: "BOOL"}

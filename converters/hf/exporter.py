@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from ckptkit_converters.common.safetensors_out import SAFETENSORS_DTYPES, safetensors_header
 from ckptkit_converters.hf.families import (
     FAMILIES,
     MEGATRON,
@@ -88,11 +89,6 @@ __all__ = [
 
 INDEX_NAME = "model.safetensors.index.json"
 DTYPE_NAMES = {name: getattr(torch, name) for name in CAST_DTYPES}
-SAFETENSORS_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
-}
 # Top-level state a torchtitan DCP checkpoint keeps beside the model's own keys: never weights.
 NOT_MODEL = ("optimizer", "train_state", "lr_scheduler", "dataloader", "optim", "train", "rng")
 
@@ -365,19 +361,8 @@ def _config(config: HFConfig | AttentionHeads | None, options: HFExportOptions) 
 
 
 def _header(shard: list[Unit], dtypes: dict[str, torch.dtype]) -> bytes:
-    """The safetensors header of a shard (computed from the plan: no data is needed), padded to 8 bytes."""
-    doc: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for u in shard:
-        d = dtypes[u.key]
-        size = torch.empty((), dtype=d).element_size()
-        for n, shape in zip(u.names, u.shapes):
-            end = offset + math.prod(shape) * size
-            doc[n] = {"dtype": SAFETENSORS_DTYPES[d], "shape": list(shape), "data_offsets": [offset, end]}
-            offset = end
-    body = json.dumps(doc, separators=(",", ":")).encode()
-    body += b" " * (-len(body) % 8)
-    return len(body).to_bytes(8, "little") + body
+    """The safetensors header of a shard (computed from the plan: no data is needed)."""
+    return safetensors_header((n, dtypes[u.key], shape) for u in shard for n, shape in zip(u.names, u.shapes))
 
 
 def _shard_bytes(shard: list[Unit], header: bytes, pool: ThreadPoolExecutor,
