@@ -208,7 +208,7 @@ def test_one_process_stalled_read_fails_naming_rank_and_object(tmp_path):
                        options=ckptkit.LoadOptions(stall_seconds=0.5))
     finally:
         release.set()
-    assert time.monotonic() - t0 < 3
+    assert time.monotonic() - t0 < 30  # a missed stall waits for ever (the release comes after); not a speed bound
     err = info.value
     assert err.rank == 0 and store.blocked == [err.object] and err.object.startswith("data/")
     assert "rank 0 made no progress" in str(err) and err.object in str(err) and path in str(err)

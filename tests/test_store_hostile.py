@@ -31,6 +31,9 @@ from ckptkit.storage.tiered import TieredStore
 
 pytestmark = pytest.mark.timeout(20)  # a read that blocks on a FIFO fails the test instead of hanging
 
+# The time bounds tell a refusal from a hang (a FIFO read blocks for ever) or a whole read of an 8 GiB file;
+# they are not speed targets, so they leave room for a loaded 2-core machine (the memory bounds are exact).
+HANG_S = 10
 KEYS = ["manifest.json", "data/rank-00000.bin"]  # metadata (read whole) and a data object (ranged reads)
 ENGINES = {
     "local": lambda root: LocalStore(root),
@@ -101,7 +104,7 @@ def test_special_files_are_refused_at_once_by_every_read(tmp_path, make_store, k
         t0 = time.monotonic()
         with pytest.raises(CorruptCheckpointError, match=f"{path}.* {word}.*not a regular file") as info:
             read()
-        assert time.monotonic() - t0 < 1, f"{name} on a {kind} took {time.monotonic() - t0:.1f}s"
+        assert time.monotonic() - t0 < HANG_S, f"{name} on a {kind} took {time.monotonic() - t0:.1f}s"
         assert not isinstance(info.value, CheckpointNotFoundError), name  # damaged, not absent
 
 
@@ -263,7 +266,7 @@ def test_a_huge_sparse_manifest_is_refused_without_reading_it(tmp_path, engine):
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert time.monotonic() - t0 < 1
+    assert time.monotonic() - t0 < HANG_S
     assert peak < 1 << 20, f"{peak} bytes allocated to refuse it"
 
 
