@@ -25,8 +25,11 @@ import atexit
 import contextlib
 import multiprocessing as mp
 import os
+import shutil
+import signal
 import socket
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Iterator
@@ -91,8 +94,24 @@ _AT_START: set[str] = set()
 """The modules a rank had when it started (inherited from the fork server): not a sign of use."""
 
 
-def _worker(rank: int, world: int, port: int, conn: Any, env: dict[str, str]) -> None:
+_STACKS: list[Any] = []
+"""The open file a rank's stack dump goes to (kept referenced: faulthandler writes to its descriptor)."""
+
+
+def _dump_stacks_on_request(path: str) -> None:
+    """On SIGUSR1, write every thread's Python stack to ``path``: the harness asks for it when a call times
+    out, so a hang that does not come back under a debugger still says where each rank was. faulthandler
+    writes from the signal handler itself, so a rank blocked in a C call (a gloo collective) answers too."""
+    import faulthandler
+
+    f = open(path, "w")  # noqa: SIM115 - must outlive this function
+    _STACKS.append(f)
+    faulthandler.register(signal.SIGUSR1, file=f, all_threads=True)
+
+
+def _worker(rank: int, world: int, port: int, conn: Any, env: dict[str, str], stacks: str) -> None:
     _AT_START.update(sys.modules)
+    _dump_stacks_on_request(os.path.join(stacks, f"rank-{rank}.txt"))
     os.environ.update(_THREADS)
     os.environ.update(env)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
@@ -166,11 +185,12 @@ class World:
         port = free_port()
         self.conns = []
         self.procs = []
+        self.stacks = tempfile.mkdtemp(prefix="ckptkit-world-stacks-")
         _start_fork_server()
         for rank in range(size):
             parent, child = _CTX.Pipe()
             # not daemonic: ranks may start helper processes of their own (ckptkit's writer process)
-            p = _CTX.Process(target=_worker, args=(rank, size, port, child, env or {}), daemon=False)
+            p = _CTX.Process(target=_worker, args=(rank, size, port, child, env or {}, self.stacks), daemon=False)
             p.start()
             self.conns.append(parent)
             self.procs.append(p)
@@ -194,8 +214,10 @@ class World:
             wait = min(30.0, timeout or self.timeout) if errors else (timeout or self.timeout)
             if not c.poll(wait):
                 self.broken = True
+                stacks = self.stacks_now()
                 self.close()
-                raise WorldError(f"rank {rank} did not finish {fn.__name__} in time" + (f"; errors: {errors}" if errors else ""))
+                raise WorldError(f"rank {rank} did not finish {fn.__name__} in time"
+                                 + (f"; errors: {errors}" if errors else "") + f"\n{stacks}")
             status, value = c.recv()
             if status == "ok":
                 results[rank] = value
@@ -204,6 +226,24 @@ class World:
         if errors:
             raise WorldError("\n".join(errors))
         return results
+
+    def stacks_now(self, wait: float = 2.0, lines: int = 80) -> str:
+        """Every live rank's Python stacks, each thread's, asked for by SIGUSR1 (the last ``lines`` of each
+        rank's dump): what a timed-out call was doing, for a hang seen once under load."""
+        for p in self.procs:
+            if p.is_alive() and p.pid:
+                with contextlib.suppress(OSError):
+                    os.kill(p.pid, signal.SIGUSR1)
+        time.sleep(wait)
+        out = []
+        for rank in range(self.size):
+            try:
+                with open(os.path.join(self.stacks, f"rank-{rank}.txt"), encoding="utf-8", errors="replace") as f:
+                    text = f.read().splitlines()
+            except OSError:
+                text = ["(no stack dump)"]
+            out.append(f"--- rank {rank} stacks ---\n" + "\n".join(text[-lines:] or ["(empty: the rank did not answer)"]))
+        return "\n".join(out)
 
     def close(self, grace: float = 5.0) -> None:
         """Ask every rank to leave, wait ``grace`` seconds for all of them together, kill the rest (a rank stuck
@@ -222,6 +262,7 @@ class World:
                 p.kill()
                 p.join()
         self.broken = True
+        shutil.rmtree(self.stacks, ignore_errors=True)
 
 
 class Worlds:
