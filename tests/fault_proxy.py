@@ -74,6 +74,9 @@ class Faults:
     header: str = ""  # only requests carrying this header, e.g. "range", "if-none-match"
     skip: int = 0  # let the first `skip` matching requests through untouched
     limit: int | None = None  # affect (fault or delay) at most this many requests
+    # The first affected request waits here (up to 60 s) until every proxy sharing the barrier has one too:
+    # two writers then meet at the same point (their commit) however a loaded machine schedules them.
+    meet: threading.Barrier | None = None
 
     def matches(self, method: str, target: str, headers: dict[str, str]) -> bool:
         return ((not self.methods or method in self.methods)
@@ -172,6 +175,12 @@ class FaultProxy:
             if action == "error":
                 action = str(self._rng.choice(f.statuses))
             self._affected += action != "forward" or f.delay > 0 or f.hold > 0
+            first = f.meet is not None and action != "forward" and self._affected == 1
+        if first:
+            try:
+                f.meet.wait(timeout=60)  # type: ignore[union-attr]
+            except threading.BrokenBarrierError:  # the other side never came: the test's own checks say so
+                pass
         if f.delay:
             self._record("delay", req)
         if action not in ("forward",) + _BODY_FAULTS:  # those are recorded when they happen

@@ -42,9 +42,11 @@ def state_of(seed: int) -> dict:
     return {"model": {"w": torch.randn(3000, generator=g)}, "train": {"seed": seed}}
 
 
-def conflicts(k: int | None) -> Faults:
-    """409 on the first ``k`` conditional PUTs through this proxy (None: on every one)."""
-    return Faults(error=1.0, statuses=(409,), methods=frozenset({"PUT"}), header="if-none-match", limit=k)
+def conflicts(k: int | None, meet: threading.Barrier | None = None) -> Faults:
+    """409 on the first ``k`` conditional PUTs through this proxy (None: on every one); with ``meet``, the
+    first of them waits until the other writer's proxy has one too (a race on every trial: under load, one
+    writer once finished its whole save before the other began, and the loser met no conflict at all)."""
+    return Faults(error=1.0, statuses=(409,), methods=frozenset({"PUT"}), header="if-none-match", limit=k, meet=meet)
 
 
 def save_through(proxy: FaultProxy, url: str, seed: int, **bounds) -> None:
@@ -63,8 +65,8 @@ def test_409_on_the_first_k_conditional_puts_of_both_writers_commits_exactly_one
         k = 1 + trial % 3
         url, prefix = f"s3://{s3_env}/race/{trial}", f"race/{trial}/"
         outcome: dict[int, str] = {}
-        go = threading.Barrier(2)
-        proxies = [FaultProxy(s3_server.endpoint, conflicts(k)) for _ in range(2)]
+        go, meet = threading.Barrier(2), threading.Barrier(2)
+        proxies = [FaultProxy(s3_server.endpoint, conflicts(k, meet)) for _ in range(2)]
 
         def run(i: int, delay: float) -> None:
             try:
