@@ -31,7 +31,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ckptkit.layout.box import Region  # noqa: E402
 from ckptkit.layout.config import ParallelConfig  # noqa: E402
-from ckptkit.layout.manifest import Index, IndexEntry, IndexRef, Manifest, sha256_hex  # noqa: E402
+from ckptkit.layout.index import Index, IndexEntry  # noqa: E402
+from ckptkit.layout.manifest import IndexRef, Manifest, sha256_hex  # noqa: E402
 from ckptkit.layout.pieces import LocalBox, LocalFlat, Piece  # noqa: E402
 from ckptkit.layout.rules import PartitionRule  # noqa: E402
 from ckptkit.plan.load_plan import Target, match_sources, plan_reads  # noqa: E402

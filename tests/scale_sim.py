@@ -65,7 +65,8 @@ from ckptkit.engine.state import flatten_state
 from ckptkit.layout.box import Box, Region
 from ckptkit.layout.config import ParallelConfig
 from ckptkit.layout.coverage import check_coverage, named_axes
-from ckptkit.layout.manifest import IndexEntry, Manifest
+from ckptkit.layout.index import IndexEntry
+from ckptkit.layout.manifest import Manifest
 from ckptkit.layout.pieces import LocalBox
 from ckptkit.plan.load_plan import Target
 from ckptkit.plan.mesh_replicas import combine_replica_meshes

@@ -413,6 +413,39 @@ def test_inspect_of_a_manifest_with_many_tensors_finishes(tmp_path):
     assert len(json.loads(result.output)["tensors"]) == 50_001
 
 
+PIECE_DEFECTS = {  # one field of a tensor's piece in its index (resealed), and what the refusal says
+    "checksums": (7, [], "has 0 checksums"),
+    "box": (1, ["0"], "expected a box"),
+    "flat": (3, [True, 1], "expected a flat range"),
+}
+
+
+@pytest.mark.parametrize("defect", list(PIECE_DEFECTS))
+def test_a_damaged_index_entry_is_refused_by_every_reader_that_uses_it(tmp_path, defect):
+    """An index is validated entry by entry as readers ask (a loading rank of a resharded job uses a few
+    entries of each of many indexes): a damaged entry of ``model/b`` fails every reader of ``model/b`` and the
+    whole-checkpoint readers (load, verify, describe), naming the tensor and the index, while a read of
+    ``model/a`` alone still returns exactly what was saved (the damaged entry is never trusted, nor needed)."""
+    field, value, message = PIECE_DEFECTS[defect]
+    path = tmp_path / "c"
+    state = {"model": {"a": torch.randn(8, 4), "b": torch.randn(16)}}
+    ckptkit.save(state, path)
+    edit_index(path, lambda d: next(p for p in d["pieces"] if p[0] == "model/b").__setitem__(field, value))
+    refusal = rf"{index_file(path).name}.*'model/b'.*{message}|{index_file(path).name}.*{message}"
+    view = ckptkit.open(path)
+    assert torch.equal(view["model/a"][...], state["model"]["a"])
+    with pytest.raises(ckptkit.ManifestError, match=refusal):
+        view["model/b"][...]
+    with pytest.raises(ckptkit.ManifestError, match=refusal):
+        ckptkit.load({"model": {"a": torch.zeros(8, 4), "b": torch.zeros(16)}}, path)
+    with pytest.raises(ckptkit.ManifestError, match=refusal):
+        ckptkit.describe(str(path))
+    report = ckptkit.verify(str(path))
+    assert not report.ok and any(p.kind == "index" and "model/b" in p.message for p in report.problems), report
+    result = CliRunner().invoke(cli_main, ["verify", str(path)])
+    assert result.exit_code == 1 and "model/b" in result.output and "Traceback" not in result.output
+
+
 def test_hostile_counts():
     """Runs last in this module: the tally of every hostile case above."""
     print(f"\nhostile cases: {TALLY['tried']} reader runs, {TALLY['clear errors']} clear errors, "

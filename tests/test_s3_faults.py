@@ -26,7 +26,8 @@ from ckptkit.engine.collective import LocalComm
 from ckptkit.engine.saver import save_state
 from ckptkit.engine.state import flatten_state
 from ckptkit.errors import CkptkitError, SaveError, StorageError
-from ckptkit.layout.manifest import Index, Manifest
+from ckptkit.layout.index import Index
+from ckptkit.layout.manifest import Manifest
 from ckptkit.storage.s3 import S3Store
 from tests.fault_proxy import FaultProxy, Faults
 from tests.s3_server import s3_env, s3_server  # noqa: F401 - fixtures

@@ -43,7 +43,8 @@ from ckptkit.errors import (
     UnexpectedKeysError,
 )
 from ckptkit.layout.box import Box, Region
-from ckptkit.layout.manifest import Index, Manifest
+from ckptkit.layout.index import Index
+from ckptkit.layout.manifest import Manifest
 from ckptkit.layout.pieces import LocalBox
 from ckptkit.layout.values import decode_value
 from ckptkit.options import LoadOptions

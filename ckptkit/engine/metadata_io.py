@@ -11,7 +11,8 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 from ckptkit.errors import CheckpointNotFoundError, CorruptCheckpointError, UncommittedCheckpointError
-from ckptkit.layout.manifest import MANIFEST_NAME, Index, Manifest, sha256_hex
+from ckptkit.layout.index import Index
+from ckptkit.layout.manifest import MANIFEST_NAME, Manifest, sha256_hex
 from ckptkit.layout.strict_json import MAX_METADATA_BYTES
 from ckptkit.storage.base import ByteStore
 

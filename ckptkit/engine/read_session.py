@@ -35,7 +35,8 @@ from ckptkit.engine.metadata_io import read_index, read_manifest
 from ckptkit.errors import CkptkitError, CorruptCheckpointError
 from ckptkit.layout.box import Box, Region
 from ckptkit.layout.coverage import named_axes, region_text
-from ckptkit.layout.manifest import Index, IndexEntry, Manifest
+from ckptkit.layout.index import Index, IndexEntry
+from ckptkit.layout.manifest import Manifest
 from ckptkit.layout.pieces import LocalBox
 from ckptkit.plan.load_plan import CopyOp, ReadRequest, Target, match_sources, plan_reads
 from ckptkit.storage.base import ByteStore
@@ -73,7 +74,6 @@ class ReadSession:
         self.io_threads = io_threads
         self._lock = threading.Lock()
         self._indexes: dict[int, Index] = {}
-        self._entries: dict[int, dict[tuple, IndexEntry]] = {}
         self._objects_checked: set[tuple[int, str]] = set()
         self._dtypes: dict[str, Any] = {}
         self._bytes_read = 0
@@ -122,20 +122,22 @@ class ReadSession:
                 for r, idx in zip(missing, got):
                     if r not in self._indexes:
                         self._indexes[r] = idx
-                        self._entries[r] = {(e.tensor, e.region.key()): e for e in idx.entries}
         with self._lock:
             return {r: self._indexes[r] for r in ranks}
 
     def try_index(self, rank: int) -> Index | CkptkitError:
-        """Rank ``rank``'s index, or the error that reading it raised (verify reports, not raises)."""
+        """Rank ``rank``'s index with every entry validated, or the error that reading it raised (verify
+        reports, not raises; a load validates only the entries it reads)."""
         try:
-            return self.indexes({rank})[rank]
+            index = self.indexes({rank})[rank]
+            index.entries  # noqa: B018 - validates every entry
+            return index
         except CkptkitError as exc:
             return exc
 
     def entry_of(self, op: CopyOp) -> IndexEntry:
         """The index entry of the stored piece ``op`` reads (its writer's index must be loaded)."""
-        entry = self._entries[op.writer].get((op.tensor, op.source.key()))
+        entry = self._indexes[op.writer].entry(op.tensor, op.source)
         if entry is None:
             meta = self.manifest.tensors.get(op.tensor)
             held = region_text(op.source, tuple(meta.shape), named_axes(meta.rule)) if meta is not None else ""

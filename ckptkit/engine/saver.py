@@ -41,7 +41,8 @@ from ckptkit.engine.writer import write_pieces
 from ckptkit.errors import CkptkitError, SaveError
 from ckptkit.version import __version__
 from ckptkit.layout.grid import GridLayout, Mesh, Replicate
-from ckptkit.layout.manifest import MANIFEST_NAME, Index, IndexRef, Manifest, sha256_hex
+from ckptkit.layout.index import Index
+from ckptkit.layout.manifest import MANIFEST_NAME, IndexRef, Manifest, sha256_hex
 from ckptkit.layout.rules import PartitionRule, rule_from_grid
 from ckptkit.layout.values import encode_value
 from ckptkit.plan.merge import RankReport, merge_reports, merge_values

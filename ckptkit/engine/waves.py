@@ -42,7 +42,7 @@ import torch
 from ckptkit.engine.state import torch_dtype
 from ckptkit.engine.tensor_bytes import as_bytes
 from ckptkit.errors import SaveError
-from ckptkit.layout.manifest import IndexEntry
+from ckptkit.layout.index import IndexEntry
 from ckptkit.layout.pieces import LocalBox
 from ckptkit.plan.save_plan import SavePlan, WriteItem
 from ckptkit.storage.base import ByteStore

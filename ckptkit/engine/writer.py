@@ -15,7 +15,7 @@ import crc32c
 import torch
 
 from ckptkit.engine.tensor_bytes import as_bytes, piece_tensor
-from ckptkit.layout.manifest import IndexEntry
+from ckptkit.layout.index import IndexEntry
 from ckptkit.plan.save_plan import SavePlan, WriteItem
 from ckptkit.storage.base import ByteStore
 

@@ -24,7 +24,7 @@ import torch.multiprocessing as mp
 
 from ckptkit.engine.waves import WaveChannel, WaveSchedule, write_waves
 from ckptkit.errors import SaveError
-from ckptkit.layout.manifest import IndexEntry
+from ckptkit.layout.index import IndexEntry
 from ckptkit.plan.save_plan import SavePlan
 from ckptkit.storage.base import ByteStore
 

@@ -12,6 +12,8 @@ fails with a message that names the file and the field.
 * An **index** (``index/rank-00007-<attempt>.json``) lists the pieces one
   rank wrote: object, byte offset and length, and a CRC32C per block of each
   piece, plus that rank's per-rank values (RNG states, data-loader positions).
+  Its parsing lives in :mod:`ckptkit.layout.index`; this module holds the checks
+  both files share (object keys, the format header).
 
 Every byte a load can return is covered by a digest or checksum: data by the
 CRC32Cs in the indexes, each index by the SHA-256 the manifest records, and
@@ -56,12 +58,10 @@ from ckptkit.layout.strict_json import (
 )
 
 FORMAT = "ckptkit"
-INDEX_FORMAT = "ckptkit-index"
 VERSION = 2  # manifests written now: sealed by their own digest, attempt-named objects, rank_values
 SPLIT_VERSION = 3  # a manifest with a FlatSplit layout (ZeRO-3's runs); otherwise as version 2
 SPLIT_MIN_RUNS = 64  # pieces of a tensor recorded as a FlatSplit from this many runs on (ZeRO-3 over 64+ ranks)
 READ_VERSIONS = (1, 2, 3)  # manifests this ckptkit reads
-INDEX_VERSION = 1  # the index format is unchanged since version 1
 MANIFEST_NAME = "manifest.json"
 SEAL_FIELD = "manifest_sha256"
 MAX_NDIM = 64  # dimensions of a tensor (torch supports fewer)
@@ -191,7 +191,7 @@ def _parse_pieces(raw: Any, shape: tuple[int, ...], world: int, where: str) -> t
     try:
         for item in as_list(raw, f"{where}: pieces"):
             if not isinstance(item, list) or len(item) != 4:
-                raise ManifestError(f"{where}: malformed piece {_short(item)}")
+                raise ManifestError(f"{where}: malformed piece {short(item)}")
             region = Region.from_json({"box": [item[0], item[1]], "flat": item[2]})
             if not region.box.within(shape):
                 raise ManifestError(f"{where}: piece {region.to_json()} is outside shape {list(shape)}")
@@ -332,7 +332,7 @@ class Manifest:
 
     @staticmethod
     def _from_checked_doc(doc: dict, where: str, complete: bool) -> Manifest:
-        _check_header(doc, FORMAT, where, READ_VERSIONS)
+        check_header(doc, FORMAT, where, READ_VERSIONS)
         world = as_int(doc.get("world_size"), f"{where}: world_size", minimum=1, maximum=MAX_WORLD)
         indexes = _indexes_from_json(doc.get("indexes"), world, where)
         if complete and len(indexes) != world:
@@ -364,7 +364,7 @@ class Manifest:
             raise ManifestError(f"{where}: parallel must be a string")
         attempt = doc.get("attempt")
         if attempt is not None and (not isinstance(attempt, str) or not re.fullmatch(r"[0-9a-f]{12}", attempt)):
-            raise ManifestError(f"{where}: malformed save attempt id {_short(attempt)}")
+            raise ManifestError(f"{where}: malformed save attempt id {short(attempt)}")
         meta = as_dict(doc.get("meta", {}), f"{where}: meta")
         _check_disjoint_keys(tensors, values, rank_values, per_rank, where)
         return Manifest(world, tensors, indexes, values, per_rank, parallel, meta, doc["version"], attempt, rank_values)
@@ -374,7 +374,7 @@ def _indexes_from_json(raw: Any, world: int, where: str) -> dict[int, IndexRef]:
     indexes: dict[int, IndexRef] = {}
     for item in as_list(raw, f"{where}: indexes"):
         if not isinstance(item, list) or len(item) != 4:
-            raise ManifestError(f"{where}: malformed index entry {_short(item)}")
+            raise ManifestError(f"{where}: malformed index entry {short(item)}")
         rank = as_int(item[0], f"{where}: index rank", minimum=0)
         if rank >= world:
             raise ManifestError(f"{where}: index for rank {rank} in a world of {world}")
@@ -396,7 +396,7 @@ def _rank_values_from_json(raw: Any, world: int, where: str) -> dict[str, tuple[
         parsed = []
         for group in as_list(groups, f"{where} {key!r}"):
             if not isinstance(group, list) or len(group) != 2:
-                raise ManifestError(f"{where} {key!r}: malformed entry {_short(group)}")
+                raise ManifestError(f"{where} {key!r}: malformed entry {short(group)}")
             ranks = tuple(as_int(r, f"{where} {key!r}: rank", minimum=0, maximum=world - 1)
                           for r in as_list(group[1], f"{where} {key!r}: ranks"))
             if seen.intersection(ranks) or len(set(ranks)) != len(ranks):
@@ -424,7 +424,7 @@ def _state_key(key: str, where: str) -> str:
     return check_text(key, where)
 
 
-def _short(value: Any) -> str:
+def short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
 
@@ -434,7 +434,7 @@ def _tensor_from_json(key: str, tdoc: Any, meshes: dict[str, Mesh], world: int, 
     tdoc = as_dict(tdoc, where)
     dtype = tdoc.get("dtype")
     if not isinstance(dtype, str) or dtype not in DTYPES:
-        raise ManifestError(f"{where}: unknown dtype {_short(dtype)}")
+        raise ManifestError(f"{where}: unknown dtype {short(dtype)}")
     shape = tuple(as_int(s, f"{where}: shape", minimum=0) for s in as_list(tdoc.get("shape"), f"{where}: shape"))
     if len(shape) > MAX_NDIM:
         raise ManifestError(f"{where}: {len(shape)} dimensions, at most {MAX_NDIM} supported")
@@ -447,7 +447,7 @@ def _tensor_from_json(key: str, tdoc: Any, meshes: dict[str, Mesh], world: int, 
             mesh_id = ldoc.get("mesh")
             mesh = meshes.get(mesh_id) if isinstance(mesh_id, str) else None
             if mesh is None:
-                raise ManifestError(f"{where}: layout names unknown mesh {_short(mesh_id)}")
+                raise ManifestError(f"{where}: layout names unknown mesh {short(mesh_id)}")
             layout: GridLayout | ExplicitLayout = GridLayout.from_json(ldoc, mesh, shape)
             rotation = as_int(ldoc.get("rotation", 0), f"{where}: rotation", minimum=0)
             return TensorMeta(key, dtype, shape, layout, rotation, rule)
@@ -459,122 +459,23 @@ def _tensor_from_json(key: str, tdoc: Any, meshes: dict[str, Mesh], world: int, 
             return TensorMeta(key, dtype, shape, layout_e, 0, rule)
     except LayoutError as exc:
         raise ManifestError(f"{where}: {exc}") from None
-    raise ManifestError(f"{where}: unknown layout kind {_short(ldoc.get('kind'))}")
-
-
-@dataclass(frozen=True)
-class IndexEntry:
-    """One stored piece: where its bytes are and their block checksums."""
-
-    tensor: str
-    region: Region
-    object: str
-    offset: int
-    nbytes: int
-    crcs: tuple[int, ...]
-
-
-@dataclass
-class Index:
-    rank: int
-    block: int
-    objects: dict[str, int]
-    entries: list[IndexEntry]
-    values: dict[str, Any] = field(default_factory=dict)
-    version: int = INDEX_VERSION
-
-    def to_json_bytes(self) -> bytes:
-        doc = {
-            "format": INDEX_FORMAT,
-            "version": self.version,
-            "rank": self.rank,
-            "block": self.block,
-            "objects": [[k, n] for k, n in self.objects.items()],
-            "pieces": [
-                [
-                    e.tensor, list(e.region.box.offsets), list(e.region.box.sizes),
-                    list(e.region.flat) if e.region.flat else None,
-                    e.object, e.offset, e.nbytes, list(e.crcs),
-                ]
-                for e in self.entries
-            ],
-            "values": self.values,
-        }
-        return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
-
-    @staticmethod
-    def from_json_bytes(data: bytes, where: str) -> Index:
-        with gc_paused():
-            return Index._parse(data, where)
-
-    @staticmethod
-    def _parse(data: bytes, where: str) -> Index:
-        doc = load_json(data, where)
-        _check_header(doc, INDEX_FORMAT, where, (INDEX_VERSION,))
-        rank = as_int(doc.get("rank"), f"{where}: rank", minimum=0, maximum=MAX_WORLD)
-        block = as_int(doc.get("block"), f"{where}: block", minimum=1)
-        objects: dict[str, int] = {}
-        for item in as_list(doc.get("objects"), f"{where}: objects"):
-            if not isinstance(item, list) or len(item) != 2:
-                raise ManifestError(f"{where}: malformed object entry {_short(item)}")
-            obj = check_object_key(item[0], where)
-            if obj in objects:
-                raise ManifestError(f"{where}: object {obj!r} is declared twice")
-            objects[obj] = as_int(item[1], f"{where}: object size", minimum=0)
-        entries = []
-        for item in as_list(doc.get("pieces"), f"{where}: pieces"):
-            if not isinstance(item, list) or len(item) != 8:
-                raise ManifestError(f"{where}: malformed piece entry")
-            tensor = item[0]
-            if not isinstance(tensor, str):
-                raise ManifestError(f"{where}: piece tensor key must be a string")
-            check_text(tensor, where)
-            try:
-                region = Region.from_json({"box": [item[1], item[2]], "flat": item[3]})
-            except LayoutError as exc:
-                raise ManifestError(f"{where}: tensor {tensor!r}: {exc}") from None
-            obj = check_object_key(item[4], f"{where}: tensor {tensor!r}")
-            if obj not in objects:
-                raise ManifestError(f"{where}: tensor {tensor!r} points into undeclared object {obj!r}")
-            offset = as_int(item[5], f"{where}: offset", minimum=0)
-            nbytes = as_int(item[6], f"{where}: nbytes", minimum=0)
-            if offset + nbytes > objects[obj]:
-                raise ManifestError(
-                    f"{where}: tensor {tensor!r} bytes [{offset}, {offset + nbytes}) exceed object {obj!r} "
-                    f"of {objects[obj]} bytes"
-                )
-            crcs_raw = as_list(item[7], f"{where}: crcs")
-            if len(crcs_raw) != max(1, -(-nbytes // block)):
-                raise ManifestError(f"{where}: tensor {tensor!r} has {len(crcs_raw)} checksums for {nbytes} bytes")
-            crcs = tuple(as_int(c, f"{where}: crc", minimum=0, maximum=0xFFFFFFFF) for c in crcs_raw)
-            entries.append(IndexEntry(tensor, region, obj, offset, nbytes, crcs))
-        seen: set[tuple] = set()
-        for e in entries:
-            if (e.tensor, e.region.key()) in seen:
-                raise ManifestError(f"{where}: piece {e.region.to_json()} of tensor {e.tensor!r} is listed twice")
-            seen.add((e.tensor, e.region.key()))
-        spans = sorted((e.object, e.offset, e.offset + e.nbytes, e.tensor) for e in entries if e.nbytes)
-        for (o1, _, end1, t1), (o2, start2, _, t2) in zip(spans, spans[1:]):
-            if o1 == o2 and start2 < end1:
-                raise ManifestError(f"{where}: pieces of {t1!r} and {t2!r} overlap in object {o1!r}")
-        values = as_dict(doc.get("values", {}), f"{where}: values")
-        return Index(rank, block, objects, entries, values, doc["version"])
+    raise ManifestError(f"{where}: unknown layout kind {short(ldoc.get('kind'))}")
 
 
 def sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _check_header(doc: dict, fmt: str, where: str, versions: tuple[int, ...]) -> None:
+def check_header(doc: dict, fmt: str, where: str, versions: tuple[int, ...]) -> None:
     if doc.get("format") != fmt:
-        raise ManifestError(f"{where}: format is {_short(doc.get('format'))}, expected {fmt!r}")
+        raise ManifestError(f"{where}: format is {short(doc.get('format'))}, expected {fmt!r}")
     version = doc.get("version")
     if not isinstance(version, int) or isinstance(version, bool):
         raise ManifestError(f"{where}: missing format version")
     if version not in versions:
         newest = max(versions)
         raise UnsupportedVersionError(
-            f"{where}: format version {_short(version)} is not supported by this ckptkit (reads versions "
+            f"{where}: format version {short(version)} is not supported by this ckptkit (reads versions "
             f"{', '.join(map(str, versions))}); "
             + ("upgrade ckptkit" if version > newest else "convert it with an older ckptkit")
         )

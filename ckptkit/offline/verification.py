@@ -24,7 +24,8 @@ from ckptkit.errors import (
     StorageError,
     UncommittedCheckpointError,
 )
-from ckptkit.layout.manifest import DTYPES, MANIFEST_NAME, Index, IndexEntry, Manifest
+from ckptkit.layout.index import Index, IndexEntry
+from ckptkit.layout.manifest import DTYPES, MANIFEST_NAME, Manifest
 from ckptkit.layout.values import decode_value
 from ckptkit.options import Progress
 from ckptkit.storage.base import ByteStore

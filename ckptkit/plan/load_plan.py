@@ -21,7 +21,8 @@ from math import prod
 from ckptkit.errors import CoverageError, CorruptCheckpointError
 from ckptkit.layout.coverage import named_axes
 from ckptkit.layout.box import Box, Region, row_major_strides
-from ckptkit.layout.manifest import IndexEntry, TensorMeta
+from ckptkit.layout.index import IndexEntry
+from ckptkit.layout.manifest import TensorMeta
 from ckptkit.layout.pieces import LocalBox, LocalPlace
 
 SourceKey = tuple[int, str, tuple]  # (writer rank, tensor, region key)

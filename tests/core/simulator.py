@@ -16,7 +16,8 @@ from math import prod
 
 from ckptkit.layout.box import Box, Region, row_major_strides
 from ckptkit.layout.grid import GridLayout
-from ckptkit.layout.manifest import Index, IndexEntry, IndexRef, Manifest, sha256_hex
+from ckptkit.layout.index import Index, IndexEntry
+from ckptkit.layout.manifest import IndexRef, Manifest, sha256_hex
 from ckptkit.layout.pieces import LocalBox, Piece
 from ckptkit.plan.load_plan import Target, match_sources, plan_reads
 from ckptkit.plan.merge import RankReport, merge_reports
