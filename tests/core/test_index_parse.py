@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from ckptkit.errors import CkptkitError, ManifestError, UnsafePathError
 from ckptkit.layout.box import Box, Region
 from ckptkit.layout.index import Index, IndexEntry
+from tests.conftest import trials
 
 WHERE = "ckpt/index/rank-00003-x.json"
 BLOCK = 64
@@ -59,7 +60,7 @@ def indexes(draw) -> Index:
     return Index(3, BLOCK, objects, [entries[i] for i in order], values)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=trials(100, 2000), deadline=None)
 @given(indexes(), st.data())
 def test_a_parsed_index_gives_back_every_entry_as_written(index, data):
     parsed = Index.from_json_bytes(index.to_json_bytes(), WHERE)
@@ -183,7 +184,7 @@ def test_the_pristine_document_reads():
     assert index.entry("b", B_PIECE) == IndexEntry("b", B_PIECE, "data/r3.bin", 100, 64, (2,))
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=trials(100, 2000), deadline=None)
 @given(st.integers(0, 2), st.integers(0, 7),
        st.one_of(st.none(), st.booleans(), st.integers(-5, 500), st.integers(2**62, 2**70), st.floats(allow_nan=False),
                  st.text(max_size=4), st.lists(st.integers(-1, 20), max_size=3), st.just({"k": 1}),
