@@ -242,14 +242,16 @@ MEGATRON_VOCAB = 30  # the golden fixture's true vocabulary (padded to 32 by its
 
 def megatron_sample(root: Path) -> Sample:
     """The golden Megatron adapter checkpoint (tp2, vocab 30 padded to 32, Adam state): a torch_dist
-    export holds the model's weights only, with padding rows re-made, so the import gets back the
-    model's tensors without the saving job's ``.vocab_padding`` rows. The export writes ``common.pt``
-    without Megatron-LM ``args``, so the import is told the vocabulary (as a user would be)."""
+    export holds the model's weights only, its padding rows the saving job's ``.vocab_padding`` rows
+    (the padding is 32 at tp1 too), and the import keeps them apart again: every model tensor comes
+    back. The export writes ``common.pt`` without Megatron-LM ``args``, so the import is told the
+    vocabulary (as a user would be)."""
     from ckptkit_converters.megatron.options import MegatronExportOptions, MegatronImportOptions
 
     shutil.copytree(GOLDEN / "megatron" / "ckpt", root / "ckpt")
     keys = ckptkit.open(root / "ckpt").keys()
-    kept = frozenset(k for k in keys if k.startswith("model/") and not k.endswith(".vocab_padding"))
+    kept = frozenset(k for k in keys if k.startswith("model/"))
+    assert any(k.endswith(".vocab_padding") for k in kept)
     return Sample(
         source=root / "ckpt", export_options=MegatronExportOptions(layout=ParallelConfig.parse("tp1pp1")),
         import_options=MegatronImportOptions(vocab_size=MEGATRON_VOCAB, make_vocab_size_divisible_by=8, threads=1),

@@ -28,7 +28,7 @@ from tests import megatron_model as mm
 STEPS = 2
 
 
-def _args(layout: mm.Layout) -> argparse.Namespace:
+def mlm_args(layout: mm.Layout) -> argparse.Namespace:
     """Megatron-LM's ``args`` as its training loop saves them (``generate_state_dict``:
     ``state_dict['args'] = args``): ``vocab_size`` is its ``--vocab-size``, None unless given
     (the tokenizer's size is not kept; ``padded_vocab_size`` is)."""
@@ -39,7 +39,7 @@ def _args(layout: mm.Layout) -> argparse.Namespace:
         pipeline_model_parallel_size=layout.pp, virtual_pipeline_model_parallel_size=layout.vpp,
         make_vocab_size_divisible_by=layout.divisible_by, padded_vocab_size=mm.padded_vocab(layout),
         untie_embeddings_and_output_weights=not layout.tied, world_size=dist.get_world_size(),
-        params_dtype=torch.float32, attention_backend=AttnBackend.auto, ckpt_format="torch")
+        bf16=layout.bf16, params_dtype=torch.bfloat16 if layout.bf16 else torch.float32, attention_backend=AttnBackend.auto, ckpt_format="torch")
 
 
 def _rng_state() -> dict[str, Any]:
@@ -91,7 +91,7 @@ def train_and_save(folder: str, tied: bool) -> dict[str, Any]:
     optim = trainer.optimizer.sharded_state_dict(
         sharded, metadata={"distrib_optim_sharding_type": "dp_reshardable"} if layout.dist_opt else None)
     dist_checkpointing.save({"model": sharded, "optimizer": optim, "iteration": it, "checkpoint_version": 3.0,
-                             "args": _args(layout)}, tdir)
+                             "args": mlm_args(layout)}, tdir)
     plain = dist_checkpointing.load_plain_tensors(tdir)  # Megatron's own full-tensor read: the optimizer reference
     optimizer = {k: v for k, v in plain.items() if k.startswith("optimizer.state.")}
     # legacy: DP rank 0 of every (tp, pp) writes one file (mp_rank_TT_PPP when pp > 1)
@@ -99,7 +99,7 @@ def train_and_save(folder: str, tied: bool) -> dict[str, Any]:
         name = f"mp_rank_{ps.get_tensor_model_parallel_rank():02d}_{ps.get_pipeline_model_parallel_rank():03d}"
         path = os.path.join(folder, "legacy", f"iter_{it:07d}", name, "model_optim_rng.pt")
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        torch.save({"args": _args(layout), "checkpoint_version": 3.0, "iteration": it,
+        torch.save({"args": mlm_args(layout), "checkpoint_version": 3.0, "iteration": it,
                     "model": module.state_dict_for_save_checkpoint(), "rng_state": [_rng_state()],
                     "opt_param_scheduler": trainer.scheduler.state_dict(),
                     "num_floating_point_operations_so_far": 0}, path)
@@ -120,26 +120,14 @@ def train_and_save(folder: str, tied: bool) -> dict[str, Any]:
             "optimizer": optimizer if first else None}
 
 
-def load_and_eval(path: str, tp: int, pp: int, tied: bool, zero_padding: bool = False) -> float:
-    """Megatron's own ``dist_checkpointing.load`` of ``path`` into a model built at tp/pp; its eval loss.
-
-    ``zero_padding``: zero the vocab padding rows after loading, as an export from
-    model space writes them (the padded logits enter Megatron's softmax, so the
-    trained padding rows of Megatron's own checkpoint change the loss a little).
-    """
+def load_and_eval(path: str, tp: int, pp: int, tied: bool) -> float:
+    """Megatron's own ``dist_checkpointing.load`` of ``path`` into a model built at tp/pp; its eval loss."""
     from megatron.core import dist_checkpointing
-    from megatron.core import parallel_state as ps
 
     trainer = mm.setup(mm.Layout(tp=tp, pp=pp, tied=tied))
     for chunk in trainer.model:
         module = chunk.module
         module.load_state_dict(dist_checkpointing.load({"model": module.sharded_state_dict()}, path)["model"])
-        if zero_padding:
-            for name, param in module.named_parameters():
-                if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
-                    first = ps.get_tensor_model_parallel_rank() * param.shape[0]
-                    with torch.no_grad():
-                        param[max(0, mm.VOCAB - first):].zero_()
     loss = mm.eval_loss(trainer)
     mm.teardown()
     return loss

@@ -137,23 +137,27 @@ def _train_state_sd(t: mm.Trainer, *, loading: bool) -> dict[str, Any]:
 
 
 def megatron_save(t: mm.Trainer, megatron_folder: str) -> None:
-    """Megatron's own save of the whole training state: model, optimizer, scheduler and iteration."""
+    """Megatron's own save of the whole training state, under the keys Megatron-LM's ``save_checkpoint`` uses
+    (``generate_state_dict``): model chunks, optimizer, ``opt_param_scheduler``, ``iteration``, ``args``,
+    ``checkpoint_version``. So it is also what a user brings to ckptkit's torch_dist import."""
     from megatron.core import dist_checkpointing
+
+    from tests.megatron_convert_job import mlm_args
 
     if torch.distributed.get_rank() == 0:
         import os
 
         os.makedirs(megatron_folder, exist_ok=True)
     torch.distributed.barrier()
-    dist_checkpointing.save({**_train_state_sd(t, loading=False), "scheduler": t.scheduler.state_dict(),
-                             "iteration": t.iteration}, megatron_folder)
+    dist_checkpointing.save({**_train_state_sd(t, loading=False), "opt_param_scheduler": t.scheduler.state_dict(),
+                             "iteration": t.iteration, "args": mlm_args(t.layout), "checkpoint_version": 3.0},
+                            megatron_folder)
 
 
-def megatron_reference(layout: mm.Layout, megatron_folder: str, *, steps: int, zero_padding_eval: bool = False,
+def megatron_reference(layout: mm.Layout, megatron_folder: str, *, steps: int,
                        weights_only: bool = False) -> dict[str, Any]:
     """The reference run at ``layout``: Megatron's own load of :func:`megatron_save`'s checkpoint, then the
-    resumed job's steps. ``zero_padding_eval``: also the eval with the vocabulary padding rows zeroed (what an
-    import without them loads). ``weights_only``: load the model alone (where Megatron cannot load the optimizer
+    resumed job's steps. ``weights_only``: load the model alone (where Megatron cannot load the optimizer
     at ``layout``): only its first forward is a reference then."""
     from megatron.core import dist_checkpointing
 
@@ -173,12 +177,9 @@ def megatron_reference(layout: mm.Layout, megatron_folder: str, *, steps: int, z
                 t.optimizer.load_state_dict(loaded["optimizer"])
             _unshare_adam_steps(t.optimizer)
         common = dist_checkpointing.load_common_state_dict(megatron_folder)
-        t.scheduler.load_state_dict(common["scheduler"])
+        t.scheduler.load_state_dict(common["opt_param_scheduler"])
         t.iteration = common["iteration"]
-        out: dict[str, Any] = {}
-        if zero_padding_eval:
-            out["eval_zero_padding"] = _eval_with_zero_padding(t)
-        return _train_on(t, out, steps)
+        return _train_on(t, {}, steps)
     finally:
         mm.teardown()
 
@@ -231,27 +232,6 @@ def _unshare_adam_steps(optimizer: Any) -> None:
         for st in o.optimizer.state.values():
             if isinstance(st.get("step"), torch.Tensor):
                 st["step"] = st["step"].clone()
-
-
-def _eval_with_zero_padding(t: mm.Trainer) -> float:
-    """The eval loss with the vocabulary padding rows of the embedding and output layer zeroed, then restored."""
-    from megatron.core import parallel_state as ps
-
-    from ckptkit.adapters.megatron.model_space import unwrap
-
-    saved = []
-    for chunk in t.model:
-        for name, p in unwrap(chunk).named_parameters():
-            if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
-                first = ps.get_tensor_model_parallel_rank() * p.shape[0]
-                rows = p.data[max(0, mm.VOCAB - first):]
-                saved.append((rows, rows.clone()))
-                rows.zero_()
-    try:
-        return mm.eval_loss(t)
-    finally:
-        for rows, value in saved:
-            rows.copy_(value)
 
 
 def megatron_reference_eval(layout: mm.Layout, megatron_folder: str) -> float:

@@ -60,7 +60,7 @@ def save_and_logits(folder: str, moe: bool) -> torch.Tensor:
         logits = module(tokens, positions, mask)
     os.makedirs(folder, exist_ok=True)
     dist_checkpointing.save({"model": module.sharded_state_dict(), "iteration": 1, "checkpoint_version": 3.0,
-                             "args": cjob._args(layout)}, folder)
+                             "args": cjob.mlm_args(layout)}, folder)
     mm.teardown()
     dist.barrier()
     return logits.detach().clone()

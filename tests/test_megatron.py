@@ -90,8 +90,7 @@ def reference(worlds, saved):
     def get(name: str, layout: mm.Layout) -> dict:
         layout = dataclasses.replace(layout, dist_opt=SAVED[name].dist_opt)
         if (name, layout) not in cache:
-            cache[(name, layout)] = worlds.run(4, job.megatron_reference, layout, saved[name][2], steps=STEPS,
-                                               zero_padding_eval=(name, layout) == ("A", TP1PP4))[0]
+            cache[(name, layout)] = worlds.run(4, job.megatron_reference, layout, saved[name][2], steps=STEPS)[0]
         return cache[(name, layout)]
 
     return get
@@ -322,24 +321,74 @@ def test_reshard_to_megatron_torch_dist_loads_in_megatron(worlds, saved, referen
     assert theirs == reference("A", TP1PP4)["eval"]
 
 
-def test_torch_dist_import_equals_the_adapter_checkpoint_and_loads(worlds, saved, reference, tmp_path):
-    """Megatron's torch_dist save and ckptkit's save of the same training state at the same step: the imported
-    model-space tensors (weights and Adam moments) equal the adapter's bit for bit, and the adapter loads the
-    import's weights at tp1pp4. The import drops Megatron's trained padding rows (zeros on load): its eval is
-    Megatron's own load at tp1pp4 with those rows zeroed, to the last bit."""
+def _import(mfolder: str, dest: str, layout: mm.Layout) -> str:
     from ckptkit_converters.megatron.importer import import_torch_dist
 
+    import_torch_dist(mfolder, dest, vocab_size=mm.VOCAB, make_vocab_size_divisible_by=layout.divisible_by)
+    return dest
+
+
+def test_torch_dist_import_equals_the_adapter_checkpoint_and_loads(worlds, saved, reference, tmp_path):
+    """Megatron's torch_dist save and ckptkit's save of the same training state at the same step: every tensor
+    the adapter stored (weights, Adam moments, the vocabulary padding rows Megatron trained) is in the import
+    bit for bit. The import also holds the distributed optimizer's main copies (``optimizer.state.param``),
+    which in fp32 training are the weights themselves; the adapter stores none then. Loaded at tp1pp4, the
+    import evaluates as Megatron's own load there, to the last bit (the padding rows came along)."""
     folder, _, mfolder = saved["A"]
-    out = str(tmp_path / "imported")
-    import_torch_dist(mfolder, out, vocab_size=mm.VOCAB, make_vocab_size_divisible_by=A.divisible_by)
+    out = _import(mfolder, str(tmp_path / "imported"), A)
     ours, imported = job.all_tensors(folder), job.all_tensors(out)
-    model_keys = {k for k in ours if k.startswith("model/") and not k.endswith(".vocab_padding")}
-    assert {k for k in imported if k.startswith("model/")} == model_keys
-    assert any(k.startswith("optimizer/exp_avg_sq/") for k in imported)
-    for k in imported:
+    assert set(ours) <= set(imported)
+    for k in ours:
         assert torch.equal(ours[k], imported[k]), k
+    mains = set(imported) - set(ours)
+    assert mains and all(k.startswith("optimizer/main/") for k in mains)
+    for k in mains:
+        assert torch.equal(imported[k], imported["model/" + k.removeprefix("optimizer/main/")]), k
     got = worlds.run(4, job.resume, TP1PP4, out, steps=0, load_optimizer=False)[0]
-    assert got["eval"] == reference("A", TP1PP4)["eval_zero_padding"]
+    assert got["eval"] == reference("A", TP1PP4)["eval"]
+
+
+def check_migrated(got: dict, want: dict) -> None:
+    """A job resumed from an imported Megatron checkpoint against Megatron's own resume of that checkpoint at
+    the same layout: both start at step 2 with the same weights, Adam state, step and LR schedule, and do the
+    same arithmetic, so everything is equal to the last bit (the issue asks 1e-5 across layouts; this holds ==)."""
+    assert got["iteration"] == want["iteration"] == SAVE_STEP
+    assert got["lr"] == want["lr"]
+    assert got["eval"] == want["eval"]
+    assert got["losses"] == want["losses"]
+    assert got["final_eval"] == want["final_eval"]
+
+
+@pytest.mark.parametrize("name, layout", [("C", C), ("C", TP1PP4), ("C", TP4PP1), ("D", D), ("B", B)],
+                         ids=["dist-opt-tp2pp1dp2", "dist-opt-to-tp1pp4", "dist-opt-to-tp4pp1", "bf16-dist-opt-tp2pp2",
+                              "plain-optimizer-tied"])
+def test_megatrons_own_save_imports_with_its_optimizer_and_resumes(worlds, saved, reference, tmp_path, name, layout):
+    """A team's Megatron checkpoint (Megatron's own dist_checkpointing save of the training state, the keys
+    Megatron-LM writes: the distributed optimizer in its ``fully_reshardable`` form, or the plain optimizer's
+    model-space state) imported by ckptkit, then resumed through the adapter with its Adam moments, main copies,
+    step and LR schedule, at the saving layout and at others. The yardstick is Megatron resuming its own
+    checkpoint at the same layout."""
+    out = _import(saved[name][2], str(tmp_path / "imported"), SAVED[name])
+    got = worlds.run(4, job.resume, layout, out, steps=STEPS)[0]
+    check_migrated(got, reference(name, layout))
+
+
+def test_an_imported_optimizer_is_what_the_resume_needs(worlds, saved, reference, tmp_path):
+    """Negative control for the test above: the same import resumed without its optimizer state (a fresh Adam)
+    agrees with Megatron's resume on the first forward and not on the steps after it, so the comparison would
+    see an optimizer lost or imported wrong. And the record the import writes says what it holds."""
+    out = _import(saved["C"][2], str(tmp_path / "imported"), C)
+    want = reference("C", C)
+    fresh = worlds.run(4, job.resume, C, out, steps=STEPS, load_optimizer=False)[0]
+    assert (fresh["eval"], fresh["losses"][SAVE_STEP + 1]) == (want["eval"], want["losses"][SAVE_STEP + 1])
+    assert fresh["losses"][STEPS] != want["losses"][STEPS] and fresh["final_eval"] != want["final_eval"]
+    import ckptkit.adapters.megatron as mckpt
+
+    meta, _ = mckpt.read_meta(out)
+    assert meta["optimizer"]["tensor_states"] == ["exp_avg", "exp_avg_sq"] and meta["optimizer"]["main"]
+    assert meta["optimizer"]["scalars"] == {"step": {"dtype": "float32", "value": float(SAVE_STEP)}}
+    assert meta["scheduler"]["num_steps"] == SAVE_STEP and meta["iteration"] == SAVE_STEP
+    assert meta["layout"] == {"tp": 2, "pp": 1, "dp": 2, "vpp": None}
 
 
 def test_checkpointer_keeps_the_last_two_and_resumes_at_another_layout(worlds, tmp_path):

@@ -8,12 +8,13 @@ own ``dist_checkpointing.save`` (torch_dist) and in the legacy per-rank layout
 Checked here:
 
 * both imports give every model-space tensor equal (bit for bit) to the
-  reference with vocab padding dropped, the name-table partition rules, and
-  ``megatron/meta``;
+  reference, the vocab padding rows apart (``<key>.vocab_padding``), the
+  name-table partition rules, and ``megatron/meta`` (with the optimizer record
+  where the plain optimizer's state was imported);
 * exports at tp1pp4 and tp4pp1 load with Megatron's ``dist_checkpointing.load``
   into models built there, with the eval loss of Megatron's own checkpoint
-  loaded at that layout (its padding rows zeroed, as model space re-creates
-  them), bit for bit: the same weights at the same layout. Losses are never
+  loaded at that layout (the trained padding rows came along), bit for bit:
+  the same weights at the same layout. Losses are never
   compared across layouts (another TP split rounds differently): the trained
   model and its torch_dist checkpoint are tied by Megatron's reload at the
   saving layout, which evaluates exactly as the trained model did;
@@ -51,6 +52,10 @@ from ckptkit_converters.common.safe_unpickle import UnsafeCheckpointError
 from tests import megatron_convert_job as job
 
 VOCAB = 250
+
+
+def mm_padded_rows() -> int:
+    return -(-VOCAB // 32) * 32  # divisible_by 16 x tp 2
 TIED = [False, True]
 
 
@@ -70,8 +75,15 @@ def saved(worlds, tmp_path_factory):
     return out
 
 
+def _split_vocab(key: str, v: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A Megatron tensor as ckptkit stores it: a vocab tensor's true rows, and its padding rows apart."""
+    if key.split("/")[-1] not in names.VOCAB_TENSORS:
+        return {key: v}
+    return {key: v[:VOCAB], key + names.VOCAB_PADDING_SUFFIX: v[VOCAB:]}
+
+
 def _expected(ref: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {f"model/{k}": (v[:VOCAB] if k in names.VOCAB_TENSORS else v) for k, v in ref.items()}
+    return {k: t for key, v in ref.items() for k, t in _split_vocab(f"model/{key}", v).items()}
 
 
 @pytest.mark.parametrize("kind", ["ck_td", "ck_legacy"])
@@ -83,7 +95,7 @@ def test_import_equals_megatron_load(saved, tied, kind):
     if kind == "ck_td":  # Megatron's plain optimizer state, model space (the untied run)
         for k, v in result["optimizer"].items():
             state, key = k[len("optimizer.state."):].split(".", 1)
-            expected[f"optimizer/{state}/{key}"] = v[:VOCAB] if key in names.VOCAB_TENSORS else v
+            expected.update(_split_vocab(f"optimizer/{state}/{key}", v))
         assert (len(result["optimizer"]) == 2 * len(result["tensors"])) == (not tied)
         assert tied or result["optimizer"]["optimizer.state.exp_avg.output_layer.weight"].abs().sum() > 0
     view = ckptkit.open(f"{folder}/{kind}")
@@ -93,12 +105,27 @@ def test_import_equals_megatron_load(saved, tied, kind):
         got = view[key].read()
         assert got.dtype == want.dtype and torch.equal(got, want), key
         name = key[len("model/"):] if key.startswith("model/") else key.split("/", 2)[2]
-        assert view.manifest.tensors[key].rule == names.rule_for(name, divisible_by=16, ffn=96), key
+        want_rule = None if name.endswith(names.VOCAB_PADDING_SUFFIX) else names.rule_for(name, divisible_by=16, ffn=96)
+        assert view.manifest.tensors[key].rule == want_rule, key
+    assert ("model/embedding.word_embeddings.weight.vocab_padding" in expected) and mm_padded_rows() > VOCAB
     meta = json.loads(view.values[META_KEY])
+    optimizer = meta.pop("optimizer")
+    scheduler = meta.pop("scheduler")
     assert meta == {"format": 1, "iteration": job.STEPS, "num_layers": 4, "vocab_size": VOCAB,
                     "make_vocab_size_divisible_by": 16, "tied": tied,
                     "layout": {"tp": 2, "pp": 2, "dp": 1, "vpp": None},
                     "source": "torch_dist" if kind == "ck_td" else "legacy"}
+    # the plain optimizer's state resumes (its step from common.pt's common_step); the tied run's distributed
+    # optimizer saved dp_reshardable buckets, and legacy files hold no optimizer: no record, no resume
+    if kind == "ck_td" and not tied:
+        assert optimizer == {"tensor_states": ["exp_avg", "exp_avg_sq"], "main": False,
+                             "scalars": {"step": {"dtype": "float32", "value": float(job.STEPS)}},
+                             "hyper_parameters": optimizer["hyper_parameters"]}
+        assert optimizer["hyper_parameters"][0][0]["betas"] == [0.9, 0.999]
+    else:
+        assert optimizer is None
+    assert (scheduler is not None) == (kind == "ck_legacy")  # the legacy files carry opt_param_scheduler
+    assert scheduler is None or scheduler["num_steps"] == job.STEPS
     rule = view.manifest.tensors["model/decoder.layers.mlp.linear_fc1.weight"].rule
     assert rule.fused == (96, 96) and rule.tp_axis == 1 and rule.layer_axis == 0
 
@@ -113,8 +140,9 @@ def test_export_loads_in_megatron(worlds, saved, tmp_path, tied, target):
     out = export_torch_dist(src, dest, tp=tp, pp=pp)
     assert out.meta["layout"]["tp"] == tp and os.path.exists(f"{dest}/.metadata")
     ours = worlds.run(4, job.load_and_eval, dest, tp, pp, tied)[0]
-    # Megatron's own checkpoint at the same layout, its padding rows zeroed as model space re-creates them
-    theirs = worlds.run(4, job.load_and_eval, f"{folder}/torch_dist", tp, pp, tied, zero_padding=True)[0]
+    # Megatron's own checkpoint at the same layout: the imports kept its trained padding rows, and the
+    # padding does not grow here (250 rows pad to 256 at tp 1, 2 and 4), so the export holds them all
+    theirs = worlds.run(4, job.load_and_eval, f"{folder}/torch_dist", tp, pp, tied)[0]
     assert ours == theirs
 
 
@@ -233,7 +261,7 @@ def test_cli_convert_megatron(worlds, saved, tmp_path):
                               "--to", "tp2pp2"])
     assert res.exit_code == 0, res.output
     loss = worlds.run(4, job.load_and_eval, str(tmp_path / "out"), 2, 2, False)[0]
-    assert loss == worlds.run(4, job.load_and_eval, f"{folder}/torch_dist", 2, 2, False, zero_padding=True)[0]
+    assert loss == worlds.run(4, job.load_and_eval, f"{folder}/torch_dist", 2, 2, False)[0]
 
 
 # ---------------------------------------------------------------- facts read from args
@@ -286,5 +314,5 @@ def test_facts_recorded_in_args_are_read(worlds, saved, tmp_path):
     assert res.exit_code == 0, res.output
     assert "as Megatron torch_dist for tp4pp1" in res.output
     ours = worlds.run(4, job.load_and_eval, str(tmp_path / "mlm_tp4"), 4, 1, False)[0]
-    theirs = worlds.run(4, job.load_and_eval, f"{folder}/torch_dist", 4, 1, False, zero_padding=True)[0]
+    theirs = worlds.run(4, job.load_and_eval, f"{folder}/torch_dist", 4, 1, False)[0]
     assert ours == theirs

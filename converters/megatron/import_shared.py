@@ -106,11 +106,14 @@ def check_vocab_rows(key: str, padded: int, vocab: int, make_vocab_size_divisibl
 
 
 def import_meta(source: str, iteration: int, num_layers: int, vocab: int, make_vocab_size_divisible_by: int,
-                tp: int, pp: int | None, dp: int | None, vpp: int | None, tied: bool) -> dict[str, Any]:
-    """``megatron/meta``: what the live adapter and the export need to lay the model out again."""
+                tp: int, pp: int | None, dp: int | None, vpp: int | None, tied: bool, *,
+                optimizer: dict[str, Any] | None = None, scheduler: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``megatron/meta``: what the live adapter and the export need to lay the model out again, and, when
+    the import holds a whole optimizer (:mod:`.optimizer_record`), what the adapter resumes it from."""
     return {"format": 1, "iteration": iteration, "num_layers": num_layers, "vocab_size": vocab,
             "make_vocab_size_divisible_by": make_vocab_size_divisible_by, "tied": tied,
-            "layout": {"tp": tp, "pp": pp, "dp": dp, "vpp": vpp}, "source": source}
+            "layout": {"tp": tp, "pp": pp, "dp": dp, "vpp": vpp}, "source": source,
+            "optimizer": optimizer, "scheduler": scheduler}
 
 
 def megatron_key(key: str) -> str:
@@ -131,12 +134,14 @@ def _layouts(specs: Mapping[str, StoredTensor], pieces: Mapping[int, Sequence[tu
             for k, s in sorted(specs.items())}
 
 
-def _partition_rules(specs: Mapping[str, StoredTensor], make_vocab_size_divisible_by: int) -> dict[str, PartitionRule]:
+def _partition_rules(specs: Mapping[str, StoredTensor],
+                     make_vocab_size_divisible_by: int) -> dict[str, PartitionRule | None]:
     """Each stored tensor's rule (optimizer state shares its parameter's), gated FFN sizes read off the
     stored shapes: what lets ``ckptkit reshard`` lay the model out at another tp/pp offline."""
     shapes = {k[len(MODEL):]: s.shape for k, s in specs.items() if k.startswith(MODEL)}
-    return {k: names.rule_for(megatron_key(k), divisible_by=make_vocab_size_divisible_by,
-                              ffn=names.gated_ffn(megatron_key(k), shapes))
+    return {k: None if k.endswith(names.VOCAB_PADDING_SUFFIX)  # the saving layout's padding rows: no rule
+            else names.rule_for(megatron_key(k), divisible_by=make_vocab_size_divisible_by,
+                                ffn=names.gated_ffn(megatron_key(k), shapes))
             for k in specs}
 
 

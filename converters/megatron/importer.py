@@ -16,11 +16,13 @@ Facts the checkpoint records about itself are read from its Megatron-LM ``args``
 parallel sizes, tied embeddings); only what they do not say is asked for
 (:func:`resolve_vocab`, naming it).
 
-Optimizer state: the non-distributed optimizer's model-space state
-(``optimizer.state.{exp_avg,exp_avg_sq,fp32_param}.<key>``) is imported from
-torch_dist as ``optimizer/{exp_avg,exp_avg_sq,main}/<key>``; the distributed
-optimizer's flat buckets, legacy ``optimizer`` dicts and exports are not yet
-(skipped tensors are listed). Every pickle is opened as :mod:`ckptkit_converters.megatron.files` says.
+Optimizer state: what Megatron saves in model space, ``optimizer.state.<state>.<key>`` — the plain
+optimizers' (``exp_avg``, ``exp_avg_sq``, ``fp32_param``) and the distributed optimizer's in its
+``fully_reshardable`` form (``param`` for the main copies) — is imported as
+``optimizer/{exp_avg,exp_avg_sq,main}/<key>``, with the record the live adapter resumes it from (step,
+hyper-parameters; :mod:`ckptkit_converters.megatron.optimizer_record`) and the LR scheduler's state.
+The distributed optimizer's ``dp_reshardable`` buckets and non-tensor items are not yet (listed in
+``skipped``). Every pickle is opened as :mod:`ckptkit_converters.megatron.files` says.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ from ckptkit_converters.dcp.files import (
     parse_metadata,
 )
 from ckptkit_converters.megatron import files as fmt
-from ckptkit_converters.megatron import names
+from ckptkit_converters.megatron import names, optimizer_record
 from ckptkit_converters.megatron.files import MODEL, MegatronConvertResult
 from ckptkit_converters.megatron.import_shared import (
     ImportRun,
@@ -66,12 +68,13 @@ from ckptkit_converters.common.renamed import divisible_by_renamed
 __all__ = ["import_legacy", "import_torch_dist", "read_torch_dist", "resolve_vocab"]
 
 
-class _Clipped:
-    """A piece source whose vocab pieces drop padding rows (``keep[ref]`` rows kept, or all)."""
+class _Cut:
+    """A piece source whose vocab pieces are row ranges of their chunk (``rows[ref] = (lo, hi)``): the
+    true vocabulary's rows, or the padding rows kept beside it (``<key>.vocab_padding``)."""
 
-    def __init__(self, inner: Any, keep: Mapping[int, int]) -> None:
+    def __init__(self, inner: Any, rows: Mapping[int, tuple[int, int]]) -> None:
         self._inner = inner
-        self._keep = keep
+        self._rows = rows
 
     @property
     def bytes_read(self) -> int:
@@ -82,8 +85,8 @@ class _Clipped:
 
     def __getitem__(self, ref: int) -> torch.Tensor:
         t = self._inner[ref]
-        n = self._keep.get(ref)
-        return t if n is None else t[:n].contiguous()
+        cut = self._rows.get(ref)
+        return t if cut is None else t[cut[0]:cut[1]].contiguous()
 
 
 def read_torch_dist(folder: str) -> tuple[DcpCheckpoint, dict[str, Any]]:
@@ -107,35 +110,50 @@ def read_torch_dist(folder: str) -> tuple[DcpCheckpoint, dict[str, Any]]:
 @dataclass
 class _PlacedChunks:
     """The DCP chunks as the import writes them: per writer rank, the chunks it reads (``reads``) and
-    the pieces they become (``pieces``, in the same order), and how many rows of a vocab piece are
-    kept where its chunk reaches into the padding (``keep[rank][ref]``)."""
+    the pieces they become (``pieces``, in the same order), and which rows of its chunk a vocab piece
+    holds where the chunk reaches into the padding (``rows[rank][ref] = (lo, hi)``)."""
 
     specs: dict[str, StoredTensor] = field(default_factory=dict)
     reads: dict[int, list[tuple[Any, Any]]] = field(default_factory=dict)
     pieces: RankPieces = field(default_factory=dict)
-    keep: dict[int, dict[int, int]] = field(default_factory=dict)
+    rows: dict[int, dict[int, tuple[int, int]]] = field(default_factory=dict)
+
+    def add(self, rank: int, read: tuple[Any, Any], key: str, box: Box, rows: tuple[int, int] | None) -> None:
+        if not box.numel:
+            return
+        if rows is not None:
+            self.rows.setdefault(rank, {})[len(self.reads.get(rank, []))] = rows
+        self.reads.setdefault(rank, []).append(read)
+        self.pieces.setdefault(rank, []).append((key, Region(box)))
 
 
 def _place_chunks(stored: Mapping[str, tuple[str, Any]], ranks: Mapping[str, int], vocab_size: int) -> _PlacedChunks:
     """Every DCP chunk of the stored tensors becomes a piece of the rank whose file holds it: no gather.
-    Vocab tensors are cut to the true vocabulary (chunks of padding only are dropped)."""
+
+    Vocab tensors are stored as the live adapter stores them: the true vocabulary as ``<key>``, the
+    saving layout's padding rows as ``<key>.vocab_padding`` (Megatron trains those rows too: the padded
+    logits enter its softmax, so a resume at the same padding is exact only with them). A chunk across
+    the boundary becomes one piece of each."""
     placed = _PlacedChunks()
     for out_key, (key, t) in stored.items():
-        vocab = key in names.VOCAB_TENSORS
-        shape = (vocab_size, *t.shape[1:]) if vocab else t.shape
-        placed.specs[out_key] = StoredTensor(t.dtype, tuple(shape))
+        if key not in names.VOCAB_TENSORS:
+            placed.specs[out_key] = StoredTensor(t.dtype, tuple(t.shape))
+            for c in t.chunks:
+                placed.add(ranks[c.blob.file], (t, c), out_key, c.box, None)
+            continue
+        rest = tuple(t.shape[1:])
+        pad_key = out_key + names.VOCAB_PADDING_SUFFIX
+        placed.specs[out_key] = StoredTensor(t.dtype, (vocab_size, *rest))
+        if t.shape[0] > vocab_size:
+            placed.specs[pad_key] = StoredTensor(t.dtype, (t.shape[0] - vocab_size, *rest))
         for c in t.chunks:
-            box, rank = c.box, ranks[c.blob.file]
-            if vocab:
-                rows = min(box.offsets[0] + box.sizes[0], vocab_size) - box.offsets[0]
-                if rows <= 0:
-                    continue  # a chunk of padding only
-                if rows < box.sizes[0]:
-                    placed.keep.setdefault(rank, {})[len(placed.reads.get(rank, []))] = rows
-                box = Box(box.offsets, (rows, *box.sizes[1:]))
-            if box.numel:
-                placed.reads.setdefault(rank, []).append((t, c))
-                placed.pieces.setdefault(rank, []).append((out_key, Region(box)))
+            rank, (first, *others), (n, *sizes) = ranks[c.blob.file], c.box.offsets, c.box.sizes
+            real = max(0, min(first + n, vocab_size) - first)
+            whole = real == n
+            placed.add(rank, (t, c), out_key, Box((first, *others), (real, *sizes)), None if whole else (0, real))
+            if real < n:
+                placed.add(rank, (t, c), pad_key, Box((first + real - vocab_size, *others), (n - real, *sizes)),
+                           None if real == 0 else (real, n))
     return placed
 
 
@@ -170,9 +188,9 @@ def import_torch_dist(source: str | os.PathLike[str], dest: str | os.PathLike[st
     the padded one) and ``make_vocab_size_divisible_by`` are needed only where they do not
     (given and recorded must agree; missing ones raise
     :class:`~ckptkit.offline.formats.MissingImportOptions`). ``divisible_by=``: the old keyword,
-    one more release, with a DeprecationWarning. Model tensors and the non-distributed
-    optimizer's model-space state; the distributed optimizer's flat buckets and non-tensor items
-    (``_extra_state``, RNG, param groups) are listed in ``skipped``.
+    one more release, with a DeprecationWarning. Model tensors (vocab padding rows kept apart) and
+    the model-space optimizer state (see the module docstring); the distributed optimizer's
+    ``dp_reshardable`` buckets and non-tensor items (``_extra_state``, RNG) are listed in ``skipped``.
     """
     t0 = time.perf_counter()
     folder = os.fspath(source)
@@ -196,32 +214,35 @@ def import_torch_dist(source: str | os.PathLike[str], dest: str | os.PathLike[st
     check_layer_count(num_layers, args, f"{folder}/{fmt.COMMON_NAME}")
     pp = args.pp
     dp = args.world_size // (tp * pp) if args.world_size and pp else None
+    where = f"{folder}/{fmt.COMMON_NAME}"
     meta = import_meta("torch_dist", fmt.iteration_of(common), num_layers, vocab_size, divisible, tp, pp, dp,
-                       args.vpp, names.OUTPUT not in model)
+                       args.vpp, names.OUTPUT not in model,
+                       optimizer=optimizer_record.optimizer_record(stored, common.get("optimizer"), where),
+                       scheduler=optimizer_record.scheduler_record(common, where))
     run = ImportRun(os.fspath(dest), src.url, threads, progress, storage_options, t0)
     with ThreadPoolExecutor(max_workers=threads * 3, thread_name_prefix="ckptkit-megatron-read") as pool:
         return write_import(run, world, placed.specs, placed.pieces,
-                            lambda rank, _: _Clipped(DcpPieces(src, placed.reads.get(rank, []), pool, 2),
-                                                     placed.keep.get(rank, {})),
+                            lambda rank, _: _Cut(DcpPieces(src, placed.reads.get(rank, []), pool, 2),
+                                                 placed.rows.get(rank, {})),
                             meta, skipped)
 
 
-# Megatron's non-distributed optimizer saves its state in model space as
-# ``optimizer.state.<state>.<model key>`` (megatron/core/dist_checkpointing/optimizer.py);
-# ``fp32_param`` are the fp32 master weights of bf16/fp16 training (ckptkit's ``main``).
-_OPTIMIZER_STATES = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "fp32_param": "main"}
-
-
 def _optimizer_tensors(ckpt: DcpCheckpoint, model: Mapping[str, Any]) -> dict[str, tuple[str, Any]]:
-    """``optimizer/<state>/<model key>`` -> (model key, DCP tensor) for the model-space optimizer
-    state; the distributed optimizer's flat bucket buffers (``optimizer.distributed.*``) are not."""
-    out = {}
+    """``optimizer/<state>/<model key>`` -> (model key, DCP tensor) for the optimizer state Megatron saves
+    in model space, ``optimizer.state.<state>.<model key>`` (megatron/core/dist_checkpointing/optimizer.py,
+    and DistributedOptimizer.sharded_param_state_fully_reshardable): the plain optimizers' state and the
+    distributed optimizer's ``fully_reshardable`` form (names: :data:`optimizer_record.STATE_NAMES`). The
+    distributed optimizer's ``dp_reshardable`` bucket buffers (``optimizer.distributed.*``) are not."""
+    out: dict[str, tuple[str, Any]] = {}
     for fqn, t in ckpt.tensors.items():
-        for state, name in _OPTIMIZER_STATES.items():
+        for state, name in optimizer_record.STATE_NAMES.items():
             prefix = f"optimizer.state.{state}."
             if fqn.startswith(prefix) and fqn[len(prefix):] in model:
                 key = fqn[len(prefix):]
                 if tuple(t.shape) != tuple(model[key].shape):
                     raise ManifestError(f"{fqn!r} has shape {list(t.shape)}, its parameter {list(model[key].shape)}")
+                if f"optimizer/{name}/{key}" in out:
+                    raise ManifestError(f"{fqn!r}: {key!r} has two saved {name} copies "
+                                        f"({out[f'optimizer/{name}/{key}'][1].fqn!r} too)")
                 out[f"optimizer/{name}/{key}"] = (key, t)
     return out

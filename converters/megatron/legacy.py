@@ -2,8 +2,8 @@
 
 Each rank file becomes one virtual writer rank whose pieces are its TP-local tensors placed in
 model space: local layer numbers made global, SwiGLU ``[gate_r; up_r]`` split into its two fused
-parts, vocab padding rows dropped. Nothing is stitched in memory: a few files are open at a time,
-memory-mapped. The algorithm:
+parts, vocab padding rows kept apart (``<key>.vocab_padding``). Nothing is stitched in memory: a
+few files are open at a time, memory-mapped. The algorithm:
 
 1. read every rank file's inventory (names, shapes, dtypes; nothing else is read);
 2. resolve the vocabulary and tying from the ``args`` and the embedding;
@@ -28,7 +28,7 @@ from ckptkit.layout.box import Box, Region
 from ckptkit.engine.offline_writer import StoredTensor
 from ckptkit.options import Progress
 from ckptkit_converters.megatron import files as fmt
-from ckptkit_converters.megatron import names
+from ckptkit_converters.megatron import names, optimizer_record
 from ckptkit_converters.megatron.files import MODEL, MegatronConvertResult
 from ckptkit_converters.megatron.import_shared import (
     ImportRun,
@@ -185,14 +185,18 @@ def _record_spec(specs: dict[str, StoredTensor], key: str, name: str, shape: tup
     global_shape = list(shape)
     if axis is not None:
         global_shape[axis] *= model.tp
+    wanted = {MODEL + key: global_shape}
     if key in names.VOCAB_TENSORS:
         check_vocab_rows(key, global_shape[0], model.vocab_size, model.make_vocab_size_divisible_by, model.tp, where)
+        if global_shape[0] > model.vocab_size:  # the padding rows, kept beside the true vocabulary
+            wanted[MODEL + key + names.VOCAB_PADDING_SUFFIX] = [global_shape[0] - model.vocab_size, *global_shape[1:]]
         global_shape[0] = model.vocab_size
-    spec = StoredTensor(dtype, tuple([model.num_layers, *global_shape] if layered else global_shape))
-    old = specs.setdefault(MODEL + key, spec)
-    if old != spec:
-        raise ManifestError(f"{where}: tensor {name!r} ({dtype}, {list(spec.shape)} in model space) disagrees "
-                            f"with other ranks ({old.dtype}, {list(old.shape)})")
+    for out_key, out_shape in wanted.items():
+        spec = StoredTensor(dtype, tuple([model.num_layers, *out_shape] if layered else out_shape))
+        old = specs.setdefault(out_key, spec)
+        if old != spec:
+            raise ManifestError(f"{where}: tensor {name!r} ({dtype}, {list(spec.shape)} in model space) disagrees "
+                                f"with other ranks ({old.dtype}, {list(old.shape)})")
 
 
 def _tp_parts(key: str, shape: tuple[int, ...], axis: int | None, tp_rank: int,
@@ -208,9 +212,11 @@ def _tp_parts(key: str, shape: tuple[int, ...], axis: int | None, tp_rank: int,
 
 
 def _part_box(key: str, shape: tuple[int, ...], axis: int | None, part: tuple[int, int, int], fused: bool,
-              vocab_size: int) -> tuple[list[int], list[int], tuple[int, int] | None] | None:
+              vocab_size: int) -> list[tuple[str, list[int], list[int], tuple[int, int] | None]]:
     """Where one part lies in the (layer-less) model-space tensor, and which rows of the local tensor
-    it takes (None: all); None when it holds vocab padding only."""
+    it takes (None: all). A vocab tensor's part is cut at the true vocabulary: its real rows go to
+    the tensor (suffix ``""``), its padding rows to ``<key>.vocab_padding``, as the live adapter and
+    the torch_dist import store them (Megatron trains those rows: they are state)."""
     start, rows, global_start = part
     offsets, sizes = [0] * len(shape), list(shape)
     clip = None
@@ -219,13 +225,16 @@ def _part_box(key: str, shape: tuple[int, ...], axis: int | None, part: tuple[in
         if axis == 0:
             sizes[0] = rows
             clip = (start, start + rows) if fused else None
-        if key in names.VOCAB_TENSORS:
-            keep_rows = min(global_start + shape[0], vocab_size) - global_start
-            if keep_rows <= 0:
-                return None
-            sizes[0] = keep_rows
-            clip = (0, keep_rows) if keep_rows < shape[0] else None
-    return offsets, sizes, clip
+    if axis != 0 or key not in names.VOCAB_TENSORS:
+        return [("", offsets, sizes, clip)]
+    real = max(0, min(global_start + shape[0], vocab_size) - global_start)
+    out = []
+    if real:
+        out.append(("", offsets, [real, *sizes[1:]], (0, real) if real < shape[0] else None))
+    if real < shape[0]:
+        out.append((names.VOCAB_PADDING_SUFFIX, [global_start + real - vocab_size, *offsets[1:]],
+                    [shape[0] - real, *sizes[1:]], (real, shape[0]) if real else None))
+    return out
 
 
 def _place_tensor(model: _LegacyModel, f: fmt.LegacyFile, v: int, name: str, shape: tuple[int, ...], dtype: str,
@@ -246,16 +255,13 @@ def _place_tensor(model: _LegacyModel, f: fmt.LegacyFile, v: int, name: str, sha
     parts = _tp_parts(key, shape, axis, f.tp, model)
     out = []
     for part in parts:
-        box = _part_box(key, shape, axis, part, len(parts) > 1, model.vocab_size)
-        if box is None:
-            continue
-        offsets, sizes, clip = box
-        if layer is not None:
-            offsets, sizes = [model.layer_offset[(v, f.pp)] + layer, *offsets], [1, *sizes]
-        if 0 in sizes:
-            continue
-        out.append((MODEL + key, Region(Box(tuple(offsets), tuple(sizes))),
-                    _LegacyPiece(name, model.chunk_name(v), clip, layer is not None)))
+        for suffix, offsets, sizes, clip in _part_box(key, shape, axis, part, len(parts) > 1, model.vocab_size):
+            if layer is not None:
+                offsets, sizes = [model.layer_offset[(v, f.pp)] + layer, *offsets], [1, *sizes]
+            if 0 in sizes:
+                continue
+            out.append((MODEL + key + suffix, Region(Box(tuple(offsets), tuple(sizes))),
+                        _LegacyPiece(name, model.chunk_name(v), clip, layer is not None)))
     return out
 
 
@@ -283,7 +289,8 @@ def import_legacy(source: str | os.PathLike[str], dest: str | os.PathLike[str], 
                   make_vocab_size_divisible_by: int | None = None, tied: bool | None = None, threads: int = 2,
                   progress: Progress | None = None,
                   storage_options: dict[str, Any] | None = None) -> MegatronConvertResult:
-    """Write a legacy Megatron checkpoint as a ckptkit checkpoint (model weights).
+    """Write a legacy Megatron checkpoint as a ckptkit checkpoint (model weights, the vocabulary's padding
+    rows beside them, and the ``opt_param_scheduler`` state; the optimizer, kept in other files, is not).
 
     ``source``: an ``iter_XXXXXXX`` (or ``release``) directory, or the save root
     (its ``latest_checkpointed_iteration.txt`` picks the iteration). The rank files'
@@ -313,7 +320,8 @@ def import_legacy(source: str | os.PathLike[str], dest: str | os.PathLike[str], 
     check_layer_count(total, args, folder)
     dp = args.world_size // (tp * pp) if args.world_size else None
     meta = import_meta("legacy", fmt.iteration_of(first), total, vocab_size, divisible, tp, pp, dp,
-                       vpp if vpp > 1 else None, is_tied)
+                       vpp if vpp > 1 else None, is_tied,
+                       scheduler=optimizer_record.scheduler_record(first, files[0].path))
     paths = {f.pp * tp + f.tp: f.path for f in files}
     run = ImportRun(os.fspath(dest), folder, threads, progress, storage_options, t0)
     return write_import(run, tp * pp, specs, pieces, lambda r, _: _LegacySource(paths[r], refs.get(r, [])),

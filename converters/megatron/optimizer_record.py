@@ -1,0 +1,124 @@
+"""What an imported Megatron optimizer needs beside its tensors: the live adapter's optimizer record.
+
+The adapter (:mod:`ckptkit.adapters.megatron`) resumes an optimizer only from a checkpoint whose
+``megatron/meta`` holds an ``optimizer`` record: which per-parameter states are stored
+(``optimizer/<state>/<key>``), whether fp32 main copies are, and the scalar state. Without the scalar
+state a resumed Adam would restart its bias correction at step 1 — its next updates several times too
+large — so an import that found the moments but not the step would hand back something other than
+what was saved. This module builds that record from what Megatron saved, and refuses when the
+tensors it found do not make a whole optimizer.
+
+Where Megatron keeps the step (megatron-core 0.14-0.16, read from ``megatron/core/optimizer``), in the
+non-sharded part of the optimizer's state dict (``common.pt``):
+
+* the distributed optimizer: in every param group, ``param_groups[i]["step"]``
+  (``DistributedOptimizer.state_dict``: "Native PyTorch param group requires step");
+* the plain optimizers: ``state["common_step"]`` (``_extract_common_per_param_step``: one step
+  shared by all parameters), under ``optimizer`` for the fp16/bf16 wrapper;
+* a ``ChainedOptimizer`` of several: one such dict per optimizer, keyed by position.
+
+Each place found must agree: Megatron itself supports only one step for all parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+from ckptkit.errors import ManifestError
+from ckptkit.layout.values import json_ready
+
+MAIN = "main"
+"""The adapter's name for the fp32 main copies (``optimizer/main/<key>``)."""
+
+STATE_NAMES = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "fp32_param": MAIN, "param": MAIN}
+"""Megatron's model-space optimizer state names -> the adapter's. ``fp32_param``: the plain optimizers'
+main copies (``optimizer.state.fp32_param.<key>``); ``param``: the distributed optimizer's in its
+``fully_reshardable`` form (``optimizer.state.param.<key>``, the unflattened main-parameter buffer)."""
+
+
+def _number(value: Any, where: str) -> float:
+    number = value
+    if isinstance(value, torch.Tensor):  # torch Adam keeps its step as a 0-dim tensor
+        number = value.item() if value.numel() == 1 else value
+    if isinstance(number, bool) or not isinstance(number, (int, float)):
+        raise ManifestError(f"{where}: an optimizer step of type {type(value).__name__}, expected a number")
+    return float(number)
+
+
+def _steps(optimizer: Any, where: str) -> Iterator[float]:
+    """Every step value the optimizer's saved (non-sharded) state dict holds, wherever Megatron put it."""
+    if not isinstance(optimizer, Mapping):
+        return
+    for group in optimizer.get("param_groups") or ():
+        if isinstance(group, Mapping) and group.get("step") is not None:
+            yield _number(group["step"], where)
+    state = optimizer.get("state")
+    if isinstance(state, Mapping) and state.get("common_step") is not None:
+        yield _number(state["common_step"], where)
+    for key, inner in optimizer.items():
+        if key in ("optimizer",) or isinstance(key, int) or (isinstance(key, str) and key.isdigit()):
+            yield from _steps(inner, where)
+
+
+def _param_groups(optimizer: Any) -> Iterator[list[Any]]:
+    if not isinstance(optimizer, Mapping):
+        return
+    if isinstance(optimizer.get("param_groups"), list):
+        yield optimizer["param_groups"]
+    for key, inner in optimizer.items():
+        if key in ("optimizer",) or isinstance(key, int) or (isinstance(key, str) and key.isdigit()):
+            yield from _param_groups(inner)
+
+
+def _hyper_parameters(optimizer: Any) -> list[list[dict[str, Any]]]:
+    """The param groups' hyper-parameters as the adapter records them (informational: the scheduler
+    sets lr and weight decay on resume)."""
+    out = []
+    for groups in _param_groups(optimizer):
+        out.append([{k: v for k, v in g.items() if k not in ("params", "step")
+                     and isinstance(v, (int, float, str, bool, tuple, list, type(None)))}
+                    for g in groups if isinstance(g, Mapping)])
+    return json_ready(out, "the optimizer's param groups")
+
+
+def optimizer_record(keys: Iterable[str], optimizer: Any, where: str) -> dict[str, Any] | None:
+    """The adapter's ``optimizer`` record for the imported tensors' ckptkit ``keys`` (those under
+    ``optimizer/<state>/`` count), with the step read from ``optimizer``, the saved state dict's
+    non-sharded part. None when no optimizer tensor was imported.
+
+    Refused, naming ``where``: a state that some parameters have and others lack (a partial optimizer
+    would resume some parameters with fresh moments), and moments without any saved step."""
+    by_state: dict[str, set[str]] = {}
+    for key in keys:
+        if key.startswith("optimizer/"):
+            _, name, param = key.split("/", 2)
+            by_state.setdefault(name, set()).add(param)
+    if not by_state:
+        return None
+    every = set().union(*by_state.values())
+    for name, params in sorted(by_state.items()):
+        if params != every:
+            lacking = sorted(every - params)
+            raise ManifestError(f"{where}: optimizer state {name!r} is missing for {len(lacking)} parameter(s) the "
+                                f"others have, e.g. {lacking[0]!r}: not a whole optimizer")
+    steps = sorted(set(_steps(optimizer, where)))
+    if len(steps) > 1:
+        raise ManifestError(f"{where}: the saved optimizer holds different steps {steps[:4]}; Megatron keeps one "
+                            "step for all parameters")
+    tensor_states = sorted(n for n in by_state if n != MAIN)
+    if tensor_states and not steps:
+        raise ManifestError(f"{where}: optimizer moments {tensor_states} but no step (looked in the optimizer's "
+                            "param_groups and its state's common_step): Adam cannot resume without it")
+    scalars = {"step": {"dtype": "float32", "value": steps[0]}} if steps else {}
+    return {"tensor_states": tensor_states, "main": MAIN in by_state, "scalars": scalars,
+            "hyper_parameters": _hyper_parameters(optimizer)}
+
+
+def scheduler_record(common: Mapping[str, Any], where: str) -> dict[str, Any] | None:
+    """Megatron-LM's ``opt_param_scheduler`` state (plain numbers and strings), as the adapter records
+    its scheduler's ``state_dict``; None when the checkpoint has none."""
+    state = common.get("opt_param_scheduler")
+    return None if state is None else json_ready(state, f"{where}: opt_param_scheduler")
