@@ -98,8 +98,9 @@ def sharded_state_dict(rank: int, lay: dict, model: dict, fill: str, loaded: dic
             data = torch.empty(local_shape, dtype=dtype)
         out[name] = ShardedTensor.from_rank_offsets(key, data, *offsets, replica_id=replica_id)
 
+    main = lay.get("main_state", "fp32_param")  # "param": the distributed optimizer's fully_reshardable name
     groups = [("model", "", torch.bfloat16)] + [
-        (f"optimizer.{g}", f"optimizer.state.{g}.", torch.float32) for g in ("fp32_param", "exp_avg", "exp_avg_sq")
+        (f"optimizer.{g}", f"optimizer.state.{g}.", torch.float32) for g in (main, "exp_avg", "exp_avg_sq")
     ]
     for key, (shape, kind) in model.items():
         for prefix, key_prefix, dtype in groups:
@@ -137,6 +138,21 @@ def sharded_state_dict(rank: int, lay: dict, model: dict, fill: str, loaded: dic
     return out
 
 
+def megatron_lm_common(spec: dict, world: int) -> dict:
+    """The non-sharded items Megatron-LM's ``save_checkpoint`` adds (``common.pt``): iteration, args, the
+    scheduler, and the distributed optimizer's param groups with Adam's step (``DistributedOptimizer.state_dict``)."""
+    import argparse
+
+    args = argparse.Namespace(num_layers=spec["layers"], hidden_size=spec["hidden"], vocab_size=spec["vocab"],
+                              padded_vocab_size=spec["vocab"], make_vocab_size_divisible_by=128,
+                              tensor_model_parallel_size=spec["tp"], pipeline_model_parallel_size=spec["pp"],
+                              world_size=world, untie_embeddings_and_output_weights=True)
+    groups = [{"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": wd, "step": 1000.0} for wd in (0.1, 0.0)]
+    return {"iteration": 1000, "checkpoint_version": 3.0, "args": args,
+            "opt_param_scheduler": {"num_steps": 1000, "lr_decay_style": "cosine", "max_lr": 3e-4},
+            "optimizer": {"optimizer": {"param_groups": groups}, "param_state_sharding_type": "fully_reshardable"}}
+
+
 def main() -> int:
     mode = sys.argv[1]
     spec = json.loads(sys.argv[2])
@@ -149,7 +165,10 @@ def main() -> int:
                    spec.get("moe_ffn", 0))
     assert spec["tp"] * spec["pp"] * spec.get("dp", 1) == world, (spec, world)
     if mode == "save":
-        dist_checkpointing.save(sharded_state_dict(rank, spec, model, "random"), sys.argv[3])
+        state = sharded_state_dict(rank, spec, model, "random")
+        if spec.get("megatron_lm_common"):
+            state.update(megatron_lm_common(spec, world))
+        dist_checkpointing.save(state, sys.argv[3])
         dist.barrier()
     else:
         dist.barrier()
