@@ -37,12 +37,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(1, os.path.dirname(HERE))
 
-from bench_reshard import RAW_COPY, run_child, run_ranks  # noqa: E402
+from bench_reshard import against_raw_copy, run_ranks  # noqa: E402
 from common import (  # noqa: E402
     GiB,
     MiB,
     command_vs_raw_rows,
-    drop_page_cache,
     exit_on_sigterm,
     median,
     remove_tree,
@@ -105,25 +104,8 @@ def run(args: argparse.Namespace) -> int:
         total, files = tree_bytes(src)
         print(f"Megatron torch_dist source (tp2pp2, fully_reshardable optimizer): {total / GiB:.2f} GiB in {files} "
               f"files (saved by Megatron in {time.perf_counter() - t0:.1f}s)", flush=True)
-        raw_t, cv_t, cv_rss, cv_inner = [], [], [], []
-        cold = True
-        for rep in range(args.reps):
-            for name in ("raw", "convert"):
-                dst = os.path.join(scratch, f"{name}-{rep}")
-                cold &= drop_page_cache()
-                if name == "raw":
-                    wall, _, _ = run_child([sys.executable, "-c", RAW_COPY, src, dst])
-                    raw_t.append(wall)
-                else:
-                    wall, rss, out = run_child([sys.executable, "-m", "ckptkit.cli.main", "convert", src, dst,
-                                                "--json"])
-                    cv_t.append(wall)
-                    cv_rss.append(rss)
-                    cv_inner.append(json.loads(out)["seconds"])
-                    if rep == 0:
-                        check_import(src, dst)
-                print(f"  rep {rep} {name}: {wall:.2f}s", flush=True)
-                remove_tree(dst)
+        raw_t, cv_t, cv_rss, cv_inner, cold = against_raw_copy(
+            src, scratch, args.reps, "convert", lambda dst: ["convert", src, dst], lambda dst: check_import(src, dst))
         h, ffn = spec["hidden"], spec["ffn"]
         largest = max(spec["vocab"] * h, 2 * ffn * h * spec["layers"]) * 4  # an fp32 state of the largest tensor
         print(f"\npage cache: {'dropped before every run' if cold else 'warm (drop_caches not writable)'}; "

@@ -52,6 +52,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -208,6 +209,36 @@ def run_child(cmd: list[str]) -> tuple[float, int, str]:
         return wall, read_rss(rss.name), out.read().decode()
 
 
+def against_raw_copy(src: str, scratch: str, reps: int, name: str, cli_args: Callable[[str], list[str]],
+                     check: Callable[[str], None]) -> tuple[list[float], list[float], list[int], list[float], bool]:
+    """Alternate, ``reps`` times, a raw fsynced copy of ``src`` (the baseline) and the ckptkit command
+    ``cli_args(dst)`` (run with ``--json``, which prints its own ``seconds``), each from a cold page cache
+    where it can be dropped; ``check(dst)`` after the command's first run. Returns the raw walls, the
+    command's walls, peak RSS and inner seconds, and whether every run started cold."""
+    raw_t: list[float] = []
+    walls: list[float] = []
+    rss: list[int] = []
+    inner: list[float] = []
+    cold = True
+    for rep in range(reps):
+        for which in ("raw", name):
+            dst = os.path.join(scratch, f"{which}-{rep}")
+            cold &= drop_page_cache()
+            if which == "raw":
+                wall, _, _ = run_child([sys.executable, "-c", RAW_COPY, src, dst])
+                raw_t.append(wall)
+            else:
+                wall, peak, out = run_child([sys.executable, "-m", "ckptkit.cli.main", *cli_args(dst), "--json"])
+                walls.append(wall)
+                rss.append(peak)
+                inner.append(json.loads(out)["seconds"])
+                if rep == 0:
+                    check(dst)
+            print(f"  rep {rep} {which}: {wall:.2f}s", flush=True)
+            remove_tree(dst)
+    return raw_t, walls, rss, inner, cold
+
+
 MEGATRON_WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "megatron_reshard_worker.py")
 
 
@@ -347,26 +378,10 @@ def run(args: argparse.Namespace) -> int:
         stored, files = tree_bytes(src)
         print(f"source {args.source}: {total / GiB:.2f} GiB logical, {stored / GiB:.2f} GiB in {files} files, "
               f"largest tensor {largest / MiB:.0f} MiB (built in {time.perf_counter() - t0:.1f}s)", flush=True)
-        raw_t, rs_t, rs_rss, rs_inner = [], [], [], []
-        cold = True
-        for rep in range(args.reps):
-            for name in ("raw", "reshard"):
-                dst = os.path.join(scratch, f"{name}-{rep}")
-                cold &= drop_page_cache()
-                if name == "raw":
-                    wall, _, _ = run_child([sys.executable, "-c", RAW_COPY, src, dst])
-                    raw_t.append(wall)
-                else:
-                    env_cmd = [sys.executable, "-m", "ckptkit.cli.main", "reshard", src, dst, "--to", args.target,
-                               "--max-memory", args.max_memory, "--json"]
-                    wall, rss, out = run_child(env_cmd)
-                    rs_t.append(wall)
-                    rs_rss.append(rss)
-                    rs_inner.append(json.loads(out)["seconds"])
-                    if rep == 0:
-                        check_equal(src, dst)
-                print(f"  rep {rep} {name}: {wall:.2f}s", flush=True)
-                remove_tree(dst)
+        raw_t, rs_t, rs_rss, rs_inner, cold = against_raw_copy(
+            src, scratch, args.reps, "reshard",
+            lambda dst: ["reshard", src, dst, "--to", args.target, "--max-memory", args.max_memory],
+            lambda dst: check_equal(src, dst))
         rss_target = 3 * largest + 300 * 10**6
         rows = command_vs_raw_rows("raw copy (baseline a)", raw_t, f"reshard {args.source}->{args.target}", rs_t,
                                    rs_inner, total, rs_rss)
