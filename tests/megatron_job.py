@@ -53,6 +53,7 @@ def train_and_save(layout: mm.Layout, folder: str, *, save_step: int, steps: int
             ckptkit.close_async()
         out["final_eval"] = mm.eval_loss(t)
         out["grad_norms"] = t.grad_norms
+        out["loss_scale"] = loss_scale(t)
         return out
     finally:
         mm.teardown()
@@ -107,13 +108,19 @@ def _scale_final_norm(t: mm.Trainer, factor: float) -> None:
 def _train_on(t: mm.Trainer, out: dict[str, Any], steps: int) -> dict[str, Any]:
     """Report what a resumed job is compared on (eval, LR, iteration), then train to ``steps``."""
     out.update({"eval": mm.eval_loss(t), "iteration": t.iteration, "lr": t.optimizer.param_groups[0]["lr"],
-                "losses": {}})
+                "losses": {}, "loss_scale_at_start": loss_scale(t)})
     while t.iteration < steps:
         step = t.iteration + 1
         out["losses"][step] = mm.train_step(t)
     out["final_eval"] = mm.eval_loss(t)
+    out["loss_scale"] = loss_scale(t)
     out["grad_norms"] = t.grad_norms
     return out
+
+
+def loss_scale(t: mm.Trainer) -> float | None:
+    """fp16's current loss scale (Megatron's DynamicGradScaler), None in bf16/fp32 training."""
+    return float(t.optimizer.get_loss_scale().reshape(-1)[0]) if t.layout.fp16 else None
 
 
 # ---- Megatron's own checkpointing: the independent route a cross-layout resume is compared with

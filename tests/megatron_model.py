@@ -37,6 +37,7 @@ class Layout:
     divisible_by: int = 16
     pp_layers: tuple[int, ...] | None = None  # uneven first/last stage: (first, last)
     bf16: bool = False  # bf16 weights in Float16Module, fp32 main copies in the optimizer
+    fp16: bool = False  # fp16 weights, fp32 main copies, Megatron's dynamic loss scaler (its scale grows every step)
     experts: int = 0  # MoE: routed SequentialMLP experts on every layer (0: dense MLP)
     ep: int = 1  # expert model parallel
     etp: int | None = None  # expert tensor parallel (None: Megatron's default, = tp)
@@ -58,6 +59,10 @@ class Trainer:
     scheduler: Any
     iteration: int = 0
     grad_norms: list[float] = field(default_factory=list)  # per step, before clipping (clip_grad = CLIP_GRAD)
+
+
+def _dtype(layout: Layout) -> torch.dtype:
+    return torch.bfloat16 if layout.bf16 else torch.float16 if layout.fp16 else torch.float32
 
 
 def setup(layout: Layout, seed: int = 1234) -> Trainer:
@@ -89,8 +94,8 @@ def setup(layout: Layout, seed: int = 1234) -> Trainer:
         gated_linear_unit=True, activation_func=torch.nn.functional.silu, bias_activation_fusion=False,
         add_bias_linear=False, normalization="RMSNorm", use_cpu_initialization=True,
         tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
-        virtual_pipeline_model_parallel_size=layout.vpp, pipeline_dtype=torch.bfloat16 if layout.bf16 else torch.float32,
-        bf16=layout.bf16, params_dtype=torch.bfloat16 if layout.bf16 else torch.float32,
+        virtual_pipeline_model_parallel_size=layout.vpp, pipeline_dtype=_dtype(layout), bf16=layout.bf16, fp16=layout.fp16,
+        params_dtype=_dtype(layout),
         hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02, batch_p2p_comm=False,
         **_moe_config(layout), **extra,
     )
@@ -103,13 +108,14 @@ def setup(layout: Layout, seed: int = 1234) -> Trainer:
             share_embeddings_and_output_weights=layout.tied, position_embedding_type="rope", vp_stage=vp,
         )
         ddp = DistributedDataParallelConfig(use_distributed_optimizer=layout.dist_opt, bucket_size=4096)
-        if layout.bf16:
+        if layout.bf16 or layout.fp16:
             from megatron.core.transformer.module import Float16Module
 
             model = Float16Module(config, model)
         chunks.append(DistributedDataParallel(config, ddp, model))
     opt_config = OptimizerConfig(optimizer="adam", lr=3e-3, min_lr=3e-4, weight_decay=0.01, use_distributed_optimizer=layout.dist_opt,
-                                 clip_grad=CLIP_GRAD, bf16=layout.bf16, fp16=False)
+                                 clip_grad=CLIP_GRAD, bf16=layout.bf16, fp16=layout.fp16,
+                                 initial_loss_scale=2.0**10, loss_scale_window=1, hysteresis=2)
     # what Megatron's trainer sets: the schedule then all-reduces (or, for the distributed optimizer,
     # reduce-scatters) gradients over DP and the tied embedding's across the first and last stage
     config.finalize_model_grads_func = finalize_model_grads

@@ -45,7 +45,8 @@ A = mm.Layout(tp=2, pp=2, dist_opt=True)  # dp 1 in a world of 4
 B = mm.Layout(tp=2, pp=1, dist_opt=False, tied=True, divisible_by=128)  # dp 2, plain optimizer
 C = mm.Layout(tp=2, pp=1, dist_opt=True)  # dp 2: each DP rank saves its own distributed-optimizer shard
 D = mm.Layout(tp=2, pp=2, dist_opt=True, bf16=True)  # bf16 weights, fp32 main copies in the optimizer
-SAVED = {"A": A, "B": B, "C": C, "D": D}
+E = mm.Layout(tp=2, pp=2, dist_opt=True, fp16=True)  # fp16: Megatron's loss scaler doubles its scale every step
+SAVED = {"A": A, "B": B, "C": C, "D": D, "E": E}
 TP1PP4, TP4PP1 = mm.Layout(tp=1, pp=4), mm.Layout(tp=4, pp=1)
 
 
@@ -99,6 +100,7 @@ def reference(worlds, saved):
 def check(got: dict, want: dict) -> None:
     """A resume at step 2 against a run that does the same arithmetic: equal to the last bit."""
     assert got["iteration"] == SAVE_STEP
+    assert got["loss_scale"] == want["loss_scale"]
     assert got["extra"] == {"consumed_samples": 8 * SAVE_STEP}
     assert got["lr"] == want["lr"]
     assert got["eval"] == want["eval"]
@@ -168,6 +170,21 @@ def test_bf16_with_fp32_main_copies(saved, resumed, reference, layout):
     tensors = job.all_tensors(folder)
     main = tensors["optimizer/main/decoder.layers.mlp.linear_fc1.weight"]
     assert main.dtype == torch.float32 and tensors["model/decoder.layers.mlp.linear_fc1.weight"].dtype == torch.bfloat16
+    assert_same_checkpoint(folder, again)
+
+
+def test_fp16_resumes_with_its_loss_scale(saved, resumed, reference):
+    """fp16 with Megatron's DynamicGradScaler, whose scale doubled at every step before the save (2**10 -> 2**12):
+    the resume starts at the saved scale and trackers, not the initial ones, and goes on exactly as the saving
+    run (and as Megatron's own resume of its own checkpoint at tp1pp4)."""
+    folder, ref, _ = saved["E"]
+    got, again = resumed("E", E)
+    check(got, ref)
+    assert got["loss_scale_at_start"] == 2.0**12 and got["loss_scale"] == 2.0**14
+    other = resumed("E", mm.Layout(tp=1, pp=4, fp16=True))[0]
+    want = reference("E", mm.Layout(tp=1, pp=4, fp16=True))
+    assert other["loss_scale_at_start"] == want["loss_scale_at_start"] == 2.0**12
+    check(other, want)
     assert_same_checkpoint(folder, again)
 
 
@@ -354,14 +371,15 @@ def check_migrated(got: dict, want: dict) -> None:
     same arithmetic, so everything is equal to the last bit (the issue asks 1e-5 across layouts; this holds ==)."""
     assert got["iteration"] == want["iteration"] == SAVE_STEP
     assert got["lr"] == want["lr"]
+    assert got["loss_scale_at_start"] == want["loss_scale_at_start"] and got["loss_scale"] == want["loss_scale"]
     assert got["eval"] == want["eval"]
     assert got["losses"] == want["losses"]
     assert got["final_eval"] == want["final_eval"]
 
 
-@pytest.mark.parametrize("name, layout", [("C", C), ("C", TP1PP4), ("C", TP4PP1), ("D", D), ("B", B)],
+@pytest.mark.parametrize("name, layout", [("C", C), ("C", TP1PP4), ("C", TP4PP1), ("D", D), ("B", B), ("E", E)],
                          ids=["dist-opt-tp2pp1dp2", "dist-opt-to-tp1pp4", "dist-opt-to-tp4pp1", "bf16-dist-opt-tp2pp2",
-                              "plain-optimizer-tied"])
+                              "plain-optimizer-tied", "fp16-loss-scaler"])
 def test_megatrons_own_save_imports_with_its_optimizer_and_resumes(worlds, saved, reference, tmp_path, name, layout):
     """A team's Megatron checkpoint (Megatron's own dist_checkpointing save of the training state, the keys
     Megatron-LM writes: the distributed optimizer in its ``fully_reshardable`` form, or the plain optimizer's

@@ -42,7 +42,8 @@ def _args() -> argparse.Namespace:
 def dist_opt_common(step: Any = 3.0, groups: int = 2) -> dict[str, Any]:
     """``common.pt``'s optimizer part as DistributedOptimizer.state_dict() leaves it (the step in every group)."""
     return {"optimizer": {"param_groups": [{"lr": 1e-3, "betas": (0.9, 0.95), "step": step} for _ in range(groups)]},
-            "param_state_sharding_type": "fully_reshardable"}
+            "param_state_sharding_type": "fully_reshardable",
+            "grad_scaler": {"scale": torch.tensor([4096.0]), "growth_tracker": 1, "hysteresis_tracker": 2}}
 
 
 def torch_dist_folder(folder: Path, states: dict[str, dict[str, torch.Tensor]], optimizer: Any,
@@ -87,6 +88,7 @@ def test_a_whole_distributed_optimizer_imports_bit_exact_with_its_padding_rows_a
     assert meta["optimizer"]["tensor_states"] == ["exp_avg", "exp_avg_sq"] and meta["optimizer"]["main"]
     assert meta["optimizer"]["scalars"] == {"step": {"dtype": "float32", "value": 3.0}}
     assert meta["optimizer"]["hyper_parameters"] == [[{"lr": 1e-3, "betas": [0.9, 0.95]}] * 2]
+    assert meta["optimizer"]["grad_scalers"] == [{"scale": 4096.0, "growth_tracker": 1, "hysteresis_tracker": 2}]
     assert meta["scheduler"] == {"num_steps": 7, "lr_decay_style": "cosine"}
     assert not any(k.startswith("optimizer.state.") for k in result.skipped)
 
@@ -100,8 +102,13 @@ BAD_FOLDERS = {
                                     dist_opt_common(), "'exp_avg_sq' is missing for 1 parameter"),
     "two-main-copies": (adam_states(("exp_avg", "exp_avg_sq", "param", "fp32_param")), dist_opt_common(),
                         "two saved main copies"),
-    "a-step-that-is-a-string": (adam_states(), dist_opt_common(step="3"), "step of type str"),
-    "a-step-that-is-a-bool": (adam_states(), dist_opt_common(step=True), "step of type bool"),
+    "a-step-that-is-a-string": (adam_states(), dist_opt_common(step="3"), "of type str"),
+    "a-step-that-is-a-bool": (adam_states(), dist_opt_common(step=True), "of type bool"),
+    "a-loss-scaler-field-megatron-has-not": (adam_states(), {**dist_opt_common(), "grad_scaler": {"scale": 2.0,
+                                                                                                "exec": 1}},
+                                             "loss scaler field 'exec'"),
+    "a-loss-scale-that-is-not-a-number": (adam_states(), {**dist_opt_common(), "grad_scaler": {"scale": "big"}},
+                                          "loss scale of type str"),
     "a-state-of-another-shape": ({"exp_avg": {EMB: torch.zeros(PADDED, HIDDEN + 1)}}, dist_opt_common(),
                                  "has shape"),
 }

@@ -44,7 +44,7 @@ def _number(value: Any, where: str) -> float:
     if isinstance(value, torch.Tensor):  # torch Adam keeps its step as a 0-dim tensor
         number = value.item() if value.numel() == 1 else value
     if isinstance(number, bool) or not isinstance(number, (int, float)):
-        raise ManifestError(f"{where}: an optimizer step of type {type(value).__name__}, expected a number")
+        raise ManifestError(f"{where}: an optimizer step or loss scale of type {type(value).__name__}, expected a number")
     return float(number)
 
 
@@ -71,6 +71,25 @@ def _param_groups(optimizer: Any) -> Iterator[list[Any]]:
     for key, inner in optimizer.items():
         if key in ("optimizer",) or isinstance(key, int) or (isinstance(key, str) and key.isdigit()):
             yield from _param_groups(inner)
+
+
+def _grad_scalers(optimizer: Any, where: str) -> Iterator[dict[str, Any]]:
+    """The loss scalers' states (fp16: ``DynamicGradScaler.state_dict``, under ``grad_scaler`` of each
+    Megatron optimizer's state dict), as the adapter records them: the scale as a number."""
+    if not isinstance(optimizer, Mapping):
+        return
+    scaler = optimizer.get("grad_scaler")
+    if isinstance(scaler, Mapping) and scaler:
+        out = {}
+        for k, v in scaler.items():
+            if k not in ("scale", "growth_tracker", "hysteresis_tracker"):
+                raise ManifestError(f"{where}: a loss scaler field {k!r}; Megatron's DynamicGradScaler has scale, "
+                                    "growth_tracker and hysteresis_tracker")
+            out[k] = _number(v, where) if k == "scale" else int(_number(v, where))
+        yield out
+    for key, inner in optimizer.items():
+        if isinstance(key, int) or (isinstance(key, str) and key.isdigit()):
+            yield from _grad_scalers(inner, where)
 
 
 def _hyper_parameters(optimizer: Any) -> list[list[dict[str, Any]]]:
@@ -114,7 +133,7 @@ def optimizer_record(keys: Iterable[str], optimizer: Any, where: str) -> dict[st
                             "param_groups and its state's common_step): Adam cannot resume without it")
     scalars = {"step": {"dtype": "float32", "value": steps[0]}} if steps else {}
     return {"tensor_states": tensor_states, "main": MAIN in by_state, "scalars": scalars,
-            "hyper_parameters": _hyper_parameters(optimizer)}
+            "hyper_parameters": _hyper_parameters(optimizer), "grad_scalers": list(_grad_scalers(optimizer, where))}
 
 
 def scheduler_record(common: Mapping[str, Any], where: str) -> dict[str, Any] | None:

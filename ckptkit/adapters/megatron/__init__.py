@@ -196,7 +196,8 @@ def megatron_state(model: Any, *, optimizer: Any = None, scheduler: Any = None, 
                 for k, part in enumerate(_by_tensor(sh.local, sh.pieces, ps.space, f"optimizer/{name}/")):
                     entries[f"o{j}/{name}.{k}"] = part
         meta["optimizer"] = {"tensor_states": keys, "main": has_main, "scalars": opt_state.scalar_state(states),
-                             "hyper_parameters": opt_state.hyper_parameters(optimizer)}
+                             "hyper_parameters": opt_state.hyper_parameters(optimizer),
+                             "grad_scalers": opt_state.grad_scaler_states(optimizer)}
     entries["meta"] = json.dumps(meta)
     entries["rng"] = PerRank(_rng_state())
     return {ROOT: entries}
@@ -291,6 +292,7 @@ def load(model: Any, path: str | os.PathLike[str], *, optimizer: Any = None, sch
     ckptkit.load({ROOT: entries}, path, strict=False, options=options, storage_options=storage_options)
     if states:
         opt_state.sync_model_from_main(optimizer, had_main=load_main, have_main=any(ps.main is not None for ps in states))
+        opt_state.load_grad_scalers(optimizer, meta["optimizer"].get("grad_scalers"), str(path))
     if scheduler is not None and meta.get("scheduler") is not None:
         scheduler.load_state_dict(meta["scheduler"])
     rng = entries.get("rng")

@@ -192,6 +192,42 @@ def hyper_parameters(optimizer: Any) -> list[list[dict[str, Any]]]:
     return out
 
 
+def grad_scaler_states(optimizer: Any) -> list[dict[str, Any] | None]:
+    """Each Megatron optimizer's loss-scaler state, JSON-ready (None: no scaler, as in bf16/fp32 training).
+    fp16 training scales the loss by a factor ``DynamicGradScaler`` grows and backs off as gradients
+    overflow; a resume without it restarts from the initial scale (2**32 by default) and skips steps
+    until the scale comes down again, so the record keeps scale, growth and hysteresis trackers."""
+    out: list[dict[str, Any] | None] = []
+    for opt in _optimizers(optimizer):
+        scaler = getattr(opt, "grad_scaler", None)
+        if scaler is None:
+            out.append(None)
+            continue
+        out.append({k: float(v.reshape(-1)[0].item()) if isinstance(v, torch.Tensor) else v
+                    for k, v in scaler.state_dict().items()})
+    return out
+
+
+def load_grad_scalers(optimizer: Any, saved: list[dict[str, Any] | None] | None, where: str) -> None:
+    """Restore the loss scalers :func:`grad_scaler_states` recorded (None: a checkpoint from before they were
+    recorded, or an import without them: the scalers keep their initial state). A job without scalers (bf16,
+    fp32) ignores them. The scalers are matched by position; at another count (a ChainedOptimizer split
+    differently) only one state shared by all of them can be applied."""
+    if not saved:
+        return
+    scalers = [getattr(opt, "grad_scaler", None) for opt in _optimizers(optimizer)]
+    states = [s for s in saved if s is not None]
+    if len(saved) != len(scalers):
+        if any(s != states[0] for s in states):
+            raise StateMismatchError(f"{where}: {len(saved)} saved loss scalers with different states for "
+                                     f"{len(scalers)} optimizers here")
+        saved = [states[0] if states else None] * len(scalers)
+    for scaler, state in zip(scalers, saved):
+        if scaler is not None and state is not None:
+            scaler.load_state_dict({k: torch.tensor([v], dtype=torch.float32) if k == "scale" else v
+                                    for k, v in state.items()})
+
+
 def sync_model_from_main(optimizer: Any, had_main: bool, have_main: bool) -> None:
     """After a load: make model weights and main copies agree.
 
