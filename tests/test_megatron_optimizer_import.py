@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -56,8 +57,13 @@ def torch_dist_folder(folder: Path, states: dict[str, dict[str, torch.Tensor]], 
         flat.update({f"optimizer.state.{state}.{k}": v for k, v in tensors.items()})
     dcp.save(flat, checkpoint_id=str(folder), no_dist=True)
     (folder / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist"}))
-    torch.save({"iteration": 7, "checkpoint_version": 3.0, "args": _args(), "optimizer": optimizer,
-                "opt_param_scheduler": {"num_steps": 7, "lr_decay_style": "cosine"}}, folder / "common.pt")
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(limit, 50_000))  # the deep-nesting cases: pickling a deep dict recurses
+    try:
+        torch.save({"iteration": 7, "checkpoint_version": 3.0, "args": _args(), "optimizer": optimizer,
+                    "opt_param_scheduler": {"num_steps": 7, "lr_decay_style": "cosine"}}, folder / "common.pt")
+    finally:
+        sys.setrecursionlimit(limit)
     return folder
 
 
@@ -93,6 +99,15 @@ def test_a_whole_distributed_optimizer_imports_bit_exact_with_its_padding_rows_a
     assert not any(k.startswith("optimizer.state.") for k in result.skipped)
 
 
+def _nested(depth: int, key: str = "optimizer") -> dict[str, Any]:
+    """An optimizer dict nested ``depth`` levels: loading it builds it without recursion, and a walk over it
+    must not recurse that deep (a RecursionError, not a clear refusal)."""
+    inner: dict[str, Any] = {"param_groups": [{"step": 1.0}]}
+    for _ in range(depth):
+        inner = {key: inner}
+    return inner
+
+
 BAD_FOLDERS = {
     "moments-without-a-step": (adam_states(), {"optimizer": {"param_groups": [{"lr": 1e-3}]}},
                                "no step"),
@@ -109,6 +124,8 @@ BAD_FOLDERS = {
                                              "loss scaler field 'exec'"),
     "a-loss-scale-that-is-not-a-number": (adam_states(), {**dist_opt_common(), "grad_scaler": {"scale": "big"}},
                                           "loss scale of type str"),
+    "an-optimizer-dict-nested-10000-deep": (adam_states(), _nested(10_000), "nests deeper than 8"),
+    "a-chain-nested-10000-deep": (adam_states(), _nested(10_000, key="0"), "nests deeper than 8"),
     "a-state-of-another-shape": ({"exp_avg": {EMB: torch.zeros(PADDED, HIDDEN + 1)}}, dist_opt_common(),
                                  "has shape"),
 }

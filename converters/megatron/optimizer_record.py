@@ -48,7 +48,22 @@ def _number(value: Any, where: str) -> float:
     return float(number)
 
 
-def _steps(optimizer: Any, where: str) -> Iterator[float]:
+MAX_NESTING = 8
+"""How deep the optimizer dicts Megatron saves go (a chained optimizer's entry, its ``optimizer``, the torch
+optimizer's): a ``common.pt`` nesting deeper is not Megatron's, and walking it must not exhaust the stack."""
+
+
+def _inner(optimizer: Mapping[Any, Any], depth: int, where: str) -> Iterator[Any]:
+    """The nested optimizer dicts: ``optimizer`` (a wrapper's torch optimizer) and a chained optimizer's entries."""
+    if depth >= MAX_NESTING:
+        raise ManifestError(f"{where}: the saved optimizer dict nests deeper than {MAX_NESTING} levels "
+                            "(Megatron's goes 3 deep)")
+    for key, inner in optimizer.items():
+        if key == "optimizer" or isinstance(key, int) or (isinstance(key, str) and key.isdigit()):
+            yield inner
+
+
+def _steps(optimizer: Any, where: str, depth: int = 0) -> Iterator[float]:
     """Every step value the optimizer's saved (non-sharded) state dict holds, wherever Megatron put it."""
     if not isinstance(optimizer, Mapping):
         return
@@ -58,22 +73,20 @@ def _steps(optimizer: Any, where: str) -> Iterator[float]:
     state = optimizer.get("state")
     if isinstance(state, Mapping) and state.get("common_step") is not None:
         yield _number(state["common_step"], where)
-    for key, inner in optimizer.items():
-        if key in ("optimizer",) or isinstance(key, int) or (isinstance(key, str) and key.isdigit()):
-            yield from _steps(inner, where)
+    for inner in _inner(optimizer, depth, where):
+        yield from _steps(inner, where, depth + 1)
 
 
-def _param_groups(optimizer: Any) -> Iterator[list[Any]]:
+def _param_groups(optimizer: Any, where: str, depth: int = 0) -> Iterator[list[Any]]:
     if not isinstance(optimizer, Mapping):
         return
     if isinstance(optimizer.get("param_groups"), list):
         yield optimizer["param_groups"]
-    for key, inner in optimizer.items():
-        if key in ("optimizer",) or isinstance(key, int) or (isinstance(key, str) and key.isdigit()):
-            yield from _param_groups(inner)
+    for inner in _inner(optimizer, depth, where):
+        yield from _param_groups(inner, where, depth + 1)
 
 
-def _grad_scalers(optimizer: Any, where: str) -> Iterator[dict[str, Any]]:
+def _grad_scalers(optimizer: Any, where: str, depth: int = 0) -> Iterator[dict[str, Any]]:
     """The loss scalers' states (fp16: ``DynamicGradScaler.state_dict``, under ``grad_scaler`` of each
     Megatron optimizer's state dict), as the adapter records them: the scale as a number."""
     if not isinstance(optimizer, Mapping):
@@ -89,14 +102,16 @@ def _grad_scalers(optimizer: Any, where: str) -> Iterator[dict[str, Any]]:
         yield out
     for key, inner in optimizer.items():
         if isinstance(key, int) or (isinstance(key, str) and key.isdigit()):
-            yield from _grad_scalers(inner, where)
+            if depth >= MAX_NESTING:
+                raise ManifestError(f"{where}: the saved optimizer dict nests deeper than {MAX_NESTING} levels")
+            yield from _grad_scalers(inner, where, depth + 1)
 
 
-def _hyper_parameters(optimizer: Any) -> list[list[dict[str, Any]]]:
+def _hyper_parameters(optimizer: Any, where: str) -> list[list[dict[str, Any]]]:
     """The param groups' hyper-parameters as the adapter records them (informational: the scheduler
     sets lr and weight decay on resume)."""
     out = []
-    for groups in _param_groups(optimizer):
+    for groups in _param_groups(optimizer, where):
         out.append([{k: v for k, v in g.items() if k not in ("params", "step")
                      and isinstance(v, (int, float, str, bool, tuple, list, type(None)))}
                     for g in groups if isinstance(g, Mapping)])
@@ -133,7 +148,7 @@ def optimizer_record(keys: Iterable[str], optimizer: Any, where: str) -> dict[st
                             "param_groups and its state's common_step): Adam cannot resume without it")
     scalars = {"step": {"dtype": "float32", "value": steps[0]}} if steps else {}
     return {"tensor_states": tensor_states, "main": MAIN in by_state, "scalars": scalars,
-            "hyper_parameters": _hyper_parameters(optimizer), "grad_scalers": list(_grad_scalers(optimizer, where))}
+            "hyper_parameters": _hyper_parameters(optimizer, where), "grad_scalers": list(_grad_scalers(optimizer, where))}
 
 
 def scheduler_record(common: Mapping[str, Any], where: str) -> dict[str, Any] | None:
