@@ -53,46 +53,42 @@ MAX_NESTING = 8
 optimizer's): a ``common.pt`` nesting deeper is not Megatron's, and walking it must not exhaust the stack."""
 
 
-def _inner(optimizer: Mapping[Any, Any], depth: int, where: str) -> Iterator[Any]:
-    """The nested optimizer dicts: ``optimizer`` (a wrapper's torch optimizer) and a chained optimizer's entries."""
-    if depth >= MAX_NESTING:
-        raise ManifestError(f"{where}: the saved optimizer dict nests deeper than {MAX_NESTING} levels "
-                            "(Megatron's goes 3 deep)")
-    for key, inner in optimizer.items():
-        if key == "optimizer" or isinstance(key, int) or (isinstance(key, str) and key.isdigit()):
-            yield inner
+def _optimizer_dicts(optimizer: Any, where: str) -> Iterator[Mapping[Any, Any]]:
+    """Every optimizer dict of the saved state, outermost first: the dict itself, a wrapper's torch optimizer
+    (``optimizer``) and a chained optimizer's entries (keyed by position), depth first in their order. The one
+    walk the step, param groups and loss scalers are read from; refused past :data:`MAX_NESTING` levels."""
+    stack = [(optimizer, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if not isinstance(node, Mapping):
+            continue
+        if depth > MAX_NESTING:
+            raise ManifestError(f"{where}: the saved optimizer dict nests deeper than {MAX_NESTING} levels "
+                                "(Megatron's goes 3 deep)")
+        yield node
+        inner = [v for k, v in node.items()
+                 if k == "optimizer" or isinstance(k, int) or (isinstance(k, str) and k.isdigit())]
+        stack.extend((v, depth + 1) for v in reversed(inner))
 
 
-def _steps(optimizer: Any, where: str, depth: int = 0) -> Iterator[float]:
+def _steps(optimizer: Any, where: str) -> Iterator[float]:
     """Every step value the optimizer's saved (non-sharded) state dict holds, wherever Megatron put it."""
-    if not isinstance(optimizer, Mapping):
-        return
-    for group in optimizer.get("param_groups") or ():
-        if isinstance(group, Mapping) and group.get("step") is not None:
-            yield _number(group["step"], where)
-    state = optimizer.get("state")
-    if isinstance(state, Mapping) and state.get("common_step") is not None:
-        yield _number(state["common_step"], where)
-    for inner in _inner(optimizer, depth, where):
-        yield from _steps(inner, where, depth + 1)
+    for node in _optimizer_dicts(optimizer, where):
+        for group in node.get("param_groups") or ():
+            if isinstance(group, Mapping) and group.get("step") is not None:
+                yield _number(group["step"], where)
+        state = node.get("state")
+        if isinstance(state, Mapping) and state.get("common_step") is not None:
+            yield _number(state["common_step"], where)
 
 
-def _param_groups(optimizer: Any, where: str, depth: int = 0) -> Iterator[list[Any]]:
-    if not isinstance(optimizer, Mapping):
-        return
-    if isinstance(optimizer.get("param_groups"), list):
-        yield optimizer["param_groups"]
-    for inner in _inner(optimizer, depth, where):
-        yield from _param_groups(inner, where, depth + 1)
-
-
-def _grad_scalers(optimizer: Any, where: str, depth: int = 0) -> Iterator[dict[str, Any]]:
+def _grad_scalers(optimizer: Any, where: str) -> Iterator[dict[str, Any]]:
     """The loss scalers' states (fp16: ``DynamicGradScaler.state_dict``, under ``grad_scaler`` of each
     Megatron optimizer's state dict), as the adapter records them: the scale as a number."""
-    if not isinstance(optimizer, Mapping):
-        return
-    scaler = optimizer.get("grad_scaler")
-    if isinstance(scaler, Mapping) and scaler:
+    for node in _optimizer_dicts(optimizer, where):
+        scaler = node.get("grad_scaler")
+        if not isinstance(scaler, Mapping) or not scaler:
+            continue
         out = {}
         for k, v in scaler.items():
             if k not in ("scale", "growth_tracker", "hysteresis_tracker"):
@@ -100,21 +96,18 @@ def _grad_scalers(optimizer: Any, where: str, depth: int = 0) -> Iterator[dict[s
                                     "growth_tracker and hysteresis_tracker")
             out[k] = _number(v, where) if k == "scale" else int(_number(v, where))
         yield out
-    for key, inner in optimizer.items():
-        if isinstance(key, int) or (isinstance(key, str) and key.isdigit()):
-            if depth >= MAX_NESTING:
-                raise ManifestError(f"{where}: the saved optimizer dict nests deeper than {MAX_NESTING} levels")
-            yield from _grad_scalers(inner, where, depth + 1)
 
 
 def _hyper_parameters(optimizer: Any, where: str) -> list[list[dict[str, Any]]]:
     """The param groups' hyper-parameters as the adapter records them (informational: the scheduler
     sets lr and weight decay on resume)."""
     out = []
-    for groups in _param_groups(optimizer, where):
-        out.append([{k: v for k, v in g.items() if k not in ("params", "step")
-                     and isinstance(v, (int, float, str, bool, tuple, list, type(None)))}
-                    for g in groups if isinstance(g, Mapping)])
+    for node in _optimizer_dicts(optimizer, where):
+        groups = node.get("param_groups")
+        if isinstance(groups, list):
+            out.append([{k: v for k, v in g.items() if k not in ("params", "step")
+                         and isinstance(v, (int, float, str, bool, tuple, list, type(None)))}
+                        for g in groups if isinstance(g, Mapping)])
     return json_ready(out, "the optimizer's param groups")
 
 
