@@ -1,4 +1,4 @@
-"""Importing a Megatron ``torch_dist`` checkpoint with its distributed-optimizer state vs raw I/O of the same bytes.
+"""A Megatron ``torch_dist`` checkpoint with its distributed-optimizer state, imported and exported back, vs raw I/O.
 
 Setup (not timed): Megatron-core's own ``dist_checkpointing.save`` on tp2·pp2 gloo processes
 (benchmarks/megatron_reshard_worker.py) writes a GPT's bf16 weights and its optimizer state as the
@@ -14,12 +14,18 @@ Measured, ``--reps`` times each (median; page cache dropped before each run when
   convert    ``ckptkit convert SRC DST``: the import (every DCP chunk becomes a piece of the
              virtual rank whose file held it, vocabulary padding apart, the optimizer record written)
 
-Ratios: convert wall / raw wall, and peak RSS against the largest tensor. After the first run the
-import is checked against the source (three tensors, bit for bit, read back through ckptkit and DCP)
-and its optimizer record against the saved step.
+  raw copy   (baseline) the same for the ckptkit checkpoint the import wrote (kept, untimed, as the
+             export's source)
+  export     ``ckptkit convert IMPORTED OUT --format megatron --to tp4pp1``: weights and the optimizer
+             state in the distributed optimizer's ``fully_reshardable`` form, at a new layout
+  megatron   (baseline) Megatron-core's own change of layout: ``dist_checkpointing.load`` of the source
+             at tp4pp1 (model and optimizer state) and ``save`` there, on 4 gloo processes
+             (benchmarks/megatron_reshard_worker.py); peak RSS is the sum over its processes
 
-Not measured yet: the export back to torch_dist *with* optimizer state (ckptkit's Megatron export
-writes weights only; issue 29).
+Ratios: each command's wall / its raw copy's, the export's / Megatron's, and peak RSS against the largest
+tensor. After the first run the import is checked against the source (three tensors, bit for bit, read
+back through ckptkit and DCP) and its optimizer record against the saved step; the export likewise
+(the same tensors through DCP's own read of both torch_dist folders, and the step in its param groups).
 
 Run: .venv/bin/python benchmarks/bench_megatron_import.py [--quick] [--reps 1] [--out DIR]
 """
@@ -37,7 +43,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(1, os.path.dirname(HERE))
 
-from bench_reshard import against_raw_copy, run_ranks  # noqa: E402
+from bench_reshard import against_raw_copy, run_child, run_ranks  # noqa: E402
 from common import (  # noqa: E402
     GiB,
     MiB,
@@ -51,6 +57,7 @@ from common import (  # noqa: E402
     write_results,
 )
 
+TARGET = {"tp": 4, "pp": 1, "dp": 1}
 CHECKED = ("embedding.word_embeddings.weight", "decoder.layers.mlp.linear_fc1.weight", "output_layer.weight")
 
 
@@ -86,6 +93,42 @@ def check_import(src: str, dst: str) -> None:
         raise AssertionError(f"optimizer record {meta['optimizer']}, iteration {meta['iteration']}")
 
 
+def check_export(src: str, out: str) -> None:
+    """Three tensors of each state equal between the source and the export (the export's vocabulary rows past
+    the source's are the new tp's padding), and the step in the export's param groups."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    for key in CHECKED:
+        for prefix in ("", "optimizer.state.param.", "optimizer.state.exp_avg_sq."):
+            shapes = {}
+            for folder in (src, out):
+                meta = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata[prefix + key]
+                shapes[folder] = {prefix + key: torch.empty(meta.size, dtype=meta.properties.dtype)}
+                dcp.load(shapes[folder], checkpoint_id=folder, no_dist=True)
+            a, b = shapes[src][prefix + key], shapes[out][prefix + key]
+            if not torch.equal(a, b[:a.shape[0]]) or b[a.shape[0]:].any():
+                raise AssertionError(f"export's {prefix + key} differs from the Megatron source's")
+    common = torch.load(os.path.join(out, "common.pt"), weights_only=True)
+    if {g["step"] for g in common["optimizer"]["optimizer"]["param_groups"]} != {1000.0}:
+        raise AssertionError(f"export's param groups {common['optimizer']}")
+
+
+def megatron_relayout(src: str, scratch: str, spec: dict, reps: int) -> tuple[list[float], list[int]]:
+    """Megatron's own load at tp4pp1 + save there, ``reps`` times: walls and summed peak RSS."""
+    walls, rss = [], []
+    for rep in range(reps):
+        dst = os.path.join(scratch, f"megatron-{rep}")
+        os.makedirs(dst)
+        wall, peaks, _ = run_ranks(4, ["reshard", json.dumps({**spec, **TARGET}), src, dst],
+                                   29500 + (os.getpid() + rep + 1) % 1000)
+        walls.append(wall)
+        rss.append(sum(peaks))
+        print(f"  rep {rep} megatron load+save: {wall:.2f}s, RSS sum {rss[-1] / MiB:.0f} MiB", flush=True)
+        remove_tree(dst)
+    return walls, rss
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a ~0.1 GiB checkpoint instead of >= 2 GiB")
@@ -115,14 +158,42 @@ def run(args: argparse.Namespace) -> int:
                                         total, cv_rss)))
         print(f"\nimport wall vs raw I/O: {median(cv_t) / median(raw_t):.2f}x; peak RSS {max(cv_rss) / MiB:.0f} MiB "
               f"({max(cv_rss) / largest:.2f}x the largest fp32 tensor, {largest / MiB:.0f} MiB)")
+        export = run_export(src, scratch, spec, args.reps, largest)
         write_results(args.out, "bench_megatron_import", {
             "quick": args.quick, "bytes": total, "files": files, "cold_cache": cold, "reps": args.reps,
             "raw_seconds": median(raw_t), "convert_seconds": median(cv_t), "convert_inner_seconds": median(cv_inner),
-            "wall_ratio": median(cv_t) / median(raw_t), "peak_rss": max(cv_rss), "largest_tensor": largest,
+            "wall_ratio": median(cv_t) / median(raw_t), "peak_rss": max(cv_rss), "largest_tensor": largest, **export,
         })
         return 0
     finally:
         remove_tree(scratch)
+
+
+def run_export(src: str, scratch: str, spec: dict, reps: int, largest: int) -> dict:
+    """The way back: export the import to torch_dist at tp4pp1 with its optimizer, against a raw copy of the
+    import and against Megatron's own load + save at tp4pp1."""
+    imported = os.path.join(scratch, "imported")
+    run_child([sys.executable, "-m", "ckptkit.cli.main", "convert", src, imported])
+    total, files = tree_bytes(imported)
+    print(f"\nexport source (the import): {total / GiB:.2f} GiB in {files} files; target tp4pp1", flush=True)
+    raw_t, ex_t, ex_rss, ex_inner, _ = against_raw_copy(
+        imported, scratch, reps, "export",
+        lambda dst: ["convert", imported, dst, "--format", "megatron", "--to", "tp4pp1"],
+        lambda dst: check_export(src, dst))
+    mg_t, mg_rss = megatron_relayout(src, scratch, spec, reps)
+    print(table(["method", "seconds", "MiB/s", "x raw", "peak RSS"],
+                command_vs_raw_rows("raw copy of the import (baseline)", raw_t, "ckptkit export (--format megatron)",
+                                    ex_t, ex_inner, total, ex_rss)
+                + [["Megatron load+save at tp4pp1 (baseline)", f"{median(mg_t):.2f}", f"{total / MiB / median(mg_t):.0f}",
+                    f"{median(mg_t) / median(raw_t):.2f}", f"{max(mg_rss) / MiB:.0f} MiB (sum)"]]))
+    print(f"\nexport wall vs raw I/O: {median(ex_t) / median(raw_t):.2f}x; vs Megatron's own load+save: "
+          f"{median(ex_t) / median(mg_t):.2f}x; peak RSS {max(ex_rss) / MiB:.0f} MiB "
+          f"({max(ex_rss) / largest:.2f}x the largest fp32 tensor) vs Megatron's {max(mg_rss) / MiB:.0f} MiB")
+    remove_tree(imported)
+    return {"export_bytes": total, "export_raw_seconds": median(raw_t), "export_seconds": median(ex_t),
+            "export_inner_seconds": median(ex_inner), "export_wall_ratio": median(ex_t) / median(raw_t),
+            "export_peak_rss": max(ex_rss), "megatron_seconds": median(mg_t), "megatron_peak_rss_sum": max(mg_rss),
+            "export_vs_megatron": median(ex_t) / median(mg_t)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -147,7 +147,9 @@ def megatron_lm_common(spec: dict, world: int) -> dict:
                               padded_vocab_size=spec["vocab"], make_vocab_size_divisible_by=128,
                               tensor_model_parallel_size=spec["tp"], pipeline_model_parallel_size=spec["pp"],
                               world_size=world, untie_embeddings_and_output_weights=True)
-    groups = [{"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": wd, "step": 1000.0} for wd in (0.1, 0.0)]
+    groups = [{"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": wd, "step": 1000.0, "wd_mult": wd_mult,
+               "lr_mult": 1.0, "is_expert_parallel": False, "is_decoupled_lr": False}  # what Megatron matches groups by
+              for wd, wd_mult in ((0.1, 1.0), (0.0, 0.0))]
     return {"iteration": 1000, "checkpoint_version": 3.0, "args": args,
             "opt_param_scheduler": {"num_steps": 1000, "lr_decay_style": "cosine", "max_lr": 3e-4},
             "optimizer": {"optimizer": {"param_groups": groups}, "param_state_sharding_type": "fully_reshardable"}}

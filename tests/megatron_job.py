@@ -134,13 +134,16 @@ def loss_scale(t: mm.Trainer) -> float | None:
 _MEGATRON_OPTIM = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
-def _train_state_sd(t: mm.Trainer, *, loading: bool) -> dict[str, Any]:
+def _train_state_sd(t: mm.Trainer, *, loading: bool, metadata: dict[str, Any] | None = None) -> dict[str, Any]:
     """Megatron's sharded state dict of the training state, as Megatron-LM's trainer builds it: every model chunk
-    and the optimizer in model space (the distributed optimizer's ``fully_reshardable`` form)."""
+    and the optimizer in model space (the distributed optimizer's ``fully_reshardable`` form). ``metadata``: the
+    loaded checkpoint's ``content_metadata``, which Megatron-LM's ``load_checkpoint`` builds the state dict it
+    loads from when the checkpoint records one (an export by ckptkit does: no ``chained_<i>.`` key prefix)."""
     model = _model_sd(t)
     if loading:
         _create_adam_states(t.optimizer)
-    return {**model, "optimizer": t.optimizer.sharded_state_dict(model, is_loading=loading, metadata=_MEGATRON_OPTIM)}
+    return {**model, "optimizer": t.optimizer.sharded_state_dict(model, is_loading=loading,
+                                                                 metadata=metadata or _MEGATRON_OPTIM)}
 
 
 def megatron_save(t: mm.Trainer, megatron_folder: str) -> None:
@@ -178,7 +181,8 @@ def megatron_reference(layout: mm.Layout, megatron_folder: str, *, steps: int,
                 unwrap(chunk).load_state_dict(loaded[f"model{i}"], strict=False)
         else:
             with _step_kept_on_load():
-                loaded = dist_checkpointing.load(_train_state_sd(t, loading=True), megatron_folder)
+                metadata = dist_checkpointing.load_content_metadata(megatron_folder)
+                loaded = dist_checkpointing.load(_train_state_sd(t, loading=True, metadata=metadata), megatron_folder)
                 for i, chunk in enumerate(t.model):
                     unwrap(chunk).load_state_dict(loaded[f"model{i}"])
                 t.optimizer.load_state_dict(loaded["optimizer"])
@@ -189,6 +193,17 @@ def megatron_reference(layout: mm.Layout, megatron_folder: str, *, steps: int,
         return _train_on(t, {}, steps)
     finally:
         mm.teardown()
+
+
+def megatron_load_error(layout: mm.Layout, folder: str) -> str | None:
+    """What Megatron's own load of model and optimizer from ``folder`` at ``layout`` raises (None: it loaded)."""
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
+
+    try:
+        megatron_reference(layout, folder, steps=0)
+        return None
+    except (Exception, CheckpointException) as exc:  # whatever Megatron's load raises: a KeyError, DCP's failure
+        return f"{type(exc).__name__}: {exc}"
 
 
 def _sub_optimizers(optimizer: Any) -> list[Any]:

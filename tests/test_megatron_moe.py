@@ -311,6 +311,20 @@ def test_megatrons_own_moe_save_imports_equal_to_ckptkits(saved, tmp_path):
     assert sum(".experts.experts." in k for k in model_keys) == 2
 
 
+@pytest.mark.parametrize("name", ["ep4", "pp2ep2"])
+def test_megatron_resumes_an_moe_export_with_its_chained_optimizer(worlds, saved, reference, tmp_path, name):
+    """`--format megatron` of the MoE checkpoint at a new expert layout, then Megatron's own load of model and
+    optimizer there: the ChainedOptimizer's two distributed optimizers (dense, expert) with their param groups
+    and Adam state, the expert bias. The resumed job does what Megatron resuming its own save there does."""
+    from ckptkit_converters.megatron.exporter import export_torch_dist
+
+    layout = LAYOUTS[name]
+    out = str(tmp_path / "torch_dist")
+    export_torch_dist(saved[0], out, tp=layout.tp, pp=layout.pp, ep=layout.ep)
+    got = worlds.run(4, job.megatron_reference, layout, out, steps=STEPS)[0]
+    check(got, reference(name))
+
+
 @pytest.mark.parametrize("target", ["tp1pp1ep4", "tp2pp1ep2etp1"])
 def test_megatron_export_at_a_new_expert_layout_loads_in_megatron(worlds, saved, resumed, reference, tmp_path, target):
     """`ckptkit reshard SRC OUT --to ...ep... --format megatron`: Megatron's own dist_checkpointing.load at

@@ -29,7 +29,7 @@ from ckptkit.layout.config import ParallelConfig
 from ckptkit.offline.view import open as open_view
 from ckptkit.options import Progress, progress_counter
 from ckptkit_converters.megatron import files as fmt
-from ckptkit_converters.megatron import names
+from ckptkit_converters.megatron import names, optimizer_export
 from ckptkit_converters.megatron.files import META_KEY, MODEL, MegatronConvertResult
 from ckptkit_converters.common.renamed import divisible_by_renamed
 
@@ -81,15 +81,15 @@ class _ViewPlanner:
     """What DCP's ``FileSystemWriter.write_data`` asks of a planner: each item's tensor, read
     from the ckptkit checkpoint when the writer reaches it (vocab padding: see ``_fill_padding``)."""
 
-    def __init__(self, view: Any, keys: Mapping[str, str], tick: Callable[[int], None]) -> None:
+    def __init__(self, view: Any, sources: Mapping[str, str], tick: Callable[[int], None]) -> None:
         self._view = view
-        self._keys = keys
+        self._sources = sources
         self._tick = tick
 
     def resolve_data(self, item: Any) -> Any:
         if item.tensor_data is None:  # an _extra_state item
             return io.BytesIO(_none_list())
-        key = self._keys[item.index.fqn]
+        key = self._sources[item.index.fqn]
         chunk = item.tensor_data.chunk
         offs, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
         shape = self._view.manifest.tensors[key].shape
@@ -101,6 +101,9 @@ class _ViewPlanner:
             self._fill_padding(key, out, offs, rows, shape)
         else:
             out = self._view.read_box(key, Box(offs, sizes))
+        dtype = item.tensor_data.properties.dtype
+        if out.dtype != dtype:  # main copies taken from fp32-training weights stored in another dtype
+            out = out.to(dtype)
         self._tick(out.numel() * out.element_size())
         return out
 
@@ -177,15 +180,30 @@ def _target_chunks(key: str, shape: tuple[int, ...], rule: Any, config: Parallel
 
 @dataclass
 class _ExportPlan:
-    """What each target rank writes (DCP ``WriteItem`` lists), which ckptkit tensor each Megatron key
-    reads from, the tensor bytes written in all (padded vocabulary rows included: the progress total,
-    so that it matches what :class:`_ViewPlanner` ticks), and the checkpoint's entries left out (not
-    model weights)."""
+    """What each target rank writes (DCP ``WriteItem`` lists), which ckptkit tensor each model key
+    (``keys``) and each written key, model or optimizer (``sources``), reads from, the tensor bytes
+    written in all (padded vocabulary rows included: the progress total, so that it matches what
+    :class:`_ViewPlanner` ticks), and the checkpoint's entries left out."""
 
     items: list[list[Any]]
     keys: dict[str, str] = field(default_factory=dict)
+    sources: dict[str, str] = field(default_factory=dict)
     nbytes: int = 0
     skipped: list[str] = field(default_factory=list)
+    chunks: dict[str, tuple[tuple[int, ...], list[Chunk]]] = field(default_factory=dict)
+
+    def add(self, fqn: str, source: str, dtype: torch.dtype, padded: tuple[int, ...], chunks: list[Chunk]) -> None:
+        """One DCP shard ``WriteItem`` per chunk of ``fqn``, on the rank that writes it, read from ``source``."""
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+        from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+        self.sources[fqn] = source
+        props = TensorProperties(dtype=dtype)
+        for rank, offs, sizes in chunks:
+            chunk = ChunkStorageMetadata(torch.Size(offs), torch.Size(sizes))
+            self.items[rank].append(WriteItem(index=MetadataIndex(fqn, offs), type=WriteItemType.SHARD,
+                                              tensor_data=TensorWriteData(chunk, props, torch.Size(padded))))
+            self.nbytes += math.prod(sizes) * dtype.itemsize  # what the planner ticks: padding rows included
 
 
 def _read_meta(view: Any) -> dict[str, Any]:
@@ -215,9 +233,6 @@ def _empty_destination(dest: str | os.PathLike[str]) -> str:
 def _plan_tensors(view: Any, config: ParallelConfig, make_vocab_size_divisible_by: int,
                   num_layers: int) -> _ExportPlan:
     """A DCP shard ``WriteItem`` per target chunk of every model tensor, on the rank that writes it."""
-    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
-    from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
-
     plan = _ExportPlan([[] for _ in range(config.world_size)])
     for key, tmeta in sorted(view.manifest.tensors.items()):
         if not key.startswith(MODEL):
@@ -232,14 +247,21 @@ def _plan_tensors(view: Any, config: ParallelConfig, make_vocab_size_divisible_b
                               "export writes stacked layers only")
         padded, chunks = _target_chunks(mkey, tmeta.shape, rule, config, make_vocab_size_divisible_by, num_layers)
         plan.keys[mkey] = key
-        dtype = view[key].dtype
-        props = TensorProperties(dtype=dtype)
-        for rank, offs, sizes in chunks:
-            chunk = ChunkStorageMetadata(torch.Size(offs), torch.Size(sizes))
-            plan.items[rank].append(WriteItem(index=MetadataIndex(mkey, offs), type=WriteItemType.SHARD,
-                                              tensor_data=TensorWriteData(chunk, props, torch.Size(padded))))
-            plan.nbytes += math.prod(sizes) * dtype.itemsize  # what the planner ticks: padding rows included
+        plan.chunks[mkey] = (padded, chunks)
+        plan.add(mkey, key, view[key].dtype, padded, chunks)
     return plan
+
+
+def _plan_optimizer(view: Any, plan: _ExportPlan, record: Mapping[str, Any]) -> None:
+    """The optimizer's tensors (see :mod:`.optimizer_export`): each split exactly as its model tensor,
+    in fp32 as Megatron's distributed optimizer holds them."""
+    sources = optimizer_export.state_sources(record, plan.keys, view.manifest.tensors, view.url)
+    for fqn, source in sources.items():
+        mkey = fqn.split(".", 3)[3]
+        padded, chunks = plan.chunks[mkey]
+        plan.add(fqn, source, torch.float32, padded, chunks)
+    used = set(sources.values())
+    plan.skipped = [k for k in plan.skipped if k not in used and k.removesuffix(names.VOCAB_PADDING_SUFFIX) not in used]
 
 
 def _plan_extra_states(view: Any, plan: _ExportPlan, config: ParallelConfig, num_layers: int) -> None:
@@ -252,7 +274,8 @@ def _plan_extra_states(view: Any, plan: _ExportPlan, config: ParallelConfig, num
         plan.items[rank].append(WriteItem(index=MetadataIndex(item_key), type=WriteItemType.BYTE_IO))
 
 
-def _write_directory(view: Any, out: str, plan: _ExportPlan, iteration: int, tick: Callable[[int], None]) -> None:
+def _write_directory(view: Any, out: str, plan: _ExportPlan, common: dict[str, Any],
+                     tick: Callable[[int], None]) -> None:
     """Write the plan with DCP's own ``FileSystemWriter`` (one virtual rank at a time), then ``common.pt``
     and ``metadata.json``, and ``.metadata`` last (DCP's commit). On any failure the directory is removed;
     a failure that is not ckptkit's own becomes a :class:`SaveError` naming the export."""
@@ -267,9 +290,9 @@ def _write_directory(view: Any, out: str, plan: _ExportPlan, iteration: int, tic
         local = [writer.prepare_local_plan(SavePlan(items)) for items in plan.items]
         global_plans, metadata = create_default_global_save_plan(local)
         global_plans = writer.prepare_global_plan(global_plans)
-        planner = _ViewPlanner(view, plan.keys, tick)
+        planner = _ViewPlanner(view, plan.sources, tick)
         results = [writer.write_data(p, planner).wait() for p in global_plans]  # type: ignore[arg-type]
-        torch.save({"iteration": iteration, "checkpoint_version": 3.0}, os.path.join(out, fmt.COMMON_NAME))
+        torch.save(common, os.path.join(out, fmt.COMMON_NAME))
         with open(os.path.join(out, fmt.CONFIG_NAME), "w", encoding="utf-8") as f:
             json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
                        "common_backend_version": 1}, f)
@@ -283,10 +306,22 @@ def _write_directory(view: Any, out: str, plan: _ExportPlan, iteration: int, tic
         raise SaveError(f"exporting {view.url} to torch_dist at {out} failed: {exc}") from exc
 
 
+def _common(meta: Mapping[str, Any], optimizer: Any) -> dict[str, Any]:
+    """``common.pt``: what Megatron-LM's ``load_checkpoint`` reads beside the tensors (no ``args``: it
+    then keeps its command-line arguments)."""
+    out: dict[str, Any] = {"iteration": int(meta.get("iteration", 0)), "checkpoint_version": 3.0,
+                           "content_metadata": dict(optimizer_export.CONTENT_METADATA)}
+    if meta.get("scheduler") is not None:
+        out["opt_param_scheduler"] = meta["scheduler"]
+    if optimizer is not None:
+        out["optimizer"] = optimizer
+    return out
+
+
 @divisible_by_renamed
 def export_torch_dist(source: str | os.PathLike[str], dest: str | os.PathLike[str], *, tp: int, pp: int,
                       ep: int = 1, etp: int | None = None, make_vocab_size_divisible_by: int | None = None,
-                      progress: Progress | None = None) -> MegatronConvertResult:
+                      weights_only: bool = False, progress: Progress | None = None) -> MegatronConvertResult:
     """Write the ckptkit Megatron checkpoint ``source`` as a torch_dist directory for ``tp``/``pp``
     (and, for an MoE model, ``ep`` / ``etp``: routed experts are written as the expert ranks hold them).
 
@@ -294,11 +329,16 @@ def export_torch_dist(source: str | os.PathLike[str], dest: str | os.PathLike[st
     accepts it for a model built at that layout (any layout, in fact: DCP reads
     by overlap; ``tp`` fixes the padded vocab). ``make_vocab_size_divisible_by``: the padding
     multiple to re-pad the vocabulary to (None: the checkpoint's; ``divisible_by=``: the old
-    keyword, one more release, with a DeprecationWarning). Model weights only; ``common.pt``
-    holds ``iteration`` and ``checkpoint_version`` (no ``args``: Megatron-LM then
-    keeps its command-line arguments). Memory: about one target rank's weights
-    (DCP's writer holds a file's tensors until it is written). Even layer split
-    over ``pp`` only (no virtual pipeline, no uneven first/last stage).
+    keyword, one more release, with a DeprecationWarning).
+
+    With the optimizer (the default, when the checkpoint holds one): the distributed optimizer's
+    state in its ``fully_reshardable`` form, the LR scheduler (``opt_param_scheduler``) and the
+    loss scaler, so that Megatron resumes model and optimizer at any layout
+    (:mod:`.optimizer_export`); ``weights_only``: the model (and scheduler) alone. ``common.pt``
+    holds ``iteration``, ``checkpoint_version`` and ``content_metadata`` (no ``args``: Megatron-LM
+    then keeps its command-line arguments). Memory: about one target rank's tensors (DCP's writer
+    holds a file's tensors until it is written). Even layer split over ``pp`` only (no virtual
+    pipeline, no uneven first/last stage).
     """
     t0 = time.perf_counter()
     view = open_view(source)
@@ -308,9 +348,14 @@ def export_torch_dist(source: str | os.PathLike[str], dest: str | os.PathLike[st
     config = _target_layout(num_layers, tp, pp, ep, etp)
     out = _empty_destination(dest)
     plan = _plan_tensors(view, config, divisible, num_layers)
+    record = None if weights_only else meta.get("optimizer")
+    optimizer = None
+    if record is not None:
+        optimizer = optimizer_export.optimizer_common(record, view.url)
+        _plan_optimizer(view, plan, record)
     _plan_extra_states(view, plan, config, num_layers)
-    _write_directory(view, out, plan, int(meta.get("iteration", 0)), progress_counter(progress, plan.nbytes))
+    _write_directory(view, out, plan, _common(meta, optimizer), progress_counter(progress, plan.nbytes))
     out_meta = {**meta, "layout": {"tp": tp, "pp": pp, "dp": None, "vpp": None, "ep": ep,
-                                   "etp": config.expert_tp}}
+                                   "etp": config.expert_tp}, "optimizer": record}
     return MegatronConvertResult(view.url, out, "megatron-torch_dist", len(plan.keys), plan.nbytes, view.bytes_read,
                                  time.perf_counter() - t0, out_meta, tuple(plan.skipped))

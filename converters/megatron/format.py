@@ -47,7 +47,7 @@ class MegatronFormat(FormatBase, name="megatron", description="a Megatron checkp
         target = options.target()
         return export_torch_dist(source, dest, tp=target.tp, pp=target.pp, ep=target.ep, etp=target.etp,
                                  make_vocab_size_divisible_by=options.make_vocab_size_divisible_by,
-                                 progress=run.progress)
+                                 weights_only=options.weights_only, progress=run.progress)
 
 
 FORMAT = MegatronFormat()

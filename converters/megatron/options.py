@@ -41,11 +41,14 @@ class MegatronImportOptions:
 @dataclass(frozen=True)
 class MegatronExportOptions:
     """The layout Megatron will load the torch_dist directory at (``layout``: tp, pp — an even
-    pipeline split without virtual chunks or context parallelism — and ep/etp for MoE), and the
-    padding multiple to re-pad the vocabulary to (None: the checkpoint's)."""
+    pipeline split without virtual chunks or context parallelism — and ep/etp for MoE), the
+    padding multiple to re-pad the vocabulary to (None: the checkpoint's), and ``weights_only``:
+    leave the optimizer out (by default it is written, in the distributed optimizer's
+    ``fully_reshardable`` form, whenever the checkpoint holds one; CLI: ``--opt weights_only=true``)."""
 
     layout: ParallelConfig | None = None
     make_vocab_size_divisible_by: int | None = None
+    weights_only: bool = False
 
     def __post_init__(self) -> None:
         _positive("make_vocab_size_divisible_by", self.make_vocab_size_divisible_by)

@@ -1,0 +1,165 @@
+"""The optimizer in a torch_dist export: what Megatron's own load resumes Adam from.
+
+A Megatron-LM job loads the distributed optimizer (``--use-distributed-optimizer``, what Megatron
+runs are trained with) from a torch_dist directory in one of its sharding types. The export writes
+``fully_reshardable``, the one Megatron loads at *any* tp/pp/dp (megatron-core 0.14-0.16,
+``DistributedOptimizer.sharded_param_state_fully_reshardable`` and its load counterpart):
+
+* per model tensor ``<key>``, the tensors ``optimizer.state.param.<key>`` (the fp32 main copy) and
+  ``optimizer.state.<state>.<key>`` for each Adam state (``exp_avg``, ``exp_avg_sq``), each shaped and
+  split over the ranks exactly as the model tensor, vocabulary padding rows included (Megatron
+  flattens and slices them per rank on load);
+* in ``common.pt`` under ``optimizer``: ``{"optimizer": {"param_groups": [...]},
+  "param_state_sharding_type": "fully_reshardable"}`` (and ``grad_scaler`` in fp16), one such dict
+  per optimizer keyed by position for a ``ChainedOptimizer`` of several (an MoE job's dense and
+  expert optimizers). The param groups carry the hyper-parameters Megatron matches its own groups
+  by (``wd_mult``, ``lr_mult``, ``is_expert_parallel``, ``is_decoupled_lr``) and the Adam step,
+  which the distributed optimizer keeps in its param groups;
+* ``content_metadata`` naming that sharding type (what Megatron-LM's ``save_checkpoint`` records and
+  its ``load_checkpoint`` reads to build the state dict it loads).
+
+Everything comes from the adapter's ``optimizer`` record in ``megatron/meta`` (or an import's, which
+builds the same record) and the checkpoint's ``optimizer/<state>/<key>`` tensors. A record that
+cannot make a whole optimizer (no step, no param groups, a scalar state Megatron has no place for, a
+state some tensors lack) is refused, naming the checkpoint and what is missing, rather than written
+as an optimizer that would resume wrong; ``weights_only`` exports the model alone.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from ckptkit.errors import ManifestError
+
+SHARDING_TYPE = "fully_reshardable"
+IDENTIFIER_KEYS = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr")
+"""What Megatron's ``DistributedOptimizer.load_state_dict`` matches a saved param group to its own by
+(``param_group_identifier_keys``; NeMo's ``pre_`` names accepted as Megatron accepts them)."""
+
+CONTENT_METADATA = {"distrib_optim_sharding_type": SHARDING_TYPE, "singleton_local_shards": False,
+                    "chained_optim_avoid_prefix": True}
+"""Megatron-LM's ``_build_sharded_state_dict_metadata`` for this export: the sharding type written, and the
+key scheme (no ``chained_<i>.`` prefix on the tensors of a chained optimizer's parts)."""
+
+MAIN = "main"
+_STATE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
+
+
+def checked(record: Any, where: str) -> Mapping[str, Any]:
+    """The ``optimizer`` record of ``megatron/meta``, refused unless its shape is what the adapter and the
+    importer write: an object whose ``tensor_states`` are state names (``exp_avg``...: they become parts of
+    Megatron's keys, so no dots, slashes or Megatron's own ``param`` / ``step``) and whose ``main`` is a bool."""
+    if not isinstance(record, Mapping):
+        raise ManifestError(f"{where}: the optimizer record is {type(record).__name__}, expected an object")
+    states = record.get("tensor_states")
+    if not isinstance(states, list) or not all(isinstance(n, str) and _STATE_NAME.match(n) and n not in
+                                                ("param", "step", MAIN) for n in states) or len(set(states)) != len(states):
+        raise ManifestError(f"{where}: the optimizer record's tensor_states are {states!r}, expected distinct "
+                            "state names such as 'exp_avg'")
+    if not isinstance(record.get("main"), bool):
+        raise ManifestError(f"{where}: the optimizer record's main is {record.get('main')!r}, expected true or false")
+    return record
+
+
+def state_sources(record: Mapping[str, Any], model_keys: Mapping[str, str], tensors: Mapping[str, Any],
+                  where: str) -> dict[str, str]:
+    """Megatron's optimizer tensor key -> the ckptkit tensor it is read from, for every model tensor the
+    optimizer holds state for.
+
+    The main copy is ``optimizer/main/<key>``; a checkpoint without main copies (fp32 training, where
+    Megatron's main copies are the weights themselves) gives the weights, cast to fp32 when written.
+    A model tensor with no optimizer tensor at all is not a trained parameter (a buffer such as the
+    router's ``expert_bias``, which Megatron's optimizer does not hold either): skipped. One with some
+    of the record's states and not others is refused: Megatron would resume it with fresh moments."""
+    out = {}
+    states = list(checked(record, where)["tensor_states"])
+    names = states + ([MAIN] if record["main"] else [])
+    for mkey, ckey in sorted(model_keys.items()):
+        held = [name for name in names if f"optimizer/{name}/{mkey}" in tensors]
+        if not held:
+            continue
+        if held != names:
+            lacking = [name for name in names if name not in held]
+            raise ManifestError(f"{where}: {mkey!r} has optimizer state {held} but not {lacking} "
+                                f"('optimizer/{lacking[0]}/{mkey}' is not in the checkpoint): not a whole optimizer")
+        for name in states:
+            out[f"optimizer.state.{name}.{mkey}"] = f"optimizer/{name}/{mkey}"
+        out[f"optimizer.state.param.{mkey}"] = f"optimizer/{MAIN}/{mkey}" if record["main"] else ckey
+    if not out:
+        raise ManifestError(f"{where}: the optimizer record lists {names} but the checkpoint holds no optimizer "
+                            "tensor for any model tensor (export with weights_only=True for the model alone)")
+    return out
+
+
+def _number(value: Any, what: str, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or value in (float("inf"), float("-inf")):
+        raise ManifestError(f"{where}: the optimizer record's {what} is {value!r}, expected a finite number")
+    return float(value)
+
+
+def _group(group: Any, step: float, where: str) -> dict[str, Any]:
+    if not isinstance(group, Mapping) or not all(isinstance(k, str) for k in group):
+        raise ManifestError(f"{where}: a saved param group is {type(group).__name__}, expected an object of "
+                            "hyper-parameters")
+    for key in IDENTIFIER_KEYS:
+        if key not in group and f"pre_{key}" not in group:
+            raise ManifestError(f"{where}: a saved param group lacks {key!r}, which Megatron matches its own "
+                                f"groups by ({', '.join(IDENTIFIER_KEYS)}); the group has {sorted(group)}")
+    for k, v in group.items():
+        if not isinstance(v, (int, float, str, bool, type(None))) and not (
+                isinstance(v, list) and all(isinstance(x, (int, float, bool)) for x in v)):
+            raise ManifestError(f"{where}: param group hyper-parameter {k!r} is {v!r}, expected a number, string, "
+                                "bool, null or a list of numbers")
+    # JSON keeps tuples (Adam's betas) as lists; torch's param groups hold tuples.
+    out = {k: tuple(v) if isinstance(v, list) else v for k, v in group.items() if k not in ("params", "step")}
+    out["step"] = step
+    return out
+
+
+def _grad_scaler(state: Any, where: str) -> dict[str, Any]:
+    import torch
+
+    if not isinstance(state, Mapping) or "scale" not in state:
+        raise ManifestError(f"{where}: a loss scaler record {state!r}, expected scale, growth_tracker and "
+                            "hysteresis_tracker")
+    trackers = {k: _number(state.get(k, 0), f"loss scaler {k}", where) for k in ("growth_tracker", "hysteresis_tracker")}
+    return {"scale": torch.tensor([_number(state["scale"], "loss scale", where)], dtype=torch.float32),
+            **{k: int(v) for k, v in trackers.items()}}
+
+
+def optimizer_common(record: Mapping[str, Any], where: str) -> dict[Any, Any]:
+    """``common.pt``'s ``optimizer`` entry: each Megatron optimizer's param groups with the step, the
+    sharding type, and the loss scaler's state where the job had one (fp16). Every field is checked
+    (types included): the record is JSON from a checkpoint folder, which may be hostile."""
+    scalars = checked(record, where).get("scalars")
+    if not isinstance(scalars, Mapping):
+        raise ManifestError(f"{where}: the optimizer record's scalars are {scalars!r}, expected an object")
+    scalars = dict(scalars)
+    step = scalars.pop("step", None)
+    if not isinstance(step, Mapping) or "value" not in step:
+        raise ManifestError(f"{where}: the optimizer record holds no step; Megatron's Adam cannot resume without "
+                            "it (export with weights_only=True for the model alone)")
+    if scalars:
+        raise ManifestError(f"{where}: optimizer scalar state {sorted(scalars)} besides the step; Megatron's "
+                            "distributed optimizer keeps only the step (export with weights_only=True)")
+    value = _number(step["value"], "step", where)
+    optimizers = record.get("hyper_parameters")
+    if not isinstance(optimizers, list) or not optimizers or \
+            not all(isinstance(groups, list) and groups for groups in optimizers):
+        raise ManifestError(f"{where}: the optimizer record holds no param groups (a checkpoint from before "
+                            "ckptkit recorded them); Megatron's load matches its groups against them (export "
+                            "with weights_only=True for the model alone)")
+    scalers = record.get("grad_scalers") or []
+    if not isinstance(scalers, list):
+        raise ManifestError(f"{where}: the optimizer record's loss scalers are {scalers!r}, expected a list")
+    out = []
+    for i, groups in enumerate(optimizers):
+        entry: dict[str, Any] = {"optimizer": {"param_groups": [_group(g, value, where) for g in groups]},
+                                 "param_state_sharding_type": SHARDING_TYPE}
+        scaler = scalers[i] if i < len(scalers) else None
+        if scaler:
+            entry["grad_scaler"] = _grad_scaler(scaler, where)
+        out.append(entry)
+    return out[0] if len(out) == 1 else dict(enumerate(out))
