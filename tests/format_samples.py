@@ -241,11 +241,13 @@ MEGATRON_VOCAB = 30  # the golden fixture's true vocabulary (padded to 32 by its
 
 
 def megatron_sample(root: Path) -> Sample:
-    """The golden Megatron adapter checkpoint (tp2, vocab 30 padded to 32, Adam state): a torch_dist
-    export holds the model's weights only, its padding rows the saving job's ``.vocab_padding`` rows
-    (the padding is 32 at tp1 too), and the import keeps them apart again: every model tensor comes
-    back. The export writes ``common.pt`` without Megatron-LM ``args``, so the import is told the
-    vocabulary (as a user would be)."""
+    """The golden Megatron adapter checkpoint (tp2, vocab 30 padded to 32, Adam state), exported
+    ``weights_only``: the torch_dist directory holds the model's weights, its padding rows the saving
+    job's ``.vocab_padding`` rows (the padding is 32 at tp1 too), and the import keeps them apart again:
+    every model tensor comes back. (With the optimizer, the default, the golden fp32 run's export also
+    holds the main copies Megatron needs, which are its weights, so its import holds more than the source:
+    that round trip is checked in tests/test_megatron_optimizer_export.py.) The export writes ``common.pt``
+    without Megatron-LM ``args``, so the import is told the vocabulary (as a user would be)."""
     from ckptkit_converters.megatron.options import MegatronExportOptions, MegatronImportOptions
 
     shutil.copytree(GOLDEN / "megatron" / "ckpt", root / "ckpt")
@@ -253,7 +255,8 @@ def megatron_sample(root: Path) -> Sample:
     kept = frozenset(k for k in keys if k.startswith("model/"))
     assert any(k.endswith(".vocab_padding") for k in kept)
     return Sample(
-        source=root / "ckpt", export_options=MegatronExportOptions(layout=ParallelConfig.parse("tp1pp1")),
+        source=root / "ckpt", export_options=MegatronExportOptions(layout=ParallelConfig.parse("tp1pp1"),
+                                                                   weights_only=True),
         import_options=MegatronImportOptions(vocab_size=MEGATRON_VOCAB, make_vocab_size_divisible_by=8, threads=1),
         refused_export=MegatronExportOptions(), kept=kept, kept_values=frozenset(),
         drop_tensor=_dcp_drop("decoder.final_layernorm.weight", "model/decoder.final_layernorm.weight"),
