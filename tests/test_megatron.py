@@ -410,15 +410,19 @@ def test_an_imported_optimizer_is_what_the_resume_needs(worlds, saved, reference
 
 
 def _export(folder: str, dest: str, layout: mm.Layout, **kw) -> str:
+    """ckptkit's torch_dist export for ``layout`` (the harness's uneven split is (first, last) stage layers:
+    at pp 2 those are the chunk counts)."""
     from ckptkit_converters.megatron.exporter import export_torch_dist
 
-    export_torch_dist(folder, dest, tp=layout.tp, pp=layout.pp, **kw)
+    export_torch_dist(folder, dest, tp=layout.tp, pp=layout.pp, vpp=layout.vpp or 1, pp_layers=layout.pp_layers, **kw)
     return dest
 
 
 @pytest.mark.parametrize("name, layout", [("A", A), ("A", TP1PP4), ("C", TP4PP1), ("D", mm.Layout(tp=1, pp=4, bf16=True)),
-                                          ("E", E)],
-                         ids=["same-tp2pp2", "to-tp1pp4", "dp2-save-to-tp4pp1", "bf16-to-tp1pp4", "fp16-loss-scaler"])
+                                          ("E", E), ("A", mm.Layout(tp=2, pp=2, vpp=2)),
+                                          ("A", mm.Layout(tp=1, pp=2, pp_layers=(1, 3)))],
+                         ids=["same-tp2pp2", "to-tp1pp4", "dp2-save-to-tp4pp1", "bf16-to-tp1pp4", "fp16-loss-scaler",
+                              "virtual-pipeline-tp2pp2vpp2", "uneven-stages-tp1pp2"])
 def test_ckptkits_export_resumes_in_megatron_with_its_optimizer(worlds, saved, reference, tmp_path, name, layout):
     """ckptkit's checkpoint exported to torch_dist at a layout, then Megatron's own load of model, distributed
     optimizer (``fully_reshardable``), scheduler and iteration there: the resumed job does exactly what Megatron

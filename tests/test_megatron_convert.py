@@ -148,7 +148,7 @@ def test_export_loads_in_megatron(worlds, saved, tmp_path, tied, target):
 
 def test_export_refuses_bad_layouts(saved, tmp_path):
     folder, _ = saved[False]
-    with pytest.raises(LayoutError, match="layers must split evenly"):
+    with pytest.raises(LayoutError, match="do not split evenly over pp=3"):
         export_torch_dist(f"{folder}/ck_td", str(tmp_path / "x"), tp=1, pp=3)
     with pytest.raises(LayoutError, match="does not split over tp=3"):
         export_torch_dist(f"{folder}/ck_td", str(tmp_path / "y"), tp=3, pp=1)

@@ -255,7 +255,7 @@ def test_cli_reshards_with_uneven_stages_and_reports(src: Path, tmp_path: Path):
     (["--to", "tp2pp3"], "4 layers do not split evenly over pp=3 x vpp=1; give pp_layers"),
     (["--to", "tp2pp2", "--strict"], "'extra/scalar' has no partition rule"),
     (["--to", "tp2pp2", "--pp-layers", "1,2"], "pp_layers \\[1, 2\\] sum to 3, model has 4 layers"),
-    (["--to", "tp2pp2", "--format", "megatron", "--vpp", "2"], "writes an even pipeline split without virtual chunks"),
+    (["--to", "tp2pp2cp2", "--format", "megatron"], "writes no context parallelism"),
 ])
 def test_impossible_targets_fail_clearly_and_write_nothing(src: Path, tmp_path: Path, args, message):
     result = CliRunner().invoke(cli, ["reshard", str(src), str(tmp_path / "out"), *args])

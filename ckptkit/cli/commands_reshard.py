@@ -52,7 +52,8 @@ FORMATS = ["ckptkit", "megatron"]  # megatron: a torch_dist directory, written b
 @click.option("--strict", is_flag=True, help="Refuse tensors without a partition rule instead of copying them whole.")
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default="ckptkit", show_default=True,
               help="Output format: a ckptkit checkpoint, or a Megatron torch_dist directory that Megatron's "
-                   "dist_checkpointing.load accepts at the target layout (model weights; even pipeline split).")
+                   "dist_checkpointing.load accepts at the target layout (model weights and the distributed "
+                   "optimizer's state; any pipeline split).")
 @megatron_facts_options
 @click.option("--dry-run", is_flag=True, help="Print the plan (per tensor and per target rank) and write nothing.")
 @json_option

@@ -11,6 +11,7 @@ rank at a time, streaming boxes from the ckptkit checkpoint. The steps: read
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import io
 import json
@@ -60,7 +61,7 @@ def _extra_state_items(keys: Sequence[str], shapes: Mapping[str, tuple[int, ...]
     mesh = config.mesh()
 
     def writer(layer: int) -> int:
-        return mesh.rank_at((layer * config.pp // num_layers, 0, 0, 0))
+        return mesh.rank_at((config.layer_owner(layer, num_layers)[0], 0, 0, 0))
 
     for module in names.LINEAR_MODULES:
         if f"{names.LAYER_PREFIX}{module}.weight" in keys:
@@ -143,8 +144,9 @@ def _expert_chunks(key: str, shape: tuple[int, ...], rule: Any, config: Parallel
 def _target_chunks(key: str, shape: tuple[int, ...], rule: Any, config: ParallelConfig,
                    make_vocab_size_divisible_by: int, num_layers: int) -> tuple[tuple[int, ...], list[Chunk]]:
     """The padded global shape of ``key`` at the target and its chunks ``(writer rank, offsets, sizes)``:
-    each rank's part as Megatron places it (TP split per fused part, layers split evenly over stages,
-    routed experts split over EP and ETP)."""
+    each rank's part as Megatron places it (TP split per fused part, layers by pipeline chunk — uneven
+    stages and virtual chunks as the target says, one chunk per virtual chunk of a stage — routed experts
+    split over EP and ETP)."""
     if rule.is_expert:
         return tuple(shape), _expert_chunks(key, shape, rule, config, num_layers)
     tp, pp = config.tp, config.pp
@@ -153,7 +155,11 @@ def _target_chunks(key: str, shape: tuple[int, ...], rule: Any, config: Parallel
     if rule.vocab_multiple is not None:
         padded[rule.tp_axis] = names.padded_vocab(shape[rule.tp_axis], make_vocab_size_divisible_by, tp)
     if rule.layer_axis is not None:
-        stages = [(p, p * num_layers // pp, num_layers // pp) for p in range(pp)]
+        stages, start = [], 0
+        for k, n in enumerate(config.chunk_layers(num_layers)):
+            if n:
+                stages.append((k % pp, start, n))
+            start += n
     else:
         stage = (rule.stage % pp) if rule.stage is not None else 0
         stages = [(stage, 0, 0)]
@@ -214,11 +220,19 @@ def _read_meta(view: Any) -> dict[str, Any]:
     return json.loads(view.values[META_KEY])
 
 
-def _target_layout(num_layers: int, tp: int, pp: int, ep: int, etp: int | None) -> ParallelConfig:
-    """The target layout, refused unless its stages hold equal layer counts (what this export writes)."""
-    if tp < 1 or pp < 1 or num_layers % pp:
-        raise LayoutError(f"cannot export {num_layers} layers at tp={tp} pp={pp} (layers must split evenly over pp)")
-    return ParallelConfig.parse(f"tp{tp}pp{pp}ep{ep}" + (f"etp{etp}" if etp is not None else ""))
+def _target_layout(num_layers: int, tp: int, pp: int, ep: int, etp: int | None, vpp: int,
+                   pp_layers: Sequence[int] | None) -> ParallelConfig:
+    """The target layout, refused unless its pipeline chunks hold the model's layers (an even split over
+    ``pp * vpp`` chunks, or ``pp_layers`` counts that sum to them)."""
+    if tp < 1 or pp < 1 or vpp < 1:
+        raise LayoutError(f"cannot export at tp={tp} pp={pp} vpp={vpp}: degrees must be positive")
+    config = ParallelConfig.parse(f"tp{tp}pp{pp}ep{ep}" + (f"etp{etp}" if etp is not None else ""))
+    config = dataclasses.replace(config, vpp=vpp, pp_layers=tuple(pp_layers) if pp_layers is not None else None)
+    try:
+        config.chunk_layers(num_layers)
+    except LayoutError as exc:
+        raise LayoutError(f"cannot export {num_layers} layers at {config}: {exc}") from exc
+    return config
 
 
 def _empty_destination(dest: str | os.PathLike[str]) -> str:
@@ -320,10 +334,13 @@ def _common(meta: Mapping[str, Any], optimizer: Any) -> dict[str, Any]:
 
 @divisible_by_renamed
 def export_torch_dist(source: str | os.PathLike[str], dest: str | os.PathLike[str], *, tp: int, pp: int,
-                      ep: int = 1, etp: int | None = None, make_vocab_size_divisible_by: int | None = None,
-                      weights_only: bool = False, progress: Progress | None = None) -> MegatronConvertResult:
+                      ep: int = 1, etp: int | None = None, vpp: int = 1, pp_layers: Sequence[int] | None = None,
+                      make_vocab_size_divisible_by: int | None = None, weights_only: bool = False,
+                      progress: Progress | None = None) -> MegatronConvertResult:
     """Write the ckptkit Megatron checkpoint ``source`` as a torch_dist directory for ``tp``/``pp``
-    (and, for an MoE model, ``ep`` / ``etp``: routed experts are written as the expert ranks hold them).
+    (and, for an MoE model, ``ep`` / ``etp``: routed experts are written as the expert ranks hold them;
+    ``vpp`` / ``pp_layers``: virtual pipeline chunks and uneven stages, as in :class:`ParallelConfig`, each
+    rank writing the layers its chunks hold).
 
     ``megatron.core.dist_checkpointing.load(model.sharded_state_dict(), dest)``
     accepts it for a model built at that layout (any layout, in fact: DCP reads
@@ -337,15 +354,14 @@ def export_torch_dist(source: str | os.PathLike[str], dest: str | os.PathLike[st
     (:mod:`.optimizer_export`); ``weights_only``: the model (and scheduler) alone. ``common.pt``
     holds ``iteration``, ``checkpoint_version`` and ``content_metadata`` (no ``args``: Megatron-LM
     then keeps its command-line arguments). Memory: about one target rank's tensors (DCP's writer
-    holds a file's tensors until it is written). Even layer split over ``pp`` only (no virtual
-    pipeline, no uneven first/last stage).
+    holds a file's tensors until it is written).
     """
     t0 = time.perf_counter()
     view = open_view(source)
     meta = _read_meta(view)
     divisible = make_vocab_size_divisible_by or meta["make_vocab_size_divisible_by"]
     num_layers = int(meta["num_layers"])
-    config = _target_layout(num_layers, tp, pp, ep, etp)
+    config = _target_layout(num_layers, tp, pp, ep, etp, vpp, pp_layers)
     out = _empty_destination(dest)
     plan = _plan_tensors(view, config, divisible, num_layers)
     record = None if weights_only else meta.get("optimizer")
@@ -355,7 +371,8 @@ def export_torch_dist(source: str | os.PathLike[str], dest: str | os.PathLike[st
         _plan_optimizer(view, plan, record)
     _plan_extra_states(view, plan, config, num_layers)
     _write_directory(view, out, plan, _common(meta, optimizer), progress_counter(progress, plan.nbytes))
-    out_meta = {**meta, "layout": {"tp": tp, "pp": pp, "dp": None, "vpp": None, "ep": ep,
-                                   "etp": config.expert_tp}, "optimizer": record}
+    out_meta = {**meta, "layout": {"tp": tp, "pp": pp, "dp": None, "vpp": vpp, "ep": ep,
+                                   "etp": config.expert_tp, "pp_layers": list(config.chunk_layers(num_layers))},
+                "optimizer": record}
     return MegatronConvertResult(view.url, out, "megatron-torch_dist", len(plan.keys), plan.nbytes, view.bytes_read,
                                  time.perf_counter() - t0, out_meta, tuple(plan.skipped))

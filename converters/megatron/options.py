@@ -40,8 +40,8 @@ class MegatronImportOptions:
 
 @dataclass(frozen=True)
 class MegatronExportOptions:
-    """The layout Megatron will load the torch_dist directory at (``layout``: tp, pp — an even
-    pipeline split without virtual chunks or context parallelism — and ep/etp for MoE), the
+    """The layout Megatron will load the torch_dist directory at (``layout``: tp, pp, with virtual
+    chunks and uneven stages as ``vpp`` / ``pp_layers`` say, ep/etp for MoE; no context parallelism), the
     padding multiple to re-pad the vocabulary to (None: the checkpoint's), and ``weights_only``:
     leave the optimizer out (by default it is written, in the distributed optimizer's
     ``fully_reshardable`` form, whenever the checkpoint holds one; CLI: ``--opt weights_only=true``)."""
@@ -59,7 +59,6 @@ class MegatronExportOptions:
         if target is None:
             raise CkptkitError("the megatron export needs the target layout: layout (CLI: --to LAYOUT, e.g. "
                                "--to tp2pp2), the tp/pp Megatron will load the torch_dist directory at")
-        if target.vpp not in (None, 1) or target.pp_layers is not None or target.cp != 1:
-            raise LayoutError(f"--format megatron writes an even pipeline split without virtual chunks or context "
-                              f"parallelism; target {target} asks for more")
+        if target.cp != 1:
+            raise LayoutError(f"--format megatron writes no context parallelism; target {target} asks for cp={target.cp}")
         return target
