@@ -449,6 +449,19 @@ def test_megatron_to_megatron_reshard_keeps_the_optimizer(worlds, saved, referen
     check_migrated(got, reference("C", TP4PP1))
 
 
+def test_a_plain_optimizer_run_exports_for_megatrons_distributed_optimizer(worlds, saved, reference, tmp_path):
+    """A run saved with Megatron's plain optimizer and tied embeddings (B, tp2pp1dp2), exported for a tp2pp2 job with
+    the distributed optimizer: the tied weight lives on both stages (the last stage's output layer reads the
+    embedding's key), and its Adam state with it. Megatron resumes it as it resumes B's own save at tp2pp2 with the
+    plain optimizer: at DP 1 with clipping inactive (checked) both kinds do the same elementwise update."""
+    layout = mm.Layout(tp=2, pp=2, dist_opt=True, tied=True, divisible_by=128)
+    out = _export(saved["B"][0], str(tmp_path / "torch_dist"), layout)
+    got = worlds.run(4, job.megatron_reference, layout, out, steps=STEPS)[0]
+    want = reference("B", layout)
+    assert max(got["grad_norms"] + want["grad_norms"]) < mm.CLIP_GRAD
+    check_migrated(got, want)
+
+
 def test_an_exported_optimizer_is_what_megatrons_resume_needs(worlds, saved, reference, tmp_path):
     """The test above at tp1pp4 (fp32, from the tp2pp2 save), with its negative control: Megatron resuming the same
     export's weights with a fresh optimizer agrees on the first forward and not after it; an export with
