@@ -101,9 +101,9 @@ def test_impossible_directions_fail_before_reading(tmp_path: Path):
         convert(missing, tmp_path / "x", to_format="deepspeed")
     with pytest.raises(CkptkitError, match=r"needs the target layout.*--to"):
         convert(missing, tmp_path / "x", to_format="megatron")
-    with pytest.raises(LayoutError, match="without virtual chunks"):
+    with pytest.raises(LayoutError, match="writes no context parallelism"):
         convert(src, tmp_path / "x", to_format="megatron",
-                target_options=MegatronExportOptions(layout=ParallelConfig.parse("tp1pp2vpp2")))
+                target_options=MegatronExportOptions(layout=ParallelConfig.parse("tp1pp2cp2")))
     with pytest.raises(CkptkitError, match="takes DeepSpeedExportOptions options, not DcpExportOptions"):
         convert(tmp_path / "ck", tmp_path / "x", to_format="deepspeed", target_options=DcpExportOptions())
     assert not (tmp_path / "x").exists()
