@@ -46,7 +46,7 @@ from common import (
     GiB,
     MiB,
     drop_page_cache,
-    exit_on_sigterm,
+    run_main,
     median,
     remove_tree,
     spread,
@@ -245,9 +245,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    exit_on_sigterm()
-    return run(args)
+    return run_main(parse_args, run, argv)
 
 
 if __name__ == "__main__":

@@ -48,7 +48,7 @@ from common import (  # noqa: E402
     GiB,
     MiB,
     command_vs_raw_rows,
-    exit_on_sigterm,
+    run_main,
     median,
     remove_tree,
     spread,
@@ -197,9 +197,7 @@ def run_export(src: str, scratch: str, spec: dict, reps: int, largest: int) -> d
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    exit_on_sigterm()
-    return run(args)
+    return run_main(parse_args, run, argv)
 
 
 if __name__ == "__main__":

@@ -56,7 +56,7 @@ import torch  # noqa: E402
 
 import ckptkit  # noqa: E402
 from ckptkit_converters.zarr.convert import export_zarr, import_zarr  # noqa: E402
-from common import exit_on_sigterm, GiB, MiB, drop_page_cache, fsync_dir, median, remove_tree, spread, table, tree_bytes  # noqa: E402
+from common import run_main, GiB, MiB, drop_page_cache, fsync_dir, median, remove_tree, spread, table, tree_bytes  # noqa: E402
 from gpt_shapes import ModelConfig, param_shapes  # noqa: E402
 
 FULL = ModelConfig(hidden=1024, ffn=2816, layers=8, vocab=32000)  # 1.26 GiB with two fp32 moments
@@ -285,9 +285,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    exit_on_sigterm()
-    return run(args)
+    return run_main(parse_args, run, argv)
 
 
 if __name__ == "__main__":

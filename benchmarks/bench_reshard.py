@@ -68,7 +68,7 @@ from ckptkit.layout.config import ParallelConfig  # noqa: E402
 from ckptkit.layout.manifest import DTYPES, TensorMeta  # noqa: E402
 from ckptkit.layout.rules import PartitionRule  # noqa: E402
 from ckptkit.storage.url import open_store  # noqa: E402
-from common import command_vs_raw_rows, exit_on_sigterm, GiB, MiB, drop_page_cache, median, remove_tree, spread, table, tree_bytes, write_results  # noqa: E402
+from common import command_vs_raw_rows, run_main, GiB, MiB, drop_page_cache, median, remove_tree, spread, table, tree_bytes, write_results  # noqa: E402
 
 RAW_COPY = r"""
 import os, sys
@@ -414,9 +414,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    exit_on_sigterm()
-    return run(args)
+    return run_main(parse_args, run, argv)
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(1, ROOT)
 
 from bench_reshard import RAW_COPY, Model, build_source, run_child  # noqa: E402
-from common import (GiB, MiB, drop_page_cache, exit_on_sigterm, median, remove_tree, table, torchrun_command,  # noqa: E402
+from common import (GiB, MiB, drop_page_cache, run_main, median, remove_tree, table, torchrun_command,  # noqa: E402
                     tree_bytes, write_results)
 from ckptkit.layout.config import ParallelConfig  # noqa: E402
 
@@ -145,9 +145,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    exit_on_sigterm()
-    return run(args)
+    return run_main(parse_args, run, argv)
 
 
 if __name__ == "__main__":

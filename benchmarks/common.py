@@ -7,7 +7,8 @@ import signal
 import shutil
 import statistics
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -99,6 +100,14 @@ def exit_on_sigterm() -> None:
     """run_all, torchrun (when another rank fails) or a terminal stop a benchmark with SIGTERM: turn it
     into SystemExit so ``finally`` blocks still remove scratch directories and stop servers."""
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+
+def run_main(parse_args: Callable[[list[str] | None], Any], run: Callable[[Any], int], argv: list[str] | None) -> int:
+    """A benchmark's ``main``: parse its arguments, turn SIGTERM into SystemExit (:func:`exit_on_sigterm`), run.
+    Each script still defines ``def main(argv=None)`` itself: ``run_all`` finds benchmarks by it."""
+    args = parse_args(argv)
+    exit_on_sigterm()
+    return run(args)
 
 
 def write_results(out_dir: str, name: str, fields: dict) -> str:

@@ -31,6 +31,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from ckptkit.adapters.megatron.optimizer_state import MAIN, scaler_state_dict
 from ckptkit.errors import ManifestError
 
 SHARDING_TYPE = "fully_reshardable"
@@ -43,7 +44,6 @@ CONTENT_METADATA = {"distrib_optim_sharding_type": SHARDING_TYPE, "singleton_loc
 """Megatron-LM's ``_build_sharded_state_dict_metadata`` for this export: the sharding type written, and the
 key scheme (no ``chained_<i>.`` prefix on the tensors of a chained optimizer's parts)."""
 
-MAIN = "main"
 _STATE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 
 
@@ -119,14 +119,14 @@ def _group(group: Any, step: float, where: str) -> dict[str, Any]:
 
 
 def _grad_scaler(state: Any, where: str) -> dict[str, Any]:
-    import torch
-
+    """The recorded loss scaler as Megatron's ``DynamicGradScaler.state_dict`` (the adapter's own
+    conversion, :func:`~ckptkit.adapters.megatron.optimizer_state.scaler_state_dict`), once every field is
+    checked."""
     if not isinstance(state, Mapping) or "scale" not in state:
         raise ManifestError(f"{where}: a loss scaler record {state!r}, expected scale, growth_tracker and "
                             "hysteresis_tracker")
-    trackers = {k: _number(state.get(k, 0), f"loss scaler {k}", where) for k in ("growth_tracker", "hysteresis_tracker")}
-    return {"scale": torch.tensor([_number(state["scale"], "loss scale", where)], dtype=torch.float32),
-            **{k: int(v) for k, v in trackers.items()}}
+    trackers = {k: int(_number(state.get(k, 0), f"loss scaler {k}", where)) for k in ("growth_tracker", "hysteresis_tracker")}
+    return scaler_state_dict({"scale": _number(state["scale"], "loss scale", where), **trackers})
 
 
 def optimizer_common(record: Mapping[str, Any], where: str) -> dict[Any, Any]:

@@ -27,11 +27,10 @@ from typing import Any
 
 import torch
 
+from ckptkit.adapters.megatron.optimizer_state import MAIN  # the adapter's name for the main copies
 from ckptkit.errors import ManifestError
 from ckptkit.layout.values import json_ready
 
-MAIN = "main"
-"""The adapter's name for the fp32 main copies (``optimizer/main/<key>``)."""
 
 STATE_NAMES = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "fp32_param": MAIN, "param": MAIN}
 """Megatron's model-space optimizer state names -> the adapter's. ``fp32_param``: the plain optimizers'

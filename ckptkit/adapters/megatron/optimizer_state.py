@@ -224,8 +224,14 @@ def load_grad_scalers(optimizer: Any, saved: list[dict[str, Any] | None] | None,
         saved = [states[0] if states else None] * len(scalers)
     for scaler, state in zip(scalers, saved):
         if scaler is not None and state is not None:
-            scaler.load_state_dict({k: torch.tensor([v], dtype=torch.float32) if k == "scale" else v
-                                    for k, v in state.items()})
+            scaler.load_state_dict(scaler_state_dict(state))
+
+
+def scaler_state_dict(state: dict[str, Any]) -> dict[str, Any]:
+    """A recorded loss scaler (:func:`grad_scaler_states`) as ``DynamicGradScaler.state_dict`` has it: the
+    scale a 1-element float32 tensor, the trackers as recorded. What a load restores and a torch_dist export
+    writes into ``common.pt``."""
+    return {k: torch.tensor([v], dtype=torch.float32) if k == "scale" else v for k, v in state.items()}
 
 
 def sync_model_from_main(optimizer: Any, had_main: bool, have_main: bool) -> None:
