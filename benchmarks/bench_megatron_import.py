@@ -44,18 +44,8 @@ sys.path.insert(0, HERE)
 sys.path.insert(1, os.path.dirname(HERE))
 
 from bench_reshard import against_raw_copy, run_child, run_ranks  # noqa: E402
-from common import (  # noqa: E402
-    GiB,
-    MiB,
-    command_vs_raw_rows,
-    run_main,
-    median,
-    remove_tree,
-    spread,
-    table,
-    tree_bytes,
-    write_results,
-)
+from common import (GiB, MiB, command_vs_raw_rows, median, remove_tree, run_main, spread, table,  # noqa: E402
+                    tree_bytes, write_results)
 
 TARGET = {"tp": 4, "pp": 1, "dp": 1}
 CHECKED = ("embedding.word_embeddings.weight", "decoder.layers.mlp.linear_fc1.weight", "output_layer.weight")
