@@ -51,7 +51,8 @@ VARIANTS = {"bench_reshard.py": [[], ["--moe"]]}  # scripts run more than once, 
 SCRATCH_PREFIXES = ("bench_io-scratch-", "bench_async-scratch-", "bench_s3-scratch-", "bench_modelspace-scratch-", "bench_torchtitan-scratch-",
                     "bench_deepspeed-scratch-", "bench_reshard-scratch-", "bench_hf_export-scratch-",
                     "bench_memory_tier-scratch-", "bench_read_once-scratch-", "bench_reshard_spread-scratch-",
-                    "bench_fp32_consolidate-scratch-", "bench_megatron_import-scratch-")
+                    "bench_fp32_consolidate-scratch-", "bench_megatron_import-scratch-",
+                    "bench_megatron_dp_import-scratch-")
 
 
 def other_benchmarks() -> list[str]:

@@ -75,7 +75,7 @@ def train_and_save(folder: str, tied: bool) -> dict[str, Any]:
     from megatron.core import parallel_state as ps
 
     # untied: Megatron's plain optimizer (model-space state, imported); tied: the distributed one
-    # (flat dp_reshardable buckets, skipped by the import)
+    # (flat dp_reshardable buckets, Megatron-LM's default form, placed in model space by the import)
     layout = mm.Layout(tp=2, pp=2, tied=tied, dist_opt=tied)
     trainer = mm.setup(layout)
     for _ in range(STEPS):

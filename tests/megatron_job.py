@@ -22,7 +22,9 @@ def _options(divisible_by: int) -> Any:
 def train_and_save(layout: mm.Layout, folder: str, *, save_step: int, steps: int, asynchronous: bool = True,
                    megatron_folder: str | None = None, megatron_model_folder: str | None = None) -> dict[str, Any]:
     """The uninterrupted reference run: train to ``steps``, saving with ckptkit after ``save_step`` (and, if
-    asked, with Megatron's own dist_checkpointing: the whole training state, see :func:`megatron_save`, and
+    asked, with Megatron's own dist_checkpointing: the whole training state, see :func:`megatron_save`, in the
+    distributed optimizer's ``fully_reshardable`` form at ``megatron_folder`` and, for the distributed
+    optimizer, in Megatron-LM's default ``dp_reshardable`` form at :func:`dp_reshardable_folder` of it; and
     the model weights alone: what ckptkit's torch_dist import takes for a ChainedOptimizer's MoE job)."""
     from ckptkit.adapters import megatron as mckpt
 
@@ -39,6 +41,8 @@ def train_and_save(layout: mm.Layout, folder: str, *, save_step: int, steps: int
                             asynchronous=asynchronous)
         if megatron_folder is not None:
             megatron_save(t, megatron_folder)
+            if layout.dist_opt:
+                megatron_save(t, dp_reshardable_folder(megatron_folder), sharding="dp_reshardable")
         if megatron_model_folder is not None:
             from megatron.core import dist_checkpointing
 
@@ -146,10 +150,17 @@ def _train_state_sd(t: mm.Trainer, *, loading: bool, metadata: dict[str, Any] | 
                                                                  metadata=metadata or _MEGATRON_OPTIM)}
 
 
-def megatron_save(t: mm.Trainer, megatron_folder: str) -> None:
+def dp_reshardable_folder(megatron_folder: str) -> str:
+    """Where :func:`train_and_save` puts Megatron's save of the same state in the ``dp_reshardable`` form."""
+    return megatron_folder.rstrip("/") + "-dp_reshardable"
+
+
+def megatron_save(t: mm.Trainer, megatron_folder: str, *, sharding: str = "fully_reshardable") -> None:
     """Megatron's own save of the whole training state, under the keys Megatron-LM's ``save_checkpoint`` uses
     (``generate_state_dict``): model chunks, optimizer, ``opt_param_scheduler``, ``iteration``, ``args``,
-    ``checkpoint_version``. So it is also what a user brings to ckptkit's torch_dist import."""
+    ``checkpoint_version``. So it is also what a user brings to ckptkit's torch_dist import. ``sharding``: the
+    distributed optimizer's form; ``dp_reshardable`` (Megatron-LM's default, its per-DP-rank bucket buffers) is
+    saved with the ``content_metadata`` Megatron-LM records, which its load builds the state dict from."""
     from megatron.core import dist_checkpointing
 
     from tests.megatron_convert_job import mlm_args
@@ -159,9 +170,11 @@ def megatron_save(t: mm.Trainer, megatron_folder: str) -> None:
 
         os.makedirs(megatron_folder, exist_ok=True)
     torch.distributed.barrier()
-    dist_checkpointing.save({**_train_state_sd(t, loading=False), "opt_param_scheduler": t.scheduler.state_dict(),
-                             "iteration": t.iteration, "args": mlm_args(t.layout), "checkpoint_version": 3.0},
-                            megatron_folder)
+    metadata = {"distrib_optim_sharding_type": sharding}
+    dist_checkpointing.save({**_train_state_sd(t, loading=False, metadata=metadata),
+                             "opt_param_scheduler": t.scheduler.state_dict(), "iteration": t.iteration,
+                             "args": mlm_args(t.layout), "checkpoint_version": 3.0},
+                            megatron_folder, content_metadata=None if sharding == "fully_reshardable" else metadata)
 
 
 def megatron_reference(layout: mm.Layout, megatron_folder: str, *, steps: int,

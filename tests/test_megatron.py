@@ -377,18 +377,51 @@ def check_migrated(got: dict, want: dict) -> None:
     assert got["final_eval"] == want["final_eval"]
 
 
-@pytest.mark.parametrize("name, layout", [("C", C), ("C", TP1PP4), ("C", TP4PP1), ("D", D), ("B", B), ("E", E)],
+@pytest.mark.parametrize("name, layout, form", [("C", C, "dp_reshardable"), ("C", TP1PP4, "dp_reshardable"),
+                                               ("C", TP4PP1, "fully_reshardable"), ("D", D, "fully_reshardable"),
+                                               ("B", B, None), ("E", E, "dp_reshardable")],
                          ids=["dist-opt-tp2pp1dp2", "dist-opt-to-tp1pp4", "dist-opt-to-tp4pp1", "bf16-dist-opt-tp2pp2",
                               "plain-optimizer-tied", "fp16-loss-scaler"])
-def test_megatrons_own_save_imports_with_its_optimizer_and_resumes(worlds, saved, reference, tmp_path, name, layout):
+def test_megatrons_own_save_imports_with_its_optimizer_and_resumes(worlds, saved, reference, tmp_path, name, layout,
+                                                                    form):
     """A team's Megatron checkpoint (Megatron's own dist_checkpointing save of the training state, the keys
-    Megatron-LM writes: the distributed optimizer in its ``fully_reshardable`` form, or the plain optimizer's
-    model-space state) imported by ckptkit, then resumed through the adapter with its Adam moments, main copies,
-    step and LR schedule, at the saving layout and at others. The yardstick is Megatron resuming its own
-    checkpoint at the same layout."""
-    out = _import(saved[name][2], str(tmp_path / "imported"), SAVED[name])
+    Megatron-LM writes: the distributed optimizer in its default ``dp_reshardable`` form or its
+    ``fully_reshardable`` one, or the plain optimizer's model-space state) imported by ckptkit, then resumed
+    through the adapter with its Adam moments, main copies, step, loss scaler and LR schedule, at the saving layout
+    and at others. The yardstick is Megatron resuming its own checkpoint at the same layout. (Each form imports
+    to the same tensors: test_the_dp_reshardable_form_imports_as_the_model_space_form.)"""
+    mfolder = job.dp_reshardable_folder(saved[name][2]) if form == "dp_reshardable" else saved[name][2]
+    out = _import(mfolder, str(tmp_path / "imported"), SAVED[name])
     got = worlds.run(4, job.resume, layout, out, steps=STEPS)[0]
     check_migrated(got, reference(name, layout))
+
+
+@pytest.mark.parametrize("name", ["A", "C", "E"])
+def test_the_dp_reshardable_form_imports_as_the_model_space_form(saved, tmp_path, name):
+    """Megatron-LM's default distributed-optimizer form (per-DP-rank flat buckets, which parameter where not saved)
+    and its model-space ``fully_reshardable`` form of the same training state import to the same checkpoint: every
+    weight, main copy, moment and vocabulary-padding row bit for bit, and the same record (step, param groups, fp16
+    loss scaler)."""
+    import ckptkit.adapters.megatron as mckpt
+
+    full = _import(saved[name][2], str(tmp_path / "fully"), SAVED[name])
+    dp = _import(job.dp_reshardable_folder(saved[name][2]), str(tmp_path / "dp"), SAVED[name])
+    a, b = job.all_tensors(full), job.all_tensors(dp)
+    assert set(a) == set(b) and any(k.startswith("optimizer/exp_avg_sq/") for k in a)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+    assert mckpt.read_meta(full)[0] == mckpt.read_meta(dp)[0]
+
+
+def test_equal_bf16_norms_with_different_moments_are_refused(saved, tmp_path):
+    """bf16 two steps in: every norm still holds the same bf16 values while their fp32 main copies and moments
+    differ, and a dp_reshardable bucket does not say which slot is whose. The import refuses, naming them and
+    the fix, rather than guess (the fully_reshardable save of the same state imports: the case above)."""
+    from ckptkit.errors import ManifestError
+
+    with pytest.raises(ManifestError, match="--dist-ckpt-optim-fully-reshardable") as err:
+        _import(job.dp_reshardable_folder(saved["D"][2]), str(tmp_path / "dp"), D)
+    assert "decoder.final_layernorm.weight" in str(err.value)
 
 
 def test_an_imported_optimizer_is_what_the_resume_needs(worlds, saved, reference, tmp_path):

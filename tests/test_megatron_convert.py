@@ -86,6 +86,19 @@ def _expected(ref: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: t for key, v in ref.items() for k, t in _split_vocab(f"model/{key}", v).items()}
 
 
+def _check_bucket_state(view, expected: dict[str, torch.Tensor]) -> None:
+    """The dp_reshardable import holds every weight's main copy (fp32 training: the weight itself, vocabulary
+    padding rows too) and both moments, trained (tests/test_megatron.py compares them with Megatron's
+    model-space form of the same state bit for bit)."""
+    for key in [k for k in expected if k.startswith("model/")]:
+        name = key[len("model/"):]
+        expected[f"optimizer/main/{name}"] = expected[key]
+        for state in ("exp_avg", "exp_avg_sq"):
+            got = view[f"optimizer/{state}/{name}"].read()
+            assert got.shape == expected[key].shape and (name.endswith(names.VOCAB_PADDING_SUFFIX) or got.any()), name
+            expected[f"optimizer/{state}/{name}"] = got
+
+
 @pytest.mark.parametrize("kind", ["ck_td", "ck_legacy"])
 @pytest.mark.parametrize("tied", TIED, ids=["untied", "tied"])
 def test_import_equals_megatron_load(saved, tied, kind):
@@ -99,6 +112,8 @@ def test_import_equals_megatron_load(saved, tied, kind):
         assert (len(result["optimizer"]) == 2 * len(result["tensors"])) == (not tied)
         assert tied or result["optimizer"]["optimizer.state.exp_avg.output_layer.weight"].abs().sum() > 0
     view = ckptkit.open(f"{folder}/{kind}")
+    if kind == "ck_td" and tied:  # the distributed optimizer, in Megatron-LM's default dp_reshardable buckets
+        _check_bucket_state(view, expected)
     assert sorted(view.keys()) == sorted(expected)
     assert ("model/output_layer.weight" in expected) == (not tied)
     for key, want in expected.items():
@@ -115,10 +130,11 @@ def test_import_equals_megatron_load(saved, tied, kind):
                     "make_vocab_size_divisible_by": 16, "tied": tied,
                     "layout": {"tp": 2, "pp": 2, "dp": 1, "vpp": None},
                     "source": "torch_dist" if kind == "ck_td" else "legacy"}
-    # the plain optimizer's state resumes (its step from common.pt's common_step); the tied run's distributed
-    # optimizer saved dp_reshardable buckets, and legacy files hold no optimizer: no record, no resume
-    if kind == "ck_td" and not tied:
-        assert optimizer == {"tensor_states": ["exp_avg", "exp_avg_sq"], "main": False,
+    # the plain optimizer's state resumes (its step from common.pt's common_step), and so does the tied run's
+    # distributed optimizer (dp_reshardable buckets, its step from each group's param groups, main copies too);
+    # legacy files hold no optimizer: no record, no resume
+    if kind == "ck_td":
+        assert optimizer == {"tensor_states": ["exp_avg", "exp_avg_sq"], "main": tied,
                              "scalars": {"step": {"dtype": "float32", "value": float(job.STEPS)}},
                              "hyper_parameters": optimizer["hyper_parameters"], "grad_scalers": []}
         assert optimizer["hyper_parameters"][0][0]["betas"] == [0.9, 0.999]

@@ -79,6 +79,7 @@ from ckptkit_converters.dcp.files import (
     OutItem,
     OutTensor,
     build_metadata,
+    read_blob,
     data_file,
     file_rank,
     load_blob,
@@ -217,13 +218,6 @@ def _check_files(src: ByteStore, files: dict[str, int]) -> None:
                 f"{src.url}/{name} is truncated: {size} bytes, {METADATA_NAME} records data up to byte {need}")
 
 
-def _read(src: ByteStore, blob: Blob) -> bytearray:
-    buf = bytearray(blob.length)
-    if blob.length:
-        src.read_into(blob.file, blob.offset, memoryview(buf))
-    return buf
-
-
 def _decode_items(src: ByteStore, ckpt: DcpCheckpoint, skip: bool) -> tuple[dict[str, Any], tuple[str, ...]]:
     """Every non-tensor item decoded (``weights_only``) into a JSON-like value, or refused by name."""
     decoded: dict[str, Any] = {}
@@ -231,7 +225,7 @@ def _decode_items(src: ByteStore, ckpt: DcpCheckpoint, skip: bool) -> tuple[dict
     for fqn, item in sorted(ckpt.items.items(), key=lambda kv: (kv[1].blob.file, kv[1].blob.offset)):
         where = f"{src.url}/{item.blob.file} (item {fqn!r} at byte {item.blob.offset})"
         try:
-            value = load_blob(_read(src, item.blob), where)
+            value = load_blob(read_blob(src, item.blob), where)
             encode_value(value, fqn)  # JSON-like all the way down (no tensors, no sets, ...)
         except UnsafeCheckpointError as exc:
             refused.append((fqn, str(exc)))
@@ -274,7 +268,7 @@ class DcpPieces:
     def _load(self, ref: int) -> torch.Tensor:
         tensor, chunk = self._refs[ref]
         where = f"{self._src.url}/{chunk.blob.file} (chunk {list(chunk.box.offsets)} of {tensor.fqn!r})"
-        data = _read(self._src, chunk.blob)
+        data = read_blob(self._src, chunk.blob)
         with self._lock:
             self.bytes_read += len(data)
         return load_chunk(data, tensor, chunk, where)

@@ -40,6 +40,7 @@ from ckptkit.engine.state import dtype_name, torch_dtype
 from ckptkit.errors import CkptkitError, CorruptCheckpointError, ManifestError
 from ckptkit.layout.box import Box
 from ckptkit.layout.manifest import DTYPES, check_object_key
+from ckptkit.storage.base import ByteStore
 from ckptkit_converters.common.safe_unpickle import UnsafeCheckpointError, restricted_torch_load
 
 METADATA_NAME = ".metadata"
@@ -263,6 +264,14 @@ class _BufferReader(io.RawIOBase):
         out[:n] = self._view[self._pos:self._pos + n]
         self._pos += n
         return n
+
+
+def read_blob(src: ByteStore, blob: Blob) -> bytearray:
+    """The bytes of one blob, read through the store (the checkpoint folder's own bounds and checks)."""
+    buf = bytearray(blob.length)
+    if blob.length:
+        src.read_into(blob.file, blob.offset, memoryview(buf))
+    return buf
 
 
 def load_blob(data: bytes | bytearray | memoryview, where: str) -> Any:

@@ -20,9 +20,11 @@ Optimizer state: what Megatron saves in model space, ``optimizer.state.<state>.<
 optimizers' (``exp_avg``, ``exp_avg_sq``, ``fp32_param``) and the distributed optimizer's in its
 ``fully_reshardable`` form (``param`` for the main copies) — is imported as
 ``optimizer/{exp_avg,exp_avg_sq,main}/<key>``, with the record the live adapter resumes it from (step,
-hyper-parameters; :mod:`ckptkit_converters.megatron.optimizer_record`) and the LR scheduler's state.
-The distributed optimizer's ``dp_reshardable`` buckets and non-tensor items are not yet (listed in
-``skipped``). Every pickle is opened as :mod:`ckptkit_converters.megatron.files` says.
+hyper-parameters; :mod:`ckptkit_converters.megatron.optimizer_record`) and the LR scheduler's state. So is the
+distributed optimizer's state in Megatron-LM's default ``dp_reshardable`` buckets, placed in model space by
+:mod:`ckptkit_converters.megatron.optimizer_buckets`. Non-tensor items other than the optimizer's
+(``_extra_state``, RNG) are listed in ``skipped``. Every pickle is opened as
+:mod:`ckptkit_converters.megatron.files` says.
 """
 
 from __future__ import annotations
@@ -44,14 +46,15 @@ from ckptkit.options import Progress
 from ckptkit.storage.local import LocalStore
 from ckptkit.storage.url import open_store
 from ckptkit_converters.common.source_paths import regular_file
-from ckptkit_converters.dcp.convert import DcpPieces, data_files
+from ckptkit_converters.dcp.convert import data_files
 from ckptkit_converters.dcp.files import (
     METADATA_NAME,
     DcpCheckpoint,
     parse_metadata,
 )
 from ckptkit_converters.megatron import files as fmt
-from ckptkit_converters.megatron import names, optimizer_record
+from ckptkit_converters.megatron import names, optimizer_buckets, optimizer_record
+from ckptkit_converters.megatron.optimizer_buckets import BucketPieces
 from ckptkit_converters.megatron.files import MODEL, MegatronConvertResult
 from ckptkit_converters.megatron.import_shared import (
     ImportRun,
@@ -189,8 +192,8 @@ def import_torch_dist(source: str | os.PathLike[str], dest: str | os.PathLike[st
     (given and recorded must agree; missing ones raise
     :class:`~ckptkit.offline.formats.MissingImportOptions`). ``divisible_by=``: the old keyword,
     one more release, with a DeprecationWarning. Model tensors (vocab padding rows kept apart) and
-    the model-space optimizer state (see the module docstring); the distributed optimizer's
-    ``dp_reshardable`` buckets and non-tensor items (``_extra_state``, RNG) are listed in ``skipped``.
+    the optimizer state, in model space or in ``dp_reshardable`` buckets (see the module docstring);
+    other non-tensor items (``_extra_state``, RNG) are listed in ``skipped``.
     """
     t0 = time.perf_counter()
     folder = os.fspath(source)
@@ -198,41 +201,65 @@ def import_torch_dist(source: str | os.PathLike[str], dest: str | os.PathLike[st
     args = fmt.SavedArgs.of(common.get("args"))
     src = open_store(folder)
     ranks, world = data_files(src, ckpt)
-    model = {k: t for k, t in ckpt.tensors.items() if not k.startswith("optimizer.")}
-    stored = {MODEL + k: (k, t) for k, t in model.items()}
-    stored.update(_optimizer_tensors(ckpt, model))
-    skipped = _skipped(ckpt, stored)
+    model = {k: t for k, t in ckpt.tensors.items() if not _is_optimizer_key(k)}
     if names.EMBEDDING not in model:
         raise ManifestError(f"{folder}: no {names.EMBEDDING!r} tensor (not a Megatron GPT checkpoint?)")
     emb = model[names.EMBEDDING]
     tp = len({c.box.offsets[0] for c in emb.chunks})
     vocab_size, divisible = resolve_vocab(vocab_size, make_vocab_size_divisible_by, args, emb.shape[0], folder)
     _check_model(model, vocab_size, divisible, tp, folder)
-    placed = _place_chunks(stored, ranks, vocab_size)
     qkv = f"{names.LAYER_PREFIX}{names.LINEAR_QKV}.weight"
     num_layers = model[qkv].shape[0] if qkv in model else (args.num_layers or 0)
-    check_layer_count(num_layers, args, f"{folder}/{fmt.COMMON_NAME}")
+    where = f"{folder}/{fmt.COMMON_NAME}"
+    check_layer_count(num_layers, args, where)
     pp = args.pp
     dp = args.world_size // (tp * pp) if args.world_size and pp else None
-    where = f"{folder}/{fmt.COMMON_NAME}"
-    meta = import_meta("torch_dist", fmt.iteration_of(common), num_layers, vocab_size, divisible, tp, pp, dp,
-                       args.vpp, names.OUTPUT not in model,
-                       optimizer=optimizer_record.optimizer_record(stored, common.get("optimizer"), where),
-                       scheduler=optimizer_record.scheduler_record(common, where))
-    run = ImportRun(os.fspath(dest), src.url, threads, progress, storage_options, t0)
     with ThreadPoolExecutor(max_workers=threads * 3, thread_name_prefix="ckptkit-megatron-read") as pool:
+        stored, optimizer, skipped = _stored(folder, ckpt, common, model, src, ranks, pool)
+        placed = _place_chunks(stored, ranks, vocab_size)
+        meta = import_meta("torch_dist", fmt.iteration_of(common), num_layers, vocab_size, divisible, tp, pp, dp,
+                           args.vpp, names.OUTPUT not in model,
+                           optimizer=optimizer_record.optimizer_record(stored, optimizer, where),
+                           scheduler=optimizer_record.scheduler_record(common, where))
+        run = ImportRun(os.fspath(dest), src.url, threads, progress, storage_options, t0)
         return write_import(run, world, placed.specs, placed.pieces,
-                            lambda rank, _: _Cut(DcpPieces(src, placed.reads.get(rank, []), pool, 2),
+                            lambda rank, _: _Cut(BucketPieces(src, placed.reads.get(rank, []), pool, 2),
                                                  placed.rows.get(rank, {})),
                             meta, skipped)
+
+
+def _is_optimizer_key(key: str) -> bool:
+    """Megatron's optimizer tensors (a chained optimizer's carry a ``chained_<i>.`` prefix)."""
+    return key.startswith("optimizer.") or (key.startswith("chained_") and ".optimizer." in key)
+
+
+def _stored(folder: str, ckpt: DcpCheckpoint, common: Mapping[str, Any], model: Mapping[str, Any], src: Any,
+            ranks: Mapping[str, int],
+            pool: ThreadPoolExecutor) -> tuple[dict[str, tuple[str, Any]], Any, tuple[str, ...]]:
+    """What the import stores (ckptkit key -> (Megatron model key, tensor)): the model, and the optimizer state
+    from model space or from the distributed optimizer's ``dp_reshardable`` buckets
+    (:mod:`.optimizer_buckets`); the saved optimizer's non-tensor state the record is read from; and what is
+    left out."""
+    stored: dict[str, tuple[str, Any]] = {MODEL + k: (k, t) for k, t in model.items()}
+    stored.update(_optimizer_tensors(ckpt, model))
+    buckets = optimizer_buckets.read_buckets(ckpt, model, src, ranks, pool, f"{folder}/{METADATA_NAME}")
+    optimizer = common.get("optimizer")
+    if buckets is None:
+        return stored, optimizer, _skipped(ckpt, stored)
+    if any(k.startswith("optimizer/") for k in stored):
+        raise ManifestError(f"{folder}: the optimizer state is saved twice, in model space (optimizer.state.*) "
+                            "and in the distributed optimizer's buckets (optimizer.distributed.*)")
+    stored.update(buckets.tensors)
+    optimizer = {0: optimizer, **{i + 1: record for i, record in buckets.optimizer.items()}}
+    return stored, optimizer, tuple(k for k in _skipped(ckpt, stored) if k not in buckets.consumed)
 
 
 def _optimizer_tensors(ckpt: DcpCheckpoint, model: Mapping[str, Any]) -> dict[str, tuple[str, Any]]:
     """``optimizer/<state>/<model key>`` -> (model key, DCP tensor) for the optimizer state Megatron saves
     in model space, ``optimizer.state.<state>.<model key>`` (megatron/core/dist_checkpointing/optimizer.py,
     and DistributedOptimizer.sharded_param_state_fully_reshardable): the plain optimizers' state and the
-    distributed optimizer's ``fully_reshardable`` form (names: :data:`optimizer_record.STATE_NAMES`). The
-    distributed optimizer's ``dp_reshardable`` bucket buffers (``optimizer.distributed.*``) are not."""
+    distributed optimizer's ``fully_reshardable`` form (names: :data:`optimizer_record.STATE_NAMES`). Its
+    ``dp_reshardable`` buckets (``optimizer.distributed.*``): :mod:`.optimizer_buckets`."""
     out: dict[str, tuple[str, Any]] = {}
     for fqn, t in ckpt.tensors.items():
         for state, name in optimizer_record.STATE_NAMES.items():

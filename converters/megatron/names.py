@@ -55,6 +55,9 @@ SHARED_FC1 = "mlp.shared_experts.linear_fc1"
 SHARED_FC2 = "mlp.shared_experts.linear_fc2"
 SHARED_GATE = "mlp.shared_experts.gate_weight"
 """A tensor, not a module: the sigmoid gate of a shared expert (Qwen2-MoE)."""
+BUFFERS = (f"{ROUTER}.expert_bias",)
+"""Name endings of tensors Megatron saves that are buffers, not parameters: no optimizer holds state for them
+(the router's aux-loss-free balancing bias is updated outside the optimizer)."""
 EXPERT_FC1 = "mlp.experts.experts.linear_fc1"
 EXPERT_FC2 = "mlp.experts.experts.linear_fc2"
 LINEAR_MODULES = (LINEAR_QKV, LINEAR_PROJ, LINEAR_FC1, LINEAR_FC2, SHARED_FC1, SHARED_FC2)
@@ -148,6 +151,15 @@ def _layer_name(key: str) -> str | None:
     if m is not None:
         return m.group(2)
     return key[len(LAYER_PREFIX):] if key.startswith(LAYER_PREFIX) else None
+
+
+def layer_of(key: str, offsets: tuple[int, ...]) -> int | None:
+    """The global layer a model-space chunk at ``offsets`` of ``key`` belongs to: a per-layer key's number, a
+    stacked key's first offset (its layer axis); None for the tensors outside the layers."""
+    m = _PER_LAYER.match(key)
+    if m is not None:
+        return int(m.group(1))
+    return offsets[0] if key.startswith(LAYER_PREFIX) and offsets else None
 
 
 def is_fused_glu(key: str) -> bool:

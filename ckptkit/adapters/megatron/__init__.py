@@ -261,8 +261,8 @@ def load_entries(model: Any, meta: Mapping[str, Any], shapes: Mapping[str, tuple
         if saved_opt is None:
             raise MissingKeysError(f"{where}: the checkpoint holds no optimizer state record (saved with "
                                    "save_optimizer=False or without an optimizer, or imported from a Megatron "
-                                   "checkpoint whose optimizer state was not imported: a legacy checkpoint, or the "
-                                   "distributed optimizer's dp_reshardable buckets; docs/megatron.md, Limits); pass "
+                                   "checkpoint whose optimizer state was not imported: a legacy checkpoint; "
+                                   "docs/megatron.md, Limits); pass "
                                    "load_optimizer=False to load weights only")
         states = opt_state.param_states(optimizer, spaces)
         opt_state.prime(states, saved_opt["tensor_states"], saved_opt["scalars"])
