@@ -54,6 +54,8 @@ class Sim:
     gap_fill: str = "random"  # or "copies": the gaps hold the leading values of the parameters around them
     step: float = 5.0
     form: str = "dp_reshardable"
+    chain: str = ""
+    """A prefix of the optimizer's keys: ``chained_1.`` as a ChainedOptimizer's part saves them."""
     """Or ``fully_reshardable``: the same state in model space (the benchmark's comparison)."""
     equal: tuple[str, ...] = ()
     """Model keys whose every layer's weight is set equal to the final norm (ties); ``equal_states``: so are
@@ -176,7 +178,7 @@ def _bucket_tensors(sim: Sim, t: int, k: int, bucket: list[tuple[int, int, str, 
     local = -(-unpadded // math.lcm(sim.dp, 128)) * math.lcm(sim.dp, 128) // sim.dp
     cuts = sorted({0, unpadded, *(x for s, e, _, _ in bucket for x in (s, e)),
                    *(r * local for r in range(1, sim.dp) if r * local < unpadded)})
-    name = (f"optimizer.distributed.dp_group_idx_{t}.gbuf_idx_0.dtype_({sim.dtype}, {sim.dtype})"
+    name = (f"{sim.chain}optimizer.distributed.dp_group_idx_{t}.gbuf_idx_0.dtype_({sim.dtype}, {sim.dtype})"
             f".bucket_idx_{k}")
     out = []
     for state in STATES:
@@ -195,7 +197,7 @@ def _model_space(sim: Sim, files: _Files) -> list[OutTensor]:
     for key, shape in _shapes(sim).items():
         values = {"": sim.main[key].to(sim.dtype)}
         if sim.form == "fully_reshardable":
-            values.update({f"optimizer.state.{s}.": sim.main[key] if s == "param" else sim.states[key][s]
+            values.update({f"{sim.chain}optimizer.state.{s}.": sim.main[key] if s == "param" else sim.states[key][s]
                            for s in STATES})
         for prefix, tensor in values.items():
             seen, chunks = set(), []
@@ -225,7 +227,7 @@ def write(sim: Sim, folder: Path) -> Path:
             for k, bucket in enumerate(_buckets(sim, t)):
                 tensors.extend(_bucket_tensors(sim, t, k, bucket, files, g))
             record = [{"param_groups": [{**groups[0], "step": sim.group_steps.get(t, sim.step)}]}]
-            fqn = f"optimizer.distributed.dp_group_idx_{t}.optimizer/shard_0_1"
+            fqn = f"{sim.chain}optimizer.distributed.dp_group_idx_{t}.optimizer/shard_0_1"
             items.append(OutItem(fqn, (fqn,), files.put(t, record)))
     if sim.metadata_hook is not None:
         sim.metadata_hook(tensors, items, files)

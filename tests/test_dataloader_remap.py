@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from ckptkit.adapters import dataloader_remap as remap
 
-worlds = st.integers(1, 9)
+world_sizes = st.integers(1, 9)
 
 
 def sampler_records(counts: list[int], n: int = 1000) -> list[dict]:
@@ -56,7 +56,7 @@ def yielded(state: dict) -> int:
 
 # ------------------------------------------------------------------ interleaved
 @settings(max_examples=300, deadline=None)
-@given(n=st.integers(1, 120), old=worlds, new=worlds, data=st.data())
+@given(n=st.integers(1, 120), old=world_sizes, new=world_sizes, data=st.data())
 def test_interleaved_resume_yields_the_rest_of_the_epoch_once(n, old, new, data):
     prefix = data.draw(st.integers(0, n))
     counts = remap.interleaved_counts(prefix, old)  # equal counts, or off by one in rank order
@@ -71,7 +71,7 @@ def test_interleaved_resume_yields_the_rest_of_the_epoch_once(n, old, new, data)
         assert sorted(nxt) == list(range(prefix, prefix + batch * new))
 
 
-@given(steps=st.integers(0, 20), batch=st.integers(1, 4), old=worlds, new=worlds)
+@given(steps=st.integers(0, 20), batch=st.integers(1, 4), old=world_sizes, new=world_sizes)
 def test_interleaved_equal_consumption_is_always_exact(steps, batch, old, new):
     """torchtitan's DP ranks step together: every rank yields steps * local_batch samples."""
     states, report = remap.remap_records(sampler_records([steps * batch] * old), new)
@@ -79,7 +79,7 @@ def test_interleaved_equal_consumption_is_always_exact(steps, batch, old, new):
 
 
 @settings(max_examples=200, deadline=None)
-@given(counts=st.lists(st.integers(0, 12), min_size=2, max_size=6), new=worlds)
+@given(counts=st.lists(st.integers(0, 12), min_size=2, max_size=6), new=world_sizes)
 def test_interleaved_uneven_counts_are_refused_or_reported_truthfully(counts, new):
     assume(remap.interleaved_prefix(counts) is None and new != len(counts))
     with pytest.raises(remap.DataLoaderRemapError, match="not a prefix"):
@@ -102,7 +102,7 @@ def blocks(n: int, world: int) -> list[range]:
     return out
 
 
-@given(n=st.integers(0, 200), world=worlds)
+@given(n=st.integers(0, 200), world=world_sizes)
 def test_contiguous_bounds_are_datasets_shards(n, world):
     assert [range(a, b) for a, b in remap.contiguous_bounds(n, world)] == blocks(n, world)
 
@@ -128,7 +128,7 @@ def exact_oracle(positions: list[int], n: int, new: int, shuffled: bool) -> list
 
 
 @settings(max_examples=400, deadline=None)
-@given(n=st.integers(1, 60), old=worlds, new=worlds, shuffled=st.booleans(), data=st.data())
+@given(n=st.integers(1, 60), old=world_sizes, new=world_sizes, shuffled=st.booleans(), data=st.data())
 def test_contiguous_is_exact_exactly_when_every_new_block_resumes_at_a_prefix(n, old, new, shuffled, data):
     sizes = [len(b) for b in blocks(n, old)]
     # bias towards untouched / finished blocks, where exact remaps exist
@@ -149,7 +149,7 @@ def test_contiguous_is_exact_exactly_when_every_new_block_resumes_at_a_prefix(n,
 
 
 @settings(max_examples=200, deadline=None)
-@given(n=st.integers(1, 60), old=worlds, new=worlds, data=st.data())
+@given(n=st.integers(1, 60), old=world_sizes, new=world_sizes, data=st.data())
 def test_contiguous_approximation_reports_the_true_difference(n, old, new, data):
     positions = [data.draw(st.integers(0, len(b))) for b in blocks(n, old)]
     assume(new != old and exact_oracle(positions, n, new, False) is None)
@@ -176,7 +176,7 @@ def test_contiguous_ranks_in_different_epochs_need_the_approximation():
 
 
 # -------------------------------------------------------------- packing buffers
-@given(buffers=st.lists(st.lists(st.integers(0, 99), max_size=7), min_size=1, max_size=6), new=worlds)
+@given(buffers=st.lists(st.lists(st.integers(0, 99), max_size=7), min_size=1, max_size=6), new=world_sizes)
 def test_packing_buffers_are_carried_whole(buffers, new):
     n = 7 * len(buffers)
     records = hf_records([0] * len(buffers), n, buffers=buffers)

@@ -63,6 +63,13 @@ def test_equal_weights_with_equal_states_import(tmp_path):
     _check(sim.Sim(equal=(sim.QKV_NORM, sim.FC1_NORM), equal_states=True, dtype=torch.bfloat16), tmp_path)
 
 
+@pytest.mark.parametrize("form", ["dp_reshardable", "fully_reshardable"])
+def test_a_chained_optimizers_part_imports_in_either_form(tmp_path, form):
+    """An MoE job's dense or expert optimizer, saved with the ``chained_<i>.`` prefix Megatron adds to the
+    buckets (and to the model-space form when ``chained_optim_avoid_prefix`` is off)."""
+    _check(sim.Sim(chain="chained_1.", form=form), tmp_path)
+
+
 def _refused(s: sim.Sim, root: Path, *needles: str) -> str:
     """The import fails with an error naming what is wrong, and leaves nothing at its destination."""
     src = sim.write(s, root / "torch_dist")

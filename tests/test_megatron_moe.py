@@ -311,6 +311,30 @@ def test_megatrons_own_moe_save_imports_equal_to_ckptkits(saved, tmp_path):
     assert sum(".experts.experts." in k for k in model_keys) == 2
 
 
+def test_megatrons_default_dp_reshardable_moe_save_imports_as_its_model_space_form(saved, tmp_path):
+    """An MoE job's ChainedOptimizer (dense and expert distributed optimizers) saved in Megatron-LM's default
+    ``dp_reshardable`` form (``chained_<i>.``-prefixed buckets, the expert optimizer's per expert-data-parallel
+    group) imports to exactly what its ``fully_reshardable`` save of the same state imports to: every expert's,
+    the router's and the shared expert's main copy and moments, and the same record; the router's expert_bias,
+    a buffer, has no optimizer state in either."""
+    from ckptkit_converters.megatron.importer import import_torch_dist
+
+    import ckptkit.adapters.megatron as mckpt
+
+    mfolder = saved[2]
+    outs = []
+    for name, src in (("fully", mfolder), ("dp", job.dp_reshardable_folder(mfolder))):
+        outs.append(str(tmp_path / name))
+        import_torch_dist(src, outs[-1], vocab_size=mm.VOCAB, make_vocab_size_divisible_by=16)
+    a, b = job.all_tensors(outs[0]), job.all_tensors(outs[1])
+    assert set(a) == set(b)
+    assert any(".experts.experts." in k and k.startswith("optimizer/exp_avg/") for k in a)
+    assert not any(k.startswith("optimizer/") and k.endswith("expert_bias") for k in a)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+    assert mckpt.read_meta(outs[0])[0] == mckpt.read_meta(outs[1])[0]
+
+
 @pytest.mark.parametrize("name", ["ep4", "pp2ep2"])
 def test_megatron_resumes_an_moe_export_with_its_chained_optimizer(worlds, saved, reference, tmp_path, name):
     """`--format megatron` of the MoE checkpoint at a new expert layout, then Megatron's own load of model and

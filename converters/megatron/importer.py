@@ -30,6 +30,7 @@ distributed optimizer's state in Megatron-LM's default ``dp_reshardable`` bucket
 from __future__ import annotations
 
 import os
+import re
 import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -228,9 +229,12 @@ def import_torch_dist(source: str | os.PathLike[str], dest: str | os.PathLike[st
                             meta, skipped)
 
 
+_CHAINED = re.compile(r"^chained_\d+\.")
+
+
 def _is_optimizer_key(key: str) -> bool:
-    """Megatron's optimizer tensors (a chained optimizer's carry a ``chained_<i>.`` prefix)."""
-    return key.startswith("optimizer.") or (key.startswith("chained_") and ".optimizer." in key)
+    """Megatron's optimizer tensors (a chained optimizer's parts may carry a ``chained_<i>.`` prefix)."""
+    return _CHAINED.sub("", key).startswith("optimizer.")
 
 
 def _stored(folder: str, ckpt: DcpCheckpoint, common: Mapping[str, Any], model: Mapping[str, Any], src: Any,
@@ -262,10 +266,11 @@ def _optimizer_tensors(ckpt: DcpCheckpoint, model: Mapping[str, Any]) -> dict[st
     ``dp_reshardable`` buckets (``optimizer.distributed.*``): :mod:`.optimizer_buckets`."""
     out: dict[str, tuple[str, Any]] = {}
     for fqn, t in ckpt.tensors.items():
+        unchained = _CHAINED.sub("", fqn)  # a ChainedOptimizer's part saved with chained_optim_avoid_prefix off
         for state, name in optimizer_record.STATE_NAMES.items():
             prefix = f"optimizer.state.{state}."
-            if fqn.startswith(prefix) and fqn[len(prefix):] in model:
-                key = fqn[len(prefix):]
+            if unchained.startswith(prefix) and unchained[len(prefix):] in model:
+                key = unchained[len(prefix):]
                 if tuple(t.shape) != tuple(model[key].shape):
                     raise ManifestError(f"{fqn!r} has shape {list(t.shape)}, its parameter {list(model[key].shape)}")
                 if f"optimizer/{name}/{key}" in out:
