@@ -468,14 +468,16 @@ def test_ckptkits_export_resumes_in_megatron_with_its_optimizer(worlds, saved, r
 
 def test_megatron_to_megatron_reshard_keeps_the_optimizer(worlds, saved, reference, tmp_path):
     """The one-command relayout of a team's own checkpoint: `ckptkit reshard MEGATRON_CKPT OUT --to tp4pp1 --format
-    megatron` on Megatron's save at tp2pp1dp2 (import, then export, through a temporary checkpoint). Megatron
-    resumes model and optimizer from OUT at tp4pp1 exactly as it resumes its own save there."""
+    megatron` on Megatron's save at tp2pp1dp2 in Megatron-LM's default form, the distributed optimizer's
+    dp_reshardable buckets, which Megatron itself cannot load at another TP (import, then export, through a
+    temporary checkpoint). Megatron resumes model and optimizer from OUT at tp4pp1 exactly as it resumes its own
+    save there."""
     from click.testing import CliRunner
 
     from ckptkit.cli.main import cli
 
     out = str(tmp_path / "tp4pp1")
-    result = CliRunner().invoke(cli, ["reshard", saved["C"][2], out, "--to", "tp4pp1", "--format", "megatron",
+    result = CliRunner().invoke(cli, ["reshard", job.dp_reshardable_folder(saved["C"][2]), out, "--to", "tp4pp1", "--format", "megatron",
                                       "--vocab-size", str(mm.VOCAB), "--divisible-by", str(C.divisible_by)])
     assert result.exit_code == 0, result.output
     got = worlds.run(4, job.megatron_reference, TP4PP1, out, steps=STEPS)[0]
