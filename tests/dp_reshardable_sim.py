@@ -103,12 +103,15 @@ def _cut(t: torch.Tensor, box: Box) -> torch.Tensor:
 
 
 def _params(sim: Sim, t: int) -> list[tuple[str, list[Box]]]:
-    out = []
-    for key, shape in _shapes(sim).items():
-        if key in (EMB, OUT, FINAL):
-            out.append((key, _local_boxes(sim, key, shape, t, None)))
-        else:
-            out.extend((key, _local_boxes(sim, key, shape, t, layer)) for layer in range(sim.layers))
+    """Group ``t``'s local parameters in the module's registration order (the embedding, each layer's in turn,
+    the final norm, the output layer: the order of :func:`_shapes`, which is also the DCP key order), reversed
+    as Megatron's buffer takes them; or shuffled (``order``)."""
+    shapes = _shapes(sim)
+    top = {EMB: -1, FINAL: sim.layers, OUT: sim.layers}
+    out = [(key, _local_boxes(sim, key, shapes[key], t, None)) for key in shapes if top.get(key) == -1]
+    for layer in range(sim.layers):
+        out += [(key, _local_boxes(sim, key, shape, t, layer)) for key, shape in shapes.items() if key not in top]
+    out += [(key, _local_boxes(sim, key, shapes[key], t, None)) for key in shapes if top.get(key) == sim.layers]
     out.reverse()  # Megatron's buffer takes the module's parameters in reverse
     if sim.order is not None:
         random.Random(sim.order * 1000 + t).shuffle(out)

@@ -12,14 +12,11 @@ parameter saved as several model-space chunks (a fused GLU ``linear_fc1``: its g
 with its up half, the chunk half the fused axis further on. A chunk no weight matches is an alignment gap,
 and gaps are shorter than the 64-element alignment: a longer one is refused, never skipped.
 
-Equal weights (untrained norms; in bf16, norms for many steps) cannot be told apart by value, and nothing
-else in a bucket says which is which: the order of a bucket follows the module's parameter registration,
-which differs between layer specs and releases, so it is not guessed. Where every slot holding such a value
-holds the same state too, any placement imports each weight's own; where not, the import is refused.
-
-Parameters replicated over tensor parallelism (norms) are in every TP rank's group: the lowest group's
-state is taken. Cost: the main copies and the weights are read once here (and once more when written);
-the walk holds the main copy of the parameter it is placing and one digest per weight chunk.
+Equal weights (untrained norms; in bf16, norms for many steps) cannot be told apart by value: the walk
+places one of them in each of their slots, and :mod:`.bucket_ties` settles which, with the replicas of
+parameters that tensor parallelism repeats in every TP rank's group. Cost: the main copies and the weights
+are read once here (and once more when written); the walk holds the main copy of the parameter it is
+placing and one digest per weight chunk.
 """
 
 from __future__ import annotations
@@ -35,7 +32,6 @@ import torch
 from ckptkit.errors import ManifestError
 from ckptkit.storage.base import ByteStore
 from ckptkit_converters.dcp.files import Chunk, DcpTensor, load_chunk, read_blob
-from ckptkit_converters.megatron import names
 
 MAX_GAP = 64
 """Megatron pads every parameter's start in a distributed-optimizer buffer to a multiple of 64 elements
@@ -61,6 +57,9 @@ class Bucket:
     name: str
     group: tuple[int, int]
     """(chained optimizer index, dp_group_idx): the order the lowest group is taken in."""
+    buffer: str
+    """The grad buffer it is a part of (its name up to ``bucket_idx_``): a buffer's buckets follow each other."""
+    index: int
     states: Mapping[str, DcpTensor]
     atoms: tuple[Atom, ...]
 
@@ -122,7 +121,7 @@ def weight_chunks(src: ByteStore, model: Mapping[str, DcpTensor], pool: ThreadPo
     return [w for w in pool.map(one, refs) if w.numel]
 
 
-class _MainCopy:
+class MainCopy:
     """The main copy's values of one bucket, read a chunk at a time as the walk moves forward."""
 
     def __init__(self, src: ByteStore, bucket: Bucket, state: str = "param") -> None:
@@ -165,7 +164,7 @@ def _gate_and_up(gate: WeightChunk, up: WeightChunk) -> bool:
     return up.chunk.box.offsets[axis] - gate.chunk.box.offsets[axis] == gate.shape[axis] // 2
 
 
-class _Walk:
+class Walk:
     """The placement of one data-parallel group's weight chunks in its buckets (module docstring)."""
 
     def __init__(self, src: ByteStore, weights: Sequence[WeightChunk], where: str) -> None:
@@ -179,7 +178,7 @@ class _Walk:
 
     def bucket(self, bucket: Bucket) -> list[list[Placed]]:
         """Place weight chunks along ``bucket``: the parameters found, each a list of its chunks."""
-        main = _MainCopy(self._src, bucket)
+        main = MainCopy(self._src, bucket)
         ends = {a.end for a in bucket.atoms}
         inner = sorted(a.start for i, a in enumerate(bucket.atoms) if i and bucket.atoms[i - 1].rank == a.rank)
         params, pos = [], 0
@@ -201,7 +200,7 @@ class _Walk:
             main.forget_before(pos)
         return params
 
-    def _candidates(self, main: _MainCopy, pos: int, limit: int) -> list[WeightChunk]:
+    def _candidates(self, main: MainCopy, pos: int, limit: int) -> list[WeightChunk]:
         """The weight chunks not yet placed in this group whose first element is the main copy's at ``pos``."""
         first = main.values(pos, pos + 1)
         out = []
@@ -211,14 +210,14 @@ class _Walk:
                     out.append(w)
         return out
 
-    def _fits(self, main: _MainCopy, w: WeightChunk, pos: int, inner: Sequence[int]) -> bool:
+    def _fits(self, main: MainCopy, w: WeightChunk, pos: int, inner: Sequence[int]) -> bool:
         """``w`` lies at ``pos``: no chunk boundary other than a rank's inside it, and its values."""
         end = pos + w.numel
         if bisect.bisect_right(inner, pos) != bisect.bisect_left(inner, end):
             return False
         return digest(main.values(pos, end).to(w.dtype)) == w.digest
 
-    def _param_at(self, bucket: Bucket, main: _MainCopy, pos: int, ends: set[int],
+    def _param_at(self, bucket: Bucket, main: MainCopy, pos: int, ends: set[int],
                   inner: Sequence[int]) -> list[Placed] | None:
         """The one parameter starting at ``pos`` (its chunks in order), None where none does (a gap). A chunk
         ending inside a saved chunk or at a data-parallel rank's boundary may be continued by its GLU up half;
@@ -245,7 +244,7 @@ class _Walk:
                 f"differently ({', '.join(sorted({c[0].weight.key for c in chains}))}); {FIX}")
         return chains[0]  # equal values: which of them is which is checked by the states (_check_ties)
 
-    def _continuation(self, chain: list[Placed], main: _MainCopy, end: int, inner: Sequence[int],
+    def _continuation(self, chain: list[Placed], main: MainCopy, end: int, inner: Sequence[int],
                       limit: int) -> WeightChunk | None:
         """The up half of the chain's fused GLU parameter, if it lies at ``end``."""
         head = chain[0].weight
@@ -255,66 +254,3 @@ class _Walk:
                     and self._fits(main, w, end, inner)):
                 return w
         return None
-
-
-def _state_digests(src: ByteStore, chain: Sequence[Placed],
-                   cache: dict[tuple[str, str], _MainCopy]) -> tuple[bytes, ...]:
-    """A digest of each saved state over the slot ``chain`` holds."""
-    bucket, start = chain[0].bucket, chain[0].start
-    end = chain[-1].start + chain[-1].weight.numel
-    out = []
-    for state in sorted(bucket.states):
-        copy = cache.setdefault((bucket.name, state), _MainCopy(src, bucket, state))
-        out.append(digest(copy.values(start, end)))
-    return tuple(out)
-
-
-def _check_ties(src: ByteStore, params: Sequence[list[Placed]], weights: Sequence[WeightChunk],
-                chosen: dict[tuple[str, tuple[int, ...]], Placed], where: str) -> None:
-    """Equal weights (module docstring), over all groups: a value the checkpoint holds as several weights is
-    imported only where every slot holding that value holds the same state, so that any placement hands each
-    weight its own; those weights the walk left unplaced then take that state. Else refused."""
-    by_values: dict[tuple[bytes, ...], list[list[Placed]]] = {}
-    for chain in params:
-        by_values.setdefault(tuple(p.weight.digest for p in chain), []).append(chain)
-    by_digest: dict[bytes, list[WeightChunk]] = {}
-    for w in weights:
-        by_digest.setdefault(w.digest, []).append(w)
-    cache: dict[tuple[str, str], _MainCopy] = {}
-    for values, chains in by_values.items():
-        holders = {tuple((p.weight.key, p.weight.chunk.box.offsets) for p in c) for c in chains}
-        alike = by_digest[values[0]] if len(values) == 1 else []
-        if len(holders) == 1 and len(alike) <= 1:
-            continue  # one parameter (in several groups where tensor parallelism replicates it)
-        if len({_state_digests(src, c, cache) for c in chains}) > 1:
-            keys = sorted({k for h in holders for k, _ in h} | {w.key for w in alike})
-            raise ManifestError(
-                f"{where}: {', '.join(keys[:6])}{' ...' if len(keys) > 6 else ''} hold equal weights (as the model "
-                f"stores them) but different optimizer states, and the buckets do not say which state is whose "
-                f"(in bf16, norms stay equal for many steps); {FIX}")
-        first = chains[0][0]
-        for w in alike:
-            if not w.key.endswith(names.BUFFERS):
-                chosen.setdefault((w.key, w.chunk.box.offsets), Placed(w, first.bucket, first.start))
-
-
-def place(src: ByteStore, buckets: Sequence[Bucket], weights: Sequence[WeightChunk], pool: ThreadPoolExecutor,
-          where: str) -> dict[tuple[str, tuple[int, ...]], Placed]:
-    """(model key, chunk offsets) -> where its state is, every group walked (the groups side by side on
-    ``pool``); a chunk placed in several groups (a parameter replicated over tensor parallelism) takes the
-    lowest group's."""
-    groups: dict[tuple[int, int], list[Bucket]] = {}
-    for b in buckets:
-        groups.setdefault(b.group, []).append(b)
-
-    def walk(group: tuple[int, int]) -> list[list[Placed]]:
-        one = _Walk(src, weights, where)
-        return [chain for b in groups[group] for chain in one.bucket(b)]
-
-    params = [chain for found in pool.map(walk, sorted(groups)) for chain in found]
-    chosen: dict[tuple[str, tuple[int, ...]], Placed] = {}
-    for chain in params:
-        for p in chain:
-            chosen.setdefault((p.weight.key, p.weight.chunk.box.offsets), p)
-    _check_ties(src, params, weights, chosen, where)
-    return chosen

@@ -9,14 +9,15 @@ and per group the optimizer's non-tensor state (``...dp_group_idx_<g>.optimizer`
 step; fp16: ``grad_scaler``) as sharded objects. Which parameter sits where in a bucket is not saved:
 Megatron's load recomputes it from the live model, its module order and bucketing flags. Rebuilding that
 here would tie the import to one release's module order and to flags a checkpoint does not record, and a
-wrong guess would hand back the moments of another parameter; :mod:`.bucket_walk` reads it off the data.
+wrong guess would hand back the moments of another parameter; :mod:`.bucket_walk` reads it off the data,
+and :mod:`.bucket_ties` settles equal weights by the key order the checkpoint records, once checked.
 
 Each weight's state becomes ``optimizer/{main,exp_avg,exp_avg_sq}/<key>`` in model space, chunked as the
 weight is (vocabulary padding rows kept apart by the importer as for the weights), so the import resumes
 through the adapter at any layout. Refused, naming the bucket or tensor and the fix (resave with
 ``--dist-ckpt-optim-fully-reshardable``): buckets that are not Megatron's, a weight with some chunks
-placed and others not, a parameter with no state (other than Megatron's known buffers), and ties the
-walk cannot settle.
+placed and others not, a parameter with no state (other than Megatron's known buffers), and equal weights
+the recorded order cannot tell apart.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ from ckptkit.storage.base import ByteStore
 from ckptkit_converters.dcp.convert import DcpPieces
 from ckptkit_converters.dcp.files import Blob, Chunk, DcpCheckpoint, DcpTensor, load_blob, read_blob
 from ckptkit_converters.megatron import names
-from ckptkit_converters.megatron.bucket_walk import FIX, Atom, Bucket, Placed, load, place, weight_chunks
+from ckptkit_converters.megatron.bucket_ties import place
+from ckptkit_converters.megatron.bucket_walk import FIX, Atom, Bucket, Placed, load, weight_chunks
 from ckptkit_converters.megatron.optimizer_record import MAIN
 
 STATES = {"param": MAIN, "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
@@ -109,19 +111,19 @@ def buckets_of(ckpt: DcpCheckpoint, ranks: Mapping[str, int], where: str) -> lis
     """Every ``dp_reshardable`` bucket of the checkpoint, its states checked to be Megatron's: 1-D, one
     chunk structure for all of them, the chunks tiling the bucket."""
     found: dict[str, dict[str, DcpTensor]] = {}
-    groups: dict[str, tuple[int, int]] = {}
+    places: dict[str, tuple[tuple[int, int], str, int]] = {}
     for fqn, t in ckpt.tensors.items():
         m = _BUCKET.match(fqn)
         if m is None:
             continue
         name = fqn[: -len(m["state"]) - 1]
         found.setdefault(name, {})[m["state"]] = t
-        groups[name] = (int(m["chain"] or 0), int(m["idx"]))
-    return [_bucket(name, groups[name], states, ranks, where) for name, states in sorted(found.items())]
+        places[name] = ((int(m["chain"] or 0), int(m["idx"])), name[: m.start("bucket")], int(m["bucket"]))
+    return [_bucket(name, places[name], states, ranks, where) for name, states in sorted(found.items())]
 
 
-def _bucket(name: str, group: tuple[int, int], states: dict[str, DcpTensor], ranks: Mapping[str, int],
-            where: str) -> Bucket:
+def _bucket(name: str, place: tuple[tuple[int, int], str, int], states: dict[str, DcpTensor],
+            ranks: Mapping[str, int], where: str) -> Bucket:
     """One bucket's states, checked (:func:`buckets_of`)."""
     unknown = sorted(set(states) - set(STATES))
     if unknown or "param" not in states:
@@ -149,7 +151,7 @@ def _bucket(name: str, group: tuple[int, int], states: dict[str, DcpTensor], ran
         end = a.end
     if end != param.shape[0]:
         raise ManifestError(f"{where}: the chunks of {param.fqn!r} end at element {end} of {param.shape[0]}")
-    return Bucket(name, group, states, atoms)
+    return Bucket(name, *place, states, atoms)
 
 
 # ---------------------------------------------------------------- what the import writes
@@ -256,7 +258,7 @@ def read_buckets(ckpt: DcpCheckpoint, model: Mapping[str, DcpTensor], src: ByteS
     if len({frozenset(b.states) for b in buckets}) > 1:
         raise ManifestError(f"{where}: the distributed optimizer's buckets hold different states "
                             f"({sorted({tuple(sorted(b.states)) for b in buckets})})")
-    chosen = place(src, buckets, weight_chunks(src, model, pool), pool, where)
+    chosen = place(src, buckets, weight_chunks(src, model, pool), list(model), pool, where)
     keys = _check_coverage(model, chosen, where)
     records, consumed = _records(src, ckpt, where)
     consumed |= {t.fqn for b in buckets for t in b.states.values()}
