@@ -81,6 +81,8 @@ def _break_ties(params: list[list[Placed]], open_values: set[Values], alike: Map
     """One group's parameters (bucket by bucket, in bucket order) with each tied slot given the weight the
     registration order puts there; refused where the order does not hold or leaves a choice."""
     tied = [i for i, chain in enumerate(params) if _values(chain) in open_values]
+    if not tied:
+        return params  # nothing to tell apart here: the order is neither needed nor checked
     tied_set = set(tied)
     every = {w.key for v in open_values for w in alike[v]}
     if any(len(v) != 1 for v in open_values):
