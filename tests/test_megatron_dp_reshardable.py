@@ -46,7 +46,7 @@ def _check(s: sim.Sim, root: Path) -> None:
     assert meta["scalars"]["step"]["value"] == s.step
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(tp=st.sampled_from([1, 2, 4]), dp=st.integers(1, 5), layers=st.integers(1, 3),
        dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
        order=st.none() | st.integers(0, 1000), bucket_size=st.none() | st.integers(64, 700),
@@ -192,19 +192,18 @@ def test_a_chunk_of_another_dtype_is_refused(tmp_path):
         import_torch_dist(str(src), str(tmp_path / "out"))
 
 
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 10_000), where=st.floats(0, 1, exclude_max=True), bit=st.integers(0, 7))
 def test_a_flipped_bit_in_the_main_copies_is_refused_or_harmless(tmp_path_factory, seed, where, bit):
     """A bit flipped anywhere in a main-copy blob: the import refuses, or (the bit was in a gap or in the
     archive's slack) imports exactly what was saved. Never another parameter's state, never a crash."""
     root = tmp_path_factory.mktemp("flip")
-    s = sim.Sim(seed=seed, dp=3)
-    src = sim.write(s, root / "torch_dist")
     blobs = []
 
     def collect(tensors, items, files):
         blobs.extend(c.blob for t in tensors if t.fqn.endswith(".param") for c in t.chunks)
-    sim.write(dataclasses.replace(s, metadata_hook=collect, main={}, states={}), root / "again")
+    s = sim.Sim(seed=seed, dp=3, metadata_hook=collect)
+    src = sim.write(s, root / "torch_dist")
     blob = blobs[int(where * len(blobs))]
     path = src / blob.file
     data = bytearray(path.read_bytes())
