@@ -103,7 +103,6 @@ class BucketPieces(DcpPieces):
         return torch.cat(parts).reshape(chunk.box.sizes)
 
 
-
 # ---------------------------------------------------------------- the buckets
 
 
