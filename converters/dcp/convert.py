@@ -79,12 +79,12 @@ from ckptkit_converters.dcp.files import (
     OutItem,
     OutTensor,
     build_metadata,
-    read_blob,
     data_file,
     file_rank,
     load_blob,
-    load_chunk,
     parse_metadata,
+    read_blob,
+    read_chunk,
     save_blob,
     writer_ranks,
 )
@@ -267,11 +267,10 @@ class DcpPieces:
 
     def _load(self, ref: int) -> torch.Tensor:
         tensor, chunk = self._refs[ref]
-        where = f"{self._src.url}/{chunk.blob.file} (chunk {list(chunk.box.offsets)} of {tensor.fqn!r})"
-        data = read_blob(self._src, chunk.blob)
+        out = read_chunk(self._src, tensor, chunk)
         with self._lock:
-            self.bytes_read += len(data)
-        return load_chunk(data, tensor, chunk, where)
+            self.bytes_read += chunk.blob.length
+        return out
 
     def __getitem__(self, ref: int) -> torch.Tensor:
         return self._ahead[ref]

@@ -310,6 +310,13 @@ def load_chunk(data: bytes | bytearray | memoryview, tensor: DcpTensor, chunk: C
     return t.detach().contiguous()
 
 
+def read_chunk(src: ByteStore, tensor: DcpTensor, chunk: Chunk) -> torch.Tensor:
+    """One tensor chunk read through the store and decoded (``weights_only``), checked against the metadata;
+    errors name the file, the chunk and the tensor."""
+    where = f"{src.url}/{chunk.blob.file} (chunk {list(chunk.box.offsets)} of {tensor.fqn!r})"
+    return load_chunk(read_blob(src, chunk.blob), tensor, chunk, where)
+
+
 def save_blob(obj: Any) -> bytes:
     """What DCP writes for an item: a ``torch.save`` archive (of a tensor chunk or a Python value)."""
     buf = io.BytesIO()

@@ -65,7 +65,7 @@ class _Order:
 
     def __init__(self, key_order: Sequence[str]) -> None:
         self._index = {k: i for i, k in enumerate(key_order)}
-        layer_keys = [i for k, i in self._index.items() if names.layer_of(k, (0,)) is not None]
+        layer_keys = [i for k, i in self._index.items() if k.startswith(names.LAYER_PREFIX)]
         self._first_layer_key = min(layer_keys, default=0)
 
     def __call__(self, w: WeightChunk) -> tuple[float, int]:

@@ -31,7 +31,8 @@ import torch
 
 from ckptkit.errors import ManifestError
 from ckptkit.storage.base import ByteStore
-from ckptkit_converters.dcp.files import Chunk, DcpTensor, load_chunk, read_blob
+from ckptkit.engine.tensor_bytes import as_bytes
+from ckptkit_converters.dcp.files import Chunk, DcpTensor, read_chunk
 
 MAX_GAP = 64
 """Megatron pads every parameter's start in a distributed-optimizer buffer to a multiple of 64 elements
@@ -78,9 +79,12 @@ class WeightChunk:
     """The whole tensor's."""
     chunk: Chunk
     dtype: torch.dtype
-    numel: int
     first: bytes
     digest: bytes
+
+    @property
+    def numel(self) -> int:
+        return self.chunk.box.numel
 
 
 @dataclass(frozen=True)
@@ -92,20 +96,22 @@ class Placed:
     start: int
 
 
-def load(src: ByteStore, tensor: DcpTensor, chunk: Chunk) -> torch.Tensor:
-    """One DCP chunk, decoded and checked against the metadata (``weights_only``)."""
-    where = f"{src.url}/{chunk.blob.file} (chunk {list(chunk.box.offsets)} of {tensor.fqn!r})"
-    return load_chunk(read_blob(src, chunk.blob), tensor, chunk, where)
-
-
-def raw_bytes(t: torch.Tensor) -> memoryview:
-    """A tensor's bytes (any dtype, bf16 included), without a copy where it is contiguous."""
-    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
-
-
 def digest(t: torch.Tensor) -> bytes:
     """What the walk compares values by: equal digests, equal bytes (blake2b, 160 bits)."""
-    return hashlib.blake2b(raw_bytes(t), digest_size=20).digest()
+    return hashlib.blake2b(as_bytes(t.contiguous()), digest_size=20).digest()
+
+
+def spans(chunks: Sequence[Chunk], starts: Sequence[int], start: int, end: int) -> list[tuple[int, int, int]]:
+    """Where elements ``[start, end)`` of a bucket lie: (index of the chunk, first, end element within it) for
+    each of ``chunks`` (sorted, tiling the bucket; ``starts``: their first elements) they cross, in order."""
+    out = []
+    i = bisect.bisect_right(starts, start) - 1
+    while start < end:
+        lo = starts[i]
+        hi = min(end, lo + chunks[i].box.sizes[0])
+        out.append((i, start - lo, hi - lo))
+        start, i = hi, i + 1
+    return out
 
 
 def weight_chunks(src: ByteStore, model: Mapping[str, DcpTensor], pool: ThreadPoolExecutor) -> list[WeightChunk]:
@@ -114,9 +120,8 @@ def weight_chunks(src: ByteStore, model: Mapping[str, DcpTensor], pool: ThreadPo
 
     def one(ref: tuple[DcpTensor, Chunk]) -> WeightChunk:
         t, c = ref
-        values = load(src, t, c).reshape(-1)
-        return WeightChunk(t.fqn, t.shape, c, values.dtype, values.numel(), bytes(raw_bytes(values[:1])),
-                           digest(values))
+        values = read_chunk(src, t, c).reshape(-1)
+        return WeightChunk(t.fqn, t.shape, c, values.dtype, bytes(as_bytes(values[:1])), digest(values))
 
     return [w for w in pool.map(one, refs) if w.numel]
 
@@ -134,15 +139,10 @@ class MainCopy:
     def values(self, start: int, end: int) -> torch.Tensor:
         """Elements ``[start, end)`` (within the bucket), loading the chunks they lie in."""
         out = []
-        i = bisect.bisect_right(self._starts, start) - 1
-        while start < end:
-            c = self._chunks[i]
+        for i, lo, hi in spans(self._chunks, self._starts, start, end):
             if i not in self._loaded:
-                self._loaded[i] = load(self._src, self._tensor, c)
-            lo = c.box.offsets[0]
-            hi = min(end, lo + c.box.sizes[0])
-            out.append(self._loaded[i][start - lo:hi - lo])
-            start, i = hi, i + 1
+                self._loaded[i] = read_chunk(self._src, self._tensor, self._chunks[i])
+            out.append(self._loaded[i][lo:hi])
         return out[0] if len(out) == 1 else torch.cat(out)
 
     def forget_before(self, pos: int) -> None:
@@ -205,7 +205,7 @@ class Walk:
         first = main.values(pos, pos + 1)
         out = []
         for dtype in self._dtypes:
-            for w in self._by_first.get((dtype, bytes(raw_bytes(first.to(dtype)))), ()):
+            for w in self._by_first.get((dtype, bytes(as_bytes(first.to(dtype)))), ()):
                 if w.numel <= limit - pos and (w.key, w.chunk.box.offsets) not in self.taken:
                     out.append(w)
         return out

@@ -22,7 +22,6 @@ the recorded order cannot tell apart.
 
 from __future__ import annotations
 
-import bisect
 import re
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -32,13 +31,12 @@ from typing import Any
 import torch
 
 from ckptkit.errors import ManifestError
-from ckptkit.layout.box import Box
 from ckptkit.storage.base import ByteStore
 from ckptkit_converters.dcp.convert import DcpPieces
-from ckptkit_converters.dcp.files import Blob, Chunk, DcpCheckpoint, DcpTensor, load_blob, read_blob
+from ckptkit_converters.dcp.files import Blob, Chunk, DcpCheckpoint, DcpTensor, load_blob, read_blob, read_chunk
 from ckptkit_converters.megatron import names
 from ckptkit_converters.megatron.bucket_ties import place
-from ckptkit_converters.megatron.bucket_walk import FIX, Atom, Bucket, Placed, load, weight_chunks
+from ckptkit_converters.megatron.bucket_walk import FIX, Atom, Bucket, Placed, spans, weight_chunks
 from ckptkit_converters.megatron.optimizer_record import MAIN
 
 STATES = {"param": MAIN, "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
@@ -54,34 +52,24 @@ _RECORD_ITEMS = ("optimizer", "grad_scaler")  # param groups (the step), the fp1
 
 
 @dataclass(frozen=True)
-class BucketSlice:
-    """A model-space chunk of one optimizer state, cut from a bucket: read like a DCP chunk by
-    :class:`BucketPieces` (``box`` in model space; ``blob.file``: the file the slice starts in, whose
-    writer rank writes the piece); ``parts``: (bucket chunk, first, end element within it), in order."""
+class BucketSlice(Chunk):
+    """A model-space chunk of one optimizer state, cut from a bucket: a DCP chunk to the importer's placing
+    and writing (``box`` in model space; ``blob.file``: the file the slice starts in, whose writer rank writes
+    the piece), read by :class:`BucketPieces` from ``parts``: (chunk of the bucket state ``state``, first,
+    end element within it), in order."""
 
-    box: Box
-    blob: Blob
     state: DcpTensor
     parts: tuple[tuple[Chunk, int, int], ...]
 
 
 @dataclass(frozen=True)
-class StateTensor:
-    """One optimizer state of one weight, as the import's placing step reads a DCP tensor."""
-
-    fqn: str
-    dtype: str
-    shape: tuple[int, ...]
-    chunks: tuple[BucketSlice, ...]
-
-
-@dataclass(frozen=True)
 class BucketState:
-    """What the buckets become: ``optimizer/<state>/<key>`` -> (model key, :class:`StateTensor`); the DCP
+    """What the buckets become: ``optimizer/<state>/<key>`` -> (model key, a :class:`DcpTensor` of
+    :class:`BucketSlice` chunks, shaped as the weight); the DCP
     keys read (bucket tensors, the groups' items) so the import does not list them as skipped; and the
     groups' non-tensor optimizer state, shaped as :mod:`.optimizer_record` reads it."""
 
-    tensors: dict[str, tuple[str, StateTensor]]
+    tensors: dict[str, tuple[str, DcpTensor]]
     consumed: frozenset[str]
     optimizer: dict[int, dict[str, Any]]
 
@@ -97,7 +85,7 @@ class BucketPieces(DcpPieces):
             return super()._load(ref)
         parts = []
         for part, lo, hi in chunk.parts:
-            parts.append(load(self._src, chunk.state, part)[lo:hi])
+            parts.append(read_chunk(self._src, chunk.state, part)[lo:hi])
             with self._lock:
                 self.bytes_read += part.blob.length
         return torch.cat(parts).reshape(chunk.box.sizes)
@@ -177,35 +165,26 @@ def _check_coverage(model: Mapping[str, DcpTensor], chosen: Mapping[tuple[str, t
     return out
 
 
-def _parts(tensor: DcpTensor, start: int, end: int) -> tuple[tuple[Chunk, int, int], ...]:
-    """The chunks of a bucket state that elements ``[start, end)`` lie in, each with the range within it."""
+def _slice(p: Placed, state: str) -> BucketSlice:
+    """The placed weight chunk's slice of one bucket state, as the chunks of that state it crosses."""
+    tensor = p.bucket.states[state]
     chunks = sorted(tensor.chunks, key=lambda c: c.box.offsets[0])
-    i = bisect.bisect_right([c.box.offsets[0] for c in chunks], start) - 1
-    out = []
-    while start < end:
-        c = chunks[i]
-        lo = c.box.offsets[0]
-        hi = min(end, lo + c.box.sizes[0])
-        out.append((c, start - lo, hi - lo))
-        start, i = hi, i + 1
-    return tuple(out)
+    parts = tuple((chunks[i], lo, hi) for i, lo, hi in
+                  spans(chunks, [a.start for a in p.bucket.atoms], p.start, p.start + p.weight.numel))
+    return BucketSlice(p.weight.chunk.box, Blob(parts[0][0].blob.file, 0, 0), tensor, parts)
 
 
 def _state_tensors(model: Mapping[str, DcpTensor], keys: Sequence[str],
-                   chosen: Mapping[tuple[str, tuple[int, ...]], Placed]) -> dict[str, tuple[str, StateTensor]]:
+                   chosen: Mapping[tuple[str, tuple[int, ...]], Placed]) -> dict[str, tuple[str, DcpTensor]]:
     """``optimizer/<state>/<key>`` of every key with state: its chunks cut from where the walk placed them."""
-    out: dict[str, tuple[str, StateTensor]] = {}
+    out: dict[str, tuple[str, DcpTensor]] = {}
     for key in keys:
         t = model[key]
         placed = [chosen[(key, c.box.offsets)] for c in t.chunks if c.box.numel]
         for state, name in STATES.items():
-            slices = []
-            for p in placed:
-                src = p.bucket.states[state]
-                parts = _parts(src, p.start, p.start + p.weight.numel)
-                slices.append(BucketSlice(p.weight.chunk.box, Blob(parts[0][0].blob.file, 0, 0), src, parts))
-            out[f"optimizer/{name}/{key}"] = (key, StateTensor(slices[0].state.fqn, slices[0].state.dtype,
-                                                               t.shape, tuple(slices)))
+            slices = tuple(_slice(p, state) for p in placed)
+            out[f"optimizer/{name}/{key}"] = (key, DcpTensor(slices[0].state.fqn, slices[0].state.dtype, t.shape,
+                                                             slices))
     return out
 
 
