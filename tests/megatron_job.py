@@ -311,6 +311,36 @@ def embedding_after_load(layout: mm.Layout, folder: str) -> dict[str, Any]:
         mm.teardown()
 
 
+def padding_rows_after_load(layout: mm.Layout, folder: str) -> dict[str, Any]:
+    """A job that has trained a step (its optimizer holds moments and main copies of its own) loads
+    ``folder``: this rank's word-embedding weight, and with the distributed optimizer at DP 1 its main copy
+    and Adam moments shaped as the TP-local weight, right after the load (TP ranks of DP rank 0 and the
+    first stage report); then two more steps."""
+    from megatron.core import parallel_state as ps
+
+    from ckptkit.adapters import megatron as mckpt
+    from ckptkit.adapters.megatron.model_space import unwrap
+
+    t = mm.setup(layout, seed=999)
+    try:
+        mm.train_step(t)
+        mckpt.load(t.model, folder, optimizer=t.optimizer, scheduler=t.scheduler)
+        weight = unwrap(t.model[0]).embedding.word_embeddings.weight
+        out: dict[str, Any] = {"weight": weight.detach().float().clone()}
+        if layout.dist_opt and ps.get_data_parallel_world_size() == 1:
+            opt = next(o for o in _sub_optimizers(t.optimizer) if weight in o.model_param_group_index_map)
+            group, order = opt.model_param_group_index_map[weight]
+            main = opt.optimizer.param_groups[group]["params"][order]
+            state = opt.optimizer.state[main]
+            for name, tensor in (("main", main), ("exp_avg", state["exp_avg"]), ("exp_avg_sq", state["exp_avg_sq"])):
+                out[name] = tensor.detach().view(weight.shape).clone()
+        out["losses"] = [mm.train_step(t) for _ in range(2)]
+        keep = ps.get_data_parallel_rank() == 0 and ps.is_pipeline_first_stage()
+        return out if keep else {"losses": out["losses"]}
+    finally:
+        mm.teardown()
+
+
 def checkpointer_run(layout: mm.Layout, root: str, *, steps: int, save_again: str | None = None) -> dict[str, Any]:
     """Train with MegatronCheckpointer saving every step (async, keep 2), or resume its newest step
     (``save_again``: save what was restored with the adapter right away, for a bit-exact comparison)."""

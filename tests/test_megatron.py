@@ -267,6 +267,26 @@ def test_vocab_padding_grows_at_a_larger_tp(worlds, saved):
     assert all(torch.isfinite(torch.tensor(g["losses"])).all() for g in got)
 
 
+def test_vocab_padding_grows_with_main_copies(worlds, saved):
+    """D (bf16, fp32 main copies, distributed optimizer) padded to 256 rows at tp2 loads at tp4 with
+    divisible_by 128 (512 rows) into a job that has trained a step of its own: the saved rows come back
+    in the weight, the main copy and the moments, and the 256 new padding rows are zero in all four --
+    not the job's own values, which the sync from the main copies would otherwise write into the weight."""
+    folder, _, _ = saved["D"]
+    layout = mm.Layout(tp=4, pp=1, bf16=True, divisible_by=128)
+    got = [g for g in worlds.run(4, job.padding_rows_after_load, layout, folder) if "weight" in g]
+    saved_view = job.all_tensors(folder)
+    for name, key in (("weight", "model/"), ("main", "optimizer/main/"), ("exp_avg", "optimizer/exp_avg/"),
+                      ("exp_avg_sq", "optimizer/exp_avg_sq/")):
+        full = torch.cat([g[name] for g in got])  # TP ranks 0..3 in order hold the vocab shards
+        real = saved_view[f"{key}embedding.word_embeddings.weight"].float()
+        pad = saved_view[f"{key}embedding.word_embeddings.weight.vocab_padding"].float()
+        assert full.shape == (512, 64) and pad.shape == (6, 64), name
+        assert torch.equal(full[:250], real) and torch.equal(full[250:256], pad), name
+        assert not full[256:].any(), f"{name}: the new padding rows are not zero"
+    assert all(torch.isfinite(torch.tensor(g["losses"])).all() for g in got)
+
+
 def test_not_a_megatron_checkpoint(tmp_path):
     import ckptkit
     from ckptkit.adapters import megatron as mckpt

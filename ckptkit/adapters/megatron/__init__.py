@@ -291,6 +291,7 @@ def load(model: Any, path: str | os.PathLike[str], *, optimizer: Any = None, sch
         entries["rng"] = PerRank(None)
     ckptkit.load({ROOT: entries}, path, strict=False, options=options, storage_options=storage_options)
     if states:
+        opt_state.zero_fresh_rows(states)
         opt_state.sync_model_from_main(optimizer, had_main=load_main, have_main=any(ps.main is not None for ps in states))
         opt_state.load_grad_scalers(optimizer, meta["optimizer"].get("grad_scalers"), str(path))
     if scheduler is not None and meta.get("scheduler") is not None:

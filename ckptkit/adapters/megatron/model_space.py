@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from math import prod
 import re
 from typing import Any
@@ -93,6 +93,10 @@ class ParamSpace:
     dp_index: int
     dp_size: int
     rules: dict[str, PartitionRule | None]
+    fresh_rows: tuple[tuple[int, int], ...] = ()
+    """Rows ``[start, stop)`` of the TP-local parameter that the checkpoint does not hold (vocabulary
+    padding grown past the saved one): set by :func:`padding_plan`, which zeroes them in the weight;
+    the optimizer's copies of them are zeroed after the load (``optimizer_state.zero_fresh_rows``)."""
 
     @property
     def row_numel(self) -> int:
@@ -409,6 +413,7 @@ def padding_plan(spaces: Iterable[ParamSpace], stored: dict[str, tuple[int, ...]
     out: list[ParamSpace] = []
     for s in spaces:
         keep = []
+        fresh = []
         for seg in s.segments:
             if not seg.tensor.endswith(PADDING_SUFFIX):
                 keep.append(seg)
@@ -418,7 +423,8 @@ def padding_plan(spaces: Iterable[ParamSpace], stored: dict[str, tuple[int, ...]
             if usable:
                 keep.append(Segment(seg.row, usable, seg.tensor, (have, *seg.shape[1:]), seg.offsets))
             if usable < seg.rows:
+                fresh.append((seg.row + usable, seg.row + seg.rows))
                 with torch.no_grad():
                     s.param[seg.row + usable: seg.row + seg.rows].zero_()
-        out.append(ParamSpace(s.name, s.param, s.prepend, tuple(keep), s.main, s.dp_index, s.dp_size, s.rules))
+        out.append(replace(s, segments=tuple(keep), fresh_rows=tuple(fresh)))
     return out

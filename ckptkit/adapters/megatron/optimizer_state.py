@@ -234,6 +234,33 @@ def scaler_state_dict(state: dict[str, Any]) -> dict[str, Any]:
     return {k: torch.tensor([v], dtype=torch.float32) if k == "scale" else v for k, v in state.items()}
 
 
+def zero_fresh_rows(states: list[ParamState]) -> None:
+    """After a load: zero the optimizer's copies of the rows the checkpoint does not hold.
+
+    A loading layout that pads the vocabulary more than the saving one gets new padding rows, which
+    :func:`~ckptkit.adapters.megatron.model_space.padding_plan` zeroes in the weight. The main copy and
+    the moments of those rows were not in the checkpoint either: left alone they would keep the live
+    job's values (its initialisation, or its own training before a rollback), and the sync from the
+    main copies right after the load would write them back into the weights. So they are zeroed too,
+    as a fresh optimizer's moments are, and the whole state is the checkpoint's plus defined zeros.
+    """
+    for ps in states:
+        rows = ps.space.fresh_rows
+        if not rows:
+            continue
+        tensors = [t for t in ([ps.main] + [ps.state[k] for k in tensor_state_keys(ps)]) if t is not None]
+        width = ps.space.row_numel
+        with torch.no_grad():
+            for t in tensors:
+                flat = t.view(-1)
+                start = 0 if ps.flat is None else ps.flat[0]
+                for first, stop in rows:  # element range of the rows, clipped to what this tensor covers
+                    lo = max(first * width - start, 0)
+                    hi = min(stop * width - start, flat.numel())
+                    if lo < hi:
+                        flat[lo:hi].zero_()
+
+
 def sync_model_from_main(optimizer: Any, had_main: bool, have_main: bool) -> None:
     """After a load: make model weights and main copies agree.
 
