@@ -341,6 +341,22 @@ def padding_rows_after_load(layout: mm.Layout, folder: str) -> dict[str, Any]:
         mm.teardown()
 
 
+def weights_only_losses(layout: mm.Layout, folder: str, *, megatron_reload: bool) -> list[float]:
+    """Load the weights alone (``load_optimizer=False``) into a fresh job with its optimizer, then train three
+    steps. ``megatron_reload``: also call ``optimizer.reload_model_params()`` after the load, as Megatron-LM's
+    ``load_checkpoint`` does when it loads no optimizer (``--no-load-optim``), the reference."""
+    from ckptkit.adapters import megatron as mckpt
+
+    t = mm.setup(layout, seed=999)
+    try:
+        mckpt.load(t.model, folder, optimizer=t.optimizer, scheduler=t.scheduler, load_optimizer=False)
+        if megatron_reload:
+            t.optimizer.reload_model_params()
+        return [mm.train_step(t) for _ in range(3)]
+    finally:
+        mm.teardown()
+
+
 def checkpointer_run(layout: mm.Layout, root: str, *, steps: int, save_again: str | None = None) -> dict[str, Any]:
     """Train with MegatronCheckpointer saving every step (async, keep 2), or resume its newest step
     (``save_again``: save what was restored with the adapter right away, for a bit-exact comparison)."""

@@ -287,6 +287,18 @@ def test_vocab_padding_grows_with_main_copies(worlds, saved):
     assert all(torch.isfinite(torch.tensor(g["losses"])).all() for g in got)
 
 
+@pytest.mark.parametrize("layout", [D, mm.Layout(tp=4, pp=1, bf16=True, dist_opt=False)],
+                         ids=["bf16-dist-opt", "bf16-plain-optimizer-tp4pp1"])
+def test_a_weights_only_load_refreshes_the_main_copies(worlds, saved, layout):
+    """With bf16 weights and fp32 main copies, a weights-only load must refresh the main copies from the loaded
+    weights, or the first optimizer step copies the job's own main copies back over them. The next losses equal
+    Megatron-LM's procedure (``reload_model_params()`` after a load without the optimizer)."""
+    folder = saved["D"][0]
+    got = worlds.run(4, job.weights_only_losses, layout, folder, megatron_reload=False)[0]
+    want = worlds.run(4, job.weights_only_losses, layout, folder, megatron_reload=True)[0]
+    assert got == want
+
+
 def test_not_a_megatron_checkpoint(tmp_path):
     import ckptkit
     from ckptkit.adapters import megatron as mckpt

@@ -282,7 +282,10 @@ def load(model: Any, path: str | os.PathLike[str], *, optimizer: Any = None, sch
          load_optimizer: bool = True, options: LoadOptions = LoadOptions(),
          storage_options: dict[str, Any] | None = None) -> MegatronLoadInfo:
     """Load a checkpoint of this adapter into the model chunks (and optimizer, scheduler) of this job,
-    at this job's TP/PP/DP/VPP, whatever the saving job's were (collective)."""
+    at this job's TP/PP/DP/VPP, whatever the saving job's were (collective).
+
+    ``load_optimizer=False`` loads the weights alone; an ``optimizer`` passed then has its main copies
+    refreshed from them (bf16/fp16 training), as Megatron-LM's own load without the optimizer does."""
     meta, shapes = read_meta(path, storage_options)
     entries, states, load_main = load_entries(model, meta, shapes, optimizer=optimizer, load_optimizer=load_optimizer,
                                               where=str(path))
@@ -294,6 +297,10 @@ def load(model: Any, path: str | os.PathLike[str], *, optimizer: Any = None, sch
         opt_state.zero_fresh_rows(states)
         opt_state.sync_model_from_main(optimizer, had_main=load_main, have_main=any(ps.main is not None for ps in states))
         opt_state.load_grad_scalers(optimizer, meta["optimizer"].get("grad_scalers"), str(path))
+    elif getattr(optimizer, "reload_model_params", None) is not None:
+        # weights only: main copies (bf16/fp16 training) are refreshed from the loaded weights, or the
+        # next step would copy the job's own main copies back over them (Megatron-LM's load does the same)
+        optimizer.reload_model_params()
     if scheduler is not None and meta.get("scheduler") is not None:
         scheduler.load_state_dict(meta["scheduler"])
     rng = entries.get("rng")
