@@ -46,6 +46,7 @@ from common import (
     GiB,
     MiB,
     drop_page_cache,
+    quick_reps_out_args,
     run_main,
     median,
     remove_tree,
@@ -174,11 +175,7 @@ def check_equal(src: str, dst: str, m: Model) -> None:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="~50 MiB instead of >= 2 GiB (smoke test)")
-    ap.add_argument("--reps", type=int, default=1, help="repetitions of each method (median reported)")
-    ap.add_argument("--out", default="bench-out", help="scratch and results directory")
-    return ap.parse_args(argv)
+    return quick_reps_out_args(__doc__, "~50 MiB instead of >= 2 GiB (smoke test)", argv)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -38,8 +38,8 @@ sys.path.insert(0, HERE)
 sys.path.insert(1, os.path.dirname(HERE))
 
 from bench_reshard import against_raw_copy  # noqa: E402
-from common import (GiB, MiB, command_vs_raw_rows, median, remove_tree, run_main, spread, table,  # noqa: E402
-                    tree_bytes, write_results)
+from common import (GiB, MiB, command_vs_raw_rows, median, quick_reps_out_args, remove_tree,  # noqa: E402
+                    run_main, spread, table, tree_bytes, write_results)
 
 FORMS = ("dp_reshardable", "fully_reshardable")
 
@@ -73,11 +73,7 @@ def check(s, dst: str) -> None:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="a ~0.15 GiB checkpoint instead of >= 2 GiB")
-    ap.add_argument("--reps", type=int, default=1)
-    ap.add_argument("--out", default="bench-out")
-    return ap.parse_args(argv)
+    return quick_reps_out_args(__doc__, "a ~0.15 GiB checkpoint instead of >= 2 GiB", argv)
 
 
 def run(args: argparse.Namespace) -> int:

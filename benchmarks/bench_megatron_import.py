@@ -44,8 +44,8 @@ sys.path.insert(0, HERE)
 sys.path.insert(1, os.path.dirname(HERE))
 
 from bench_reshard import against_raw_copy, run_child, run_ranks  # noqa: E402
-from common import (GiB, MiB, command_vs_raw_rows, median, remove_tree, run_main, spread, table,  # noqa: E402
-                    tree_bytes, write_results)
+from common import (GiB, MiB, command_vs_raw_rows, median, quick_reps_out_args, remove_tree,  # noqa: E402
+                    run_main, spread, table, tree_bytes, write_results)
 
 TARGET = {"tp": 4, "pp": 1, "dp": 1}
 CHECKED = ("embedding.word_embeddings.weight", "decoder.layers.mlp.linear_fc1.weight", "output_layer.weight")
@@ -120,11 +120,7 @@ def megatron_relayout(src: str, scratch: str, spec: dict, reps: int) -> tuple[li
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="a ~0.1 GiB checkpoint instead of >= 2 GiB")
-    ap.add_argument("--reps", type=int, default=1)
-    ap.add_argument("--out", default="bench-out")
-    return ap.parse_args(argv)
+    return quick_reps_out_args(__doc__, "a ~0.1 GiB checkpoint instead of >= 2 GiB", argv)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -102,6 +102,18 @@ def exit_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
 
+def quick_reps_out_args(doc: str, quick: str, argv: list[str] | None) -> Any:
+    """The arguments of a one-checkpoint benchmark: ``--quick`` (what it does instead, ``quick``), ``--reps``
+    (each method's repetitions, median reported) and ``--out`` (scratch and results directory)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help=quick)
+    ap.add_argument("--reps", type=int, default=1, help="repetitions of each method (median reported)")
+    ap.add_argument("--out", default="bench-out", help="scratch and results directory")
+    return ap.parse_args(argv)
+
+
 def run_main(parse_args: Callable[[list[str] | None], Any], run: Callable[[Any], int], argv: list[str] | None) -> int:
     """A benchmark's ``main``: parse its arguments, turn SIGTERM into SystemExit (:func:`exit_on_sigterm`), run.
     Each script still defines ``def main(argv=None)`` itself: ``run_all`` finds benchmarks by it."""

@@ -297,10 +297,8 @@ def load(model: Any, path: str | os.PathLike[str], *, optimizer: Any = None, sch
         opt_state.zero_fresh_rows(states)
         opt_state.sync_model_from_main(optimizer, had_main=load_main, have_main=any(ps.main is not None for ps in states))
         opt_state.load_grad_scalers(optimizer, meta["optimizer"].get("grad_scalers"), str(path))
-    elif getattr(optimizer, "reload_model_params", None) is not None:
-        # weights only: main copies (bf16/fp16 training) are refreshed from the loaded weights, or the
-        # next step would copy the job's own main copies back over them (Megatron-LM's load does the same)
-        optimizer.reload_model_params()
+    elif optimizer is not None:  # weights only: the main copies are derived from the loaded weights
+        opt_state.sync_model_from_main(optimizer, had_main=False, have_main=True)
     if scheduler is not None and meta.get("scheduler") is not None:
         scheduler.load_state_dict(meta["scheduler"])
     rng = entries.get("rng")

@@ -250,10 +250,10 @@ def zero_fresh_rows(states: list[ParamState]) -> None:
             continue
         tensors = [t for t in ([ps.main] + [ps.state[k] for k in tensor_state_keys(ps)]) if t is not None]
         width = ps.space.row_numel
+        start = 0 if ps.flat is None else ps.flat[0]
         with torch.no_grad():
             for t in tensors:
                 flat = t.view(-1)
-                start = 0 if ps.flat is None else ps.flat[0]
                 for first, stop in rows:  # element range of the rows, clipped to what this tensor covers
                     lo = max(first * width - start, 0)
                     hi = min(stop * width - start, flat.numel())
@@ -266,13 +266,17 @@ def sync_model_from_main(optimizer: Any, had_main: bool, have_main: bool) -> Non
 
     Saved and loading both with separate main copies: the main copies were
     loaded; copy them into the training-dtype weights. Loading with separate
-    copies from a checkpoint without them (saved in fp32): derive the main
-    copies from the loaded weights. No separate copies here: nothing to do.
+    copies from a checkpoint without them (saved in fp32), or loading the
+    weights alone (``load_optimizer=False``): derive the main copies from the
+    loaded weights, as Megatron-LM's load does (``reload_model_params``, a
+    no-op for an optimizer without separate copies), or the next step would
+    copy the job's own main copies over the loaded weights. No separate
+    copies here: nothing to do.
     """
     if not have_main:
         return
     for opt in _optimizers(optimizer):
         if had_main:
             opt._copy_main_params_to_model_params()
-        else:
+        elif hasattr(opt, "reload_model_params"):  # a weights-only load may pass any optimizer
             opt.reload_model_params()
