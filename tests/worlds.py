@@ -45,7 +45,8 @@ _PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "torch
             "megatron.core.optimizer", "megatron.core.distributed", "megatron.core.dist_checkpointing",
             "megatron.core.transformer.moe", "megatron.core.pipeline_parallel", "megatron.core.optimizer_param_scheduler",
             "torchtitan.trainer", "torchtitan.models.llama3", "torchtitan.models.qwen3", "torchtitan.models.deepseek_v3",
-            "deepspeed", "deepspeed.moe.layer", "deepspeed.runtime.zero.partition_parameters", "deepspeed.checkpoint"]
+            "deepspeed", "deepspeed.moe.layer", "deepspeed.runtime.zero.partition_parameters", "deepspeed.checkpoint",
+            "tests.forkserver_gc_freeze"]  # last: freezes what the imports above made (see that module)
 """What the fork server imports before it forks any rank: torch, the distributed modules ckptkit's ranks use,
 and the frameworks' modules, imported only (no test code, no shims, nothing that ran: a forked rank shares
 these pages until it writes to them). A rank counts as a framework rank once it *uses* a framework
