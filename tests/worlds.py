@@ -216,7 +216,7 @@ class World:
             if not c.poll(wait):
                 self.broken = True
                 stacks = self.stacks_now()
-                self.close()
+                self.close(grace=1.0)  # the late rank will not answer; the others leave at once or are killed
                 raise WorldError(f"rank {rank} did not finish {fn.__name__} in time"
                                  + (f"; errors: {errors}" if errors else "") + f"\n{stacks}")
             status, value = c.recv()
@@ -231,11 +231,16 @@ class World:
     def stacks_now(self, wait: float = 2.0, lines: int = 80) -> str:
         """Every live rank's Python stacks, each thread's, asked for by SIGUSR1 (the last ``lines`` of each
         rank's dump): what a timed-out call was doing, for a hang seen once under load."""
-        for p in self.procs:
+        asked = []
+        for rank, p in enumerate(self.procs):
             if p.is_alive() and p.pid:
                 with contextlib.suppress(OSError):
                     os.kill(p.pid, signal.SIGUSR1)
-        time.sleep(wait)
+                    asked.append(os.path.join(self.stacks, f"rank-{rank}.txt"))
+        deadline = time.monotonic() + wait  # until every asked rank has written, at most ``wait``
+        while time.monotonic() < deadline and not all(os.path.exists(f) and os.path.getsize(f) for f in asked):
+            time.sleep(0.05)
+        time.sleep(0.1)  # a rank with many threads may still be writing its last ones
         out = []
         for rank in range(self.size):
             try:
