@@ -92,6 +92,21 @@ def resume(layout: mm.Layout, folder: str, *, steps: int, load_optimizer: bool =
         mm.teardown()
 
 
+def resume_then_megatron_save(layout: mm.Layout, folder: str, megatron_folder: str, *, sharding: str) -> None:
+    """A fresh job at ``layout`` loads the checkpoint with ckptkit and saves the loaded training state with
+    Megatron's own dist_checkpointing (:func:`megatron_save`) at once: the same state, in Megatron's form for
+    ``layout``'s groups (an MoE job's expert optimizer per expert-data-parallel group of that layout)."""
+    from ckptkit.adapters import megatron as mckpt
+
+    t = mm.setup(layout, seed=999)
+    try:
+        info = mckpt.load(t.model, folder, optimizer=t.optimizer, scheduler=t.scheduler)
+        t.iteration = info.iteration
+        megatron_save(t, megatron_folder, sharding=sharding)
+    finally:
+        mm.teardown()
+
+
 def controls(layout: mm.Layout, folder: str, *, steps: int) -> dict[str, Any]:
     """The negative controls of the reference comparison, in one call: a resume with the final norm's weight
     scaled by 1.001 after the load, and one that does not load the optimizer (a fresh Adam)."""

@@ -335,6 +335,27 @@ def test_megatrons_default_dp_reshardable_moe_save_imports_as_its_model_space_fo
     assert mckpt.read_meta(outs[0])[0] == mckpt.read_meta(outs[1])[0]
 
 
+@pytest.mark.parametrize("name", ["ep4", "ep1", "pp2ep2"])
+def test_megatrons_dp_reshardable_moe_save_at_other_expert_layouts_imports_as_the_state_it_holds(worlds, saved, tmp_path,
+                                                                                                  name):
+    """The state of the saved checkpoint, loaded by a job at another expert layout and saved there by Megatron in
+    its default ``dp_reshardable`` form, imports to that state: every model and optimizer tensor ckptkit saved,
+    bit for bit. At ep4 the expert optimizer's data-parallel groups have one rank each, at ep1 four (one
+    optimizer holds every expert), at pp2ep2 the buckets are per stage: the import reads the groups of the
+    layout that wrote it, not ep2's."""
+    from ckptkit_converters.megatron.importer import import_torch_dist
+
+    mfolder, out = str(tmp_path / "torch_dist"), str(tmp_path / "imported")
+    worlds.run(4, job.resume_then_megatron_save, LAYOUTS[name], saved[0], mfolder, sharding="dp_reshardable")
+    import_torch_dist(mfolder, out, vocab_size=mm.VOCAB, make_vocab_size_divisible_by=16)
+    ours, imported = job.all_tensors(saved[0]), job.all_tensors(out)
+    assert set(ours) <= set(imported)
+    assert any(".experts.experts." in k and k.startswith("optimizer/exp_avg_sq/") for k in ours)
+    for k in ours:
+        assert ours[k].dtype == imported[k].dtype and torch.equal(ours[k], imported[k]), k
+    assert all(k.startswith("optimizer/main/") for k in set(imported) - set(ours))
+
+
 @pytest.mark.parametrize("name", ["ep4", "pp2ep2"])
 def test_megatron_resumes_an_moe_export_with_its_chained_optimizer(worlds, saved, reference, tmp_path, name):
     """`--format megatron` of the MoE checkpoint at a new expert layout, then Megatron's own load of model and
