@@ -520,6 +520,19 @@ def test_a_plain_optimizer_run_exports_for_megatrons_distributed_optimizer(world
     check_migrated(got, want)
 
 
+@pytest.mark.parametrize("name, layout", [("B", B), ("D", mm.Layout(tp=4, pp=1, bf16=True, dist_opt=False)),
+                                          ("E", mm.Layout(tp=2, pp=2, fp16=True, dist_opt=False))],
+                         ids=["fp32-tied-dp2", "bf16-main-copies-tp4pp1", "fp16-loss-scaler-tp2pp2"])
+def test_an_export_for_megatrons_plain_optimizer_resumes_there(worlds, saved, resumed, reference, tmp_path, name, layout):
+    """``optimizer="plain"``: the export for a Megatron job without the distributed optimizer (fp32: the torch
+    optimizer's state dict; bf16/fp16: the mixed-precision wrapper's, main copies as ``fp32_param``, the loss
+    scaler). Megatron resumes it as it resumes its own plain save of B, and, from the distributed-optimizer saves
+    D and E, as ckptkit's own resume at the same layout does: same kind, same layout, same arithmetic."""
+    out = _export(saved[name][0], str(tmp_path / "torch_dist"), layout, optimizer="plain")
+    got = worlds.run(4, job.megatron_reference, layout, out, steps=STEPS)[0]
+    check_migrated(got, reference(name, layout) if name == "B" else resumed(name, layout)[0])
+
+
 def test_an_exported_optimizer_is_what_megatrons_resume_needs(worlds, saved, reference, tmp_path):
     """The test above at tp1pp4 (fp32, from the tp2pp2 save), with its negative control: Megatron resuming the same
     export's weights with a fresh optimizer agrees on the first forward and not after it; an export with

@@ -370,6 +370,23 @@ def test_megatron_resumes_an_moe_export_with_its_chained_optimizer(worlds, saved
     check(got, reference(name))
 
 
+def test_the_plain_optimizer_export_of_a_chained_optimizer_is_refused(saved, tmp_path):
+    """An MoE job's optimizer is a chain (dense and expert); the plain form is written for one optimizer only:
+    `--opt optimizer=plain` fails naming the chain and the way out, and leaves no directory behind."""
+    from click.testing import CliRunner
+
+    from ckptkit.cli.main import cli
+
+    out = tmp_path / "plain"
+    result = CliRunner().invoke(cli, ["convert", saved[0], str(out), "--format", "megatron", "--to", "tp1pp1ep2",
+                                      "--opt", "optimizer=plain"])
+    assert result.exit_code != 0 and "chain of 2" in result.output and "distributed" in result.output, result.output
+    assert not out.exists()
+    bad = CliRunner().invoke(cli, ["convert", saved[0], str(tmp_path / "bad"), "--format", "megatron", "--to",
+                                   "tp1pp1ep2", "--opt", "optimizer=zero1"])
+    assert bad.exit_code != 0 and "'distributed' or 'plain'" in bad.output, bad.output
+
+
 @pytest.mark.parametrize("target", ["tp1pp1ep4", "tp2pp1ep2etp1"])
 def test_megatron_export_at_a_new_expert_layout_loads_in_megatron(worlds, saved, resumed, reference, tmp_path, target):
     """`ckptkit reshard SRC OUT --to ...ep... --format megatron`: Megatron's own dist_checkpointing.load at

@@ -119,12 +119,16 @@ def test_every_optimizer_tensor_is_written_as_stored(tmp_path: Path, tp: int, di
     assert not result.skipped
 
 
-def test_an_export_imported_back_is_the_checkpoint_it_came_from(tmp_path: Path) -> None:
+@pytest.mark.parametrize("form", ["distributed", "plain"])
+def test_an_export_imported_back_is_the_checkpoint_it_came_from(tmp_path: Path, form: str) -> None:
     """Export at the golden checkpoint's own padding, import that torch_dist directory: every tensor (weights,
     moments, padding rows) equal bit for bit, and the optimizer record the same (step, param groups), so the
-    adapter resumes the round trip as it resumes the original."""
+    adapter resumes the round trip as it resumes the original. For either optimizer form (the plain one:
+    ``fp32_param`` main copies, the step as ``state.common_step``)."""
     out = tmp_path / "out"
-    export_torch_dist(SOURCE, out, tp=2, pp=1)
+    export_torch_dist(SOURCE, out, tp=2, pp=1, optimizer=form)
+    main_key = "fp32_param" if form == "plain" else "param"
+    assert any(k.startswith(f"optimizer.state.{main_key}.") for k in read_torch_dist(out))
     back = tmp_path / "back"
     import_torch_dist(out, back, vocab_size=30, make_vocab_size_divisible_by=8)
     ours, theirs = ckptkit.open(str(SOURCE)), ckptkit.open(str(back))
@@ -199,15 +203,16 @@ REFUSED: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
 }
 
 
+@pytest.mark.parametrize("form", ["distributed", "plain"])
 @pytest.mark.parametrize("case", list(REFUSED))
-def test_an_optimizer_record_that_cannot_resume_megatron_is_refused(tmp_path: Path, case: str) -> None:
+def test_an_optimizer_record_that_cannot_resume_megatron_is_refused(tmp_path: Path, case: str, form: str) -> None:
     """Each is refused before anything is written, naming the checkpoint and what is wrong; the model alone still
-    exports with ``weights_only``, the way out the messages name."""
+    exports with ``weights_only``, the way out the messages name. In either optimizer form."""
     edit, why = REFUSED[case]
     src = _with_record(tmp_path, edit)
     out = tmp_path / "out"
     with pytest.raises(ManifestError) as err:
-        export_torch_dist(src, out, tp=2, pp=1)
+        export_torch_dist(src, out, tp=2, pp=1, optimizer=form)
     assert str(src) in str(err.value) and why in str(err.value), str(err.value)
     assert not out.exists() or not os.listdir(out)
     export_torch_dist(src, out, tp=2, pp=1, weights_only=True)
@@ -277,15 +282,22 @@ def test_a_mutated_record_is_written_whole_or_refused_cleanly(data: st.DataObjec
             del node[path[-1]]
         else:
             node[path[-1]] = data.draw(_JSON)
+    form = data.draw(st.sampled_from(optimizer_export.FORMS))
     try:
-        sources = optimizer_export.state_sources(record, MODEL_KEYS, GOLDEN_TENSORS, "ckpt")
-        common = optimizer_export.optimizer_common(record, "ckpt")
+        sources = optimizer_export.state_sources(record, MODEL_KEYS, GOLDEN_TENSORS, "ckpt", form)
+        common = optimizer_export.optimizer_common(record, "ckpt", form)
     except ManifestError as exc:
         assert "ckpt" in str(exc)
         return
     assert set(sources.values()) <= set(GOLDEN_TENSORS)
     keys = {k.split(".", 3)[3] for k in sources}
-    assert {f"optimizer.state.param.{k}" for k in keys} <= set(sources)
+    assert {f"optimizer.state.{'fp32_param' if form == 'plain' else 'param'}.{k}" for k in keys} <= set(sources)
+    if form == "plain":  # one optimizer: torch's dict, bare (no main copies) or in the mixed-precision wrapper
+        inner = common["optimizer"] if record["main"] else common
+        step = inner["state"]["common_step"]
+        assert isinstance(step, torch.Tensor) and step.dim() == 0 and bool(torch.isfinite(step))
+        assert all("step" not in g and "params" not in g for g in inner["param_groups"])
+        return
     parts = common.values() if set(common) <= {0, 1, 2, 3} and common else [common]
     for part in parts:
         steps = {g["step"] for g in part["optimizer"]["param_groups"]}

@@ -266,10 +266,10 @@ def _plan_tensors(view: Any, config: ParallelConfig, make_vocab_size_divisible_b
     return plan
 
 
-def _plan_optimizer(view: Any, plan: _ExportPlan, record: Mapping[str, Any]) -> None:
+def _plan_optimizer(view: Any, plan: _ExportPlan, record: Mapping[str, Any], form: str) -> None:
     """The optimizer's tensors (see :mod:`.optimizer_export`): each split exactly as its model tensor,
-    in fp32 as Megatron's distributed optimizer holds them."""
-    sources = optimizer_export.state_sources(record, plan.keys, view.manifest.tensors, view.url)
+    in fp32 as Megatron's optimizers (distributed or plain) hold them."""
+    sources = optimizer_export.state_sources(record, plan.keys, view.manifest.tensors, view.url, form)
     for fqn, source in sources.items():
         mkey = fqn.split(".", 3)[3]
         padded, chunks = plan.chunks[mkey]
@@ -336,7 +336,7 @@ def _common(meta: Mapping[str, Any], optimizer: Any) -> dict[str, Any]:
 def export_torch_dist(source: str | os.PathLike[str], dest: str | os.PathLike[str], *, tp: int, pp: int,
                       ep: int = 1, etp: int | None = None, vpp: int = 1, pp_layers: Sequence[int] | None = None,
                       make_vocab_size_divisible_by: int | None = None, weights_only: bool = False,
-                      progress: Progress | None = None) -> MegatronConvertResult:
+                      progress: Progress | None = None, optimizer: str = "distributed") -> MegatronConvertResult:
     """Write the ckptkit Megatron checkpoint ``source`` as a torch_dist directory for ``tp``/``pp``
     (and, for an MoE model, ``ep`` / ``etp``: routed experts are written as the expert ranks hold them;
     ``vpp`` / ``pp_layers``: virtual pipeline chunks and uneven stages, as in :class:`ParallelConfig`, each
@@ -351,7 +351,8 @@ def export_torch_dist(source: str | os.PathLike[str], dest: str | os.PathLike[st
     With the optimizer (the default, when the checkpoint holds one): the distributed optimizer's
     state in its ``fully_reshardable`` form, the LR scheduler (``opt_param_scheduler``) and the
     loss scaler, so that Megatron resumes model and optimizer at any layout
-    (:mod:`.optimizer_export`); ``weights_only``: the model (and scheduler) alone. ``common.pt``
+    (:mod:`.optimizer_export`); ``optimizer="plain"``: the plain optimizer's state instead, for a job run
+    without ``--use-distributed-optimizer``; ``weights_only``: the model (and scheduler) alone. ``common.pt``
     holds ``iteration``, ``checkpoint_version`` and ``content_metadata`` (no ``args``: Megatron-LM
     then keeps its command-line arguments). Memory: about one target rank's tensors (DCP's writer
     holds a file's tensors until it is written).
@@ -364,11 +365,15 @@ def export_torch_dist(source: str | os.PathLike[str], dest: str | os.PathLike[st
     config = _target_layout(num_layers, tp, pp, ep, etp, vpp, pp_layers)
     out = _empty_destination(dest)
     plan = _plan_tensors(view, config, divisible, num_layers)
+    optimizer_form = optimizer
+    if optimizer_form not in optimizer_export.FORMS:
+        raise CkptkitError(f"export_torch_dist: optimizer={optimizer_form!r}, expected one of "
+                           f"{', '.join(optimizer_export.FORMS)}")
     record = None if weights_only else meta.get("optimizer")
     optimizer = None
     if record is not None:
-        optimizer = optimizer_export.optimizer_common(record, view.url)
-        _plan_optimizer(view, plan, record)
+        optimizer = optimizer_export.optimizer_common(record, view.url, optimizer_form)
+        _plan_optimizer(view, plan, record, optimizer_form)
     _plan_extra_states(view, plan, config, num_layers)
     _write_directory(view, out, plan, _common(meta, optimizer), progress_counter(progress, plan.nbytes))
     out_meta = {**meta, "layout": {"tp": tp, "pp": pp, "dp": None, "vpp": vpp, "ep": ep,

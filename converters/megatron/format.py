@@ -48,7 +48,8 @@ class MegatronFormat(FormatBase, name="megatron", description="a Megatron checkp
         return export_torch_dist(source, dest, tp=target.tp, pp=target.pp, ep=target.ep, etp=target.etp,
                                  vpp=target.vpp, pp_layers=target.pp_layers,
                                  make_vocab_size_divisible_by=options.make_vocab_size_divisible_by,
-                                 weights_only=options.weights_only, progress=run.progress)
+                                 weights_only=options.weights_only, progress=run.progress,
+                                 optimizer=options.optimizer)
 
 
 FORMAT = MegatronFormat()

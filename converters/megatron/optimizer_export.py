@@ -18,6 +18,14 @@ runs are trained with) from a torch_dist directory in one of its sharding types.
 * ``content_metadata`` naming that sharding type (what Megatron-LM's ``save_checkpoint`` records and
   its ``load_checkpoint`` reads to build the state dict it loads).
 
+``optimizer="plain"`` writes what Megatron's plain (non-distributed) optimizers save instead, for a job
+run without ``--use-distributed-optimizer``: the same ``optimizer.state.<state>.<key>`` moments, the
+main copies as ``optimizer.state.fp32_param.<key>``, and in ``common.pt`` the param groups with the
+shared step as ``state.common_step`` (``MegatronOptimizer._extract_common_per_param_step``), wrapped
+as the fp16/bf16 optimizer's ``{"optimizer": ..., "grad_scaler": ...}`` when the checkpoint holds
+main copies and as the fp32 optimizer's bare torch dict when it does not. A chained optimizer (an MoE
+job's dense and expert parts) is exported in the distributed form only.
+
 Everything comes from the adapter's ``optimizer`` record in ``megatron/meta`` (or an import's, which
 builds the same record) and the checkpoint's ``optimizer/<state>/<key>`` tensors. A record that
 cannot make a whole optimizer (no step, no param groups, a scalar state Megatron has no place for, a
@@ -35,6 +43,8 @@ from ckptkit.adapters.megatron.optimizer_state import MAIN, scaler_state_dict
 from ckptkit.errors import ManifestError
 
 SHARDING_TYPE = "fully_reshardable"
+FORMS = ("distributed", "plain")
+"""Which Megatron optimizer the export writes for: the distributed one (``fully_reshardable``) or the plain."""
 IDENTIFIER_KEYS = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr")
 """What Megatron's ``DistributedOptimizer.load_state_dict`` matches a saved param group to its own by
 (``param_group_identifier_keys``; NeMo's ``pre_`` names accepted as Megatron accepts them)."""
@@ -64,11 +74,12 @@ def checked(record: Any, where: str) -> Mapping[str, Any]:
 
 
 def state_sources(record: Mapping[str, Any], model_keys: Mapping[str, str], tensors: Mapping[str, Any],
-                  where: str) -> dict[str, str]:
+                  where: str, form: str = "distributed") -> dict[str, str]:
     """Megatron's optimizer tensor key -> the ckptkit tensor it is read from, for every model tensor the
     optimizer holds state for.
 
-    The main copy is ``optimizer/main/<key>``; a checkpoint without main copies (fp32 training, where
+    The main copy is ``optimizer/main/<key>``, written as ``param`` (distributed) or ``fp32_param``
+    (``form="plain"``); a checkpoint without main copies (fp32 training, where
     Megatron's main copies are the weights themselves) gives the weights, cast to fp32 when written.
     A model tensor with no optimizer tensor at all is not a trained parameter (a buffer such as the
     router's ``expert_bias``, which Megatron's optimizer does not hold either): skipped. One with some
@@ -86,7 +97,8 @@ def state_sources(record: Mapping[str, Any], model_keys: Mapping[str, str], tens
                                 f"('optimizer/{lacking[0]}/{mkey}' is not in the checkpoint): not a whole optimizer")
         for name in states:
             out[f"optimizer.state.{name}.{mkey}"] = f"optimizer/{name}/{mkey}"
-        out[f"optimizer.state.param.{mkey}"] = f"optimizer/{MAIN}/{mkey}" if record["main"] else ckey
+        main_name = "fp32_param" if form == "plain" else "param"
+        out[f"optimizer.state.{main_name}.{mkey}"] = f"optimizer/{MAIN}/{mkey}" if record["main"] else ckey
     if not out:
         raise ManifestError(f"{where}: the optimizer record lists {names} but the checkpoint holds no optimizer "
                             "tensor for any model tensor (export with weights_only=True for the model alone)")
@@ -129,10 +141,13 @@ def _grad_scaler(state: Any, where: str) -> dict[str, Any]:
     return scaler_state_dict({"scale": _number(state["scale"], "loss scale", where), **trackers})
 
 
-def optimizer_common(record: Mapping[str, Any], where: str) -> dict[Any, Any]:
+def optimizer_common(record: Mapping[str, Any], where: str, form: str = "distributed") -> dict[Any, Any]:
     """``common.pt``'s ``optimizer`` entry: each Megatron optimizer's param groups with the step, the
-    sharding type, and the loss scaler's state where the job had one (fp16). Every field is checked
-    (types included): the record is JSON from a checkpoint folder, which may be hostile."""
+    sharding type, and the loss scaler's state where the job had one (fp16); for ``form="plain"``,
+    :func:`_plain_common`. Every field is checked (types included): the record is JSON from a
+    checkpoint folder, which may be hostile."""
+    if form not in FORMS:
+        raise ManifestError(f"{where}: optimizer form {form!r}, expected one of {', '.join(FORMS)}")
     scalars = checked(record, where).get("scalars")
     if not isinstance(scalars, Mapping):
         raise ManifestError(f"{where}: the optimizer record's scalars are {scalars!r}, expected an object")
@@ -154,6 +169,8 @@ def optimizer_common(record: Mapping[str, Any], where: str) -> dict[Any, Any]:
     scalers = record.get("grad_scalers") or []
     if not isinstance(scalers, list):
         raise ManifestError(f"{where}: the optimizer record's loss scalers are {scalers!r}, expected a list")
+    if form == "plain":
+        return _plain_common(record, optimizers, value, scalers, where)
     out = []
     for i, groups in enumerate(optimizers):
         entry: dict[str, Any] = {"optimizer": {"param_groups": [_group(g, value, where) for g in groups]},
@@ -163,3 +180,30 @@ def optimizer_common(record: Mapping[str, Any], where: str) -> dict[Any, Any]:
             entry["grad_scaler"] = _grad_scaler(scaler, where)
         out.append(entry)
     return out[0] if len(out) == 1 else dict(enumerate(out))
+
+
+def _plain_common(record: Mapping[str, Any], optimizers: list[Any], step: float, scalers: list[Any],
+                  where: str) -> dict[str, Any]:
+    """The plain optimizer's ``common.pt`` entry: torch's param groups (no ``params``: Megatron's load takes
+    its own job's) and the shared step as ``state.common_step``, a tensor as torch's Adam keeps it;
+    inside the fp16/bf16 optimizer's wrapper (with its loss scaler) when the checkpoint holds main
+    copies, bare (Megatron's fp32 optimizer) when it does not."""
+    import torch
+
+    if len(optimizers) != 1:
+        raise ManifestError(f"{where}: the optimizer is a chain of {len(optimizers)} (an MoE job's dense and "
+                            "expert optimizers); the plain form is written for one optimizer only: export for "
+                            "the distributed optimizer (the default)")
+    groups = []
+    for group in optimizers[0]:
+        entry = _group(group, step, where)
+        del entry["step"]  # the plain optimizers keep it in state.common_step
+        groups.append(entry)
+    inner = {"param_groups": groups, "state": {"common_step": torch.tensor(step)}}
+    scaler = _grad_scaler(scalers[0], where) if scalers and scalers[0] else None
+    if not record["main"]:
+        if scaler is not None:  # only the mixed-precision wrapper has a place for it
+            raise ManifestError(f"{where}: the optimizer record holds a loss scaler but no main copies; Megatron's "
+                                "plain fp32 optimizer keeps no loss scaler and its fp16 one keeps main copies")
+        return inner
+    return {"optimizer": inner, **({"grad_scaler": scaler} if scaler is not None else {})}

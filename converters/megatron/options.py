@@ -44,14 +44,20 @@ class MegatronExportOptions:
     chunks and uneven stages as ``vpp`` / ``pp_layers`` say, ep/etp for MoE; no context parallelism), the
     padding multiple to re-pad the vocabulary to (None: the checkpoint's), and ``weights_only``:
     leave the optimizer out (by default it is written, in the distributed optimizer's
-    ``fully_reshardable`` form, whenever the checkpoint holds one; CLI: ``--opt weights_only=true``)."""
+    ``fully_reshardable`` form, whenever the checkpoint holds one; CLI: ``--opt weights_only=true``).
+    ``optimizer``: which Megatron optimizer the state is written for, ``"distributed"`` or ``"plain"``
+    (a job without ``--use-distributed-optimizer``; CLI: ``--opt optimizer=plain``)."""
 
     layout: ParallelConfig | None = None
     make_vocab_size_divisible_by: int | None = None
     weights_only: bool = False
+    optimizer: str = "distributed"
 
     def __post_init__(self) -> None:
         _positive("make_vocab_size_divisible_by", self.make_vocab_size_divisible_by)
+        if self.optimizer not in ("distributed", "plain"):
+            raise CkptkitError(f"optimizer must be 'distributed' or 'plain' (the Megatron optimizer the export "
+                               f"is for), got {self.optimizer!r}")
 
     def target(self) -> ParallelConfig:
         """The layout, checked to be one the exporter writes."""
