@@ -429,7 +429,8 @@ def main(argv: list[str] | None = None) -> int:
             left = deadline - time.monotonic()
             # a later size runs 1 timed save per variant (+1 warm-up) where the first ran reps (+1)
             later = i > 0 or args.isolated_only
-            if i and (t_first is None or left < t_first * gib / sizes[0] * 2 / (args.reps + 1) + 20):
+            per_rep = 1 if args.isolated_only else 2 / (args.reps + 1)  # the first size's reps against one
+            if i and (t_first is None or left < t_first * gib / sizes[0] * per_rep + 20):
                 fig.staging[f"{gib:g}GiB"] = fig.vs_dcp["isolated"][f"{gib:g}GiB"] = f"not run: {left:.0f} s of the budget left"
                 continue
             t0 = time.monotonic()
@@ -441,8 +442,9 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 if size_scratch is not scratch:
                     size_scratch.close()
-            if not later:
+            if i == 0:
                 t_first = time.monotonic() - t0
+            if not later:
                 run_loops(fig, gib, nbytes, scratch, deadline, overlap)
     except Exception:
         fig.errors.append(traceback.format_exc(limit=6).strip().splitlines()[-1])

@@ -365,17 +365,16 @@ def export_torch_dist(source: str | os.PathLike[str], dest: str | os.PathLike[st
     config = _target_layout(num_layers, tp, pp, ep, etp, vpp, pp_layers)
     out = _empty_destination(dest)
     plan = _plan_tensors(view, config, divisible, num_layers)
-    optimizer_form = optimizer
-    if optimizer_form not in optimizer_export.FORMS:
-        raise CkptkitError(f"export_torch_dist: optimizer={optimizer_form!r}, expected one of "
+    if optimizer not in optimizer_export.FORMS:
+        raise CkptkitError(f"export_torch_dist: optimizer={optimizer!r}, expected one of "
                            f"{', '.join(optimizer_export.FORMS)}")
     record = None if weights_only else meta.get("optimizer")
-    optimizer = None
+    common_entry = None
     if record is not None:
-        optimizer = optimizer_export.optimizer_common(record, view.url, optimizer_form)
-        _plan_optimizer(view, plan, record, optimizer_form)
+        common_entry = optimizer_export.optimizer_common(record, view.url, optimizer)
+        _plan_optimizer(view, plan, record, optimizer)
     _plan_extra_states(view, plan, config, num_layers)
-    _write_directory(view, out, plan, _common(meta, optimizer), progress_counter(progress, plan.nbytes))
+    _write_directory(view, out, plan, _common(meta, common_entry), progress_counter(progress, plan.nbytes))
     out_meta = {**meta, "layout": {"tp": tp, "pp": pp, "dp": None, "vpp": vpp, "ep": ep,
                                    "etp": config.expert_tp, "pp_layers": list(config.chunk_layers(num_layers))},
                 "optimizer": record}

@@ -146,8 +146,6 @@ def optimizer_common(record: Mapping[str, Any], where: str, form: str = "distrib
     sharding type, and the loss scaler's state where the job had one (fp16); for ``form="plain"``,
     :func:`_plain_common`. Every field is checked (types included): the record is JSON from a
     checkpoint folder, which may be hostile."""
-    if form not in FORMS:
-        raise ManifestError(f"{where}: optimizer form {form!r}, expected one of {', '.join(FORMS)}")
     scalars = checked(record, where).get("scalars")
     if not isinstance(scalars, Mapping):
         raise ManifestError(f"{where}: the optimizer record's scalars are {scalars!r}, expected an object")
