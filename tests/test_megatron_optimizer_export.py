@@ -292,11 +292,13 @@ def test_a_mutated_record_is_written_whole_or_refused_cleanly(data: st.DataObjec
     assert set(sources.values()) <= set(GOLDEN_TENSORS)
     keys = {k.split(".", 3)[3] for k in sources}
     assert {f"optimizer.state.{'fp32_param' if form == 'plain' else 'param'}.{k}" for k in keys} <= set(sources)
-    if form == "plain":  # one optimizer: torch's dict, bare (no main copies) or in the mixed-precision wrapper
-        inner = common["optimizer"] if record["main"] else common
-        step = inner["state"]["common_step"]
-        assert isinstance(step, torch.Tensor) and step.dim() == 0 and bool(torch.isfinite(step))
-        assert all("step" not in g and "params" not in g for g in inner["param_groups"])
+    if form == "plain":  # per optimizer: torch's dict, bare (no main copies) or in the mixed-precision wrapper
+        entries = list(common.values()) if common and all(isinstance(k, int) for k in common) else [common]
+        for entry in entries:
+            inner = entry["optimizer"] if record["main"] else entry
+            step = inner["state"]["common_step"]
+            assert isinstance(step, torch.Tensor) and step.dim() == 0 and bool(torch.isfinite(step))
+            assert all("step" not in g and "params" not in g for g in inner["param_groups"])
         return
     parts = common.values() if set(common) <= {0, 1, 2, 3} and common else [common]
     for part in parts:

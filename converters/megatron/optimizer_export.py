@@ -24,7 +24,7 @@ main copies as ``optimizer.state.fp32_param.<key>``, and in ``common.pt`` the pa
 shared step as ``state.common_step`` (``MegatronOptimizer._extract_common_per_param_step``), wrapped
 as the fp16/bf16 optimizer's ``{"optimizer": ..., "grad_scaler": ...}`` when the checkpoint holds
 main copies and as the fp32 optimizer's bare torch dict when it does not. A chained optimizer (an MoE
-job's dense and expert parts) is exported in the distributed form only.
+job's dense and expert parts) gets one such entry per optimizer, keyed by position.
 
 Everything comes from the adapter's ``optimizer`` record in ``megatron/meta`` (or an import's, which
 builds the same record) and the checkpoint's ``optimizer/<state>/<key>`` tensors. A record that
@@ -181,27 +181,30 @@ def optimizer_common(record: Mapping[str, Any], where: str, form: str = "distrib
 
 
 def _plain_common(record: Mapping[str, Any], optimizers: list[Any], step: float, scalers: list[Any],
-                  where: str) -> dict[str, Any]:
-    """The plain optimizer's ``common.pt`` entry: torch's param groups (no ``params``: Megatron's load takes
-    its own job's) and the shared step as ``state.common_step``, a tensor as torch's Adam keeps it;
-    inside the fp16/bf16 optimizer's wrapper (with its loss scaler) when the checkpoint holds main
-    copies, bare (Megatron's fp32 optimizer) when it does not."""
+                  where: str) -> Any:
+    """The plain optimizers' ``common.pt`` entry: per optimizer, torch's param groups (no ``params``:
+    Megatron's load takes its own job's) and the shared step as ``state.common_step``, a tensor as torch's
+    Adam keeps it; inside the fp16/bf16 optimizer's wrapper (with its loss scaler) when the checkpoint
+    holds main copies, bare (Megatron's fp32 optimizer) when it does not. A ``ChainedOptimizer`` of
+    several (an MoE job's dense and expert optimizers) gets one such entry per optimizer, keyed by
+    position, as ``ChainedOptimizer.load_state_dict`` reads them."""
     import torch
 
-    if len(optimizers) != 1:
-        raise ManifestError(f"{where}: the optimizer is a chain of {len(optimizers)} (an MoE job's dense and "
-                            "expert optimizers); the plain form is written for one optimizer only: export for "
-                            "the distributed optimizer (the default)")
-    groups = []
-    for group in optimizers[0]:
-        entry = _group(group, step, where)
-        del entry["step"]  # the plain optimizers keep it in state.common_step
-        groups.append(entry)
-    inner = {"param_groups": groups, "state": {"common_step": torch.tensor(step)}}
-    scaler = _grad_scaler(scalers[0], where) if scalers and scalers[0] else None
-    if not record["main"]:
-        if scaler is not None:  # only the mixed-precision wrapper has a place for it
-            raise ManifestError(f"{where}: the optimizer record holds a loss scaler but no main copies; Megatron's "
-                                "plain fp32 optimizer keeps no loss scaler and its fp16 one keeps main copies")
-        return inner
-    return {"optimizer": inner, **({"grad_scaler": scaler} if scaler is not None else {})}
+    entries = []
+    for i, optimizer_groups in enumerate(optimizers):
+        groups = []
+        for group in optimizer_groups:
+            entry = _group(group, step, where)
+            del entry["step"]  # the plain optimizers keep it in state.common_step
+            groups.append(entry)
+        inner = {"param_groups": groups, "state": {"common_step": torch.tensor(step)}}
+        scaler = _grad_scaler(scalers[i], where) if i < len(scalers) and scalers[i] else None
+        if not record["main"]:
+            if scaler is not None:  # only the mixed-precision wrapper has a place for it
+                raise ManifestError(f"{where}: the optimizer record holds a loss scaler but no main copies; "
+                                    "Megatron's plain fp32 optimizer keeps no loss scaler and its fp16 one keeps "
+                                    "main copies")
+            entries.append(inner)
+        else:
+            entries.append({"optimizer": inner, **({"grad_scaler": scaler} if scaler is not None else {})})
+    return entries[0] if len(entries) == 1 else dict(enumerate(entries))
