@@ -424,12 +424,12 @@ def main(argv: list[str] | None = None) -> int:
     overlap = has_overlap()
     sizes = [float(s) for s in args.sizes.split(",") if s]
     t_first = None
+    # a later size runs 1 timed save per variant (+1 warm-up) where the first ran reps (+1), unless all run 1
+    per_rep = 1 if args.isolated_only else 2 / (args.reps + 1)
     try:
         for i, gib in enumerate(sizes):
             left = deadline - time.monotonic()
-            # a later size runs 1 timed save per variant (+1 warm-up) where the first ran reps (+1)
             later = i > 0 or args.isolated_only
-            per_rep = 1 if args.isolated_only else 2 / (args.reps + 1)  # the first size's reps against one
             if i and (t_first is None or left < t_first * gib / sizes[0] * per_rep + 20):
                 fig.staging[f"{gib:g}GiB"] = fig.vs_dcp["isolated"][f"{gib:g}GiB"] = f"not run: {left:.0f} s of the budget left"
                 continue

@@ -29,6 +29,7 @@ from ckptkit.errors import CkptkitError, ManifestError
 from ckptkit_converters.megatron import optimizer_export
 from ckptkit_converters.megatron.exporter import export_torch_dist
 from ckptkit_converters.megatron.importer import import_torch_dist
+from ckptkit_converters.megatron.options import OPTIMIZER_FORMS
 from ckptkit_converters.megatron.names import VOCAB_PADDING_SUFFIX
 from tests.ckpt_files import edit_manifest
 from tests.conftest import trials
@@ -282,7 +283,7 @@ def test_a_mutated_record_is_written_whole_or_refused_cleanly(data: st.DataObjec
             del node[path[-1]]
         else:
             node[path[-1]] = data.draw(_JSON)
-    form = data.draw(st.sampled_from(optimizer_export.FORMS))
+    form = data.draw(st.sampled_from(OPTIMIZER_FORMS))
     try:
         sources = optimizer_export.state_sources(record, MODEL_KEYS, GOLDEN_TENSORS, "ckpt", form)
         common = optimizer_export.optimizer_common(record, "ckpt", form)

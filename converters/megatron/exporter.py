@@ -32,6 +32,7 @@ from ckptkit.options import Progress, progress_counter
 from ckptkit_converters.megatron import files as fmt
 from ckptkit_converters.megatron import names, optimizer_export
 from ckptkit_converters.megatron.files import META_KEY, MODEL, MegatronConvertResult
+from ckptkit_converters.megatron.options import check_optimizer_form
 from ckptkit_converters.common.renamed import divisible_by_renamed
 
 Chunk = tuple[int, tuple[int, ...], tuple[int, ...]]
@@ -357,6 +358,7 @@ def export_torch_dist(source: str | os.PathLike[str], dest: str | os.PathLike[st
     then keeps its command-line arguments). Memory: about one target rank's tensors (DCP's writer
     holds a file's tensors until it is written).
     """
+    check_optimizer_form(optimizer)  # before anything is opened or written
     t0 = time.perf_counter()
     view = open_view(source)
     meta = _read_meta(view)
@@ -365,9 +367,6 @@ def export_torch_dist(source: str | os.PathLike[str], dest: str | os.PathLike[st
     config = _target_layout(num_layers, tp, pp, ep, etp, vpp, pp_layers)
     out = _empty_destination(dest)
     plan = _plan_tensors(view, config, divisible, num_layers)
-    if optimizer not in optimizer_export.FORMS:
-        raise CkptkitError(f"export_torch_dist: optimizer={optimizer!r}, expected one of "
-                           f"{', '.join(optimizer_export.FORMS)}")
     record = None if weights_only else meta.get("optimizer")
     common_entry = None
     if record is not None:

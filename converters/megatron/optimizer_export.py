@@ -43,8 +43,6 @@ from ckptkit.adapters.megatron.optimizer_state import MAIN, scaler_state_dict
 from ckptkit.errors import ManifestError
 
 SHARDING_TYPE = "fully_reshardable"
-FORMS = ("distributed", "plain")
-"""Which Megatron optimizer the export writes for: the distributed one (``fully_reshardable``) or the plain."""
 IDENTIFIER_KEYS = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr")
 """What Megatron's ``DistributedOptimizer.load_state_dict`` matches a saved param group to its own by
 (``param_group_identifier_keys``; NeMo's ``pre_`` names accepted as Megatron accepts them)."""
@@ -87,6 +85,7 @@ def state_sources(record: Mapping[str, Any], model_keys: Mapping[str, str], tens
     out = {}
     states = list(checked(record, where)["tensor_states"])
     names = states + ([MAIN] if record["main"] else [])
+    main_name = "fp32_param" if form == "plain" else "param"
     for mkey, ckey in sorted(model_keys.items()):
         held = [name for name in names if f"optimizer/{name}/{mkey}" in tensors]
         if not held:
@@ -97,7 +96,6 @@ def state_sources(record: Mapping[str, Any], model_keys: Mapping[str, str], tens
                                 f"('optimizer/{lacking[0]}/{mkey}' is not in the checkpoint): not a whole optimizer")
         for name in states:
             out[f"optimizer.state.{name}.{mkey}"] = f"optimizer/{name}/{mkey}"
-        main_name = "fp32_param" if form == "plain" else "param"
         out[f"optimizer.state.{main_name}.{mkey}"] = f"optimizer/{MAIN}/{mkey}" if record["main"] else ckey
     if not out:
         raise ManifestError(f"{where}: the optimizer record lists {names} but the checkpoint holds no optimizer "

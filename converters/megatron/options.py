@@ -38,6 +38,11 @@ class MegatronImportOptions:
         _positive("threads", self.threads)
 
 
+OPTIMIZER_FORMS = ("distributed", "plain")
+"""Which Megatron optimizer an export writes the state for: the distributed one (its ``fully_reshardable``
+form) or the plain one (a job without ``--use-distributed-optimizer``)."""
+
+
 @dataclass(frozen=True)
 class MegatronExportOptions:
     """The layout Megatron will load the torch_dist directory at (``layout``: tp, pp, with virtual
@@ -55,9 +60,7 @@ class MegatronExportOptions:
 
     def __post_init__(self) -> None:
         _positive("make_vocab_size_divisible_by", self.make_vocab_size_divisible_by)
-        if self.optimizer not in ("distributed", "plain"):
-            raise CkptkitError(f"optimizer must be 'distributed' or 'plain' (the Megatron optimizer the export "
-                               f"is for), got {self.optimizer!r}")
+        check_optimizer_form(self.optimizer)
 
     def target(self) -> ParallelConfig:
         """The layout, checked to be one the exporter writes."""
@@ -68,3 +71,10 @@ class MegatronExportOptions:
         if target.cp != 1:
             raise LayoutError(f"--format megatron writes no context parallelism; target {target} asks for cp={target.cp}")
         return target
+
+
+def check_optimizer_form(form: str) -> None:
+    """Refuse an optimizer form other than :data:`OPTIMIZER_FORMS`, naming both."""
+    if form not in OPTIMIZER_FORMS:
+        raise CkptkitError(f"optimizer must be 'distributed' or 'plain' (the Megatron optimizer the export "
+                           f"is for), got {form!r}")
