@@ -1,18 +1,25 @@
-"""XOR parity with distributed shares: rebuilding any one lost member gives back its bytes exactly."""
+"""XOR parity with distributed shares, a window at a time: rebuilding any one lost member gives back
+its bytes exactly, and a rebuild's output is committed only when it is whole and matches its digest."""
 
 from __future__ import annotations
 
 import hashlib
+import json
+import os
+import struct
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import ckptkit
 from ckptkit.errors import CorruptCheckpointError
 from ckptkit.memory import parity
-from ckptkit.memory.bundle import pack_bundle, unpack_bundle
+from ckptkit.memory.bundle import MAGIC, BundleBytes
 from ckptkit.memory.node_folder import NodeFolder
+from ckptkit.storage.local import LocalStore
+from tests.test_memory_bundle import blob_of
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8, torch.float64]
 
@@ -23,27 +30,51 @@ def _tensor_bytes(dtype: torch.dtype, n: int, seed: int) -> bytes:
     return t.view(dtype).view(torch.uint8).numpy().tobytes()
 
 
+def _raw(blob: bytes) -> BundleBytes:
+    """Any byte string read the way the parity code reads a bundle (as its "header", no files)."""
+    return BundleBytes(blob, [])
+
+
+def _rebuilt(lost: int, length: int, others: dict, shares: dict, g: int, c: int, window: int) -> bytes:
+    out = bytearray()
+    parity.rebuild(lost, length, others, shares, g, c, out.extend, window)
+    return bytes(out)
+
+
 @settings(max_examples=150, deadline=None)
-@given(g=st.integers(2, 7), data=st.data())
-def test_any_one_lost_member_is_rebuilt_exactly(g, data):
+@given(g=st.integers(2, 7), window=st.integers(1, 12).map(lambda k: 8 * k), data=st.data())
+def test_any_one_lost_member_is_rebuilt_exactly(g, window, data):
     blobs = [_tensor_bytes(data.draw(st.sampled_from(DTYPES)), data.draw(st.integers(0, 300)), seed=i)
              for i in range(g)]
     c = parity.chunk_len(max(len(b) for b in blobs), g)
-    shares = parity.encode(blobs, c)
-    assert all(s.numel() == c for s in shares)
-    assert sum(s.numel() for s in shares) <= g * (max(len(b) for b in blobs) / (g - 1) + 8)
+    shares = parity.encode([_raw(b) for b in blobs], c, window)
+    assert all(len(s) == c for s in shares)
+    assert sum(len(s) for s in shares) <= g * (max(len(b) for b in blobs) / (g - 1) + 8)
+    # the windows change nothing: the same shares as one window per chunk
+    assert shares == parity.encode([_raw(b) for b in blobs], c, max(8, c))
     lost = data.draw(st.integers(0, g - 1))
-    others = {i: blobs[i] for i in range(g) if i != lost}
-    got = parity.rebuild(lost, len(blobs[lost]), others, {j: shares[j] for j in range(g) if j != lost}, g, c)
+    others = {i: _raw(blobs[i]) for i in range(g) if i != lost}
+    got = _rebuilt(lost, len(blobs[lost]), others, {j: shares[j] for j in range(g) if j != lost}, g, c, window)
     assert got == blobs[lost]
+
+
+@settings(max_examples=100, deadline=None)
+@given(pieces=st.lists(st.binary(max_size=40), max_size=6), offset=st.integers(0, 300), n=st.integers(0, 100))
+def test_a_bundle_read_at_any_offset_is_its_bytes_then_zeros(pieces, offset, n):
+    blob = b"".join(pieces)
+    bundle = BundleBytes(pieces[0] if pieces else b"", [memoryview(p) for p in pieces[1:]])
+    assert bundle.length == len(blob) and bundle.sha256() == hashlib.sha256(blob).hexdigest()
+    out = bytearray(b"\xff" * n)
+    bundle.read_into(offset, memoryview(out))
+    assert bytes(out) == (blob[offset:offset + n] + bytes(n))[:n]
 
 
 def test_a_missing_second_member_is_refused():
     blobs = [b"a" * 10, b"b" * 20, b"c" * 5]
     c = parity.chunk_len(20, 3)
-    shares = parity.encode(blobs, c)
+    shares = parity.encode([_raw(b) for b in blobs], c)
     with pytest.raises(CorruptCheckpointError, match="missing"):
-        parity.rebuild(0, 10, {1: blobs[1]}, {1: shares[1], 2: shares[2]}, 3, c)
+        _rebuilt(0, 10, {1: _raw(blobs[1])}, {1: shares[1], 2: shares[2]}, 3, c, parity.WINDOW)
 
 
 def test_every_chunk_goes_to_another_member_once():
@@ -54,43 +85,85 @@ def test_every_chunk_goes_to_another_member_once():
             assert all(parity.chunk_index(i, h, g) == t for t, h in enumerate(holders))
 
 
+def test_windows_cover_a_chunk_once_and_refuse_odd_sizes():
+    assert list(parity.windows(40, 16)) == [(0, 16), (16, 16), (32, 8)]
+    for bad in (0, 12, -8):
+        with pytest.raises(ValueError):
+            list(parity.windows(40, bad))
+
+
+def _feed(sink, blob: bytes, cuts: list[int]) -> None:
+    at = 0
+    for cut in sorted(cuts) + [len(blob)]:
+        sink.feed(memoryview(blob)[at:max(at, cut)])
+        at = max(at, cut)
+
+
+def _sink(folder: NodeFolder, blob: bytes, length: int | None = None):
+    return folder.rebuilt(7, 2, len(blob) if length is None else length, hashlib.sha256(blob).hexdigest())
+
+
 @settings(max_examples=300, deadline=None)
-@given(st.binary(max_size=400))
-def test_hostile_bundles_are_refused_cleanly(blob):
+@given(blob=st.binary(max_size=400), cuts=st.lists(st.integers(0, 400), max_size=5))
+def test_hostile_rebuilt_bytes_are_refused_cleanly(tmp_path_factory, blob, cuts):
+    """Whatever bytes a rebuild yields (fed in any pieces), the sink commits a folder inside its own
+    rank folder or refuses with CorruptCheckpointError, and a refusal commits nothing."""
+    root = tmp_path_factory.mktemp("node")
+    folder = NodeFolder(str(root / "mem"))
     try:
-        files = unpack_bundle(blob, "fuzz")
+        with _sink(folder, blob) as sink:
+            _feed(sink, blob, cuts)
+            store = sink.commit()
     except CorruptCheckpointError:
-        return
-    for name, _ in files:
-        assert not name.startswith("/") and ".." not in name.split("/")
+        assert folder.ranks_at(7) == []
+    else:
+        assert store.root == folder.rank_store(7, 2).root
+    assert sorted(os.listdir(root)) == ["mem"]
 
 
 @pytest.mark.parametrize("name", ["../escape", "/abs", "a/../../b", "", "a//b"])
-def test_bundle_names_outside_the_folder_are_refused(tmp_path, name):
-    import json
-    import struct
-
-    from ckptkit.memory.bundle import MAGIC
-
+def test_rebuilt_names_outside_the_folder_are_refused(tmp_path, name):
     header = json.dumps({"files": [[name, 1], ["manifest.json", 2]]}).encode()
     blob = MAGIC + struct.pack("<Q", len(header)) + header + b"x{}"
     with pytest.raises(CorruptCheckpointError, match="outside its folder"):
-        NodeFolder(str(tmp_path)).write_bundle(1, 0, blob)
-    assert not (tmp_path.parent / "escape").exists()
+        with _sink(NodeFolder(str(tmp_path / "node")), blob) as sink:
+            sink.feed(blob)
+    assert not (tmp_path / "escape").exists() and not (tmp_path / "node" / "escape").exists()
 
 
-def test_bundle_round_trip_and_truncation(tmp_path):
-    import ckptkit
+def test_a_header_whose_sizes_do_not_add_up_makes_no_file(tmp_path):
+    header = json.dumps({"files": [["data", 1 << 40], ["manifest.json", 2]]}).encode()
+    blob = MAGIC + struct.pack("<Q", len(header)) + header + b"x{}"
+    folder = NodeFolder(str(tmp_path / "node"))
+    with pytest.raises(CorruptCheckpointError, match="do not add up"):
+        with _sink(folder, blob) as sink:
+            sink.feed(blob)
+    assert not os.path.exists(folder.rank_store(7, 2).root)
 
+
+def test_rebuilt_round_trip_truncation_and_a_wrong_digest(tmp_path):
     src = tmp_path / "src"
     ckptkit.save({"w": torch.arange(1000, dtype=torch.float32), "n": 3}, str(src))
-    from ckptkit.storage.local import LocalStore
-
-    blob = pack_bundle(LocalStore(str(src)))
+    blob = blob_of(LocalStore(str(src)))
     folder = NodeFolder(str(tmp_path / "node"))
-    store = folder.write_bundle(7, 2, blob)
-    assert ckptkit.verify(store.url).ok
-    assert hashlib.sha256(pack_bundle(store)).hexdigest() == hashlib.sha256(blob).hexdigest()
-    for cut in (0, 5, len(blob) // 2, len(blob) - 1):
+    with _sink(folder, blob) as sink:
+        _feed(sink, blob, [3, 17, len(blob) // 2])
+        store = sink.commit()
+    assert ckptkit.verify(store.url).ok and blob_of(store) == blob
+    folder.remove_rank(7, 2)
+    for cut in (0, 5, len(blob) // 2, len(blob) - 1):  # cut short: never committed
         with pytest.raises(CorruptCheckpointError):
-            unpack_bundle(blob[:cut], "cut")
+            with _sink(folder, blob) as sink:
+                sink.feed(memoryview(blob)[:cut])
+                sink.commit()
+        assert folder.ranks_at(7) == []
+    flipped = bytearray(blob)
+    flipped[-10] ^= 1  # inside the manifest: a digest mismatch, caught before the manifest is written
+    with pytest.raises(CorruptCheckpointError, match="digest"):
+        with folder.rebuilt(7, 2, len(blob), hashlib.sha256(blob).hexdigest()) as sink:
+            sink.feed(bytes(flipped))
+            sink.commit()
+    assert folder.ranks_at(7) == []
+    with pytest.raises(CorruptCheckpointError, match="more than"):
+        with _sink(folder, blob) as sink:
+            sink.feed(blob + b"\0")

@@ -123,6 +123,119 @@ def test_lost_node_rebuilt_from_parity_bit_exact(worlds, tmp_path, references):
     _equal(res[0]["full"], references[STEPS])
 
 
+def _windowed(window: int, fn, *args, **kw):
+    """``fn`` with the parity code moving ``window`` bytes at a time (many windows per chunk)."""
+    from ckptkit.memory import parity
+
+    before, parity.WINDOW = parity.WINDOW, window
+    try:
+        return fn(*args, **kw)
+    finally:
+        parity.WINDOW = before
+
+
+def restore_with_a_failing_input(run: str, base: str, rank: int, kind: str) -> dict:
+    """A restore in which ``rank`` cannot read its ``kind`` input of the rebuild halfway through."""
+    from ckptkit.memory import rebuild
+
+    read = rebuild._Inputs.read
+    calls = {"n": 0}
+
+    def failing(self, k, of, at, out):
+        calls["n"] += k == kind
+        if dist.get_rank() == rank and k == kind and calls["n"] > 1:  # its second window of that kind
+            raise OSError(f"injected: rank {rank} cannot read its {k}")
+        return read(self, k, of, at, out)
+
+    rebuild._Inputs.read = failing
+    try:
+        return restore(run, base, 1, parity=4)
+    finally:
+        rebuild._Inputs.read = read
+
+
+def test_a_rebuild_in_many_windows_is_bit_exact(worlds, tmp_path, references):
+    """Snapshots protected and rebuilt 4 KiB at a time: a chunk is many windows, each a message."""
+    run, base = str(tmp_path / "run"), str(tmp_path / "mem")
+    worlds.run(4, _windowed, 4096, train, run, base, 1, parity=4)
+    shutil.rmtree(os.path.join(base, "node1"))
+    res = worlds.run(4, _windowed, 4096, restore, run, base, 1, parity=4)
+    assert res[0]["step"] == STEPS and res[0]["sources"] == ("memory", "parity", "memory", "memory")
+    _equal(res[0]["full"], references[STEPS])
+
+
+@pytest.mark.parametrize("holder,kind", [(0, "copy"), (3, "share")])
+def test_an_input_that_fails_mid_rebuild_falls_back_on_every_rank(worlds, tmp_path, references, holder, kind, caplog):
+    """A holder that cannot read its input halfway through the rebuild says so instead of sending:
+    every rank finishes the walk, the rebuilt rank fails naming the input, and the job falls back to
+    the persistent checkpoint together, bit-exact (no rank is left waiting)."""
+    run, base = str(tmp_path / "run"), str(tmp_path / "mem")
+    worlds.run(4, _windowed, 4096, train, run, base, 1, parity=4)
+    shutil.rmtree(os.path.join(base, "node2"))
+    res = worlds.run(4, _windowed, 4096, restore_with_a_failing_input, run, base, holder, kind)
+    assert [r["step"] for r in res] == [PERSIST_EVERY] * 4 and res[0]["sources"] == ("persistent",) * 4
+    _equal(res[0]["full"], references[PERSIST_EVERY])
+    # the rebuilt rank's half-written folder is gone, nothing of it is committed
+    assert not os.path.exists(os.path.join(base, "node2", f"step-{STEPS:010d}", "rank-00002", "manifest.json"))
+
+
+def parity_memory(run: str, base: str, mib: int) -> dict:
+    """The Python memory a parity snapshot's protection and a parity rebuild of rank 1 allocate
+    (tracemalloc's peak: the bytes objects and buffers the parity code makes), for a ``mib`` MiB state."""
+    import tracemalloc
+
+    from ckptkit.memory import parity, rebuild
+
+    rank = dist.get_rank()
+    walk = rebuild.walk
+    before, parity.WINDOW = parity.WINDOW, 64 << 10
+    try:
+        state = {"w": torch.arange(mib << 18, dtype=torch.float32) * (rank + 1)}
+        with ckptkit.CheckpointManager(run, save=ckptkit.SavePolicy(every_steps=100), memory=_tier(base, 1, parity=4)) as mgr:
+            mgr.maybe_save(1, state)
+            mgr.wait()  # the staging buffer exists from here on
+            tracemalloc.start()
+            mgr.maybe_save(2, state)
+            mgr.wait()
+            protect = tracemalloc.get_traced_memory()[1]
+            tracemalloc.stop()
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(os.path.join(base, "node1"))
+        dist.barrier()
+        dest = {"w": torch.zeros(mib << 18)}
+        walk, peaks = rebuild.walk, []
+
+        def measured(*a, **k):  # the rebuild alone: verifying and loading the copies read them as any load does
+            tracemalloc.start()
+            try:
+                return walk(*a, **k)
+            finally:
+                peaks.append(tracemalloc.get_traced_memory()[1])
+                tracemalloc.stop()
+
+        rebuild.walk = measured
+        with ckptkit.CheckpointManager(run, memory=_tier(base, 1, parity=4)) as mgr:
+            step = mgr.restore_latest(dest)
+            sources = mgr.last_restore.sources
+        return {"step": step, "sources": sources, "equal": torch.equal(dest["w"], state["w"]),
+                "protect": protect, "rebuild": max(peaks)}
+    finally:
+        parity.WINDOW = before
+        rebuild.walk = walk
+
+
+def test_parity_protection_and_rebuild_hold_windows_not_snapshots(worlds, tmp_path):
+    """An 8 MiB snapshot per rank, 64 KiB windows: neither the parity rounds nor the rebuild allocate
+    anything near a chunk (2.7 MiB) or a snapshot (8 MiB); before they were streamed, the rounds
+    held the whole snapshot as one byte string and the rebuilt rank the group's three snapshots."""
+    res = worlds.run(4, parity_memory, str(tmp_path / "run"), str(tmp_path / "mem"), 8)
+    assert [r["step"] for r in res] == [2] * 4 and res[0]["sources"] == ("memory", "parity", "memory", "memory")
+    assert all(r["equal"] for r in res)
+    for r in res:
+        assert r["protect"] < 1 << 20 and r["rebuild"] < 1 << 20, r
+
+
 def test_both_copies_gone_falls_back_to_persistent(worlds, tmp_path, references):
     run, base = _run(worlds, tmp_path, 2, replicas=1)
     shutil.rmtree(os.path.join(base, "node0"))

@@ -1,15 +1,18 @@
 """A rank's snapshot folder as a *bundle*: the form in which it travels between nodes.
 
 A bundle is the files of one rank folder behind a small header (magic, length, JSON list of names
-and sizes), manifest last. It exists in two shapes:
+and sizes), manifest last: one byte string, never built whole on the way between nodes. It
+travels in two shapes:
 
-* one byte string (:func:`pack_bundle` / :func:`unpack_bundle`): what a parity group XORs, and
-  what a restore sends;
 * streamed (:class:`OutgoingBundle` / :class:`IncomingBundle`): the header, then each file as its
   own message, sent straight from the sender's memory-mapped files and received straight into
-  the receiver's new files. A replica copy made on every snapshot then costs one copy on each
-  side (the socket's) instead of four (read, join, receive, write): on a host whose cores the
-  training already fills, that copy work is what a snapshot costs the step.
+  the receiver's new files (a replica copy, a peer's copy at a restore). A replica copy made on
+  every snapshot then costs one copy on each side (the socket's) instead of four (read, join,
+  receive, write): on a host whose cores the training already fills, that copy work is what a
+  snapshot costs the step;
+* windowed (:class:`BundleBytes` / :class:`BundleSink`): the byte string read at any offset from
+  the mapped files, and written in order into new files, a window at a time (the parity rounds of
+  a snapshot and a parity rebuild: no process ever holds a whole snapshot, or a third of one).
 
 Either way a received header is checked before anything is written (known layout, plain relative
 names, sizes that add up), and the manifest is written last, so a copy cut short is never
@@ -19,10 +22,14 @@ CRCs, the same as for any checkpoint.
 
 from __future__ import annotations
 
+import bisect
+import hashlib
+import itertools
 import json
 import mmap
 import os
 import struct
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
@@ -71,41 +78,6 @@ def parse_header(view: memoryview, where: str) -> tuple[list[tuple[str, int]], i
         if any("/".join(parts[:i]) in names for i in range(1, len(parts))):
             raise CorruptCheckpointError(f"{where}: bundle names {name!r} under another of its files")
     return entries, start + hlen
-
-
-def pack_bundle(store: LocalStore) -> bytearray:
-    """A rank folder's files as one byte string (each file read once, into its place)."""
-    keys = store.list_keys()
-    if MANIFEST_NAME not in keys:
-        raise CorruptCheckpointError(f"{store.url}: not a committed snapshot (no {MANIFEST_NAME})")
-    keys = _manifest_last(keys)
-    sizes = [os.path.getsize(os.path.join(store.root, k)) for k in keys]
-    head = encode_header(list(zip(keys, sizes)))
-    out = bytearray(len(head) + sum(sizes))
-    out[: len(head)] = head
-    view, pos = memoryview(out), len(head)
-    for key, size in zip(keys, sizes):
-        with open(os.open(os.path.join(store.root, key), os.O_RDONLY | os.O_NOFOLLOW), "rb", buffering=0) as f:
-            got = f.readinto(view[pos:pos + size])
-        if got != size:
-            raise CorruptCheckpointError(f"{store.url}/{key}: changed size while being packed")
-        pos += size
-    return out
-
-
-def unpack_bundle(blob: bytes | bytearray | memoryview, where: str) -> list[tuple[str, memoryview]]:
-    """The files of a bundle, checked: known layout, plain relative names, sizes that add up."""
-    view = memoryview(blob).cast("B")
-    entries, pos = parse_header(view, where)
-    out = []
-    for name, size in entries:
-        if pos + size > len(view):
-            raise CorruptCheckpointError(f"{where}: bundle file {name!r} runs past the end")
-        out.append((name, view[pos:pos + size]))
-        pos += size
-    if pos != len(view):
-        raise CorruptCheckpointError(f"{where}: bundle sizes do not add up")
-    return out
 
 
 def _unmap(parts: list[memoryview], maps: list[mmap.mmap]) -> None:
@@ -215,3 +187,108 @@ class IncomingBundle(_Closing):
     def close(self) -> None:
         _unmap(self.parts, self._maps)
         self.parts, self._maps = [], []
+
+
+class BundleBytes:
+    """A committed bundle (its header, then its mapped files) read as the one byte string it is, at
+    any offset, without making that string: what the parity rounds and a
+    parity rebuild read, a window at a time, so no process ever holds a whole snapshot."""
+
+    def __init__(self, header: bytes | bytearray | memoryview, parts: Sequence[memoryview]) -> None:
+        # the parts as given (byte views of the bundle's maps): a view made from them here would
+        # keep the maps exported after the bundle released its own, and they could not close
+        self._pieces = [memoryview(header), *parts]
+        self._starts = list(itertools.accumulate((len(p) for p in self._pieces), initial=0))
+        #: the bundle's length in bytes
+        self.length = self._starts[-1]
+
+    def read_into(self, offset: int, out: memoryview) -> None:
+        """Fill ``out`` with the bytes at ``offset``; past the end, zeros (a parity chunk's padding)."""
+        n, pos = len(out), 0
+        i = bisect.bisect_right(self._starts, offset) - 1
+        while pos < n and offset + pos < self.length:
+            piece, at = self._pieces[i], offset + pos - self._starts[i]
+            take = min(len(piece) - at, n - pos)
+            if take > 0:
+                out[pos:pos + take] = piece[at:at + take]
+                pos += take
+            i += 1
+        if pos < n:
+            out[pos:] = bytes(n - pos)
+
+    def sha256(self) -> str:
+        h = hashlib.sha256()
+        for piece in self._pieces:
+            h.update(piece)
+        return h.hexdigest()
+
+
+class BundleSink(_Closing):
+    """A bundle of ``length`` bytes whose SHA-256 is ``digest``, written into a rank folder as its
+    bytes arrive, in order (a parity rebuild's output, a window at a time).
+
+    Its header is checked as soon as it is complete, and its sizes must add up to ``length`` before
+    any file is made; the copy is committed (manifest written) only when every byte has arrived and
+    the digest matches, so a rebuild from a damaged input is never committed."""
+
+    def __init__(self, open_in: Callable[[bytes], IncomingBundle], length: int, digest: str, where: str) -> None:
+        self._open_in, self.length, self.digest, self.where = open_in, length, digest, where
+        self._head = bytearray()
+        self._need = len(MAGIC) + 8  # header bytes needed before it can be parsed
+        self._sink: IncomingBundle | None = None
+        self._part = self._at = 0
+        self._seen = 0
+        self._hash = hashlib.sha256()
+
+    def feed(self, data: bytes | bytearray | memoryview) -> None:
+        view = memoryview(data).cast("B")
+        self._seen += len(view)
+        if self._seen > self.length:
+            raise CorruptCheckpointError(f"{self.where}: more than the {self.length} bytes of the rebuilt snapshot")
+        self._hash.update(view)
+        while self._sink is None and len(view):
+            take = min(len(view), self._need - len(self._head))
+            self._head += view[:take]
+            view = view[take:]
+            if len(self._head) == self._need:
+                self._header_step()
+        while len(view):
+            parts = self._sink.parts  # type: ignore[union-attr]
+            while self._part < len(parts) and self._at == len(parts[self._part]):
+                self._part, self._at = self._part + 1, 0
+            if self._part == len(parts):
+                raise CorruptCheckpointError(f"{self.where}: bytes past the files the bundle header lists")
+            part = parts[self._part]
+            take = min(len(part) - self._at, len(view))
+            part[self._at:self._at + take] = view[:take]
+            self._at += take
+            view = view[take:]
+
+    def _header_step(self) -> None:
+        if self._need == len(MAGIC) + 8:
+            if bytes(self._head[: len(MAGIC)]) != MAGIC:
+                raise CorruptCheckpointError(f"{self.where}: not a ckptkit memory snapshot bundle")
+            (hlen,) = struct.unpack("<Q", self._head[len(MAGIC):])
+            if hlen > MAX_HEADER or len(MAGIC) + 8 + hlen > self.length:
+                raise CorruptCheckpointError(f"{self.where}: bundle header of {hlen} bytes does not fit")
+            self._need += hlen
+            if hlen:
+                return
+        entries, _ = parse_header(memoryview(self._head), self.where)
+        if len(self._head) + sum(size for _, size in entries) != self.length:
+            raise CorruptCheckpointError(f"{self.where}: bundle sizes do not add up to {self.length} bytes")
+        self._sink = self._open_in(bytes(self._head))
+
+    def commit(self) -> LocalStore:
+        """Every byte has arrived and matches the digest: commit the copy (else raise, nothing committed)."""
+        if self._sink is None or self._seen != self.length:
+            raise CorruptCheckpointError(f"{self.where}: {self._seen} of {self.length} bytes of the rebuilt snapshot")
+        if self._hash.hexdigest() != self.digest:
+            raise CorruptCheckpointError(f"{self.where}: the parity rebuild does not match the snapshot's digest")
+        sink, self._sink = self._sink, None
+        return sink.commit()
+
+    def close(self) -> None:
+        if self._sink is not None:
+            self._sink.close()
+            self._sink = None

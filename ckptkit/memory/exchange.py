@@ -9,10 +9,12 @@ Two shapes of transfer:
 * :meth:`Link.swap` — a round in which every rank sends to one rank and receives from another
   (a permutation: the replica rounds, the parity rounds). All pairs run at once.
   :meth:`Link.swap_parts` is the same round for a message per file, in place.
-* :meth:`Link.transfer` — a list of ``(sender, receiver, key)`` moves that every rank walks in the
-  same order, each rank acting only in its own (a restore's copies from peers). The same order on
-  every rank means no two ranks ever wait on each other in a cycle.
-  :meth:`Link.transfer_bundles` is the same walk for whole rank folders, streamed in place.
+* :meth:`Link.transfer_bundles` — a list of ``(sender, receiver, key)`` moves of whole rank folders
+  that every rank walks in the same order, each rank acting only in its own (a restore's copies
+  from peers), streamed in place. The same order on every rank means no two ranks ever wait on
+  each other in a cycle. :meth:`Link.send_window` / :meth:`Link.recv_window` are the single
+  messages of such a walk whose sizes both sides know (a parity rebuild's windows,
+  :mod:`ckptkit.memory.rebuild`).
 """
 
 from __future__ import annotations
@@ -101,31 +103,22 @@ class Link:
         for work in dist.batch_isend_irecv(p2p):
             work.wait()
 
-    def transfer(self, moves: Sequence[tuple[int, int, Hashable]],
-                 payload: Callable[[Hashable], bytes]) -> dict[Hashable, bytearray]:
-        """Carry out ``moves`` in order; return what this rank received, by key.
+    def send_window(self, to: int, data: memoryview | None) -> None:
+        """Send one window to ``to`` (both sides know its size), or word that it could not be read
+        (``data`` None): a flag first, so the receiver is never left waiting for bytes."""
+        dist.send(torch.tensor([0 if data is None else 1], dtype=torch.int64), self._global(to), group=self.group)
+        if data is not None and len(data):
+            dist.send(_u8(data), self._global(to), group=self.group)
 
-        A sender whose ``payload(key)`` fails sends an empty payload (the receiver then finds the
-        copy missing and says so) rather than leave its receiver waiting."""
-        got: dict[Hashable, bytearray] = {}
-        for sender, receiver, key in moves:
-            if sender == self.rank:
-                try:
-                    data: bytes | memoryview = payload(key)
-                except Exception:  # noqa: BLE001 - the receiver reports the missing copy
-                    data = b""
-                size = torch.tensor([len(data)], dtype=torch.int64)
-                dist.send(size, self._global(receiver), group=self.group)
-                if len(data):
-                    dist.send(_u8(data), self._global(receiver), group=self.group)
-            elif receiver == self.rank:
-                size = torch.zeros(1, dtype=torch.int64)
-                dist.recv(size, self._global(sender), group=self.group)
-                buf = bytearray(int(size.item()))
-                if len(buf):
-                    dist.recv(_u8(buf), self._global(sender), group=self.group)
-                got[key] = buf
-        return got
+    def recv_window(self, frm: int, out: memoryview) -> bool:
+        """Receive one window from ``frm`` into ``out``; False when its sender could not read it."""
+        flag = torch.zeros(1, dtype=torch.int64)
+        dist.recv(flag, self._global(frm), group=self.group)
+        if not int(flag.item()):
+            return False
+        if len(out):
+            dist.recv(_u8(out), self._global(frm), group=self.group)
+        return True
 
     def transfer_bundles(self, moves: Sequence[tuple[int, int, Hashable]],
                          open_out: Callable[[Hashable], OutgoingBundle],

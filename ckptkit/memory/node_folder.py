@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import mmap
 import os
 import re
 import shutil
@@ -25,7 +26,7 @@ from typing import Any
 
 from ckptkit.errors import CkptkitError, CorruptCheckpointError
 from ckptkit.layout.manifest import MANIFEST_NAME
-from ckptkit.memory.bundle import MAX_HEADER, IncomingBundle, OutgoingBundle, unpack_bundle
+from ckptkit.memory.bundle import MAX_HEADER, BundleSink, IncomingBundle, OutgoingBundle
 from ckptkit.storage.local import LocalStore
 
 log = logging.getLogger("ckptkit")
@@ -79,6 +80,51 @@ class ShareHeader:
         return header
 
 
+_HASH_BLOCK = 8 << 20
+
+
+class MappedShare:
+    """A parity share's file, memory-mapped: :attr:`view` is its bytes (``with`` unmaps it)."""
+
+    def __init__(self, path: str, m: mmap.mmap | None, size: int) -> None:
+        self.path, self._map = path, m
+        self.view = memoryview(m) if m is not None else memoryview(bytearray())
+        self.size = size
+
+    @staticmethod
+    def open(path: str, size: int, *, writable: bool) -> MappedShare:
+        flags = (os.O_RDWR | os.O_CREAT | os.O_TRUNC) if writable else os.O_RDONLY
+        fd = os.open(path, flags | os.O_NOFOLLOW, 0o644)
+        try:
+            if writable:
+                os.ftruncate(fd, size)
+            elif os.fstat(fd).st_size != size:
+                raise CorruptCheckpointError(f"{path}: parity share of {os.fstat(fd).st_size} bytes, expected {size}")
+            m = mmap.mmap(fd, size, prot=mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)) if size else None
+        finally:
+            os.close(fd)
+        return MappedShare(path, m, size)
+
+    def digest(self) -> str:
+        return hashlib.sha256(self.view).hexdigest()
+
+    def flush(self) -> None:
+        if self._map is not None:
+            self._map.flush()
+
+    def __enter__(self) -> MappedShare:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.view.release()
+        if self._map is not None:
+            self._map.close()
+            self._map = None
+
+
 class NodeFolder:
     """The memory folder of one node (or of one process, when each passes its own)."""
 
@@ -120,16 +166,6 @@ class NodeFolder:
             return []
         return sorted(int(m.group(1)) for m in map(SHARE_RE.match, names) if m)
 
-    def write_bundle(self, step: int, rank: int, blob: bytes | memoryview) -> LocalStore:
-        """Write a received bundle as rank ``rank``'s folder at ``step`` (replacing a damaged one);
-        the manifest last, so a copy cut short is never committed."""
-        store = self.rank_store(step, rank)
-        files = unpack_bundle(blob, store.url)
-        self.remove_rank(step, rank)
-        for name, data in sorted(files, key=lambda f: f[0] == MANIFEST_NAME):
-            store.write_object(name, [data])
-        return store
-
     def outgoing(self, step: int, rank: int) -> OutgoingBundle:
         """Rank ``rank``'s committed folder at ``step``, opened to be streamed to a peer."""
         return OutgoingBundle.open(self.rank_store(step, rank))
@@ -140,26 +176,53 @@ class NodeFolder:
         self.remove_rank(step, rank)
         return IncomingBundle(store, header)
 
+    def rebuilt(self, step: int, rank: int, length: int, digest: str) -> BundleSink:
+        """Rank ``rank``'s folder at ``step``, written as a parity rebuild's bytes arrive in order;
+        committed only if all ``length`` bytes come and match ``digest``."""
+        return BundleSink(lambda header: self.incoming(step, rank, header), length, digest,
+                          f"{self.rank_store(step, rank).url} (parity rebuild)")
+
     def share_header(self, step: int, holder: int) -> ShareHeader:
         """A parity share's header alone (what an inventory lists; its bytes are checked at a restore)."""
-        where = os.path.join(self.step_path(step), f"share-{holder:05d}.json")
+        where = self._share_path(step, holder, ".json")
         with open(where, "rb") as f:
-            return ShareHeader.from_json(f.read(MAX_HEADER + 1), where)
+            size = os.fstat(f.fileno()).st_size  # read what is there: a read of MAX_HEADER allocates it
+            if size > MAX_HEADER:
+                raise CorruptCheckpointError(f"{where}: a parity share header of {size} bytes (at most {MAX_HEADER})")
+            return ShareHeader.from_json(f.read(size), where)
 
-    def read_share(self, step: int, holder: int) -> tuple[ShareHeader, bytes]:
-        """A parity share and its header, checked against the digest the header records."""
-        base = os.path.join(self.step_path(step), f"share-{holder:05d}")
+    def check_share(self, step: int, holder: int) -> ShareHeader:
+        """A parity share's header, once its bytes are checked against the digest it records (read
+        in blocks: a share is a third of a snapshot at ``g = 4``)."""
         header = self.share_header(step, holder)
-        with open(base + ".bin", "rb") as f:
-            data = f.read(header.chunk + 1)
-        if len(data) != header.chunk or hashlib.sha256(data).hexdigest() != header.share_digest:
-            raise CorruptCheckpointError(f"{base}.bin: parity share does not match its header's digest")
-        return header, data
+        path = self._share_path(step, holder, ".bin")
+        h, size = hashlib.sha256(), 0
+        with open(path, "rb") as f:
+            while block := f.read(min(_HASH_BLOCK, header.chunk + 1 - size)):
+                h.update(block)
+                size += len(block)
+        if size != header.chunk or h.hexdigest() != header.share_digest:
+            raise CorruptCheckpointError(f"{path}: parity share does not match its header's digest")
+        return header
 
-    def write_share(self, step: int, holder: int, header: ShareHeader, data: bytes | memoryview) -> None:
-        store = LocalStore(self.step_path(step))
-        store.write_object(f"share-{holder:05d}.bin", [data])
-        store.put_bytes(f"share-{holder:05d}.json", header.to_json())
+    def open_share(self, step: int, holder: int) -> MappedShare:
+        """A parity share's bytes, mapped read-only (checked by :meth:`check_share` before a restore)."""
+        header = self.share_header(step, holder)
+        return MappedShare.open(self._share_path(step, holder, ".bin"), header.chunk, writable=False)
+
+    def new_share(self, step: int, holder: int, chunk: int) -> MappedShare:
+        """A new parity share of ``chunk`` zero bytes, mapped for the parity rounds to XOR into;
+        committed by :meth:`commit_share` (its header, written last)."""
+        self.remove_share(step, holder)
+        os.makedirs(self.step_path(step), exist_ok=True)
+        return MappedShare.open(self._share_path(step, holder, ".bin"), chunk, writable=True)
+
+    def commit_share(self, step: int, holder: int, share: MappedShare, header: ShareHeader) -> None:
+        share.flush()
+        LocalStore(self.step_path(step)).put_bytes(f"share-{holder:05d}.json", header.to_json())
+
+    def _share_path(self, step: int, holder: int, ext: str) -> str:
+        return os.path.join(self.step_path(step), f"share-{holder:05d}{ext}")
 
     def remove_rank(self, step: int, rank: int) -> None:
         shutil.rmtree(os.path.join(self.step_path(step), rank_name(rank)), ignore_errors=True)

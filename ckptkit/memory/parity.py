@@ -8,19 +8,35 @@ leaves, for each of ``k``'s chunks, the share it went into and every other chunk
 that share: XOR them and the chunk is back. See :mod:`ckptkit.memory.topology` for
 why the shares cost ``1 / (g - 1)`` of a snapshot and no less.
 
-Bytes are XORed as ``int64`` words through torch (chunks are a multiple of 8 bytes).
+Everything moves and is XORed a *window* at a time (:data:`WINDOW` bytes of a chunk): a
+chunk is a third of a snapshot at ``g = 4``, and a snapshot can be tens of GiB, so neither
+the parity rounds nor a rebuild ever hold a chunk, let alone a snapshot (:func:`encode_rounds`,
+:func:`rebuild_windows`: the orders every rank of a group walks alike). Snapshots are read
+through anything with ``read_into(offset, out)`` (:class:`~ckptkit.memory.bundle.BundleBytes`).
+Bytes are XORed as 64-bit words (chunks and windows are multiples of 8 bytes).
 """
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Protocol
 
-import torch
+import numpy as np
 
 from ckptkit.errors import CorruptCheckpointError
 
 WORD = 8
+WINDOW = 32 << 20
+"""Bytes of a chunk moved and XORed at once: one message each way per window in the parity rounds."""
+
+
+class Readable(Protocol):
+    """A snapshot's bytes, read at any offset; zeros past its end."""
+
+    length: int
+
+    def read_into(self, offset: int, out: memoryview) -> None: ...
 
 
 def chunk_len(max_len: int, g: int) -> int:
@@ -43,64 +59,105 @@ def chunk_index(member: int, holder: int, g: int) -> int:
     return (holder - member - 1) % g
 
 
-def _chunk(blob: memoryview, t: int, c: int) -> torch.Tensor:
-    out = torch.zeros(c, dtype=torch.uint8)
-    part = blob[t * c:(t + 1) * c]
-    if len(part):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # a read-only buffer: only read here
-            out[: len(part)] = torch.frombuffer(part, dtype=torch.uint8)
-    return out
+def windows(c: int, window: int = WINDOW) -> Iterator[tuple[int, int]]:
+    """(offset, bytes) of each window of a ``c``-byte chunk."""
+    if window <= 0 or window % WORD:
+        raise ValueError(f"a parity window is a positive multiple of {WORD} bytes, got {window}")
+    for off in range(0, c, window):
+        yield off, min(window, c - off)
 
 
-def _xor_into(acc: torch.Tensor, other: torch.Tensor) -> None:
-    torch.bitwise_xor(acc.view(torch.int64), other.view(torch.int64), out=acc.view(torch.int64))
+def xor_into(acc: memoryview | bytearray, other: memoryview | bytes | bytearray) -> None:
+    """``acc ^= other``, in place (equal lengths, a multiple of 8 bytes)."""
+    if len(acc) != len(other) or len(acc) % WORD:
+        raise ValueError(f"XOR of {len(acc)} and {len(other)} bytes (equal multiples of {WORD} expected)")
+    if len(acc):
+        a = np.frombuffer(acc, dtype=np.uint64)
+        np.bitwise_xor(a, np.frombuffer(other, dtype=np.uint64), out=a)
 
 
-def chunk_of(blob: bytes | bytearray | memoryview, member: int, holder: int, g: int, c: int) -> torch.Tensor:
-    """The chunk of ``member``'s snapshot that goes into ``holder``'s share (zero-padded to ``c``)."""
-    return _chunk(memoryview(blob).cast("B"), chunk_index(member, holder, g), c)
+@dataclass(frozen=True)
+class Round:
+    """One window of the parity rounds, seen by one member: send ``n`` bytes of its snapshot at
+    ``send_at`` to member ``to``; receive ``n`` bytes from member ``frm`` and XOR them into its share
+    at ``off``."""
+
+    to: int
+    frm: int
+    send_at: int
+    off: int
+    n: int
 
 
-def as_chunk(data: bytes | bytearray | memoryview, c: int) -> torch.Tensor:
-    """A received chunk as a tensor, checked to be exactly ``c`` bytes."""
-    if len(data) != c:
-        raise CorruptCheckpointError(f"a parity chunk of {len(data)} bytes, expected {c}")
-    return _chunk(memoryview(data).cast("B"), 0, c)
+def encode_rounds(me: int, g: int, c: int, window: int = WINDOW) -> Iterator[Round]:
+    """Member ``me``'s side of the ``g - 1`` parity rounds: in round ``t`` every member sends its
+    chunk ``t`` to ``holder_of(member, t)`` and receives from the member that sends to it, so every
+    pair of a round runs at once and every member sends and receives one chunk per round."""
+    for t in range(g - 1):
+        to, frm = holder_of(me, t, g), (me - 1 - t) % g
+        for off, n in windows(c, window):
+            yield Round(to, frm, t * c + off, off, n)
 
 
-def share_of(holder: int, chunks: Sequence[torch.Tensor], c: int) -> torch.Tensor:
-    """``holder``'s share: the XOR of the chunks the other members sent it."""
-    acc = torch.zeros(c, dtype=torch.uint8)
-    for ch in chunks:
-        if ch.numel() != c:
-            raise ValueError(f"a chunk of {ch.numel()} bytes in a share of {c}-byte chunks")
-        _xor_into(acc, ch)
-    return acc
+@dataclass(frozen=True)
+class RebuildWindow:
+    """One window of a lost member's rebuild: its bytes at ``at`` are share ``share``'s ``n`` bytes at
+    ``off`` XOR the matching window of each member in ``members`` (at ``member_at[i]`` in member
+    ``members[i]``'s snapshot)."""
+
+    at: int
+    share: int
+    off: int
+    n: int
+    members: tuple[int, ...]
+    member_at: tuple[int, ...]
 
 
-def encode(blobs: Sequence[bytes | bytearray | memoryview], c: int) -> list[torch.Tensor]:
-    """Every member's share at once (for tests and single-process use)."""
-    g = len(blobs)
-    return [share_of(j, [chunk_of(blobs[i], i, j, g, c) for i in range(g) if i != j], c) for j in range(g)]
+def rebuild_windows(lost: int, g: int, c: int, window: int = WINDOW) -> Iterator[RebuildWindow]:
+    """Rebuilding member ``lost``, window by window, in the order its snapshot's bytes come back."""
+    for t in range(g - 1):
+        j = holder_of(lost, t, g)
+        others = tuple(i for i in range(g) if i not in (lost, j))
+        for off, n in windows(c, window):
+            yield RebuildWindow(t * c + off, j, off, n, others, tuple(chunk_index(i, j, g) * c + off for i in others))
 
 
-def rebuild(lost: int, length: int, others: Mapping[int, bytes | bytearray | memoryview],
-            shares: Mapping[int, torch.Tensor], g: int, c: int) -> bytes:
-    """Member ``lost``'s snapshot (``length`` bytes) from every other member's snapshot and share."""
-    missing = [i for i in range(g) if i != lost and (i not in others or i not in shares)]
+def check_rebuild(lost: int, length: int, present: set[int], g: int, c: int) -> None:
+    """Refuse a rebuild that cannot work: another member missing, or a length the chunks cannot hold."""
+    missing = [i for i in range(g) if i != lost and i not in present]
     if missing:
         raise CorruptCheckpointError(f"cannot rebuild parity member {lost}: members {missing} are missing too")
     if length > (g - 1) * c:
         raise CorruptCheckpointError(f"parity member {lost}: {length} bytes do not fit {g - 1} chunks of {c}")
-    out = torch.empty((g - 1) * c, dtype=torch.uint8)
-    for t in range(g - 1):
-        j = holder_of(lost, t, g)
-        acc = shares[j].clone()
-        if acc.numel() != c:
-            raise CorruptCheckpointError(f"parity share {j} has {acc.numel()} bytes, expected {c}")
-        for i in range(g):
-            if i not in (lost, j):
-                _xor_into(acc, chunk_of(others[i], i, j, g, c))
-        out[t * c:(t + 1) * c] = acc
-    return bytes(out[:length].numpy().tobytes()) if length else b""
+
+
+def encode(blobs: list[Readable], c: int, window: int = WINDOW) -> list[bytearray]:
+    """Every member's share at once (single-process: tests, tools); the rounds' arithmetic."""
+    g = len(blobs)
+    shares = [bytearray(c) for _ in range(g)]
+    buf = bytearray(min(window, c) if c else 0)
+    for i, blob in enumerate(blobs):
+        for r in encode_rounds(i, g, c, window):
+            view = memoryview(buf)[: r.n]
+            blob.read_into(r.send_at, view)
+            xor_into(memoryview(shares[r.to])[r.off:r.off + r.n], view)
+    return shares
+
+
+def rebuild(lost: int, length: int, others: Mapping[int, Readable], shares: Mapping[int, bytes | bytearray],
+            g: int, c: int, emit: Callable[[memoryview], None], window: int = WINDOW) -> None:
+    """Member ``lost``'s snapshot (``length`` bytes), from every other member's snapshot and share,
+    handed to ``emit`` in order a window at a time (single-process; the restore walks the same
+    windows with the inputs on other ranks)."""
+    check_rebuild(lost, length, set(others) & set(shares), g, c)
+    acc, tmp = bytearray(min(window, c)), bytearray(min(window, c))
+    for w in rebuild_windows(lost, g, c, window):
+        out = memoryview(acc)[: w.n]
+        share = memoryview(shares[w.share])[w.off:w.off + w.n]
+        if len(share) != w.n:
+            raise CorruptCheckpointError(f"parity share {w.share} has {len(shares[w.share])} bytes, expected {c}")
+        out[:] = share
+        for i, at in zip(w.members, w.member_at):
+            others[i].read_into(at, memoryview(tmp)[: w.n])
+            xor_into(out, memoryview(tmp)[: w.n])
+        emit(out[: max(0, min(w.n, length - w.at))])

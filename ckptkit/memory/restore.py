@@ -20,10 +20,8 @@ Collective over the job. In order:
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
-import struct
 import time
 from collections.abc import Hashable
 from dataclasses import dataclass
@@ -35,10 +33,9 @@ from ckptkit.engine.metadata_io import read_manifest
 from ckptkit.engine.state import flatten_state
 from ckptkit.errors import CkptkitError, CorruptCheckpointError
 from ckptkit.layout.values import decode_value
-from ckptkit.memory import parity
+from ckptkit.memory import rebuild
 from ckptkit.memory.local_view import LocalView, local_view
-from ckptkit.memory.bundle import pack_bundle
-from ckptkit.memory.node_folder import ShareHeader, verified
+from ckptkit.memory.node_folder import verified
 from ckptkit.memory.tier import MemorySnapshots
 from ckptkit.memory.topology import ParityShare, Source, plan_sources
 
@@ -84,7 +81,7 @@ def _inventory(tier: MemorySnapshots, at_most: int) -> dict[int, dict[str, Any]]
             if tier.claims(h):
                 try:
                     header = tier.folder.share_header(step, h)
-                    shares.append((h, header.members, header.index))
+                    shares.append((h, header.members, header.index, header.chunk, header.lengths, header.digests))
                 except (CkptkitError, OSError) as exc:
                     log.warning("memory tier: step %d, parity share %d unreadable, not used: %s", step, h, exc)
         if copies or shares:
@@ -137,105 +134,24 @@ def _verify_step(tier: MemorySnapshots, step: int, inv: dict[int, dict[str, Any]
             log.warning("memory tier: rank %d's copy of step %d at %s fails its checks and is not used: %s",
                         c.rank, step, tier.folder.root, problem)
     shares = []
-    for h, members, index in entry["shares"]:
+    for share in entry["shares"]:
+        h = share[0]
         try:
-            tier.folder.read_share(step, h)
-            shares.append((h, members, index))
+            tier.folder.check_share(step, h)
+            shares.append(share)
         except (CkptkitError, OSError) as exc:
             log.warning("memory tier: parity share %d of step %d fails its checks and is not used: %s", h, step, exc)
     return {step: {"copies": good, "shares": shares}} if good or shares else {}
 
 
-def _pack_share(header: ShareHeader, data: bytes) -> bytes:
-    head = header.to_json()
-    return struct.pack("<Q", len(head)) + head + data
-
-
-def _unpack_share(blob: bytes | bytearray, where: str) -> tuple[ShareHeader, bytes]:
-    if len(blob) < 8:
-        raise CorruptCheckpointError(f"{where}: parity share missing")
-    (n,) = struct.unpack("<Q", bytes(blob[:8]))
-    if n > min(len(blob) - 8, 1 << 20):
-        raise CorruptCheckpointError(f"{where}: parity share header does not fit")
-    header = ShareHeader.from_json(bytes(blob[8:8 + n]), where)
-    data = bytes(blob[8 + n:])
-    if len(data) != header.chunk or hashlib.sha256(data).hexdigest() != header.share_digest:
-        raise CorruptCheckpointError(f"{where}: parity share does not match its digest")
-    return header, data
-
-
-def _moves(plan: dict[int, Source], gathered: list[Any], step: int) -> list[tuple[int, int, Hashable]]:
-    """Every transfer of the restore, in one order all ranks compute alike."""
-    local = [g[0] for g in gathered]
+def _peer_moves(plan: dict[int, Source]) -> list[tuple[int, int, Hashable]]:
+    """Every whole copy a restore moves from a peer, in one order all ranks compute alike."""
     moves: list[tuple[int, int, Hashable]] = []
     for r in sorted(plan):
-        src = plan[r]
-        if src.kind == "peer":
-            assert src.holder is not None
-            moves.append((src.holder, r, ("copy", r)))
-        elif src.kind == "parity":
-            for holder, kind, what in _parity_inputs(r, plan, gathered, step):
-                if local[holder] != local[r]:
-                    moves.append((holder, r, (kind, what)))
+        if plan[r].kind == "peer":
+            assert plan[r].holder is not None
+            moves.append((plan[r].holder, r, ("copy", r)))  # type: ignore[arg-type]
     return moves
-
-
-def _parity_inputs(rank: int, plan: dict[int, Source], gathered: list[Any], step: int) -> list[tuple[int, str, int]]:
-    """(holder, "copy" | "share", member rank | member index) of everything rebuilding ``rank`` needs."""
-    share_holders: dict[int, int] = {}
-    members: tuple[int, ...] = ()
-    for holder, (_, _, inv) in enumerate(gathered):
-        for _, m, index in inv.get(step, {}).get("shares", []):
-            if rank in m and index not in share_holders:
-                share_holders[index], members = holder, tuple(m)
-    out = []
-    for i, m in enumerate(members):
-        if m == rank:
-            continue
-        out.append((plan[m].holder, "copy", m))
-        out.append((share_holders[i], "share", i))
-    return out
-
-
-def _payload(tier: MemorySnapshots, step: int, gathered: list[Any]) -> Any:
-    def payload(key: Hashable) -> bytes:
-        kind, what = key  # type: ignore[misc]
-        if kind == "copy":
-            return pack_bundle(tier.folder.rank_store(step, what))
-        for h, _, index in gathered[tier.rank][2].get(step, {}).get("shares", []):
-            if index == what:
-                return _pack_share(*tier.folder.read_share(step, h))
-        raise CorruptCheckpointError(f"memory tier: no parity share {what} of step {step} here")
-
-    return payload
-
-
-def _rebuild(tier: MemorySnapshots, step: int, plan: dict[int, Source], gathered: list[Any],
-             got: dict[Hashable, bytearray]) -> bytes:
-    where = f"memory tier step {step} rank {tier.rank}"
-    local_get = _payload(tier, step, gathered)
-    others: dict[int, bytes | bytearray] = {}
-    shares: dict[int, Any] = {}
-    header: ShareHeader | None = None
-    inputs = _parity_inputs(tier.rank, plan, gathered, step)
-    for holder, kind, what in inputs:
-        key = (kind, what)
-        blob = got[key] if key in got else local_get(key)
-        if kind == "share":
-            header, data = _unpack_share(blob, where)
-            shares[header.index] = parity.as_chunk(data, header.chunk)
-        else:
-            others[what] = blob
-    assert header is not None
-    me = header.members.index(tier.rank)
-    by_index = {header.members.index(m): b for m, b in others.items()}
-    for i, b in by_index.items():
-        if hashlib.sha256(b).hexdigest() != header.digests[i]:
-            raise CorruptCheckpointError(f"{where}: member {header.members[i]}'s copy is not the one the parity covers")
-    blob = parity.rebuild(me, header.lengths[me], by_index, shares, len(header.members), header.chunk)
-    if hashlib.sha256(blob).hexdigest() != header.digests[me]:
-        raise CorruptCheckpointError(f"{where}: the parity rebuild does not match the snapshot's digest")
-    return blob
 
 
 def _restore_step(tier: MemorySnapshots, view: LocalView, step: int, plan: dict[int, Source],
@@ -243,22 +159,19 @@ def _restore_step(tier: MemorySnapshots, view: LocalView, step: int, plan: dict[
     """Move, rebuild and load this rank's snapshot of ``step``; the error, if any (not raised:
     every rank must reach the agreement that follows)."""
     try:
-        moves = _moves(plan, gathered, step)
-        whole = [m for m in moves if m[2] == ("copy", m[1])]  # a peer's copy of the receiver's own snapshot
-        got: dict[Hashable, bytearray] = {}
         arrived: dict[Hashable, str | None] = {}
+        rebuilt = None
         if tier.link is not None:
-            got = tier.link.transfer([m for m in moves if m not in whole], _payload(tier, step, gathered))
             arrived = tier.link.transfer_bundles(
-                whole, lambda key: tier.folder.outgoing(step, key[1]),  # type: ignore[index]
+                _peer_moves(plan), lambda key: tier.folder.outgoing(step, key[1]),  # type: ignore[index]
                 lambda key, header: tier.folder.incoming(step, key[1], header))  # type: ignore[index]
+            rebuilt = rebuild.walk(tier.link, tier.rank, [g[0] for g in gathered], tier.folder,
+                                   rebuild.plan_rebuilds(step, plan, gathered))
         src = plan[tier.rank]
-        store = tier.folder.rank_store(step, tier.rank)
+        store = rebuilt if rebuilt is not None else tier.folder.rank_store(step, tier.rank)
         if src.kind == "peer" and arrived.get(("copy", tier.rank)) is not None:
             raise CorruptCheckpointError(f"memory tier: rank {src.holder}'s copy of rank {tier.rank}'s snapshot of "
                                          f"step {step} did not arrive: {arrived[('copy', tier.rank)]}")
-        if src.kind == "parity":
-            store = tier.folder.write_bundle(step, tier.rank, _rebuild(tier, step, plan, gathered, got))
         load_state(flatten_state(view.state), store, LocalComm(), strict=True)
         view.write_back()
         return None
@@ -311,12 +224,14 @@ def _gather(tier: MemorySnapshots, fingerprint: str, inv: dict[int, dict[str, An
     """Every rank's (memory folder id, fingerprint, inventory), exchanged as JSON: nothing on the
     restore path unpickles, not even what comes over the wire."""
     doc = {str(step): {"copies": [[c.rank, c.world_size, c.fingerprint] for c in e["copies"]],
-                       "shares": [[h, list(m), i] for h, m, i in e["shares"]]} for step, e in inv.items()}
+                       "shares": [[h, list(m), i, c, list(n), list(d)] for h, m, i, c, n, d in e["shares"]]}
+           for step, e in inv.items()}
     out = []
     for local, fp, got in tier.comm.all_gather_json([_local_id(tier), fingerprint, doc]):
         out.append((local, fp, {int(step): {"copies": [_Copy(int(r), int(w), str(f)) for r, w, f in e["copies"]],
-                                            "shares": [(int(h), tuple(int(x) for x in m), int(i))
-                                                       for h, m, i in e["shares"]]}
+                                            "shares": [(int(h), tuple(int(x) for x in m), int(i), int(c),
+                                                        tuple(int(x) for x in n), tuple(str(x) for x in d))
+                                                       for h, m, i, c, n, d in e["shares"]]}
                                 for step, e in got.items()}))
     return out
 

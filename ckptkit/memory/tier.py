@@ -34,7 +34,7 @@ from ckptkit.errors import SaveError
 from ckptkit.memory import parity
 from ckptkit.memory.exchange import Link
 from ckptkit.memory.local_view import local_view, mirror_state
-from ckptkit.memory.bundle import pack_bundle
+from ckptkit.memory.bundle import BundleBytes
 from ckptkit.memory.node_folder import NodeFolder, ShareHeader
 from ckptkit.memory.options import MemoryTier
 from ckptkit.memory.topology import Topology
@@ -148,7 +148,7 @@ class MemorySnapshots:
         handle.wait()  # the own copy is committed in node memory
         if self.link is not None:
             if self.topology.parity is not None:
-                self._parity_rounds(step, pack_bundle(self.folder.rank_store(step, self.rank)))
+                self._parity_rounds(step)
             else:
                 self._replica_rounds(step)
             self.link.barrier()  # every rank's copies of `step` are complete: older steps may go
@@ -169,27 +169,30 @@ class MemorySnapshots:
                     self.link.swap_parts(holder, out.parts, source, sink.parts)
                     sink.commit()
 
-    def _parity_rounds(self, step: int, blob: bytes) -> None:
-        """Fold every member's chunks into the shares of this rank's group: ``g - 1`` rounds, in round
-        ``t`` member ``i`` sends its chunk for member ``i + 1 + t`` and receives from ``i - 1 - t``."""
+    def _parity_rounds(self, step: int) -> None:
+        """Fold every member's chunks into the shares of this rank's group: ``g - 1`` rounds (in
+        round ``t`` member ``i`` sends its chunk for member ``i + 1 + t`` and receives from
+        ``i - 1 - t``), each a window at a time, read from this rank's mapped files and XORed into
+        its share's mapped file: the rounds hold two windows, never a chunk."""
         assert self.link is not None and self.topology.parity is not None
         g = self.topology.parity
         members = self.topology.parity_group(self.rank)
         me = members.index(self.rank)
-        facts = self.link.all_gather((len(blob), hashlib.sha256(blob).hexdigest()))
-        lengths = tuple(facts[m][0] for m in members)
-        c = parity.chunk_len(max(lengths), g)
-        chunks = []
-        for t in range(g - 1):
-            to = members[parity.holder_of(me, t, g)]
-            frm = members[(me - 1 - t) % g]
-            got = self.link.swap(to, parity.chunk_of(blob, me, parity.holder_of(me, t, g), g, c).numpy(), frm)
-            chunks.append(parity.as_chunk(got, c))
-        share = parity.share_of(me, chunks, c)
-        data = share.numpy().tobytes()
-        header = ShareHeader(step, members, me, c, lengths, tuple(facts[m][1] for m in members),
-                             hashlib.sha256(data).hexdigest())
-        self.folder.write_share(step, self.rank, header, data)
+        with self.folder.outgoing(step, self.rank) as out:
+            blob = BundleBytes(out.header, out.parts)
+            facts = self.link.all_gather((blob.length, blob.sha256()))
+            lengths = tuple(facts[m][0] for m in members)
+            c = parity.chunk_len(max(lengths), g)
+            width = min(parity.WINDOW, c)
+            send, got = bytearray(width), bytearray(width)
+            with self.folder.new_share(step, self.rank, c) as share:
+                for r in parity.encode_rounds(me, g, c, width):
+                    out_view, in_view = memoryview(send)[: r.n], memoryview(got)[: r.n]
+                    blob.read_into(r.send_at, out_view)
+                    self.link.swap_parts(members[r.to], [out_view], members[r.frm], [in_view])
+                    parity.xor_into(share.view[r.off:r.off + r.n], in_view)
+                header = ShareHeader(step, members, me, c, lengths, tuple(facts[m][1] for m in members), share.digest())
+                self.folder.commit_share(step, self.rank, share, header)
 
     # ------------------------------------------------------------- retirement
     def retire_before(self, step: int) -> None:
