@@ -21,7 +21,11 @@ ceiling is the disk and two cores: more than 2 processes can only add
 contention; on a node with many cores and a parallel file system each
 process adds its own stream.
 
+``--command dcp`` times ``convert SRC DST --format dcp`` instead (the DCP export, spread the same
+way; its data files compared across process counts).
+
 Run: .venv/bin/python benchmarks/bench_reshard_spread.py [--quick] [--processes 1,2,4] [--reps 1] [--out DIR]
+     [--command reshard|dcp]
 """
 
 from __future__ import annotations
@@ -54,17 +58,18 @@ def free_port() -> int:
 
 
 def data_digests(path: str) -> dict[str, str]:
-    """Each data object's digest by name, the save-attempt id dropped."""
+    """Each data object's digest by name, the save-attempt id dropped (a DCP export: its data files)."""
     out = {}
-    folder = os.path.join(path, "data")
-    for name in sorted(os.listdir(folder)):
+    folder = os.path.join(path, "data") if os.path.isdir(os.path.join(path, "data")) else path
+    for name in sorted(n for n in os.listdir(folder) if n != ".metadata"):
         with open(os.path.join(folder, name), "rb") as f:
             out[ATTEMPT.sub("", name)] = hashlib.file_digest(f, "sha256").hexdigest()
     return out
 
 
-def reshard_command(processes: int, src: str, dst: str, target: str, max_memory: str) -> list[str]:
-    tail = ["reshard", src, dst, "--to", target, "--max-memory", max_memory, "--json"]
+def reshard_command(processes: int, src: str, dst: str, target: str, max_memory: str, command: str) -> list[str]:
+    tail = (["reshard", src, dst, "--to", target, "--max-memory", max_memory, "--json"] if command == "reshard"
+            else ["convert", src, dst, "--format", "dcp", "--json"])
     if processes == 1:
         return [sys.executable, "-m", "ckptkit", *tail]
     return [*torchrun_command(), f"--nproc_per_node={processes}", "--master-addr=127.0.0.1",
@@ -80,6 +85,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--source", default="tp2pp2")
     ap.add_argument("--target", default="tp4pp2")
     ap.add_argument("--max-memory", default="1GiB", help="per process")
+    ap.add_argument("--command", choices=["reshard", "dcp"], default="reshard",
+                    help="reshard (default) or dcp: `convert SRC DST --format dcp`, the DCP export spread the same way")
     return ap.parse_args(argv)
 
 
@@ -107,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
                 if name == "raw":
                     wall, _, _ = run_child([sys.executable, "-c", RAW_COPY, src, dst])
                 else:
-                    wall, peak, out = run_child(reshard_command(name, src, dst, args.target, args.max_memory))
+                    wall, peak, out = run_child(reshard_command(name, src, dst, args.target, args.max_memory, args.command))
                     rss[name].append(peak)
                     inner[name].append(json.loads(out)["seconds"])
                     digests = data_digests(dst)
@@ -122,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
         rows = [["raw copy (baseline)", f"{raw:.2f}", f"{total / MiB / raw:.0f}", "1.00", "-", "-"]]
         for p in counts:
             wall, within = median(times[str(p)]), median(inner[p])
-            rows.append([f"reshard, {p} process{'es' if p > 1 else ''}", f"{wall:.2f}", f"{total / MiB / wall:.0f}",
+            rows.append([f"{args.command}, {p} process{'es' if p > 1 else ''}", f"{wall:.2f}", f"{total / MiB / wall:.0f}",
                          f"{wall / raw:.2f}", f"{within:.2f} ({within / raw:.2f}x)", f"{max(rss[p]) / MiB:.0f} MiB"])
         print(f"\npage cache: {'dropped before every run' if cold else 'warm (drop_caches not writable)'}; "
               f"reps {args.reps}; outputs byte-identical across process counts")
@@ -131,8 +138,8 @@ def run(args: argparse.Namespace) -> int:
         print("\nspeed-up over " + f"{counts[0]} process(es): "
               + ", ".join(f"{p}: {one / median(times[str(p)]):.2f}x" for p in counts[1:])
               + f" ({env_note}: the ceiling is the disk and the cores, not the processes)")
-        write_results(args.out, "bench_reshard_spread", {
-            "quick": args.quick, "bytes": total, "source": args.source, "target": args.target, "cold_cache": cold,
+        write_results(args.out, "bench_reshard_spread" + ("" if args.command == "reshard" else "_dcp"), {
+            "quick": args.quick, "command": args.command, "bytes": total, "source": args.source, "target": args.target, "cold_cache": cold,
             "reps": args.reps, "cores": os.cpu_count(), "raw_seconds": raw,
             "reshard_seconds": {str(p): median(times[str(p)]) for p in counts},
             "ratio_to_raw": {str(p): median(times[str(p)]) / raw for p in counts},

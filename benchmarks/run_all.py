@@ -50,7 +50,7 @@ READ_ONCE_BENCH = "bench_read_once.py"
 PARITY_MEMORY_BENCH = "bench_parity_memory.py"
 TORCHRUN_BENCHES = (IO_BENCH, ASYNC_BENCH, MEMORY_BENCH, PARITY_MEMORY_BENCH, READ_ONCE_BENCH)  # run under torchrun, in this order
 S3_BENCH = "bench_s3.py"  # a plain script that also takes --reps
-VARIANTS = {"bench_reshard.py": [[], ["--moe"]]}  # scripts run more than once, with these extra arguments
+VARIANTS = {"bench_reshard.py": [[], ["--moe"]], "bench_reshard_spread.py": [[], ["--command", "dcp"]]}  # scripts run more than once, with these extra arguments
 SCRATCH_PREFIXES = ("bench_io-scratch-", "bench_async-scratch-", "bench_s3-scratch-", "bench_modelspace-scratch-", "bench_torchtitan-scratch-",
                     "bench_deepspeed-scratch-", "bench_reshard-scratch-", "bench_hf_export-scratch-",
                     "bench_memory_tier-scratch-", "bench_parity_memory-scratch-", "bench_read_once-scratch-", "bench_reshard_spread-scratch-",

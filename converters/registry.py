@@ -92,15 +92,50 @@ def targets() -> tuple[str, ...]:
 
 
 @contextmanager
-def _imported(source: str, fmt: Format, options: Any, run: RunOptions) -> Iterator[str]:
-    """``source`` imported by ``fmt`` to a temporary local ckptkit checkpoint (removed on exit)."""
-    scratch = tempfile.mkdtemp(prefix="ckptkit-import-")
+def _imported(source: str, fmt: Format, options: Any, run: RunOptions, parent: str | None = None) -> Iterator[str]:
+    """``source`` imported by ``fmt`` to a temporary local ckptkit checkpoint (removed on exit), in
+    ``parent`` (None: the system's temporary folder)."""
+    scratch = tempfile.mkdtemp(prefix="ckptkit-import-", dir=parent)
     try:
         path = os.path.join(scratch, "imported")
         fmt.import_to(source, path, options, run)
         yield path
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+@contextmanager
+def _import_once(source: str, fmt: Format, options: Any, run: RunOptions, out: str) -> Iterator[str]:
+    """A foreign source as a local ckptkit checkpoint; in a spread run imported once, by process 0,
+    where every process can read it (:func:`ckptkit.offline.spread.spread_source`)."""
+    if not _spreading(run):
+        with _imported(source, fmt, options, run) as local:
+            yield local
+        return
+    from ckptkit.offline.spread import spread_comm, spread_source
+
+    @contextmanager
+    def factory(parent: str | None) -> Iterator[tuple[str, dict[str, Any] | None]]:
+        with _imported(source, fmt, options, run, parent) as local:
+            yield local, None
+
+    with spread_source(spread_comm(run.process_group), factory, source, out, run.storage_options) as (local, _):
+        yield local
+
+
+def _spreading(run: RunOptions) -> bool:
+    """Whether ``run`` spreads over more than this process."""
+    if run.process_group is None:
+        return False
+    import torch.distributed as dist
+
+    return dist.get_world_size(run.process_group) > 1
+
+
+def _not_spread(target: str) -> CkptkitError:
+    spread = [f.name for f in formats() if getattr(f, "spreads", False) and f.export_options is not None]
+    return CkptkitError(f"a conversion to {target} runs in one process (spread over processes: reshard, and "
+                        f"conversions to {', '.join(spread)}): run it without a process group (without torchrun)")
 
 
 def _not_foreign(source: str) -> CkptkitError:
@@ -145,8 +180,12 @@ def convert(source: str | os.PathLike[str], dest: str | os.PathLike[str], *, to_
     if target == CKPTKIT:
         if fmt is None:
             raise _not_foreign(src)
+        if _spreading(run):
+            raise _not_spread(target)
         return fmt.import_to(src, out, source_options, run)
     exporter = _exporter(target)
+    if _spreading(run) and not getattr(exporter, "spreads", False):
+        raise _not_spread(target)
     if options is not None:
         target_options = options.target_options(exporter)
     target_options = exporter.export_options_of(target_options)  # type: ignore[attr-defined]
@@ -156,7 +195,7 @@ def convert(source: str | os.PathLike[str], dest: str | os.PathLike[str], *, to_
     if fmt.name == target and not exporter.relayout:
         raise CkptkitError(f"{src} is already {description_of(fmt)}; --format ckptkit converts it to a checkpoint "
                            f"(then convert that to --format {target})")
-    with _imported(src, fmt, source_options, run) as local:
+    with _import_once(src, fmt, source_options, run, out) as local:
         result = exporter.export_from(local, out, target_options, run)
     return dataclasses.replace(result, source=src)
 

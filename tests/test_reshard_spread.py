@@ -183,12 +183,113 @@ def test_torchrun_spreads_the_cli_reshard(src: Path, tmp_path: Path):
     doc = json.loads(job.stdout)  # one JSON document: only the first process prints
     assert doc["destination"].endswith("spread") and not doc["dry_run"]
     assert_same_checkpoint(tmp_path / "one", tmp_path / "spread")
-    # convert is not spread: under torchrun it refuses (every process would write DEST) rather than race
-    cmd[cmd.index("reshard"):] = ["convert", str(src), str(tmp_path / "z"), "--format", "zarr"]
+    # convert to DCP is spread too: the same files as one process writes, one JSON document
+    from ckptkit_converters.registry import convert
+
+    convert(src, tmp_path / "dcp-one", to_format="dcp")
+    cmd[cmd.index("reshard"):] = ["convert", str(src), str(tmp_path / "dcp"), "--format", "dcp", "--json"]
     cmd[cmd.index(next(c for c in cmd if c.startswith("--master-port")))] = f"--master-port={free_port()}"
     job = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert job.returncode != 0 and "convert runs in one process" in job.stderr
+    assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
+    assert json.loads(job.stdout)["destination"].endswith("dcp")
+    assert folder_bytes(tmp_path / "dcp-one") == folder_bytes(tmp_path / "dcp")
+    # a conversion that is not spread refuses under torchrun (every process would write DEST) rather than race
+    cmd[cmd.index("convert"):] = ["convert", str(src), str(tmp_path / "z"), "--format", "zarr"]
+    cmd[cmd.index(next(c for c in cmd if c.startswith("--master-port")))] = f"--master-port={free_port()}"
+    job = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert job.returncode != 0 and "a conversion to zarr runs in one process" in job.stderr
     assert not (tmp_path / "z").exists()
+
+
+def folder_bytes(path: Path) -> dict[str, Any]:
+    """A DCP export's files: the data files' bytes, and ``.metadata`` as what it says (its pickle also
+    holds the export's path and a fresh save id, as every DCP save's does)."""
+    from ckptkit_converters.common.safe_unpickle import load_dcp_metadata
+
+    out: dict[str, Any] = {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+    md = load_dcp_metadata(out.pop(".metadata"), str(path))
+    out[".metadata"] = (md.state_dict_metadata, md.planner_data, md.storage_data, md.version)
+    return out
+
+
+def spread_dcp_export(source: str, dest: str, fail_on: int | None = None) -> dict[str, Any]:
+    """One process's part of a spread DCP export (through the registry, as the CLI calls it); with
+    ``fail_on``, that process's file writes fail. Returns its progress calls, or its error."""
+    import torch.distributed as dist
+
+    from ckptkit.offline import RunOptions
+    from ckptkit_converters.dcp import export as dcp_export
+    from ckptkit_converters.registry import convert
+
+    calls: list[tuple[int, int]] = []
+    real = dcp_export._write_rank_file
+    if fail_on is not None and dist.get_rank() == fail_on:
+        def failing(view, out, rank, *a, **k):
+            raise OSError(f"injected failure writing DCP file of rank {rank}")
+
+        dcp_export._write_rank_file = failing
+    try:
+        convert(source, dest, to_format="dcp", run=RunOptions(process_group=dist.group.WORLD,
+                                                              progress=lambda d, t: calls.append((d, t))))
+    except Exception as exc:  # noqa: BLE001 - the test looks at what every process raised
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    finally:
+        dcp_export._write_rank_file = real
+    return {"progress": calls}
+
+
+@pytest.mark.parametrize("processes", [2, 4])
+def test_a_spread_dcp_export_is_the_one_process_export_byte_for_byte(worlds, src: Path, tmp_path: Path, processes: int):
+    from ckptkit_converters.registry import convert
+
+    convert(src, tmp_path / "one", to_format="dcp")
+    results = worlds.run(processes, spread_dcp_export, str(src), str(tmp_path / "spread"))
+    one, spread_out = folder_bytes(tmp_path / "one"), folder_bytes(tmp_path / "spread")
+    assert sorted(one) == sorted(spread_out) and ".metadata" in one
+    for name in one:
+        assert one[name] == spread_out[name], f"{name} differs"
+    first = results[0]["progress"]
+    assert first and first[-1][0] == first[-1][1] and all(r["progress"] == [] for r in results[1:])
+    # and it reads back: an import of the spread export holds the source's tensors, bit for bit
+    convert(tmp_path / "spread", tmp_path / "back")
+    report = ckptkit.diff(src, tmp_path / "back")
+    assert report.tensors and all(t.identical for t in report.tensors)
+
+
+def test_a_failing_process_fails_a_spread_dcp_export_everywhere_and_leaves_nothing(worlds, src: Path, tmp_path: Path):
+    errors = worlds.run(4, spread_dcp_export, str(src), str(tmp_path / "out"), 1)
+    assert all("injected failure writing DCP file" in r["error"] for r in errors), errors
+    assert errors[1]["error"].startswith("StorageError") and errors[0]["error"].startswith("SpreadError")
+    assert not [p for p in (tmp_path / "out").rglob("*") if p.is_file()]
+
+
+def test_a_spread_dcp_export_of_a_foreign_source_imports_it_once(worlds, tmp_path: Path):
+    from ckptkit_converters.registry import convert
+
+    source = torch_dist_folder(tmp_path / "mlm")
+    convert(source, tmp_path / "one", to_format="dcp")
+    worlds.run(2, spread_dcp_export, str(source), str(tmp_path / "spread"))
+    assert folder_bytes(tmp_path / "one") == folder_bytes(tmp_path / "spread")
+    assert not [p for p in tmp_path.rglob("ckptkit-import-*")]
+
+
+def test_a_conversion_that_does_not_spread_refuses_a_process_group(worlds, src: Path, tmp_path: Path):
+    errors = worlds.run(2, spread_zarr_export, str(src), str(tmp_path / "z"))
+    assert all("a conversion to zarr runs in one process" in e for e in errors), errors
+    assert not (tmp_path / "z").exists()
+
+
+def spread_zarr_export(source: str, dest: str) -> str:
+    import torch.distributed as dist
+
+    from ckptkit.offline import RunOptions
+    from ckptkit_converters.registry import convert
+
+    try:
+        convert(source, dest, to_format="zarr", run=RunOptions(process_group=dist.group.WORLD))
+    except Exception as exc:  # noqa: BLE001
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
 
 
 @settings(max_examples=200, deadline=None)

@@ -10,6 +10,7 @@ The help lists the flags per format, then every format's fields for ``--opt``.
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -17,7 +18,6 @@ import click
 from ckptkit.cli.grouped import GroupedCommand, grouped
 from ckptkit.cli.options import KEY_VALUE, LAYOUT, json_option, storage_option, threads_option
 from ckptkit.cli.output import Output, human_bytes
-from ckptkit import CkptkitError
 
 if TYPE_CHECKING:
     from ckptkit.offline import ConvertResult, Format
@@ -181,13 +181,11 @@ def convert_cmd(ctx: click.Context, source: str, dest: str, fmt: str | None, fro
       ckptkit convert runs/mlm/step-0001000 mlm_tp4/iter_0001000 --format megatron --to tp4pp1
       ckptkit convert runs/ds/step-0000200 ds_dp4/ --format deepspeed --opt dp=4 --opt tag=resumed
     """
-    from ckptkit.offline import RunOptions, launched_by_torchrun
+    from ckptkit.offline import RunOptions, launched_by_torchrun, torchrun_group
     from ckptkit_converters.registry import convert, detect, format_named
 
-    if launched_by_torchrun():  # every process would write the same destination
-        raise CkptkitError("convert runs in one process (conversions are not spread over torchrun's processes "
-                           "yet; reshard is): run it without torchrun")
-    out = Output(as_json)
+    spread = launched_by_torchrun()  # formats that cannot spread refuse it (every process would write DEST)
+    out = Output(as_json, quiet=spread and os.environ.get("RANK") != "0")
     source_fmt = format_named(from_fmt) if from_fmt else detect(source, storage_options)
     target = fmt or ("ckptkit" if source_fmt is not None else "zarr")
     target_fmt = None if target == "ckptkit" else format_named(target)
@@ -198,9 +196,9 @@ def convert_cmd(ctx: click.Context, source: str, dest: str, fmt: str | None, fro
             sides.give(field, scale(value) if scale else value, spelled)
     for key, value in opts:
         sides.give_text(key, value if isinstance(value, str) else _as_text(value))
-    with out.progress("converting") as progress:
+    with torchrun_group() as group, out.progress("converting") as progress:
         result = convert(source, dest, to_format=target, from_format=from_fmt, source_options=sides.source(),
-                         target_options=sides.target(), run=RunOptions(threads, progress, storage_options))
+                         target_options=sides.target(), run=RunOptions(threads, progress, storage_options, group))
     if as_json:
         out.json(result.to_json())
     else:

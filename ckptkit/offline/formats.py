@@ -55,11 +55,14 @@ class RunOptions:
     ``threads``: ranks, shards or files written at once (None: each format's default; given, it
     overrides a ``threads`` field of the format's options). ``progress``: ``progress(done, total)``
     over bytes. ``storage_options``: both sides' byte stores (fsspec options, e.g. an S3 endpoint).
+    ``process_group``: spread the export over this group's processes (a ``torchrun`` job's; call
+    on every process); only formats whose ``spreads`` is true accept one of more than one process.
     """
 
     threads: int | None = None
     progress: Progress | None = None
     storage_options: dict[str, Any] | None = None
+    process_group: Any = None
 
     def __post_init__(self) -> None:
         if self.threads is not None and (isinstance(self.threads, bool) or self.threads < 1):

@@ -64,6 +64,8 @@ class FormatBase:
     description: ClassVar[str]
     priority: ClassVar[int]
     relayout: ClassVar[bool] = False
+    #: the export can be spread over a job's processes (``RunOptions(process_group=...)``)
+    spreads: ClassVar[bool] = False
     import_options_at: ClassVar[str | None] = None
     export_options_at: ClassVar[str | None] = None
     importer_at: ClassVar[str | None] = None
@@ -72,11 +74,13 @@ class FormatBase:
     def __init_subclass__(cls, *, name: str | None = None, description: str | None = None,
                           priority: int | None = None, options: str | None = None,
                           directions: tuple[str, ...] = ("import", "export"), relayout: bool = False,
-                          importer: str | None = None, exporter: str | None = None, **kwargs: Any) -> None:
+                          importer: str | None = None, exporter: str | None = None, spreads: bool = False,
+                          **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         package = cls.__module__.rpartition(".")[0]
         if name is not None:
             cls.name, cls.description, cls.relayout = name, description or f"a {name} checkpoint", relayout
+            cls.spreads = spreads
         if priority is not None:
             cls.priority = priority
         if options is not None:

@@ -17,16 +17,9 @@ start with ckptkit, and the way back to plain ``dcp.load``.
   when they decode that way into JSON-like values; any other item fails the
   import with its name, unless ``skip_unsafe_items`` (then the result lists
   what was skipped).
-* :func:`export_dcp` writes a ckptkit checkpoint as a DCP checkpoint that
-  plain ``dcp.load`` reads at any world size: one ``__{r}_0.distcp`` per
-  writer rank ``r`` of the source holding the boxes that rank stored, streamed
-  box by box through :func:`ckptkit.open` (checksum-verified); a flat
-  fragment (ZeRO / distributed-optimizer state) cannot be a DCP chunk, so it
-  is written as the at most 2N-1 boxes it decomposes into. Replicated values
-  become DCP byte items (``torch.save`` archives, as DCP's planner writes
-  them); per-rank values (RNG states, ``PerRank``) have no DCP form and are
-  listed as skipped. ``.metadata`` is written last, atomically (put-if-absent):
-  it is DCP's commit.
+* :func:`export_dcp` (:mod:`ckptkit_converters.dcp.export`) writes a ckptkit checkpoint as a DCP
+  checkpoint that plain ``dcp.load`` reads at any world size, from one process or spread over a
+  ``torchrun`` job's processes.
 
 Keys: see :mod:`ckptkit_converters.dcp.keys`. Byte format: :mod:`ckptkit_converters.dcp.files`. Options:
 :mod:`ckptkit_converters.dcp.options`.
@@ -37,16 +30,14 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ckptkit.options import Progress, progress_counter
+from ckptkit.options import Progress
 from ckptkit.engine.offline_writer import (
-    ConvertResult,
     OfflineCheckpoint,
     OfflineWriteOptions,
     StoredTensor,
@@ -55,47 +46,31 @@ from ckptkit.engine.offline_writer import (
 from ckptkit.engine.prefetch import ReadAhead
 from ckptkit.errors import (
     CheckpointNotFoundError,
-    CkptkitError,
     CorruptCheckpointError,
-    SaveError,
     StateMismatchError,
-    StorageError,
 )
-from ckptkit.layout.box import Box, Region
-from ckptkit.layout.manifest import DTYPES, pieces_by_writer
+from ckptkit.layout.box import Region
 from ckptkit.layout.strict_json import MAX_METADATA_BYTES
 from ckptkit.layout.values import encode_value
-from ckptkit.offline.view import CheckpointView, ViewOptions
-from ckptkit.offline.view import open as open_view
 from ckptkit.plan.merge import check_coverage
 from ckptkit.storage.base import ByteStore
 from ckptkit.storage.url import open_store
 from ckptkit_converters.dcp.files import (
     METADATA_NAME,
-    Blob,
     Chunk,
     DcpCheckpoint,
     DcpTensor,
-    OutItem,
-    OutTensor,
-    build_metadata,
-    data_file,
     file_rank,
     load_blob,
     parse_metadata,
     read_blob,
     read_chunk,
-    save_blob,
     writer_ranks,
 )
 from ckptkit_converters.dcp.keys import (
-    ObjPath,
-    check_unique,
-    dcp_key,
-    export_path,
     import_keys,
-    value_leaves,
 )
+from ckptkit_converters.dcp.export import DcpConvertResult, export_dcp
 from ckptkit_converters.dcp.options import DcpExportOptions, DcpImportOptions
 from ckptkit_converters.common.safe_unpickle import UnsafeCheckpointError, load_dcp_metadata
 
@@ -108,14 +83,6 @@ __all__ = [
     "is_dcp_checkpoint",
     "read_dcp_metadata",
 ]
-
-
-@dataclass(frozen=True)
-class DcpConvertResult(ConvertResult):
-    """A conversion's figures, plus the items left out (non-tensor items an import skipped,
-    per-rank values an export cannot express)."""
-
-    skipped: tuple[str, ...] = ()
 
 
 def is_dcp_checkpoint(url: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> bool:
@@ -278,123 +245,3 @@ class DcpPieces:
     def close(self) -> None:
         """The rank is written (or failed): read-ahead no one will ask for is dropped."""
         self._ahead.close()
-
-
-# ---------------------------------------------------------------- export
-
-
-def export_dcp(
-    source: str | os.PathLike[str] | CheckpointView,
-    dest: str | os.PathLike[str],
-    *,
-    options: DcpExportOptions = DcpExportOptions(),
-    storage_options: dict[str, Any] | None = None,
-    progress: Progress | None = None,
-) -> DcpConvertResult:
-    """Write the ckptkit checkpoint ``source`` as a DCP checkpoint at ``dest`` (empty or absent).
-
-    Plain ``torch.distributed.checkpoint.load`` reads the result at any world
-    size. On failure everything written is removed (``dest`` was empty).
-    """
-    t0 = time.perf_counter()
-    view = source if isinstance(source, CheckpointView) else open_view(
-        source, storage_options=storage_options, options=ViewOptions(options.io_threads))
-    read0 = view.bytes_read
-    out = open_store(dest, storage_options)
-    if out.list_children():
-        raise SaveError(f"{out.url} is not empty; a DCP export writes a new checkpoint (choose another path or remove it)")
-    manifest = view.manifest
-    where = view.url
-    boxes = _export_boxes(manifest, pieces_by_writer(manifest))
-    values = [(key, path, leaf) for key, value in view.values.items() for path, leaf in value_leaves(key, value)]
-    check_unique([(k, dcp_key(export_path(k))) for k in manifest.tensors] + [(k, dcp_key(p)) for k, p, _ in values],
-                 where)
-    skipped = tuple(manifest.per_rank_keys)
-    total = sum(m.numel * DTYPES[m.dtype] for m in manifest.tensors.values())
-    tick = progress_counter(progress, total)
-
-    chunks: dict[str, list[Chunk]] = {key: [] for key in manifest.tensors}
-    items: list[OutItem] = []
-    ranks = range(manifest.world_size)  # like DCP: every rank writes a file, an empty one if it holds nothing
-    try:
-        with ThreadPoolExecutor(max_workers=options.threads, thread_name_prefix="ckptkit-dcp-file") as files, \
-                ThreadPoolExecutor(max_workers=max(1, options.threads * options.read_ahead),
-                                   thread_name_prefix="ckptkit-dcp-read") as reads:
-            def write_file(rank: int) -> tuple[list[tuple[str, Chunk]], list[OutItem]]:
-                return _write_rank_file(view, out, rank, boxes.get(rank, []), values if rank == 0 else [],
-                                        reads, options.read_ahead, tick)
-
-            for got_chunks, got_items in files.map(write_file, ranks):
-                for key, chunk in got_chunks:
-                    chunks[key].append(chunk)
-                items.extend(got_items)
-        out_tensors = [OutTensor(dcp_key(export_path(k)), export_path(k), m.dtype, m.shape,
-                                 tuple(sorted(chunks[k], key=lambda c: c.box.offsets)))
-                       for k, m in manifest.tensors.items()]
-        data = build_metadata(out_tensors, items, out.url)
-        if not out.put_if_absent(METADATA_NAME, data):  # DCP's commit: written last
-            raise SaveError(f"{out.url}: another writer created {METADATA_NAME} during the export")
-    except BaseException as exc:
-        _discard(out)
-        if isinstance(exc, CkptkitError) or not isinstance(exc, Exception):
-            raise
-        raise StorageError(f"exporting {view.url} to DCP at {out.url} failed: {exc}") from exc
-    return DcpConvertResult(view.url, out.url, "dcp", len(manifest.tensors), total, view.bytes_read - read0,
-                            time.perf_counter() - t0, skipped)
-
-
-def _export_boxes(manifest: Any, by_writer: dict[int, list[tuple[str, Region]]]) -> dict[int, list[tuple[str, Box]]]:
-    """The DCP chunks of each writer rank: its stored boxes; a flat fragment as the boxes it
-    decomposes into; a tensor without elements as one empty chunk on rank 0."""
-    out: dict[int, list[tuple[str, Box]]] = {}
-    for rank, items in by_writer.items():
-        for key, region in items:
-            for box in ([region.box] if region.flat is None else region.boxes()):
-                out.setdefault(rank, []).append((key, box))
-    for key, meta in manifest.tensors.items():
-        if meta.numel == 0:
-            out.setdefault(0, []).append((key, Box.full(meta.shape)))
-    return out
-
-
-def _write_rank_file(view: CheckpointView, out: ByteStore, rank: int, boxes: Sequence[tuple[str, Box]],
-                     values: Sequence[tuple[str, ObjPath, Any]], reads: ThreadPoolExecutor, read_ahead: int,
-                     tick: Callable[[int], None]) -> tuple[list[tuple[str, Chunk]], list[OutItem]]:
-    """Stream one ``__{rank}_0.distcp``: the value items first (as DCP orders them), then each box,
-    read through the view while the previous one is written."""
-    name = data_file(rank)
-    chunks: list[tuple[str, Chunk]] = []
-    items: list[OutItem] = []
-    pos = [0]
-
-    def blob(data: bytes) -> Blob:
-        b = Blob(name, pos[0], len(data))
-        pos[0] += len(data)
-        return b
-
-    def read(i: int) -> bytes:
-        key, box = boxes[i]
-        return save_blob(view.read_box(key, box))
-
-    def stream() -> Iterator[bytes]:
-        for _, path, leaf in values:
-            data = save_blob(leaf)
-            items.append(OutItem(dcp_key(path), path, blob(data)))
-            yield data
-        for i, data in enumerate(ReadAhead(len(boxes), read, reads, read_ahead).in_order()):
-            key, box = boxes[i]
-            chunks.append((key, Chunk(box, blob(data))))
-            yield data
-            tick(box.numel * DTYPES[view.manifest.tensors[key].dtype])
-
-    out.write_object(name, stream())
-    return chunks, items
-
-
-def _discard(out: ByteStore) -> None:
-    """Remove a failed export (best effort): ``out`` was empty when it began, so all of it is the export's."""
-    try:
-        out.delete_all()
-    except (CkptkitError, OSError):
-        pass
-
