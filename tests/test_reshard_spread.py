@@ -273,6 +273,47 @@ def test_a_spread_dcp_export_of_a_foreign_source_imports_it_once(worlds, tmp_pat
     assert not [p for p in tmp_path.rglob("ckptkit-import-*")]
 
 
+def spread_from_own_folder(sources: list[str], dest: str, what: str) -> str:
+    """Each process reads its own folder as the source (nodes that see different checkpoints at one path)."""
+    import torch.distributed as dist
+
+    from ckptkit.offline import RunOptions
+    from ckptkit.storage.url import open_store
+    from ckptkit_converters.registry import convert
+
+    source = sources[dist.get_rank() % len(sources)]
+    try:
+        if what == "dcp":
+            convert(source, dest, to_format="dcp", run=RunOptions(process_group=dist.group.WORLD))
+            return "no error"
+        # reshard hands every process process 0's URL; a node that sees another folder at that path
+        # is simulated by reading the other folder's manifest there
+        from ckptkit.offline import resharding
+
+        real = resharding.read_manifest
+        if dist.get_rank() == 1:
+            resharding.read_manifest = lambda store: real(open_store(sources[1]))
+        try:
+            reshard(source, dest, ParallelConfig.parse("tp4pp2"), process_group=dist.group.WORLD)
+        finally:
+            resharding.read_manifest = real
+    except Exception as exc:  # noqa: BLE001 - the test looks at what every process raised
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+@pytest.mark.parametrize("what", ["dcp", "reshard"])
+def test_processes_that_see_different_sources_fail_before_writing(worlds, src: Path, tmp_path: Path, what: str):
+    """The same layout saved twice with other values: each a valid checkpoint, the same plan on every
+    process. Without the check the output would mix the two under one commit."""
+    other = tmp_path / "other"
+    write_at(other, {k: (t + 1, rule) for k, (t, rule) in gpt_tensors().items()}, ParallelConfig.parse("tp2pp2"),
+             values={"step": 7, "sched": {"lr": 0.5}})
+    errors = worlds.run(2, spread_from_own_folder, [str(src), str(other)], str(tmp_path / "out"), what)
+    assert all(e.startswith("SpreadError") and "reads another checkpoint" in e for e in errors), errors
+    assert not [p for p in (tmp_path / "out").rglob("*") if p.is_file()]
+
+
 def test_a_conversion_that_does_not_spread_refuses_a_process_group(worlds, src: Path, tmp_path: Path):
     errors = worlds.run(2, spread_zarr_export, str(src), str(tmp_path / "z"))
     assert all("a conversion to zarr runs in one process" in e for e in errors), errors

@@ -53,7 +53,7 @@ from ckptkit.layout.manifest import MANIFEST_NAME, Manifest
 from ckptkit.offline.view import CheckpointView, ViewOptions
 from ckptkit.offline.formats import ImportOptions, RunOptions, detect_format, import_options_for
 from ckptkit.engine.collective import Comm
-from ckptkit.offline.spread import agreed, spread_comm, spread_source
+from ckptkit.offline.spread import agreed, same_source, spread_comm, spread_source
 from ckptkit.options import Progress
 from ckptkit.plan.reshard_plan import (
     ReshardError,
@@ -174,6 +174,7 @@ def reshard(
     with spread_source(comm, lambda scratch: ckptkit_source(source, options, storage_options, scratch), source,
                        dest, storage_options) as (url, src_opts):
         result = agreed(comm, lambda: _prepare(url, dest, target, options, src_opts, storage_options))
+        same_source(comm, url, result.manifest.attempt)
         result = _reshard(result, options, progress, comm, None if url == os.fspath(source) else os.fspath(source))
     return result if url == os.fspath(source) else replace(result, source=os.fspath(source))
 

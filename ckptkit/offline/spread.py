@@ -65,6 +65,20 @@ def agreed(comm: Comm | None, step: Callable[[], T]) -> T:
     return value
 
 
+def same_source(comm: Comm | None, url: str, attempt: str | None) -> None:
+    """Every process reads the same checkpoint at ``url``: the save attempt its manifest names is
+    process 0's (collective when spread). A multi-node job whose nodes see different folders at one
+    path would otherwise write a mix of two checkpoints under one commit."""
+    if comm is None:
+        return
+    attempts = comm.all_gather_json(attempt)
+    odd = [p for p, a in enumerate(attempts) if a != attempts[0]]
+    if odd:
+        raise SpreadError(f"process {odd[0]} of {comm.world_size} reads another checkpoint at {url} than process 0 "
+                          f"(save attempt {attempts[odd[0]]}, process 0's {attempts[0]}): every process must see "
+                          "the same source (a shared file system or object store)")
+
+
 @contextmanager
 def spread_source(comm: Comm | None, factory: SourceFactory, source: str | os.PathLike[str],
                   dest: str | os.PathLike[str],

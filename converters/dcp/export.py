@@ -33,7 +33,7 @@ from ckptkit.engine.prefetch import ReadAhead
 from ckptkit.errors import CkptkitError, SaveError, StorageError
 from ckptkit.layout.box import Box, Region
 from ckptkit.layout.manifest import DTYPES, pieces_by_writer
-from ckptkit.offline.spread import agreed, spread_comm
+from ckptkit.offline.spread import agreed, same_source, spread_comm
 from ckptkit.offline.view import CheckpointView, ViewOptions
 from ckptkit.offline.view import open as open_view
 from ckptkit.options import Progress, progress_counter
@@ -89,6 +89,7 @@ def export_dcp(
     t0 = time.perf_counter()
     comm = spread_comm(process_group)
     exp = agreed(comm, lambda: _prepare(source, dest, options, storage_options))
+    same_source(comm, exp.view.url, exp.view.manifest.attempt)
     ranks: Sequence[int] = range(exp.view.manifest.world_size)  # like DCP: every rank a file, empty or not
     bar: SharedProgress | None = None
     if comm is None:
