@@ -314,6 +314,72 @@ def test_processes_that_see_different_sources_fail_before_writing(worlds, src: P
     assert not [p for p in (tmp_path / "out").rglob("*") if p.is_file()]
 
 
+def spread_hf_export(source: str, dest: str, config: str, fail_on: int | None = None) -> dict[str, Any]:
+    """One process's part of a spread HF export (many small shards); ``fail_on``: that process's shard
+    writes fail."""
+    import torch.distributed as dist
+
+    from ckptkit.offline import RunOptions
+    from ckptkit_converters.hf import exporter
+    from ckptkit_converters.hf.options import HFExportOptions
+    from ckptkit_converters.registry import convert
+
+    calls: list[tuple[int, int]] = []
+    real = exporter._shard_bytes
+    if fail_on is not None and dist.get_rank() == fail_on:
+        def failing(shard, header, *a, **k):
+            yield header
+            raise OSError("injected failure writing a shard")
+
+        exporter._shard_bytes = failing
+    try:
+        convert(source, dest, to_format="hf", target_options=HFExportOptions(config=config, max_shard_bytes=64 << 10),
+                run=RunOptions(process_group=dist.group.WORLD, progress=lambda d, t: calls.append((d, t))))
+    except Exception as exc:  # noqa: BLE001 - the test looks at what every process raised
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    finally:
+        exporter._shard_bytes = real
+    return {"progress": calls}
+
+
+@pytest.fixture(scope="module")
+def qwen3_source(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    pytest.importorskip("torchtitan")
+    from tests.test_convert_hf_moe import qwen3_moe, write_config
+
+    folder = tmp_path_factory.mktemp("qwen3")
+    _, _, sd, hf_cfg = qwen3_moe()
+    ckptkit.save({"model": sd, "train": {"step": 1}}, str(folder / "ckpt"))
+    return str(folder / "ckpt"), write_config(folder / "config.json", hf_cfg)
+
+
+def test_a_spread_hf_export_is_the_one_process_export_byte_for_byte(worlds, qwen3_source, tmp_path: Path):
+    from ckptkit_converters.hf.options import HFExportOptions
+    from ckptkit_converters.registry import convert
+
+    src, config = qwen3_source
+    one = convert(src, tmp_path / "one", to_format="hf", target_options=HFExportOptions(config=config,
+                                                                                       max_shard_bytes=64 << 10))
+    assert len(one.shards) > 4
+    results = worlds.run(4, spread_hf_export, src, str(tmp_path / "spread"), config)
+    a = {str(p.relative_to(tmp_path / "one")): p.read_bytes() for p in (tmp_path / "one").rglob("*") if p.is_file()}
+    b = {str(p.relative_to(tmp_path / "spread")): p.read_bytes() for p in (tmp_path / "spread").rglob("*") if p.is_file()}
+    assert sorted(a) == sorted(b)
+    for name in a:  # the index names the source's URL, the same for both
+        assert a[name] == b[name], f"{name} differs"
+    first = results[0]["progress"]
+    assert first and first[-1] == (one.nbytes, one.nbytes) and all(r["progress"] == [] for r in results[1:])
+
+
+def test_a_failing_process_fails_a_spread_hf_export_everywhere_and_removes_the_shards(worlds, qwen3_source,
+                                                                                      tmp_path: Path):
+    src, config = qwen3_source
+    errors = worlds.run(4, spread_hf_export, src, str(tmp_path / "out"), config, 2)
+    assert all("injected failure writing a shard" in r["error"] for r in errors), errors
+    assert errors[0]["error"].startswith("SpreadError") and "process 2" in errors[0]["error"]
+    assert not [p for p in (tmp_path / "out").rglob("*") if p.is_file()]
+
+
 def test_a_conversion_that_does_not_spread_refuses_a_process_group(worlds, src: Path, tmp_path: Path):
     errors = worlds.run(2, spread_zarr_export, str(src), str(tmp_path / "z"))
     assert all("a conversion to zarr runs in one process" in e for e in errors), errors

@@ -19,13 +19,15 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Callable, Iterator
+import uuid
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from datetime import timedelta
 from typing import Any, TypeVar
 
 from ckptkit.engine.collective import Comm, init_process_group, resolve_comm
 from ckptkit.errors import CkptkitError
+from ckptkit.options import Progress
 
 T = TypeVar("T")
 SourceFactory = Callable[[str | None], AbstractContextManager[tuple[str, dict[str, Any] | None]]]
@@ -77,6 +79,37 @@ def same_source(comm: Comm | None, url: str, attempt: str | None) -> None:
         raise SpreadError(f"process {odd[0]} of {comm.world_size} reads another checkpoint at {url} than process 0 "
                           f"(save attempt {attempts[odd[0]]}, process 0's {attempts[0]}): every process must see "
                           "the same source (a shared file system or object store)")
+
+
+class Dealt:
+    """This process's share of ``count`` work units (files, shards) and its progress ``tick``: all of
+    them alone (``comm`` None), or those :func:`~ckptkit.engine.offline_spread.share_of` deals it by
+    ``sizes``, the same on every process with no exchange, with one progress bar on process 0
+    counting every process's bytes (collective when spread: one exchange names the bar's counter).
+    :meth:`close` when the writing ends, :meth:`finish` once the result is committed."""
+
+    def __init__(self, comm: Comm | None, sizes: Mapping[int, int], count: int, progress: Progress | None,
+                 total: int, what: str) -> None:
+        from ckptkit.engine.offline_spread import SharedProgress, share_of
+        from ckptkit.options import progress_counter
+
+        self._bar: Any = None
+        if comm is None:
+            self.mine: list[int] = list(range(count))
+            self.tick: Callable[[int], None] = progress_counter(progress, total)
+            return
+        self.mine = share_of(sizes, count, comm.world_size)[comm.rank]
+        key = f"ckptkit/{what}/{comm.all_gather_json(uuid.uuid4().hex)[0]}/bytes"
+        self._bar = SharedProgress(comm, progress, total, sum(sizes.get(i, 0) for i in self.mine), key)
+        self.tick = self._bar.tick
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+    def finish(self) -> None:
+        if self._bar is not None:
+            self._bar.finish()
 
 
 @contextmanager

@@ -56,7 +56,8 @@ class FormatBase:
     ``options="Dcp"``: the package's ``options`` module holds ``DcpImportOptions`` and
     ``DcpExportOptions`` (``directions`` names the ones that exist). ``importer`` / ``exporter``:
     ``"module:function"`` in the package, called as ``function(source, dest, options=...,
-    storage_options=..., progress=...)``; a format whose functions take other arguments overrides
+    storage_options=..., progress=...)`` (and ``process_group=...`` when ``spreads=True``); a
+    format whose functions take other arguments overrides
     :meth:`run_import` / :meth:`run_export` instead.
     """
 
@@ -127,7 +128,8 @@ class FormatBase:
         return _call(self.importer_at, source, dest, options, run)
 
     def run_export(self, source: str, dest: str, options: Any, run: RunOptions) -> Any:
-        return _call(self.exporter_at, source, dest, options, run)
+        extra = {"process_group": run.process_group} if self.spreads else {}
+        return _call(self.exporter_at, source, dest, options, run, **extra)
 
     def export_options_of(self, given: Any) -> Any:
         cls = self.export_options
@@ -140,10 +142,11 @@ class FormatBase:
         return given
 
 
-def _call(path: str | None, source: str, dest: str, options: Any, run: RunOptions) -> Any:
-    """The conversion function at ``path`` (``"package.module:function"``), called the common way."""
+def _call(path: str | None, source: str, dest: str, options: Any, run: RunOptions, **extra: Any) -> Any:
+    """The conversion function at ``path`` (``"package.module:function"``), called the common way
+    (an export that spreads also takes ``process_group``)."""
     if path is None:
         raise NotImplementedError("a format without importer=/exporter= overrides run_import/run_export")
     module, _, name = path.partition(":")
     function = getattr(importlib.import_module(module), name)
-    return function(source, dest, options=options, storage_options=run.storage_options, progress=run.progress)
+    return function(source, dest, options=options, storage_options=run.storage_options, progress=run.progress, **extra)

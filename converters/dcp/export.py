@@ -21,22 +21,20 @@ from __future__ import annotations
 import os
 import sys
 import time
-import uuid
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from ckptkit.engine.offline_spread import SharedProgress, share_of
 from ckptkit.engine.offline_writer import ConvertResult
 from ckptkit.engine.prefetch import ReadAhead
 from ckptkit.errors import CkptkitError, SaveError, StorageError
 from ckptkit.layout.box import Box, Region
 from ckptkit.layout.manifest import DTYPES, pieces_by_writer
-from ckptkit.offline.spread import agreed, same_source, spread_comm
+from ckptkit.offline.spread import Dealt, agreed, same_source, spread_comm
 from ckptkit.offline.view import CheckpointView, ViewOptions
 from ckptkit.offline.view import open as open_view
-from ckptkit.options import Progress, progress_counter
+from ckptkit.options import Progress
 from ckptkit.storage.base import ByteStore
 from ckptkit.storage.url import open_store
 from ckptkit_converters.dcp.files import METADATA_NAME, Blob, Chunk, OutItem, OutTensor, build_metadata, data_file, save_blob
@@ -90,18 +88,10 @@ def export_dcp(
     comm = spread_comm(process_group)
     exp = agreed(comm, lambda: _prepare(source, dest, options, storage_options))
     same_source(comm, exp.view.url, exp.view.manifest.attempt)
-    ranks: Sequence[int] = range(exp.view.manifest.world_size)  # like DCP: every rank a file, empty or not
-    bar: SharedProgress | None = None
-    if comm is None:
-        tick = progress_counter(progress, exp.total)
-    else:
-        sizes = exp.rank_bytes()
-        ranks = share_of(sizes, len(ranks), comm.world_size)[comm.rank]
-        key = f"ckptkit/dcp-export/{comm.all_gather_json(uuid.uuid4().hex)[0]}/bytes"
-        bar = SharedProgress(comm, progress, exp.total, sum(sizes.get(r, 0) for r in ranks), key)
-        tick = bar.tick
+    # like DCP, every rank a file, empty or not
+    dealt = Dealt(comm, exp.rank_bytes(), exp.view.manifest.world_size, progress, exp.total, "dcp-export")
     try:
-        written = agreed(comm, lambda: _guarded(exp, lambda: _write_files(exp, ranks, options, tick)))
+        written = agreed(comm, lambda: _guarded(exp, lambda: _write_files(exp, dealt.mine, options, dealt.tick)))
         if comm is not None:
             written = _merged(comm.all_gather_json(_to_json(written)))
         agreed(comm, lambda: _guarded(exp, lambda: _commit(exp, written)) if comm is None or comm.rank == 0 else None)
@@ -110,10 +100,8 @@ def export_dcp(
             _discard(exp.out)
         raise
     finally:
-        if bar is not None:
-            bar.close()
-    if bar is not None:
-        bar.finish()
+        dealt.close()
+    dealt.finish()
     manifest = exp.view.manifest
     return DcpConvertResult(exp.view.url, exp.out.url, "dcp", len(manifest.tensors), exp.total,
                             exp.view.bytes_read - exp.read0, time.perf_counter() - t0, tuple(manifest.per_rank_keys))

@@ -4,19 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from ckptkit.offline.formats import RunOptions
 from ckptkit_converters.common.format import FormatBase
 
 
 class DcpFormat(FormatBase, name="dcp", description="a DCP checkpoint", priority=30, options="Dcp",
                 importer="convert:import_dcp", exporter="convert:export_dcp", spreads=True):
     """A DCP directory (``.metadata`` at its root), read at any world size, local or on a store."""
-
-    def run_export(self, source: str, dest: str, options: Any, run: RunOptions) -> Any:
-        from ckptkit_converters.dcp.export import export_dcp
-
-        return export_dcp(source, dest, options=options, storage_options=run.storage_options, progress=run.progress,
-                          process_group=run.process_group)
 
     def detect(self, url: str, storage_options: dict[str, Any] | None = None) -> bool:
         from ckptkit.storage.url import open_store

@@ -65,6 +65,7 @@ from ckptkit_converters.hf.options import CAST_DTYPES, HFExportOptions, HFImport
 from ckptkit.engine.offline_writer import ConvertResult
 from ckptkit.engine.prefetch import ReadAhead
 from ckptkit.errors import CkptkitError, MissingKeysError
+from ckptkit.offline.spread import Dealt, agreed, same_source, spread_comm
 from ckptkit.options import Progress
 from ckptkit.storage.url import open_store
 
@@ -288,6 +289,7 @@ def export_hf(
     options: HFExportOptions = HFExportOptions(),
     storage_options: dict[str, Any] | None = None,
     progress: Progress | None = None,
+    process_group: Any = None,
 ) -> HFExportResult:
     """Write the model weights of the checkpoint at ``source`` as HF safetensors shards at ``dest``.
 
@@ -296,51 +298,93 @@ def export_hf(
     ``heads`` / ``kv_heads``), if anything (given, the argument is used and those are not). Every tensor under the prefix must have a rule in
     the table or be one of its known drops (an unknown name is an error naming it, never a
     silent drop); counts and completeness are checked before anything is written.
+
+    ``process_group`` (a ``torchrun`` job's; call on every process with the same arguments): the
+    shards are dealt to its processes by bytes and each writes its own; process 0 writes the
+    index once every shard is there; a failure anywhere fails every process and removes the shards
+    written. The files are the single-process export's, byte for byte.
     """
+    t0 = time.perf_counter()
+    comm = spread_comm(process_group)
+    job = agreed(comm, lambda: _prepare(source, dest, config, options, storage_options))
+    same_source(comm, job.view.url, job.view.manifest.attempt)
+    sizes = {i: sum(_unit_bytes(u, job.dtypes[u.key]) for u in shard) for i, shard in enumerate(job.shards)}
+    dealt = Dealt(comm, sizes, len(job.shards), progress, job.total, "hf-export")
+    written: list[str] = []
+    try:
+        agreed(comm, lambda: _write_shards(job, dealt.mine, dealt.tick, written))
+    except BaseException:
+        _remove(job.out, written)  # a failed export leaves no shard that a later config.json could pass off as one
+        raise
+    finally:
+        dealt.close()
+    weight_map = {n: name for shard, name in zip(job.shards, job.names) for u in shard for n in u.names}
+    index = {"metadata": {"total_size": job.total, "ckptkit_source": job.view.url,
+                          "ckptkit_family": job.plan.family.name},
+             "weight_map": dict(sorted(weight_map.items()))}
+    # written last, once every shard is there (by process 0): the export is complete
+    agreed(comm, lambda: job.out.put_bytes(INDEX_NAME, json.dumps(index, indent=2).encode())
+           if comm is None or comm.rank == 0 else None)
+    dealt.finish()
+    return HFExportResult(job.view.url, job.out.url, "hf", len(weight_map), job.total, job.view.bytes_read - job.read0,
+                          time.perf_counter() - t0, tuple(job.names), job.plan.family.name, job.plan.prefix,
+                          job.plan.dropped)
+
+
+@dataclass
+class _Job:
+    """What every process of an export finds the same before anything is written."""
+
+    view: Any
+    out: Any
+    cfg: HFConfig
+    plan: _Plan
+    cast: torch.dtype | None
+    permute: bool
+    shards: list[list[Unit]]
+    names: list[str]
+    dtypes: dict[str, torch.dtype]
+    total: int
+    read0: int
+
+
+def _prepare(source: str | os.PathLike[str], dest: str | os.PathLike[str], config: HFConfig | AttentionHeads | None,
+             options: HFExportOptions, storage_options: dict[str, Any] | None) -> _Job:
     import ckptkit
 
-    t0 = time.perf_counter()
     cfg = _config(config, options)
     view = ckptkit.open(source, storage_options=storage_options)
     read0 = view.bytes_read
     plan = plan_export(view, cfg, options)
     cast = DTYPE_NAMES[options.dtype] if options.dtype else None
-    permute = options.permute_rotary is not False
     out = open_store(dest, storage_options)
     if out.exists(INDEX_NAME):
         raise CkptkitError(f"{out.url} already holds an HF export ({INDEX_NAME}); choose an empty destination")
     shards = _shards(plan.units, cast, view, options.max_shard_bytes)
-    names = _shard_names(len(shards))
     dtypes = {u.key: cast or _dtype_of(view, u.key) for u in plan.units}
     for d in set(dtypes.values()):
         if d not in SAFETENSORS_DTYPES:
             raise CkptkitError(f"{view.url}: safetensors cannot store {d} (tensor "
                                f"{next(k for k, v in dtypes.items() if v == d)!r})")
     total = sum(_unit_bytes(u, dtypes[u.key]) for u in plan.units)
-    done, weight_map = [0], {}
+    return _Job(view, out, cfg, plan, cast, options.permute_rotary is not False, shards, _shard_names(len(shards)),
+                dtypes, total, read0)
+
+
+def _write_shards(job: _Job, mine: list[int], tick: Callable[[int], None], written: list[str]) -> None:
+    """Write the shards numbered ``mine``, naming each in ``written`` before it is begun."""
 
     def produce(u: Unit) -> list[torch.Tensor]:
-        t = view[u.key][u.index] if u.index else view[u.key][...]
-        if cast is not None and t.dtype != cast:
-            t = t.to(cast)
-        return apply(u, t, cfg, permute)
+        t = job.view[u.key][u.index] if u.index else job.view[u.key][...]
+        if job.cast is not None and t.dtype != job.cast:
+            t = t.to(job.cast)
+        return apply(u, t, job.cfg, job.permute)
 
-    written: list[str] = []
-    try:
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptkit-hf-read") as pool:
-            for shard, file_name in zip(shards, names):
-                written.append(file_name)
-                out.write_object(file_name, _shard_bytes(shard, _header(shard, dtypes), pool, produce, done, total,
-                                                         progress))
-                weight_map.update({n: file_name for u in shard for n in u.names})
-    except BaseException:
-        _remove(out, written)  # a failed export leaves no shard that a later config.json could pass off as one
-        raise
-    index = {"metadata": {"total_size": total, "ckptkit_source": view.url, "ckptkit_family": plan.family.name},
-             "weight_map": dict(sorted(weight_map.items()))}
-    out.put_bytes(INDEX_NAME, json.dumps(index, indent=2).encode())  # written last: the export is complete
-    return HFExportResult(view.url, out.url, "hf", len(weight_map), total, view.bytes_read - read0,
-                          time.perf_counter() - t0, tuple(names), plan.family.name, plan.prefix, plan.dropped)
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptkit-hf-read") as pool:
+        for i in mine:
+            written.append(job.names[i])
+            job.out.write_object(job.names[i], _shard_bytes(job.shards[i], _header(job.shards[i], job.dtypes), pool,
+                                                            produce, tick))
 
 
 def _remove(out: Any, names: list[str]) -> None:
@@ -366,8 +410,7 @@ def _header(shard: list[Unit], dtypes: dict[str, torch.dtype]) -> bytes:
 
 
 def _shard_bytes(shard: list[Unit], header: bytes, pool: ThreadPoolExecutor,
-                 produce: Callable[[Unit], list[torch.Tensor]], done: list[int], total: int,
-                 progress: Progress | None) -> Iterator[bytes | memoryview]:
+                 produce: Callable[[Unit], list[torch.Tensor]], tick: Callable[[int], None]) -> Iterator[bytes | memoryview]:
     """The shard's bytes: the header, then each unit's tensors as they are read (one unit read ahead)."""
     yield header
     units = ReadAhead(len(shard), lambda i: produce(shard[i]), pool, read_ahead=1)
@@ -378,10 +421,8 @@ def _shard_bytes(shard: list[Unit], header: bytes, pool: ThreadPoolExecutor,
                 raise CkptkitError(f"tensor {u.key!r} gave shape {list(t.shape)} for {u.names}, planned {list(shape)}")
             if t.numel():
                 yield memoryview(t.reshape(-1).view(torch.uint8).numpy())
-            done[0] += t.numel() * t.element_size()
+        tick(sum(t.numel() * t.element_size() for t in tensors))
         del tensors
-        if progress is not None:
-            progress(done[0], total)
 
 
 def _shard_names(n: int) -> list[str]:

@@ -9,7 +9,7 @@ from ckptkit_converters.hf.options import HFExportOptions
 
 
 class HFFormat(FormatBase, name="hf", description="a Hugging Face safetensors folder", priority=50, options="HF",
-               importer="importer:import_hf", exporter="exporter:export_hf"):
+               importer="importer:import_hf", exporter="exporter:export_hf", spreads=True):
     """A folder with ``config.json`` and ``model.safetensors`` (or its index): the model's weights,
     named as transformers names them. Detected last: it is the loosest signature of all."""
 
