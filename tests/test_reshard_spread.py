@@ -193,8 +193,20 @@ def test_torchrun_spreads_the_cli_reshard(src: Path, tmp_path: Path):
     assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
     assert json.loads(job.stdout)["destination"].endswith("dcp")
     assert folder_bytes(tmp_path / "dcp-one") == folder_bytes(tmp_path / "dcp")
+    # reshard --format megatron (the torch_dist export) is spread too
+    from ckptkit_converters.megatron.options import MegatronExportOptions
+    from tests.format_samples import GOLDEN
+
+    golden = str(GOLDEN / "megatron" / "ckpt")
+    convert(golden, tmp_path / "mlm-one", to_format="megatron",
+            target_options=MegatronExportOptions(layout=ParallelConfig.parse("tp2pp2")))
+    cmd[cmd.index("convert"):] = ["reshard", golden, str(tmp_path / "mlm"), "--to", "tp2pp2", "--format", "megatron"]
+    cmd[cmd.index(next(c for c in cmd if c.startswith("--master-port")))] = f"--master-port={free_port()}"
+    job = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
+    assert folder_bytes(tmp_path / "mlm-one") == folder_bytes(tmp_path / "mlm")
     # a conversion that is not spread refuses under torchrun (every process would write DEST) rather than race
-    cmd[cmd.index("convert"):] = ["convert", str(src), str(tmp_path / "z"), "--format", "zarr"]
+    cmd[cmd.index("reshard"):] = ["convert", str(src), str(tmp_path / "z"), "--format", "zarr"]
     cmd[cmd.index(next(c for c in cmd if c.startswith("--master-port")))] = f"--master-port={free_port()}"
     job = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert job.returncode != 0 and "a conversion to zarr runs in one process" in job.stderr
@@ -378,6 +390,60 @@ def test_a_failing_process_fails_a_spread_hf_export_everywhere_and_removes_the_s
     assert all("injected failure writing a shard" in r["error"] for r in errors), errors
     assert errors[0]["error"].startswith("SpreadError") and "process 2" in errors[0]["error"]
     assert not [p for p in (tmp_path / "out").rglob("*") if p.is_file()]
+
+
+def spread_megatron_export(source: str, dest: str, layout: str, fail_on: int | None = None) -> dict[str, Any]:
+    """One process's part of a spread Megatron torch_dist export; ``fail_on``: that process's DCP file
+    writes fail."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from ckptkit.offline import RunOptions
+    from ckptkit_converters.megatron.options import MegatronExportOptions
+    from ckptkit_converters.registry import convert
+
+    real = FileSystemWriter.write_data
+    if fail_on is not None and dist.get_rank() == fail_on:
+        def failing(self, plan, planner):
+            raise OSError("injected failure writing a torch_dist file")
+
+        FileSystemWriter.write_data = failing
+    try:
+        convert(source, dest, to_format="megatron", target_options=MegatronExportOptions(layout=ParallelConfig.parse(layout)),
+                run=RunOptions(process_group=dist.group.WORLD))
+    except Exception as exc:  # noqa: BLE001 - the test looks at what every process raised
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    finally:
+        FileSystemWriter.write_data = real
+    return {}
+
+
+@pytest.mark.parametrize("processes,layout", [(2, "tp2pp2"), (4, "tp2pp1")])
+def test_a_spread_megatron_export_is_the_one_process_export_byte_for_byte(worlds, tmp_path: Path, processes: int,
+                                                                           layout: str):
+    """tp2pp1 from 4 processes: two of them write no file."""
+    from ckptkit_converters.megatron.options import MegatronExportOptions
+    from ckptkit_converters.registry import convert
+    from tests.format_samples import GOLDEN
+
+    source = str(GOLDEN / "megatron" / "ckpt")
+    convert(source, tmp_path / "one", to_format="megatron",
+            target_options=MegatronExportOptions(layout=ParallelConfig.parse(layout)))
+    worlds.run(processes, spread_megatron_export, source, str(tmp_path / "spread"), layout)
+    one, spread_out = folder_bytes(tmp_path / "one"), folder_bytes(tmp_path / "spread")
+    assert sorted(one) == sorted(spread_out) and "common.pt" in one and "metadata.json" in one
+    for name in one:
+        assert one[name] == spread_out[name], f"{name} differs"
+
+
+def test_a_failing_process_fails_a_spread_megatron_export_everywhere(worlds, tmp_path: Path):
+    from tests.format_samples import GOLDEN
+
+    errors = worlds.run(2, spread_megatron_export, str(GOLDEN / "megatron" / "ckpt"), str(tmp_path / "out"),
+                        "tp2pp2", 1)
+    assert all("injected failure writing a torch_dist file" in r["error"] for r in errors), errors
+    assert errors[1]["error"].startswith("SaveError") and errors[0]["error"].startswith("SpreadError")
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_conversion_that_does_not_spread_refuses_a_process_group(worlds, src: Path, tmp_path: Path):

@@ -113,9 +113,6 @@ def reshard_cmd(source: str, dest: str | None, to: ParallelConfig, dp: int | Non
     spread = launched_by_torchrun()
     out = Output(as_json, quiet=spread and os.environ.get("RANK") != "0")
     if fmt == "megatron":
-        if spread:
-            raise CkptkitError("reshard --format megatron runs in one process (the Megatron export is not spread "
-                               "over torchrun's processes yet): run it without torchrun")
         _to_megatron(out, source, dest, target, facts, dry_run=dry_run, storage_options=storage_options)
         return
     from ckptkit.offline import ReshardOptions, ReshardPlanOptions, plan_reshard, reshard, torchrun_group
@@ -199,7 +196,7 @@ def _to_megatron(out: Output, source: str, dest: str | None, target: ParallelCon
                  dry_run: bool, storage_options: dict[str, Any] | None) -> None:
     """``--format megatron``: SOURCE (a ckptkit Megatron checkpoint, or a Megatron one of another
     layout) as a ``torch_dist`` directory for the target's tp/pp (model weights, docs/megatron.md)."""
-    from ckptkit.offline import RunOptions, options_from
+    from ckptkit.offline import RunOptions, options_from, torchrun_group
     from ckptkit_converters.registry import convert, detect, format_named
 
     megatron = format_named("megatron")
@@ -211,11 +208,11 @@ def _to_megatron(out: Output, source: str, dest: str | None, target: ParallelCon
                            "(run it with --format ckptkit --dry-run to see the layout)")
     if dest is None:
         raise CkptkitError("reshard needs DEST (where to write the torch_dist directory)")
-    with out.progress("exporting") as progress:
+    with torchrun_group() as group, out.progress("exporting") as progress:  # spread under torchrun
         fmt = detect(source, storage_options)
         result = convert(source, dest, to_format="megatron", target_options=export,
                          source_options=_source_options(source, facts, storage_options) if fmt else None,
-                         run=RunOptions(progress=progress, storage_options=storage_options))
+                         run=RunOptions(progress=progress, storage_options=storage_options, process_group=group))
     if out.as_json:
         out.json(result.to_json())
         return

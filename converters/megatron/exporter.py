@@ -28,7 +28,9 @@ from ckptkit.errors import CkptkitError, LayoutError, ManifestError, SaveError
 from ckptkit.layout.box import Box
 from ckptkit.layout.config import ParallelConfig
 from ckptkit.offline.view import open as open_view
-from ckptkit.options import Progress, progress_counter
+from ckptkit.engine.collective import Comm
+from ckptkit.offline.spread import Dealt, agreed, same_source, spread_comm
+from ckptkit.options import Progress
 from ckptkit_converters.megatron import files as fmt
 from ckptkit_converters.megatron import names, optimizer_export
 from ckptkit_converters.megatron.files import META_KEY, MODEL, MegatronConvertResult
@@ -289,36 +291,88 @@ def _plan_extra_states(view: Any, plan: _ExportPlan, config: ParallelConfig, num
         plan.items[rank].append(WriteItem(index=MetadataIndex(item_key), type=WriteItemType.BYTE_IO))
 
 
-def _write_directory(view: Any, out: str, plan: _ExportPlan, common: dict[str, Any],
-                     tick: Callable[[int], None]) -> None:
+def _write_directory(view: Any, out: str, plan: _ExportPlan, common: dict[str, Any], comm: Comm | None,
+                     progress: Progress | None) -> None:
     """Write the plan with DCP's own ``FileSystemWriter`` (one virtual rank at a time), then ``common.pt``
     and ``metadata.json``, and ``.metadata`` last (DCP's commit). On any failure the directory is removed;
-    a failure that is not ckptkit's own becomes a :class:`SaveError` naming the export."""
+    a failure that is not ckptkit's own becomes a :class:`SaveError` naming the export.
+
+    Spread (``comm``): every process makes the same global plan, writes the files of its share of the
+    virtual ranks, and sends what DCP's writer reported for them to process 0 as JSON, which writes
+    ``common.pt``, ``metadata.json`` and ``.metadata``; a failure anywhere fails every process and
+    process 0 removes the directory."""
+    try:
+        writer, global_plans, metadata = agreed(comm, lambda: _guarded(view, out, lambda: _set_up(out, plan)))
+        sizes = {i: sum(math.prod(w.tensor_data.chunk.sizes) * w.tensor_data.properties.dtype.itemsize
+                        for w in items if w.tensor_data is not None) for i, items in enumerate(plan.items)}
+        dealt = Dealt(comm, sizes, len(global_plans), progress, plan.nbytes, "megatron-export")
+        try:
+            planner = _ViewPlanner(view, plan.sources, dealt.tick)
+            mine = agreed(comm, lambda: _guarded(view, out, lambda: {
+                i: writer.write_data(global_plans[i], planner).wait() for i in dealt.mine}))  # type: ignore[arg-type]
+        finally:
+            dealt.close()
+        if comm is not None:
+            mine = {int(i): [_result(r) for r in rs] for part in comm.all_gather_json(
+                {i: [_result_json(r) for r in rs] for i, rs in mine.items()}) for i, rs in part.items()}
+        agreed(comm, lambda: _guarded(view, out, lambda: _finish(writer, out, common, metadata,
+                                                                 [mine[i] for i in range(len(global_plans))]))
+               if comm is None or comm.rank == 0 else None)
+        dealt.finish()
+    except BaseException:
+        if comm is None or comm.rank == 0:
+            import shutil
+
+            shutil.rmtree(out, ignore_errors=True)
+        raise
+
+
+def _set_up(out: str, plan: _ExportPlan) -> tuple[Any, list[Any], Any]:
+    """DCP's writer and its global plan for ``plan`` (the same on every process: a pure function of it)."""
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
     from torch.distributed.checkpoint.planner import SavePlan
 
-    try:
-        os.makedirs(out, exist_ok=True)
-        writer = FileSystemWriter(out, single_file_per_rank=True, thread_count=1, overwrite=False)
-        writer.set_up_storage_writer(True)
-        local = [writer.prepare_local_plan(SavePlan(items)) for items in plan.items]
-        global_plans, metadata = create_default_global_save_plan(local)
-        global_plans = writer.prepare_global_plan(global_plans)
-        planner = _ViewPlanner(view, plan.sources, tick)
-        results = [writer.write_data(p, planner).wait() for p in global_plans]  # type: ignore[arg-type]
-        torch.save(common, os.path.join(out, fmt.COMMON_NAME))
-        with open(os.path.join(out, fmt.CONFIG_NAME), "w", encoding="utf-8") as f:
-            json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
-                       "common_backend_version": 1}, f)
-        writer.finish(metadata, results)  # .metadata last: DCP's commit
-    except BaseException as exc:
-        import shutil
+    os.makedirs(out, exist_ok=True)
+    writer = FileSystemWriter(out, single_file_per_rank=True, thread_count=1, overwrite=False)
+    writer.set_up_storage_writer(True)
+    local = [writer.prepare_local_plan(SavePlan(items)) for items in plan.items]
+    global_plans, metadata = create_default_global_save_plan(local)
+    return writer, writer.prepare_global_plan(global_plans), metadata
 
-        shutil.rmtree(out, ignore_errors=True)
-        if isinstance(exc, CkptkitError) or not isinstance(exc, Exception):
+
+def _finish(writer: Any, out: str, common: dict[str, Any], metadata: Any, results: list[Any]) -> None:
+    torch.save(common, os.path.join(out, fmt.COMMON_NAME))
+    with open(os.path.join(out, fmt.CONFIG_NAME), "w", encoding="utf-8") as f:
+        json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
+                   "common_backend_version": 1}, f)
+    writer.finish(metadata, results)  # .metadata last: DCP's commit
+
+
+def _guarded(view: Any, out: str, step: Callable[[], Any]) -> Any:
+    try:
+        return step()
+    except Exception as exc:
+        if isinstance(exc, CkptkitError):
             raise
         raise SaveError(f"exporting {view.url} to torch_dist at {out} failed: {exc}") from exc
+
+
+def _result_json(r: Any) -> list[Any]:
+    """What DCP's writer reported for one written item, as JSON (a spread export's processes send it)."""
+    i, info = r.index, r.storage_data
+    return [i.fqn, None if i.offset is None else list(i.offset), i.index, r.size_in_bytes, info.relative_path,
+            info.offset, info.length, info.transform_descriptors]
+
+
+def _result(doc: list[Any]) -> Any:
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.storage import WriteResult
+
+    fqn, offset, index, size, path, at, length, transforms = doc
+    return WriteResult(index=MetadataIndex(fqn, None if offset is None else torch.Size(offset), index),
+                       size_in_bytes=size, storage_data=_StorageInfo(path, at, length, transform_descriptors=transforms))
 
 
 def _common(meta: Mapping[str, Any], optimizer: Any) -> dict[str, Any]:
@@ -337,7 +391,8 @@ def _common(meta: Mapping[str, Any], optimizer: Any) -> dict[str, Any]:
 def export_torch_dist(source: str | os.PathLike[str], dest: str | os.PathLike[str], *, tp: int, pp: int,
                       ep: int = 1, etp: int | None = None, vpp: int = 1, pp_layers: Sequence[int] | None = None,
                       make_vocab_size_divisible_by: int | None = None, weights_only: bool = False,
-                      progress: Progress | None = None, optimizer: str = "distributed") -> MegatronConvertResult:
+                      progress: Progress | None = None, optimizer: str = "distributed",
+                      process_group: Any = None) -> MegatronConvertResult:
     """Write the ckptkit Megatron checkpoint ``source`` as a torch_dist directory for ``tp``/``pp``
     (and, for an MoE model, ``ep`` / ``etp``: routed experts are written as the expert ranks hold them;
     ``vpp`` / ``pp_layers``: virtual pipeline chunks and uneven stages, as in :class:`ParallelConfig`, each
@@ -356,24 +411,34 @@ def export_torch_dist(source: str | os.PathLike[str], dest: str | os.PathLike[st
     without ``--use-distributed-optimizer``; ``weights_only``: the model (and scheduler) alone. ``common.pt``
     holds ``iteration``, ``checkpoint_version`` and ``content_metadata`` (no ``args``: Megatron-LM
     then keeps its command-line arguments). Memory: about one target rank's tensors (DCP's writer
-    holds a file's tensors until it is written).
+    holds a file's tensors until it is written). ``process_group`` (a ``torchrun`` job's; call on
+    every process with the same arguments): the target ranks' files are spread over its processes
+    (:func:`_write_directory`); the same files as one process writes.
     """
     check_optimizer_form(optimizer)  # before anything is opened or written
     t0 = time.perf_counter()
-    view = open_view(source)
-    meta = _read_meta(view)
-    divisible = make_vocab_size_divisible_by or meta["make_vocab_size_divisible_by"]
+    comm = spread_comm(process_group)
+
+    def prepare() -> tuple[Any, dict[str, Any], ParallelConfig, str, _ExportPlan, Any, Any]:
+        view = open_view(source)
+        meta = _read_meta(view)
+        divisible = make_vocab_size_divisible_by or meta["make_vocab_size_divisible_by"]
+        num_layers = int(meta["num_layers"])
+        config = _target_layout(num_layers, tp, pp, ep, etp, vpp, pp_layers)
+        out = _empty_destination(dest)
+        plan = _plan_tensors(view, config, divisible, num_layers)
+        record = None if weights_only else meta.get("optimizer")
+        common_entry = None
+        if record is not None:
+            common_entry = optimizer_export.optimizer_common(record, view.url, optimizer)
+            _plan_optimizer(view, plan, record, optimizer)
+        _plan_extra_states(view, plan, config, num_layers)
+        return view, meta, config, out, plan, record, common_entry
+
+    view, meta, config, out, plan, record, common_entry = agreed(comm, prepare)
+    same_source(comm, view.url, view.manifest.attempt)
     num_layers = int(meta["num_layers"])
-    config = _target_layout(num_layers, tp, pp, ep, etp, vpp, pp_layers)
-    out = _empty_destination(dest)
-    plan = _plan_tensors(view, config, divisible, num_layers)
-    record = None if weights_only else meta.get("optimizer")
-    common_entry = None
-    if record is not None:
-        common_entry = optimizer_export.optimizer_common(record, view.url, optimizer)
-        _plan_optimizer(view, plan, record, optimizer)
-    _plan_extra_states(view, plan, config, num_layers)
-    _write_directory(view, out, plan, _common(meta, common_entry), progress_counter(progress, plan.nbytes))
+    _write_directory(view, out, plan, _common(meta, common_entry), comm, progress)
     out_meta = {**meta, "layout": {"tp": tp, "pp": pp, "dp": None, "vpp": vpp, "ep": ep,
                                    "etp": config.expert_tp, "pp_layers": list(config.chunk_layers(num_layers))},
                 "optimizer": record}

@@ -14,7 +14,7 @@ from ckptkit_converters.megatron.options import MegatronExportOptions, MegatronI
 
 
 class MegatronFormat(FormatBase, name="megatron", description="a Megatron checkpoint", priority=10,
-                     options="Megatron", relayout=True):
+                     options="Megatron", relayout=True, spreads=True):
     """Megatron-core ``torch_dist`` (``metadata.json`` naming torch_dist) and legacy
     (``mp_rank_*/model_optim_rng.pt``, or the save root with ``latest_checkpointed_iteration.txt``);
     exported as torch_dist at any tp/pp (a Megatron source exported again is a relayout)."""
@@ -49,7 +49,7 @@ class MegatronFormat(FormatBase, name="megatron", description="a Megatron checkp
                                  vpp=target.vpp, pp_layers=target.pp_layers,
                                  make_vocab_size_divisible_by=options.make_vocab_size_divisible_by,
                                  weights_only=options.weights_only, progress=run.progress,
-                                 optimizer=options.optimizer)
+                                 optimizer=options.optimizer, process_group=run.process_group)
 
 
 FORMAT = MegatronFormat()
