@@ -446,6 +446,68 @@ def test_a_failing_process_fails_a_spread_megatron_export_everywhere(worlds, tmp
     assert not (tmp_path / "out").exists()
 
 
+def spread_deepspeed_export(source: str, dest: str, dp: int, zero_stage: int, fail_on: int | None = None) -> dict:
+    """One process's part of a spread DeepSpeed export; ``fail_on``: that process's file writes fail."""
+    import torch.distributed as dist
+
+    from ckptkit.offline import RunOptions
+    from ckptkit_converters.deepspeed import exporter
+    from ckptkit_converters.deepspeed.options import DeepSpeedExportOptions
+    from ckptkit_converters.registry import convert
+
+    real = exporter._save
+    if fail_on is not None and dist.get_rank() == fail_on:
+        def failing(obj, path, tick):
+            raise OSError(f"injected failure writing {os.path.basename(path)}")
+
+        exporter._save = failing
+    try:
+        result = convert(source, dest, to_format="deepspeed",
+                         target_options=DeepSpeedExportOptions(dp=dp, zero_stage=zero_stage),
+                         run=RunOptions(process_group=dist.group.WORLD))
+    except Exception as exc:  # noqa: BLE001 - the test looks at what every process raised
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    finally:
+        exporter._save = real
+    return {"nbytes": result.nbytes}
+
+
+@pytest.mark.parametrize("zero_stage,dp,processes", [(2, 3, 2), (3, 4, 4), (1, 2, 4)])
+def test_a_spread_deepspeed_export_is_the_one_process_export_byte_for_byte(worlds, tmp_path: Path, zero_stage: int,
+                                                                            dp: int, processes: int):
+    """dp2 at ZeRO 1 from 4 processes: the model states are a unit of their own, one process writes nothing."""
+    pytest.importorskip("deepspeed")
+    from ckptkit_converters.deepspeed.importer import import_deepspeed
+    from ckptkit_converters.deepspeed.options import DeepSpeedExportOptions
+    from ckptkit_converters.registry import convert
+    from tests.test_import_trust_folders import deepspeed_folder
+
+    import_deepspeed(deepspeed_folder(tmp_path / "src", stage=2, dp=2), tmp_path / "ckpt")
+    one = convert(tmp_path / "ckpt", tmp_path / "one", to_format="deepspeed",
+                  target_options=DeepSpeedExportOptions(dp=dp, zero_stage=zero_stage))
+    results = worlds.run(processes, spread_deepspeed_export, str(tmp_path / "ckpt"), str(tmp_path / "spread"), dp,
+                         zero_stage)
+    assert [r["nbytes"] for r in results] == [one.nbytes] * processes
+    a = {str(p.relative_to(tmp_path / "one")): p.read_bytes() for p in (tmp_path / "one").rglob("*") if p.is_file()}
+    b = {str(p.relative_to(tmp_path / "spread")): p.read_bytes() for p in (tmp_path / "spread").rglob("*") if p.is_file()}
+    assert sorted(a) == sorted(b) and "latest" in a
+    for name in a:
+        assert a[name] == b[name], f"{name} differs"
+
+
+def test_a_failing_process_fails_a_spread_deepspeed_export_and_commits_nothing(worlds, tmp_path: Path):
+    pytest.importorskip("deepspeed")
+    from ckptkit_converters.deepspeed.importer import import_deepspeed
+    from tests.test_import_trust_folders import deepspeed_folder
+
+    import_deepspeed(deepspeed_folder(tmp_path / "src", stage=2, dp=2), tmp_path / "ckpt")
+    errors = worlds.run(2, spread_deepspeed_export, str(tmp_path / "ckpt"), str(tmp_path / "out"), 4, 2, 1)
+    assert all("injected failure writing" in r["error"] for r in errors), errors
+    assert errors[0]["error"].startswith("SpreadError")
+    assert not (tmp_path / "out" / "latest").exists()  # never committed
+    assert not [p for p in (tmp_path / "out").rglob("*") if p.is_file()]  # the tag folder is removed
+
+
 def test_a_conversion_that_does_not_spread_refuses_a_process_group(worlds, src: Path, tmp_path: Path):
     errors = worlds.run(2, spread_zarr_export, str(src), str(tmp_path / "z"))
     assert all("a conversion to zarr runs in one process" in e for e in errors), errors

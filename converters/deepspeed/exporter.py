@@ -14,6 +14,7 @@ gets DeepSpeed's static scale of 1.0, as bf16 and fp32 engines write it.
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -27,7 +28,8 @@ from ckptkit.adapters.deepspeed import FP32, model_key, optim_key
 from ckptkit.adapters.deepspeed_record import scalar_value
 from ckptkit.engine.offline_writer import ConvertResult
 from ckptkit.errors import LayoutError, StateMismatchError
-from ckptkit.options import Progress, progress_counter
+from ckptkit.offline.spread import Dealt, agreed, same_source, spread_comm
+from ckptkit.options import Progress
 from ckptkit_converters.common.source_paths import plain_name
 from ckptkit_converters.deepspeed import files as fmt
 from ckptkit_converters.deepspeed import moe as dsm
@@ -99,7 +101,7 @@ class ExportPlan:
 def export_deepspeed(source: str | os.PathLike[str], dest: str | os.PathLike[str], *, dp: int,
                      zero_stage: int | None = None, tag: str | None = None, ds_config: dict[str, Any] | None = None,
                      ep: int | None = None, storage_options: dict[str, Any] | None = None,
-                     progress: Progress | None = None) -> ConvertResult:
+                     progress: Progress | None = None, process_group: Any = None) -> ConvertResult:
     """Write the ckptkit DeepSpeed checkpoint ``source`` as a native folder ``dest`` (``latest`` +
     ``tag``, default ``global_step<N>``) for ``dp`` ranks at ZeRO ``zero_stage`` (default: the saving
     stage), with the default flattening (no round robin, no parameter alignment, one ZeRO-3 sub-group
@@ -107,8 +109,54 @@ def export_deepspeed(source: str | os.PathLike[str], dest: str | os.PathLike[str
     saving one): per-expert ``layer_{L}_expert_{E}`` files and ZeRO-1/2 expert groups cut over
     ``dp / ep`` ranks. (``stage=``: the old keyword, one more release, with a DeprecationWarning.)
     ``progress(done, total)``: bytes of the tensors the native files hold, reported as each file is
-    written, against a total the plan gives before the first one is."""
+    written, against a total the plan gives before the first one is. ``latest`` is written last (the
+    export's commit); a failed export removes its tag folder.
+
+    ``process_group`` (a ``torchrun`` job's; call on every process with the same arguments): the dp
+    ranks' files (and the model states) are dealt to its processes, each writes its own, process 0
+    writes ``latest`` once all are there; a failure anywhere fails every process. The same files as
+    one process writes."""
     t0 = time.perf_counter()
+    comm = spread_comm(process_group)
+    job = agreed(comm, lambda: _prepare(source, dest, dp, zero_stage, tag, ds_config, ep, storage_options))
+    same_source(comm, job.view.url, job.view.manifest.attempt)
+    units = dp + (1 if job.plan.zero_stage < 3 else 0)  # the dp ranks' files, then the model states
+    per_rank = sum(lay.cut.partition_numel for lay in job.plan.layouts) * 4 * (1 + len(job.plan.meta["optimizer_state_keys"]))
+    sizes = {u: per_rank if u < dp else max(0, job.total - dp * per_rank) for u in range(units)}
+    dealt = Dealt(comm, sizes, units, progress, job.total, "deepspeed-export")
+    try:
+        nbytes = agreed(comm, lambda: _write_units(job, dealt.mine, dealt.tick))
+        if comm is not None:
+            nbytes = sum(comm.all_gather_json(nbytes))
+        agreed(comm, lambda: _write_latest(job) if comm is None or comm.rank == 0 else None)
+    except BaseException:
+        if comm is None or comm.rank == 0:
+            shutil.rmtree(job.folder, ignore_errors=True)
+        raise
+    finally:
+        dealt.close()
+    dealt.finish()
+    return ConvertResult(job.view.url, job.folder, "deepspeed", len(job.plan.meta["param_shapes"]), nbytes,
+                         job.view.bytes_read, time.perf_counter() - t0)
+
+
+@dataclass
+class _Job:
+    """What every process of an export finds the same before anything is written."""
+
+    view: Any
+    plan: ExportPlan
+    common: dict[str, Any]
+    ds: DeepSpeedClasses
+    dest: str
+    tag: str
+    folder: str
+    total: int
+
+
+def _prepare(source: str | os.PathLike[str], dest: str | os.PathLike[str], dp: int, zero_stage: int | None,
+             tag: str | None, ds_config: dict[str, Any] | None, ep: int | None,
+             storage_options: dict[str, Any] | None) -> _Job:
     ds = DeepSpeedClasses.load()
     view = ckptkit.open(source, storage_options=storage_options)
     plan = plan_export(view.url, read_meta(view), dp, zero_stage, ep)
@@ -118,21 +166,30 @@ def export_deepspeed(source: str | os.PathLike[str], dest: str | os.PathLike[str
         raise StateMismatchError(f"{view.url}: frozen parameters are not supported by the native export")
     tag = plain_name(tag, f"{dest}: the tag option") if tag is not None else f"global_step{plan.meta['global_steps']}"
     folder = os.path.join(os.fspath(dest), tag)
-    tick = progress_counter(progress, planned_bytes(plan, view))
-    os.makedirs(folder, exist_ok=False)
-    cache = _ParamCache(view)
-    nbytes = 0
-    for r in range(dp):
+    if os.path.exists(folder):
+        raise FileExistsError(f"{folder} exists: the export writes a new tag folder (choose another tag or remove it)")
+    return _Job(view, plan, common, ds, os.fspath(dest), tag, folder, planned_bytes(plan, view))
+
+
+def _write_units(job: _Job, mine: list[int], tick: Callable[[int], None]) -> int:
+    """Write the units numbered ``mine`` (dp ranks' files; ``dp``: the ZeRO-1/2 model states); the
+    bytes of the fp32 partitions written."""
+    plan, cache, nbytes = job.plan, _ParamCache(job.view), 0
+    os.makedirs(job.folder, exist_ok=True)
+    for r in mine:
+        if r == plan.dp:
+            _write_model_states_12(plan, job.view, job.folder, job.common, tick)
+            continue
         flats = [{key: _fill(plan, cache, k, r, lambda n, key=key: optim_key(key, n))
                   for key in [FP32, *plan.meta["optimizer_state_keys"]]} for k in range(len(plan.layouts))]
-        _write_rank(plan, view, folder, r, flats, common, ds, tick)
+        _write_rank(plan, job.view, job.folder, r, flats, job.common, job.ds, tick)
         nbytes += sum(t.numel() * 4 for fl in flats for t in fl.values())
-    if plan.zero_stage < 3:
-        _write_model_states_12(plan, view, folder, common, tick)
-    with open(os.path.join(os.fspath(dest), fmt.LATEST), "w", encoding="utf-8") as f:
-        f.write(tag)
-    return ConvertResult(view.url, folder, "deepspeed", len(plan.meta["param_shapes"]), nbytes, view.bytes_read,
-                         time.perf_counter() - t0)
+    return nbytes
+
+
+def _write_latest(job: _Job) -> None:
+    with open(os.path.join(job.dest, fmt.LATEST), "w", encoding="utf-8") as f:
+        f.write(job.tag)
 
 
 def _groups_of(meta: dict[str, Any]) -> list[Group]:

@@ -10,7 +10,7 @@ from ckptkit_converters.deepspeed.options import DeepSpeedExportOptions, DeepSpe
 
 
 class DeepSpeedFormat(FormatBase, name="deepspeed", description="a DeepSpeed checkpoint", priority=20,
-                      options="DeepSpeed"):
+                      options="DeepSpeed", spreads=True):
     """A native DeepSpeed ZeRO checkpoint (stages 1-3, dense or MoE), imported and written at any DP/EP."""
 
     def detect(self, url: str, storage_options: dict[str, Any] | None = None) -> bool:
@@ -35,7 +35,8 @@ class DeepSpeedFormat(FormatBase, name="deepspeed", description="a DeepSpeed che
         from ckptkit_converters.deepspeed import export_deepspeed
 
         return export_deepspeed(source, dest, dp=options.check(), zero_stage=options.zero_stage, ep=options.ep,
-                                tag=options.tag, storage_options=run.storage_options, progress=run.progress)
+                                tag=options.tag, storage_options=run.storage_options, progress=run.progress,
+                                process_group=run.process_group)
 
 
 FORMAT = DeepSpeedFormat()
