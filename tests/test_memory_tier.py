@@ -154,10 +154,24 @@ def restore_with_a_failing_input(run: str, base: str, rank: int, kind: str) -> d
         rebuild._Inputs.read = read
 
 
-def test_a_rebuild_in_many_windows_is_bit_exact(worlds, tmp_path, references):
+@pytest.fixture(scope="module")
+def windowed_parity_run(worlds, tmp_path_factory):
+    """One training run whose snapshots were protected 4 KiB at a time (parity=4, 4 nodes of 1); each
+    test restores a copy of it."""
+    folder = tmp_path_factory.mktemp("windowed")
+    worlds.run(4, _windowed, 4096, train, str(folder / "run"), str(folder / "mem"), 1, parity=4)
+    return folder
+
+
+def _copy_of(run_folder, tmp_path) -> tuple[str, str]:
+    shutil.copytree(run_folder / "run", tmp_path / "run")
+    shutil.copytree(run_folder / "mem", tmp_path / "mem")
+    return str(tmp_path / "run"), str(tmp_path / "mem")
+
+
+def test_a_rebuild_in_many_windows_is_bit_exact(worlds, windowed_parity_run, tmp_path, references):
     """Snapshots protected and rebuilt 4 KiB at a time: a chunk is many windows, each a message."""
-    run, base = str(tmp_path / "run"), str(tmp_path / "mem")
-    worlds.run(4, _windowed, 4096, train, run, base, 1, parity=4)
+    run, base = _copy_of(windowed_parity_run, tmp_path)
     shutil.rmtree(os.path.join(base, "node1"))
     res = worlds.run(4, _windowed, 4096, restore, run, base, 1, parity=4)
     assert res[0]["step"] == STEPS and res[0]["sources"] == ("memory", "parity", "memory", "memory")
@@ -165,12 +179,12 @@ def test_a_rebuild_in_many_windows_is_bit_exact(worlds, tmp_path, references):
 
 
 @pytest.mark.parametrize("holder,kind", [(0, "copy"), (3, "share")])
-def test_an_input_that_fails_mid_rebuild_falls_back_on_every_rank(worlds, tmp_path, references, holder, kind, caplog):
+def test_an_input_that_fails_mid_rebuild_falls_back_on_every_rank(worlds, windowed_parity_run, tmp_path, references,
+                                                                    holder, kind):
     """A holder that cannot read its input halfway through the rebuild says so instead of sending:
     every rank finishes the walk, the rebuilt rank fails naming the input, and the job falls back to
     the persistent checkpoint together, bit-exact (no rank is left waiting)."""
-    run, base = str(tmp_path / "run"), str(tmp_path / "mem")
-    worlds.run(4, _windowed, 4096, train, run, base, 1, parity=4)
+    run, base = _copy_of(windowed_parity_run, tmp_path)
     shutil.rmtree(os.path.join(base, "node2"))
     res = worlds.run(4, _windowed, 4096, restore_with_a_failing_input, run, base, holder, kind)
     assert [r["step"] for r in res] == [PERSIST_EVERY] * 4 and res[0]["sources"] == ("persistent",) * 4
