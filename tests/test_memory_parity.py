@@ -35,9 +35,31 @@ def _raw(blob: bytes) -> BundleBytes:
     return BundleBytes(blob, [])
 
 
+def encode(blobs: list, c: int, window: int = parity.WINDOW) -> list[bytearray]:
+    """Every member's share at once, walking each member's side of the parity rounds as the tier does."""
+    g = len(blobs)
+    shares = [bytearray(c) for _ in range(g)]
+    buf = bytearray(min(window, c) if c else 0)
+    for i, blob in enumerate(blobs):
+        for r in parity.encode_rounds(i, g, c, window):
+            view = memoryview(buf)[: r.n]
+            blob.read_into(r.send_at, view)
+            parity.xor_into(memoryview(shares[r.to])[r.off:r.off + r.n], view)
+    return shares
+
+
 def _rebuilt(lost: int, length: int, others: dict, shares: dict, g: int, c: int, window: int) -> bytes:
+    """Member ``lost``'s bytes, walking the rebuild's windows as a restore does, with every input here."""
+    parity.check_rebuild(lost, length, set(others) & set(shares), g, c)
     out = bytearray()
-    parity.rebuild(lost, length, others, shares, g, c, out.extend, window)
+    acc, tmp = bytearray(min(window, c)), bytearray(min(window, c))
+    for w in parity.rebuild_windows(lost, g, c, window):
+        view = memoryview(acc)[: w.n]
+        view[:] = memoryview(shares[w.share])[w.off:w.off + w.n]
+        for i, at in zip(w.members, w.member_at):
+            others[i].read_into(at, memoryview(tmp)[: w.n])
+            parity.xor_into(view, memoryview(tmp)[: w.n])
+        out += view[: max(0, min(w.n, length - w.at))]
     return bytes(out)
 
 
@@ -47,11 +69,11 @@ def test_any_one_lost_member_is_rebuilt_exactly(g, window, data):
     blobs = [_tensor_bytes(data.draw(st.sampled_from(DTYPES)), data.draw(st.integers(0, 300)), seed=i)
              for i in range(g)]
     c = parity.chunk_len(max(len(b) for b in blobs), g)
-    shares = parity.encode([_raw(b) for b in blobs], c, window)
+    shares = encode([_raw(b) for b in blobs], c, window)
     assert all(len(s) == c for s in shares)
     assert sum(len(s) for s in shares) <= g * (max(len(b) for b in blobs) / (g - 1) + 8)
     # the windows change nothing: the same shares as one window per chunk
-    assert shares == parity.encode([_raw(b) for b in blobs], c, max(8, c))
+    assert shares == encode([_raw(b) for b in blobs], c, max(8, c))
     lost = data.draw(st.integers(0, g - 1))
     others = {i: _raw(blobs[i]) for i in range(g) if i != lost}
     got = _rebuilt(lost, len(blobs[lost]), others, {j: shares[j] for j in range(g) if j != lost}, g, c, window)
@@ -72,7 +94,7 @@ def test_a_bundle_read_at_any_offset_is_its_bytes_then_zeros(pieces, offset, n):
 def test_a_missing_second_member_is_refused():
     blobs = [b"a" * 10, b"b" * 20, b"c" * 5]
     c = parity.chunk_len(20, 3)
-    shares = parity.encode([_raw(b) for b in blobs], c)
+    shares = encode([_raw(b) for b in blobs], c)
     with pytest.raises(CorruptCheckpointError, match="missing"):
         _rebuilt(0, 10, {1: _raw(blobs[1])}, {1: shares[1], 2: shares[2]}, 3, c, parity.WINDOW)
 

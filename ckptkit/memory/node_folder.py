@@ -86,10 +86,9 @@ _HASH_BLOCK = 8 << 20
 class MappedShare:
     """A parity share's file, memory-mapped: :attr:`view` is its bytes (``with`` unmaps it)."""
 
-    def __init__(self, path: str, m: mmap.mmap | None, size: int) -> None:
-        self.path, self._map = path, m
+    def __init__(self, m: mmap.mmap | None) -> None:
+        self._map = m
         self.view = memoryview(m) if m is not None else memoryview(bytearray())
-        self.size = size
 
     @staticmethod
     def open(path: str, size: int, *, writable: bool) -> MappedShare:
@@ -103,7 +102,7 @@ class MappedShare:
             m = mmap.mmap(fd, size, prot=mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)) if size else None
         finally:
             os.close(fd)
-        return MappedShare(path, m, size)
+        return MappedShare(m)
 
     def digest(self) -> str:
         return hashlib.sha256(self.view).hexdigest()

@@ -18,9 +18,8 @@ Bytes are XORed as 64-bit words (chunks and windows are multiples of 8 bytes).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Protocol
 
 import numpy as np
 
@@ -29,14 +28,6 @@ from ckptkit.errors import CorruptCheckpointError
 WORD = 8
 WINDOW = 32 << 20
 """Bytes of a chunk moved and XORed at once: one message each way per window in the parity rounds."""
-
-
-class Readable(Protocol):
-    """A snapshot's bytes, read at any offset; zeros past its end."""
-
-    length: int
-
-    def read_into(self, offset: int, out: memoryview) -> None: ...
 
 
 def chunk_len(max_len: int, g: int) -> int:
@@ -129,35 +120,3 @@ def check_rebuild(lost: int, length: int, present: set[int], g: int, c: int) -> 
         raise CorruptCheckpointError(f"cannot rebuild parity member {lost}: members {missing} are missing too")
     if length > (g - 1) * c:
         raise CorruptCheckpointError(f"parity member {lost}: {length} bytes do not fit {g - 1} chunks of {c}")
-
-
-def encode(blobs: list[Readable], c: int, window: int = WINDOW) -> list[bytearray]:
-    """Every member's share at once (single-process: tests, tools); the rounds' arithmetic."""
-    g = len(blobs)
-    shares = [bytearray(c) for _ in range(g)]
-    buf = bytearray(min(window, c) if c else 0)
-    for i, blob in enumerate(blobs):
-        for r in encode_rounds(i, g, c, window):
-            view = memoryview(buf)[: r.n]
-            blob.read_into(r.send_at, view)
-            xor_into(memoryview(shares[r.to])[r.off:r.off + r.n], view)
-    return shares
-
-
-def rebuild(lost: int, length: int, others: Mapping[int, Readable], shares: Mapping[int, bytes | bytearray],
-            g: int, c: int, emit: Callable[[memoryview], None], window: int = WINDOW) -> None:
-    """Member ``lost``'s snapshot (``length`` bytes), from every other member's snapshot and share,
-    handed to ``emit`` in order a window at a time (single-process; the restore walks the same
-    windows with the inputs on other ranks)."""
-    check_rebuild(lost, length, set(others) & set(shares), g, c)
-    acc, tmp = bytearray(min(window, c)), bytearray(min(window, c))
-    for w in rebuild_windows(lost, g, c, window):
-        out = memoryview(acc)[: w.n]
-        share = memoryview(shares[w.share])[w.off:w.off + w.n]
-        if len(share) != w.n:
-            raise CorruptCheckpointError(f"parity share {w.share} has {len(shares[w.share])} bytes, expected {c}")
-        out[:] = share
-        for i, at in zip(w.members, w.member_at):
-            others[i].read_into(at, memoryview(tmp)[: w.n])
-            xor_into(out, memoryview(tmp)[: w.n])
-        emit(out[: max(0, min(w.n, length - w.at))])

@@ -37,6 +37,7 @@ from ckptkit.offline.view import open as open_view
 from ckptkit.options import Progress
 from ckptkit.storage.base import ByteStore
 from ckptkit.storage.url import open_store
+from ckptkit_converters.common.failures import export_step
 from ckptkit_converters.dcp.files import METADATA_NAME, Blob, Chunk, OutItem, OutTensor, build_metadata, data_file, save_blob
 from ckptkit_converters.dcp.keys import ObjPath, check_unique, dcp_key, export_path, value_leaves
 from ckptkit_converters.dcp.options import DcpExportOptions
@@ -60,6 +61,10 @@ class _Export:
     values: list[tuple[str, ObjPath, Any]]
     total: int
     read0: int
+
+    @property
+    def what(self) -> str:
+        return f"exporting {self.view.url} to DCP at {self.out.url}"
 
     def rank_bytes(self) -> dict[int, int]:
         tensors = self.view.manifest.tensors
@@ -91,10 +96,10 @@ def export_dcp(
     # like DCP, every rank a file, empty or not
     dealt = Dealt(comm, exp.rank_bytes(), exp.view.manifest.world_size, progress, exp.total, "dcp-export")
     try:
-        written = agreed(comm, lambda: _guarded(exp, lambda: _write_files(exp, dealt.mine, options, dealt.tick)))
+        written = agreed(comm, lambda: export_step(lambda: _write_files(exp, dealt.mine, options, dealt.tick), StorageError, exp.what))
         if comm is not None:
             written = _merged(comm.all_gather_json(_to_json(written)))
-        agreed(comm, lambda: _guarded(exp, lambda: _commit(exp, written)) if comm is None or comm.rank == 0 else None)
+        agreed(comm, lambda: export_step(lambda: _commit(exp, written), StorageError, exp.what) if comm is None or comm.rank == 0 else None)
     except BaseException:
         if comm is None or comm.rank == 0:
             _discard(exp.out)
@@ -121,16 +126,6 @@ def _prepare(source: str | os.PathLike[str] | CheckpointView, dest: str | os.Pat
                  view.url)
     total = sum(m.numel * DTYPES[m.dtype] for m in manifest.tensors.values())
     return _Export(view, out, _export_boxes(manifest, pieces_by_writer(manifest)), values, total, read0)
-
-
-def _guarded(exp: _Export, step: Callable[[], Any]) -> Any:
-    """``step()``, its failures as the export's (a :class:`StorageError` naming both ends)."""
-    try:
-        return step()
-    except Exception as exc:
-        if isinstance(exc, CkptkitError):
-            raise
-        raise StorageError(f"exporting {exp.view.url} to DCP at {exp.out.url} failed: {exc}") from exc
 
 
 def _write_files(exp: _Export, ranks: Sequence[int], options: DcpExportOptions, tick: Callable[[int], None]) -> Written:

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ckptkit.errors import CkptkitError, LayoutError, ManifestError, SaveError
+from ckptkit.errors import LayoutError, ManifestError, SaveError
 from ckptkit.layout.box import Box
 from ckptkit.layout.config import ParallelConfig
 from ckptkit.offline.view import open as open_view
@@ -35,6 +35,7 @@ from ckptkit_converters.megatron import files as fmt
 from ckptkit_converters.megatron import names, optimizer_export
 from ckptkit_converters.megatron.files import META_KEY, MODEL, MegatronConvertResult
 from ckptkit_converters.megatron.options import check_optimizer_form
+from ckptkit_converters.common.failures import export_step
 from ckptkit_converters.common.renamed import divisible_by_renamed
 
 Chunk = tuple[int, tuple[int, ...], tuple[int, ...]]
@@ -301,22 +302,23 @@ def _write_directory(view: Any, out: str, plan: _ExportPlan, common: dict[str, A
     virtual ranks, and sends what DCP's writer reported for them to process 0 as JSON, which writes
     ``common.pt``, ``metadata.json`` and ``.metadata``; a failure anywhere fails every process and
     process 0 removes the directory."""
+    what = f"exporting {view.url} to torch_dist at {out}"
     try:
-        writer, global_plans, metadata = agreed(comm, lambda: _guarded(view, out, lambda: _set_up(out, plan)))
+        writer, global_plans, metadata = agreed(comm, lambda: export_step(lambda: _set_up(out, plan), SaveError, what))
         sizes = {i: sum(math.prod(w.tensor_data.chunk.sizes) * w.tensor_data.properties.dtype.itemsize
                         for w in items if w.tensor_data is not None) for i, items in enumerate(plan.items)}
         dealt = Dealt(comm, sizes, len(global_plans), progress, plan.nbytes, "megatron-export")
         try:
             planner = _ViewPlanner(view, plan.sources, dealt.tick)
-            mine = agreed(comm, lambda: _guarded(view, out, lambda: {
-                i: writer.write_data(global_plans[i], planner).wait() for i in dealt.mine}))  # type: ignore[arg-type]
+            mine = agreed(comm, lambda: export_step(lambda: {
+                i: writer.write_data(global_plans[i], planner).wait() for i in dealt.mine}, SaveError, what))
         finally:
             dealt.close()
         if comm is not None:
             mine = {int(i): [_result(r) for r in rs] for part in comm.all_gather_json(
                 {i: [_result_json(r) for r in rs] for i, rs in mine.items()}) for i, rs in part.items()}
-        agreed(comm, lambda: _guarded(view, out, lambda: _finish(writer, out, common, metadata,
-                                                                 [mine[i] for i in range(len(global_plans))]))
+        agreed(comm, lambda: export_step(lambda: _finish(writer, out, common, metadata,
+                                                          [mine[i] for i in range(len(global_plans))]), SaveError, what)
                if comm is None or comm.rank == 0 else None)
         dealt.finish()
     except BaseException:
@@ -347,15 +349,6 @@ def _finish(writer: Any, out: str, common: dict[str, Any], metadata: Any, result
         json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
                    "common_backend_version": 1}, f)
     writer.finish(metadata, results)  # .metadata last: DCP's commit
-
-
-def _guarded(view: Any, out: str, step: Callable[[], Any]) -> Any:
-    try:
-        return step()
-    except Exception as exc:
-        if isinstance(exc, CkptkitError):
-            raise
-        raise SaveError(f"exporting {view.url} to torch_dist at {out} failed: {exc}") from exc
 
 
 def _result_json(r: Any) -> list[Any]:
