@@ -189,3 +189,43 @@ def test_rebuilt_round_trip_truncation_and_a_wrong_digest(tmp_path):
     with pytest.raises(CorruptCheckpointError, match="more than"):
         with _sink(folder, blob) as sink:
             sink.feed(blob + b"\0")
+
+
+@pytest.mark.parametrize("what", ["header", "bytes", "link"])
+def test_a_hostile_share_is_refused_at_once(tmp_path, what):
+    """A FIFO (or a link out of the folder) in place of a share's header or bytes: refused with a clear
+    error, never waited on (a FIFO's open and read block for ever)."""
+    import threading
+
+    from ckptkit.errors import CkptkitError
+    from ckptkit.memory.node_folder import ShareHeader
+
+    folder = NodeFolder(str(tmp_path / "node"))
+    step = folder.step_path(3)
+    os.makedirs(step)
+    header = ShareHeader(3, (0, 1, 2), 1, 8, (8, 8, 8), ("0" * 64,) * 3, "0" * 64)
+    json_path, bin_path = os.path.join(step, "share-00001.json"), os.path.join(step, "share-00001.bin")
+    if what == "header":
+        os.mkfifo(json_path)
+    else:
+        with open(json_path, "wb") as f:
+            f.write(header.to_json())
+        if what == "bytes":
+            os.mkfifo(bin_path)
+        else:
+            (tmp_path / "outside").write_bytes(b"x" * 8)
+            os.symlink(tmp_path / "outside", bin_path)
+    errors: list[BaseException] = []
+
+    def attempt() -> None:
+        for call in (folder.check_share, folder.open_share):
+            try:
+                call(3, 1)
+            except CkptkitError as exc:
+                errors.append(exc)
+
+    t = threading.Thread(target=attempt, daemon=True)
+    t.start()
+    t.join(10)
+    assert not t.is_alive(), "a hostile share made the reader wait"
+    assert len(errors) == 2, errors

@@ -14,6 +14,7 @@ metadata and a CRC32C of every block, the same as for any checkpoint.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -21,6 +22,7 @@ import mmap
 import os
 import re
 import shutil
+import stat
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,12 +95,20 @@ class MappedShare:
     @staticmethod
     def open(path: str, size: int, *, writable: bool) -> MappedShare:
         flags = (os.O_RDWR | os.O_CREAT | os.O_TRUNC) if writable else os.O_RDONLY
-        fd = os.open(path, flags | os.O_NOFOLLOW, 0o644)
         try:
+            fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)  # a FIFO in its place: no wait
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise CorruptCheckpointError(f"{path}: a link in place of a parity share, not followed") from None
+            raise
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise CorruptCheckpointError(f"{path}: a parity share must be a regular file")
             if writable:
                 os.ftruncate(fd, size)
-            elif os.fstat(fd).st_size != size:
-                raise CorruptCheckpointError(f"{path}: parity share of {os.fstat(fd).st_size} bytes, expected {size}")
+            elif st.st_size != size:
+                raise CorruptCheckpointError(f"{path}: parity share of {st.st_size} bytes, expected {size}")
             m = mmap.mmap(fd, size, prot=mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)) if size else None
         finally:
             os.close(fd)
@@ -182,26 +192,30 @@ class NodeFolder:
                           f"{self.rank_store(step, rank).url} (parity rebuild)")
 
     def share_header(self, step: int, holder: int) -> ShareHeader:
-        """A parity share's header alone (what an inventory lists; its bytes are checked at a restore)."""
+        """A parity share's header alone (what an inventory lists; its bytes are checked at a restore).
+        Read as any checkpoint object is: a regular file inside the folder, at most MAX_HEADER bytes
+        (a FIFO, a device or a link out of the folder in its place is refused, never waited on)."""
         where = self._share_path(step, holder, ".json")
-        with open(where, "rb") as f:
-            size = os.fstat(f.fileno()).st_size  # read what is there: a read of MAX_HEADER allocates it
-            if size > MAX_HEADER:
-                raise CorruptCheckpointError(f"{where}: a parity share header of {size} bytes (at most {MAX_HEADER})")
-            return ShareHeader.from_json(f.read(size), where)
+        data = LocalStore(self.step_path(step)).read_bytes(f"share-{holder:05d}.json", limit=MAX_HEADER)
+        return ShareHeader.from_json(data, where)
 
     def check_share(self, step: int, holder: int) -> ShareHeader:
         """A parity share's header, once its bytes are checked against the digest it records (read
         in blocks: a share is a third of a snapshot at ``g = 4``)."""
         header = self.share_header(step, holder)
-        path = self._share_path(step, holder, ".bin")
-        h, size = hashlib.sha256(), 0
-        with open(path, "rb") as f:
-            while block := f.read(min(_HASH_BLOCK, header.chunk + 1 - size)):
-                h.update(block)
-                size += len(block)
-        if size != header.chunk or h.hexdigest() != header.share_digest:
-            raise CorruptCheckpointError(f"{path}: parity share does not match its header's digest")
+        store, key = LocalStore(self.step_path(step)), f"share-{holder:05d}.bin"
+        size = store.checked_size(key)
+        if size != header.chunk:
+            raise CorruptCheckpointError(f"{self._share_path(step, holder, '.bin')}: parity share of {size} bytes, "
+                                         f"its header says {header.chunk}")
+        h, block = hashlib.sha256(), bytearray(min(_HASH_BLOCK, size))
+        for at in range(0, size, len(block) or 1):
+            view = memoryview(block)[: min(len(block), size - at)]
+            store.read_into(key, at, view)
+            h.update(view)
+        if h.hexdigest() != header.share_digest:
+            raise CorruptCheckpointError(f"{self._share_path(step, holder, '.bin')}: parity share does not match "
+                                         "its header's digest")
         return header
 
     def open_share(self, step: int, holder: int) -> MappedShare:
