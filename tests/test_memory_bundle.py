@@ -121,3 +121,31 @@ def test_any_header_writes_only_inside_its_rank_folder(tmp_path_factory, files, 
     for dirpath, _, names in os.walk(base):
         for name in names:
             assert os.path.realpath(os.path.join(dirpath, name)).startswith(rank_root + os.sep)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "link"])
+def test_a_fifo_or_link_in_a_snapshot_folder_is_refused_not_waited_on(tmp_path, kind):
+    """The manifest's checks see only the files it lists; a bundle sends every file of the folder, so
+    each is opened as a regular file or refused (a FIFO's open blocks for ever)."""
+    import threading
+
+    src = _snapshot(tmp_path / "src")
+    extra = os.path.join(src.root, "extra")
+    if kind == "fifo":
+        os.mkfifo(extra)
+    else:
+        (tmp_path / "outside").write_bytes(b"secret")
+        os.symlink(tmp_path / "outside", extra)
+    got: list[BaseException] = []
+
+    def attempt() -> None:
+        try:
+            OutgoingBundle.open(src).close()
+        except CorruptCheckpointError as exc:
+            got.append(exc)
+
+    t = threading.Thread(target=attempt, daemon=True)
+    t.start()
+    t.join(10)
+    assert not t.is_alive(), "opening the bundle waited on a FIFO"
+    assert len(got) == 1 and "extra" in str(got[0])

@@ -23,11 +23,13 @@ CRCs, the same as for any checkpoint.
 from __future__ import annotations
 
 import bisect
+import errno
 import hashlib
 import itertools
 import json
 import mmap
 import os
+import stat
 import struct
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
@@ -80,6 +82,22 @@ def parse_header(view: memoryview, where: str) -> tuple[list[tuple[str, int]], i
     return entries, start + hlen
 
 
+def _open_regular(path: str) -> int:
+    """A file of a committed rank folder, opened to be read: refused (never waited on) when a FIFO,
+    a device or a link stands there instead (a damaged or hostile node folder; the manifest's checks
+    only see the files it lists)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise CorruptCheckpointError(f"{path}: a link in a memory snapshot folder, not followed") from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CorruptCheckpointError(f"{path}: not a regular file in a memory snapshot folder")
+    return fd
+
+
 def _unmap(parts: list[memoryview], maps: list[mmap.mmap]) -> None:
     """Release the views first: a map with a view still exported cannot close."""
     for part in parts:
@@ -113,7 +131,7 @@ class OutgoingBundle(_Closing):
         files = []
         try:
             for key in keys:
-                fd = os.open(os.path.join(store.root, key), os.O_RDONLY | os.O_NOFOLLOW)
+                fd = _open_regular(os.path.join(store.root, key))
                 try:
                     size = os.fstat(fd).st_size
                     if size:
