@@ -36,6 +36,27 @@ def blob_of(store: LocalStore) -> bytes:
         return bytes(blob)
 
 
+def errors_within(calls: list, error: type[BaseException], seconds: float = 10.0) -> list[BaseException]:
+    """Each call's ``error`` (a call that returns adds nothing), asserting that all of them finish within
+    ``seconds``: a reader that waits on a FIFO for ever fails the test instead of hanging it."""
+    import threading
+
+    got: list[BaseException] = []
+
+    def attempt() -> None:
+        for call in calls:
+            try:
+                call()
+            except error as exc:
+                got.append(exc)
+
+    t = threading.Thread(target=attempt, daemon=True)
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), "a reader waited instead of refusing"
+    return got
+
+
 def _stream(out: OutgoingBundle, folder: NodeFolder, step: int, rank: int, *, commit: bool = True) -> IncomingBundle:
     """What Link.swap_parts does between two ranks, in one process: each part into its sink."""
     with folder.incoming(step, rank, out.header) as sink:
@@ -127,8 +148,6 @@ def test_any_header_writes_only_inside_its_rank_folder(tmp_path_factory, files, 
 def test_a_fifo_or_link_in_a_snapshot_folder_is_refused_not_waited_on(tmp_path, kind):
     """The manifest's checks see only the files it lists; a bundle sends every file of the folder, so
     each is opened as a regular file or refused (a FIFO's open blocks for ever)."""
-    import threading
-
     src = _snapshot(tmp_path / "src")
     extra = os.path.join(src.root, "extra")
     if kind == "fifo":
@@ -136,16 +155,5 @@ def test_a_fifo_or_link_in_a_snapshot_folder_is_refused_not_waited_on(tmp_path, 
     else:
         (tmp_path / "outside").write_bytes(b"secret")
         os.symlink(tmp_path / "outside", extra)
-    got: list[BaseException] = []
-
-    def attempt() -> None:
-        try:
-            OutgoingBundle.open(src).close()
-        except CorruptCheckpointError as exc:
-            got.append(exc)
-
-    t = threading.Thread(target=attempt, daemon=True)
-    t.start()
-    t.join(10)
-    assert not t.is_alive(), "opening the bundle waited on a FIFO"
+    got = errors_within([lambda: OutgoingBundle.open(src).close()], CorruptCheckpointError)
     assert len(got) == 1 and "extra" in str(got[0])
