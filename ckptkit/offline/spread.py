@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 
 from ckptkit.engine.collective import Comm, init_process_group, resolve_comm
 from ckptkit.errors import CkptkitError
-from ckptkit.options import Progress
+from ckptkit.options import Progress, progress_counter
 
 T = TypeVar("T")
 SourceFactory = Callable[[str | None], AbstractContextManager[tuple[str, dict[str, Any] | None]]]
@@ -91,7 +91,6 @@ class Dealt:
     def __init__(self, comm: Comm | None, sizes: Mapping[int, int], count: int, progress: Progress | None,
                  total: int, what: str) -> None:
         from ckptkit.engine.offline_spread import SharedProgress, share_of
-        from ckptkit.options import progress_counter
 
         self._bar: Any = None
         if comm is None:
@@ -110,6 +109,30 @@ class Dealt:
     def finish(self) -> None:
         if self._bar is not None:
             self._bar.finish()
+
+
+def write_then_commit(comm: Comm | None, dealt: Dealt, write: Callable[[list[int]], Any],
+                      commit: Callable[[list[Any]], None] | None, discard: Callable[[], None], *,
+                      every_process_discards: bool = False) -> list[Any]:
+    """The write protocol of a spread export: ``write(dealt.mine)`` on every process (its result
+    JSON-able: it travels to process 0), then ``commit(every process's result, in process order)``
+    on process 0 alone. A failure of either step on any process fails it on every process, after
+    all of them stopped writing; then ``discard()`` removes what was written, on process 0 (or on
+    every process, each removing its own). One process alone (``comm`` None) runs the same steps.
+    Returns every process's result."""
+    try:
+        mine = agreed(comm, lambda: write(dealt.mine))
+        parts = [mine] if comm is None else comm.all_gather_json(mine)
+        if commit is not None:
+            agreed(comm, lambda: commit(parts) if comm is None or comm.rank == 0 else None)
+    except BaseException:
+        if every_process_discards or comm is None or comm.rank == 0:
+            discard()
+        raise
+    finally:
+        dealt.close()
+    dealt.finish()
+    return parts
 
 
 @contextmanager

@@ -31,7 +31,7 @@ from ckptkit.engine.prefetch import ReadAhead
 from ckptkit.errors import CkptkitError, SaveError, StorageError
 from ckptkit.layout.box import Box, Region
 from ckptkit.layout.manifest import DTYPES, pieces_by_writer
-from ckptkit.offline.spread import Dealt, agreed, same_source, spread_comm
+from ckptkit.offline.spread import Dealt, agreed, same_source, spread_comm, write_then_commit
 from ckptkit.offline.view import CheckpointView, ViewOptions
 from ckptkit.offline.view import open as open_view
 from ckptkit.options import Progress
@@ -95,18 +95,14 @@ def export_dcp(
     same_source(comm, exp.view.url, exp.view.manifest.attempt)
     # like DCP, every rank a file, empty or not
     dealt = Dealt(comm, exp.rank_bytes(), exp.view.manifest.world_size, progress, exp.total, "dcp-export")
-    try:
-        written = agreed(comm, lambda: export_step(lambda: _write_files(exp, dealt.mine, options, dealt.tick), StorageError, exp.what))
-        if comm is not None:
-            written = _merged(comm.all_gather_json(_to_json(written)))
-        agreed(comm, lambda: export_step(lambda: _commit(exp, written), StorageError, exp.what) if comm is None or comm.rank == 0 else None)
-    except BaseException:
-        if comm is None or comm.rank == 0:
-            _discard(exp.out)
-        raise
-    finally:
-        dealt.close()
-    dealt.finish()
+
+    def write(mine: list[int]) -> list[Any]:
+        return export_step(lambda: _to_json(_write_files(exp, mine, options, dealt.tick)), StorageError, exp.what)
+
+    def commit(parts: list[Any]) -> None:
+        export_step(lambda: _commit(exp, _merged(parts)), StorageError, exp.what)
+
+    write_then_commit(comm, dealt, write, commit, lambda: _discard(exp.out))
     manifest = exp.view.manifest
     return DcpConvertResult(exp.view.url, exp.out.url, "dcp", len(manifest.tensors), exp.total,
                             exp.view.bytes_read - exp.read0, time.perf_counter() - t0, tuple(manifest.per_rank_keys))
@@ -164,7 +160,8 @@ def _to_json(written: Written) -> list[Any]:
 
 
 def _merged(parts: list[Any]) -> Written:
-    """Every process's chunks and items, back from JSON (items come from rank 0's file alone)."""
+    """Every process's chunks and items, back from JSON (items come from rank 0's file alone; one
+    process alone takes the same way, so the two write the same ``.metadata``)."""
     # file names interned: one string per file, as one process's chunks share it (the pickled
     # .metadata then refers to it as one process's does, and is as small)
     chunks = [(k, Chunk(Box(tuple(o), tuple(s)), Blob(sys.intern(f), at, n)))

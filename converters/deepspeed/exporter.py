@@ -28,7 +28,7 @@ from ckptkit.adapters.deepspeed import FP32, model_key, optim_key
 from ckptkit.adapters.deepspeed_record import scalar_value
 from ckptkit.engine.offline_writer import ConvertResult
 from ckptkit.errors import LayoutError, StateMismatchError
-from ckptkit.offline.spread import Dealt, agreed, same_source, spread_comm
+from ckptkit.offline.spread import Dealt, agreed, same_source, spread_comm, write_then_commit
 from ckptkit.options import Progress
 from ckptkit_converters.common.source_paths import plain_name
 from ckptkit_converters.deepspeed import files as fmt
@@ -124,19 +124,10 @@ def export_deepspeed(source: str | os.PathLike[str], dest: str | os.PathLike[str
     per_rank = sum(lay.cut.partition_numel for lay in job.plan.layouts) * 4 * (1 + len(job.plan.meta["optimizer_state_keys"]))
     sizes = {u: per_rank if u < dp else max(0, job.total - dp * per_rank) for u in range(units)}
     dealt = Dealt(comm, sizes, units, progress, job.total, "deepspeed-export")
-    try:
-        nbytes = agreed(comm, lambda: _write_units(job, dealt.mine, dealt.tick))
-        if comm is not None:
-            nbytes = sum(comm.all_gather_json(nbytes))
-        agreed(comm, lambda: _write_latest(job) if comm is None or comm.rank == 0 else None)
-    except BaseException:
-        if comm is None or comm.rank == 0:
-            shutil.rmtree(job.folder, ignore_errors=True)
-        raise
-    finally:
-        dealt.close()
-    dealt.finish()
-    return ConvertResult(job.view.url, job.folder, "deepspeed", len(job.plan.meta["param_shapes"]), nbytes,
+    write_then_commit(comm, dealt, lambda mine: _write_units(job, mine, dealt.tick), lambda _: _write_latest(job),
+                      lambda: shutil.rmtree(job.folder, ignore_errors=True))
+    # every rank's file holds its fp32 partitions, one per group and kind: the bytes the result reports
+    return ConvertResult(job.view.url, job.folder, "deepspeed", len(job.plan.meta["param_shapes"]), dp * per_rank,
                          job.view.bytes_read, time.perf_counter() - t0)
 
 
@@ -171,10 +162,9 @@ def _prepare(source: str | os.PathLike[str], dest: str | os.PathLike[str], dp: i
     return _Job(view, plan, common, ds, os.fspath(dest), tag, folder, planned_bytes(plan, view))
 
 
-def _write_units(job: _Job, mine: list[int], tick: Callable[[int], None]) -> int:
-    """Write the units numbered ``mine`` (dp ranks' files; ``dp``: the ZeRO-1/2 model states); the
-    bytes of the fp32 partitions written."""
-    plan, cache, nbytes = job.plan, _ParamCache(job.view), 0
+def _write_units(job: _Job, mine: list[int], tick: Callable[[int], None]) -> None:
+    """Write the units numbered ``mine`` (dp ranks' files; ``dp``: the ZeRO-1/2 model states)."""
+    plan, cache = job.plan, _ParamCache(job.view)
     os.makedirs(job.folder, exist_ok=True)
     for r in mine:
         if r == plan.dp:
@@ -183,8 +173,6 @@ def _write_units(job: _Job, mine: list[int], tick: Callable[[int], None]) -> int
         flats = [{key: _fill(plan, cache, k, r, lambda n, key=key: optim_key(key, n))
                   for key in [FP32, *plan.meta["optimizer_state_keys"]]} for k in range(len(plan.layouts))]
         _write_rank(plan, job.view, job.folder, r, flats, job.common, job.ds, tick)
-        nbytes += sum(t.numel() * 4 for fl in flats for t in fl.values())
-    return nbytes
 
 
 def _write_latest(job: _Job) -> None:

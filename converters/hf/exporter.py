@@ -65,7 +65,7 @@ from ckptkit_converters.hf.options import CAST_DTYPES, HFExportOptions, HFImport
 from ckptkit.engine.offline_writer import ConvertResult
 from ckptkit.engine.prefetch import ReadAhead
 from ckptkit.errors import CkptkitError, MissingKeysError
-from ckptkit.offline.spread import Dealt, agreed, same_source, spread_comm
+from ckptkit.offline.spread import Dealt, agreed, same_source, spread_comm, write_then_commit
 from ckptkit.options import Progress
 from ckptkit.storage.url import open_store
 
@@ -311,13 +311,10 @@ def export_hf(
     sizes = {i: sum(_unit_bytes(u, job.dtypes[u.key]) for u in shard) for i, shard in enumerate(job.shards)}
     dealt = Dealt(comm, sizes, len(job.shards), progress, job.total, "hf-export")
     written: list[str] = []
-    try:
-        agreed(comm, lambda: _write_shards(job, dealt.mine, dealt.tick, written))
-    except BaseException:
-        _remove(job.out, written)  # a failed export leaves no shard that a later config.json could pass off as one
-        raise
-    finally:
-        dealt.close()
+    # a failed export leaves no shard that a later config.json could pass off as one: each process
+    # removes its own; the index is written after (below), as before
+    write_then_commit(comm, dealt, lambda mine: _write_shards(job, mine, dealt.tick, written), None,
+                      lambda: _remove(job.out, written), every_process_discards=True)
     weight_map = {n: name for shard, name in zip(job.shards, job.names) for u in shard for n in u.names}
     index = {"metadata": {"total_size": job.total, "ckptkit_source": job.view.url,
                           "ckptkit_family": job.plan.family.name},
@@ -325,7 +322,6 @@ def export_hf(
     # written last, once every shard is there (by process 0): the export is complete
     agreed(comm, lambda: job.out.put_bytes(INDEX_NAME, json.dumps(index, indent=2).encode())
            if comm is None or comm.rank == 0 else None)
-    dealt.finish()
     return HFExportResult(job.view.url, job.out.url, "hf", len(weight_map), job.total, job.view.bytes_read - job.read0,
                           time.perf_counter() - t0, tuple(job.names), job.plan.family.name, job.plan.prefix,
                           job.plan.dropped)

@@ -17,6 +17,7 @@ import io
 import json
 import math
 import os
+import shutil
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -29,7 +30,7 @@ from ckptkit.layout.box import Box
 from ckptkit.layout.config import ParallelConfig
 from ckptkit.offline.view import open as open_view
 from ckptkit.engine.collective import Comm
-from ckptkit.offline.spread import Dealt, agreed, same_source, spread_comm
+from ckptkit.offline.spread import Dealt, agreed, same_source, spread_comm, write_then_commit
 from ckptkit.options import Progress
 from ckptkit_converters.megatron import files as fmt
 from ckptkit_converters.megatron import names, optimizer_export
@@ -305,28 +306,25 @@ def _write_directory(view: Any, out: str, plan: _ExportPlan, common: dict[str, A
     what = f"exporting {view.url} to torch_dist at {out}"
     try:
         writer, global_plans, metadata = agreed(comm, lambda: export_step(lambda: _set_up(out, plan), SaveError, what))
-        sizes = {i: sum(math.prod(w.tensor_data.chunk.sizes) * w.tensor_data.properties.dtype.itemsize
-                        for w in items if w.tensor_data is not None) for i, items in enumerate(plan.items)}
-        dealt = Dealt(comm, sizes, len(global_plans), progress, plan.nbytes, "megatron-export")
-        try:
-            planner = _ViewPlanner(view, plan.sources, dealt.tick)
-            mine = agreed(comm, lambda: export_step(lambda: {
-                i: writer.write_data(global_plans[i], planner).wait() for i in dealt.mine}, SaveError, what))
-        finally:
-            dealt.close()
-        if comm is not None:
-            mine = {int(i): [_result(r) for r in rs] for part in comm.all_gather_json(
-                {i: [_result_json(r) for r in rs] for i, rs in mine.items()}) for i, rs in part.items()}
-        agreed(comm, lambda: export_step(lambda: _finish(writer, out, common, metadata,
-                                                          [mine[i] for i in range(len(global_plans))]), SaveError, what)
-               if comm is None or comm.rank == 0 else None)
-        dealt.finish()
     except BaseException:
         if comm is None or comm.rank == 0:
-            import shutil
-
             shutil.rmtree(out, ignore_errors=True)
         raise
+    sizes = {i: sum(math.prod(w.tensor_data.chunk.sizes) * w.tensor_data.properties.dtype.itemsize
+                    for w in items if w.tensor_data is not None) for i, items in enumerate(plan.items)}
+    dealt = Dealt(comm, sizes, len(global_plans), progress, plan.nbytes, "megatron-export")
+    planner = _ViewPlanner(view, plan.sources, dealt.tick)
+
+    def write(mine: list[int]) -> dict[int, list[Any]]:
+        return export_step(lambda: {i: [_result_json(r) for r in writer.write_data(global_plans[i], planner).wait()]
+                                    for i in mine}, SaveError, what)
+
+    def commit(parts: list[dict[Any, list[Any]]]) -> None:
+        results = {int(i): [_result(r) for r in rs] for part in parts for i, rs in part.items()}
+        export_step(lambda: _finish(writer, out, common, metadata, [results[i] for i in range(len(global_plans))]),
+                    SaveError, what)
+
+    write_then_commit(comm, dealt, write, commit, lambda: shutil.rmtree(out, ignore_errors=True))
 
 
 def _set_up(out: str, plan: _ExportPlan) -> tuple[Any, list[Any], Any]:
