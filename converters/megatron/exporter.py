@@ -12,7 +12,6 @@ rank at a time, streaming boxes from the ckptkit checkpoint. The steps: read
 from __future__ import annotations
 
 import dataclasses
-import functools
 import io
 import json
 import math
@@ -33,7 +32,7 @@ from ckptkit.engine.collective import Comm
 from ckptkit.offline.spread import Dealt, agreed, same_source, spread_comm, write_then_commit
 from ckptkit.options import Progress
 from ckptkit_converters.megatron import files as fmt
-from ckptkit_converters.megatron import names, optimizer_export
+from ckptkit_converters.megatron import extra_states, names, optimizer_export
 from ckptkit_converters.megatron.files import META_KEY, MODEL, MegatronConvertResult
 from ckptkit_converters.megatron.options import check_optimizer_form
 from ckptkit_converters.common.failures import export_step
@@ -43,24 +42,17 @@ Chunk = tuple[int, tuple[int, ...], tuple[int, ...]]
 """One target chunk: (writer rank, offsets, sizes) in the padded global tensor."""
 
 
-@functools.cache
-def _none_list() -> bytes:
-    """``torch.save([None])``: what Megatron saves as a linear module's ``_extra_state`` without FP8 state."""
-    buf = io.BytesIO()
-    torch.save([None], buf)
-    return buf.getvalue()
-
-
 def _extra_state_items(keys: Sequence[str], shapes: Mapping[str, tuple[int, ...]], num_layers: int,
                        config: ParallelConfig) -> list[tuple[int, str]]:
     """The ``_extra_state`` ShardedObjects Megatron's linear layers declare, as ``(writer rank, DCP key)``.
 
     ``model.sharded_state_dict()`` lists one per linear module and layer
     (``decoder.layers.<module>._extra_state/shard_<layer>_<L>``), and a load
-    fails on a missing one, so the export writes each holding ``[None]`` (what
-    Megatron saves for modules without FP8 state; Transformer Engine's
-    ``set_extra_state`` accepts None). Routed experts declare one per layer
-    and global expert: ``shard_<layer>.<expert>_<L>.<E>``.
+    fails on a missing one, so the export writes each: the checkpoint's payload
+    where it holds one (Transformer Engine's FP8 state), else ``[None]`` (what
+    Megatron saves for modules without FP8 state; TE's ``set_extra_state``
+    accepts None): :func:`.extra_states.export_blob`. Routed experts declare
+    one per layer and global expert: ``shard_<layer>.<expert>_<L>.<E>``.
     """
     out = []
     mesh = config.mesh()
@@ -94,7 +86,7 @@ class _ViewPlanner:
 
     def resolve_data(self, item: Any) -> Any:
         if item.tensor_data is None:  # an _extra_state item
-            return io.BytesIO(_none_list())
+            return io.BytesIO(extra_states.export_blob(self._view, item.index.fqn))
         key = self._sources[item.index.fqn]
         chunk = item.tensor_data.chunk
         offs, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
@@ -289,8 +281,11 @@ def _plan_extra_states(view: Any, plan: _ExportPlan, config: ParallelConfig, num
     from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
     shapes = {k: view.manifest.tensors[v].shape for k, v in plan.keys.items()}
+    written = set()
     for rank, item_key in _extra_state_items(list(plan.keys), shapes, num_layers, config):
         plan.items[rank].append(WriteItem(index=MetadataIndex(item_key), type=WriteItemType.BYTE_IO))
+        written.add(extra_states.PREFIX + item_key)
+    plan.skipped = [k for k in plan.skipped if k not in written]  # payloads no item asks for stay listed
 
 
 def _write_directory(view: Any, out: str, plan: _ExportPlan, common: dict[str, Any], comm: Comm | None,

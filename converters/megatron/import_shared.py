@@ -24,6 +24,7 @@ from ckptkit.layout.values import encode_value
 from ckptkit.options import Progress
 from ckptkit.storage.url import open_store
 from ckptkit_converters.megatron import files as fmt
+from ckptkit.adapters.megatron import extra_state
 from ckptkit_converters.megatron import names
 from ckptkit_converters.megatron.files import META_KEY, MODEL, MegatronConvertResult
 from ckptkit_converters.common.renamed import divisible_by_renamed
@@ -140,6 +141,7 @@ def _partition_rules(specs: Mapping[str, StoredTensor],
     stored shapes: what lets ``ckptkit reshard`` lay the model out at another tp/pp offline."""
     shapes = {k[len(MODEL):]: s.shape for k, s in specs.items() if k.startswith(MODEL)}
     return {k: None if k.endswith(names.VOCAB_PADDING_SUFFIX)  # the saving layout's padding rows: no rule
+            else extra_state.rule_of(*extra_state.parse_name(k)) if k.startswith(extra_state.PREFIX)
             else names.rule_for(megatron_key(k), divisible_by=make_vocab_size_divisible_by,
                                 ffn=names.gated_ffn(megatron_key(k), shapes))
             for k in specs}

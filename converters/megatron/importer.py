@@ -23,7 +23,8 @@ optimizers' (``exp_avg``, ``exp_avg_sq``, ``fp32_param``) and the distributed op
 hyper-parameters; :mod:`ckptkit_converters.megatron.optimizer_record`) and the LR scheduler's state. So is the
 distributed optimizer's state in Megatron-LM's default ``dp_reshardable`` buckets, placed in model space by
 :mod:`ckptkit_converters.megatron.optimizer_buckets`. Non-tensor items other than the optimizer's
-(``_extra_state``, RNG) are listed in ``skipped``. Every pickle is opened as
+(RNG, and ``_extra_state`` in a form other than Transformer Engine 2.x's payload) are listed in
+``skipped``; TE's FP8 payloads are imported by :mod:`.extra_states`. Every pickle is opened as
 :mod:`ckptkit_converters.megatron.files` says.
 """
 
@@ -54,7 +55,7 @@ from ckptkit_converters.dcp.files import (
     parse_metadata,
 )
 from ckptkit_converters.megatron import files as fmt
-from ckptkit_converters.megatron import names, optimizer_buckets, optimizer_record
+from ckptkit_converters.megatron import extra_states, names, optimizer_buckets, optimizer_record
 from ckptkit_converters.megatron.optimizer_buckets import BucketPieces
 from ckptkit_converters.megatron.files import MODEL, MegatronConvertResult
 from ckptkit_converters.megatron.import_shared import (
@@ -194,7 +195,8 @@ def import_torch_dist(source: str | os.PathLike[str], dest: str | os.PathLike[st
     :class:`~ckptkit.offline.formats.MissingImportOptions`). ``divisible_by=``: the old keyword,
     one more release, with a DeprecationWarning. Model tensors (vocab padding rows kept apart) and
     the optimizer state, in model space or in ``dp_reshardable`` buckets (see the module docstring);
-    other non-tensor items (``_extra_state``, RNG) are listed in ``skipped``.
+    Transformer Engine FP8 ``_extra_state`` payloads (:mod:`.extra_states`); other non-tensor items
+    (RNG, extra state in another form) are listed in ``skipped``.
     """
     t0 = time.perf_counter()
     folder = os.fspath(source)
@@ -218,15 +220,28 @@ def import_torch_dist(source: str | os.PathLike[str], dest: str | os.PathLike[st
     with ThreadPoolExecutor(max_workers=threads * 3, thread_name_prefix="ckptkit-megatron-read") as pool:
         stored, optimizer, skipped = _stored(folder, ckpt, common, model, src, ranks, pool)
         placed = _place_chunks(stored, ranks, vocab_size)
+        payloads = extra_states.read_payloads(src, ckpt, ranks)
+        placed.specs.update(payloads.specs())
+        for rank in payloads.by_rank:
+            placed.pieces.setdefault(rank, []).extend(payloads.pieces(rank))
+        skipped = _unconsumed(skipped, ckpt, payloads.consumed)
         meta = import_meta("torch_dist", fmt.iteration_of(common), num_layers, vocab_size, divisible, tp, pp, dp,
                            args.vpp, names.OUTPUT not in model,
                            optimizer=optimizer_record.optimizer_record(stored, optimizer, where),
                            scheduler=optimizer_record.scheduler_record(common, where))
         run = ImportRun(os.fspath(dest), src.url, threads, progress, storage_options, t0)
         return write_import(run, world, placed.specs, placed.pieces,
-                            lambda rank, _: _Cut(BucketPieces(src, placed.reads.get(rank, []), pool, 2),
-                                                 placed.rows.get(rank, {})),
+                            lambda rank, _: extra_states.WithPayloads(
+                                _Cut(BucketPieces(src, placed.reads.get(rank, []), pool, 2), placed.rows.get(rank, {})),
+                                payloads.by_rank.get(rank, [])),
                             meta, skipped)
+
+
+def _unconsumed(skipped: tuple[str, ...], ckpt: DcpCheckpoint, consumed: set[str]) -> tuple[str, ...]:
+    """``skipped`` less the item keys every item of which the import carried (extra-state payloads)."""
+    left = {fqn.split("/")[0] for fqn in ckpt.items if fqn not in consumed}
+    carried = {fqn.split("/")[0] for fqn in consumed} - left
+    return tuple(k for k in skipped if k not in carried)
 
 
 _CHAINED = re.compile(r"^chained_\d+\.")

@@ -31,10 +31,12 @@ reshard --to tp4pp2`` can rewrite the checkpoint for a target layout offline.
 Mixture-of-experts models (routed ``SequentialMLP`` experts, the router and
 its expert bias, shared experts) are saved in the same model space at any
 ``ep`` / ``etp``: see docs/moe.md for the expert convention and what is
-tested. Megatron is imported only inside this package. Not covered (refused
-with a clear error): ``GroupedMLP`` / ``TEGroupedMLP`` expert weights,
-non-Adam-like optimizer wrappers, Transformer-Engine FP8 ``_extra_state``
-payloads.
+tested. Transformer Engine's FP8 ``_extra_state`` payloads are carried as
+Megatron declares them, and vetted before a module unpickles one
+(:mod:`.extra_state`, :mod:`.te_payload`). Megatron is imported only inside
+this package. Not covered (refused with a clear error): ``GroupedMLP`` /
+``TEGroupedMLP`` expert weights, non-Adam-like optimizer wrappers, TE 1.x's
+``io.BytesIO`` extra state.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from typing import Any
 import torch
 
 import ckptkit
+from ckptkit.adapters.megatron import extra_state
 from ckptkit.adapters.megatron import optimizer_state as opt_state
 from ckptkit.adapters.megatron.model_space import (
     DataParallelSizes,
@@ -56,6 +59,7 @@ from ckptkit.adapters.megatron.model_space import (
     ParamSpace,
     chunk_params,
     padding_plan,
+    unwrap,
 )
 from ckptkit.engine.metadata_io import read_manifest
 from ckptkit.engine.state import PerRank, Sharded
@@ -67,6 +71,7 @@ from ckptkit.storage.url import open_store
 FORMAT = 1
 ROOT = "megatron"
 META_KEY = f"{ROOT}/meta"
+_EXTRA = "extra"
 
 
 @dataclass(frozen=True)
@@ -110,18 +115,18 @@ def _chunks(model: Any) -> list[Any]:
     return list(model) if isinstance(model, (list, tuple)) else [model]
 
 
-def _spaces(model: Any, vocab: ModelSpaceOptions) -> list[ParamSpace]:
+def _declared(model: Any, vocab: ModelSpaceOptions) -> tuple[list[ParamSpace], list[extra_state.ExtraState]]:
+    """The model chunks' parameters in model space, and their modules' extra states."""
     from megatron.core import parallel_state as ps
 
     sizes = DataParallelSizes(ps.get_data_parallel_world_size(with_context_parallel=True),
                               ps.get_expert_data_parallel_world_size())
     spaces, objects = chunk_params(_chunks(model), vocab, sizes)
-    for key, obj in objects:
-        data = getattr(obj, "data", None)
-        if data is not None and not (isinstance(data, torch.Tensor) and data.numel() == 0):
-            raise StateMismatchError(f"Megatron object {key!r} holds {type(data).__name__} state (e.g. Transformer-Engine "
-                                     "FP8 metadata); ckptkit's Megatron adapter carries only empty _extra_state")
-    return spaces
+    return spaces, extra_state.declared([unwrap(c) for c in _chunks(model)], objects)
+
+
+def _spaces(model: Any, vocab: ModelSpaceOptions) -> list[ParamSpace]:
+    return _declared(model, vocab)[0]
 
 
 def same_layout(saved: Mapping[str, int], current: Mapping[str, int]) -> bool:
@@ -174,11 +179,12 @@ def megatron_state(model: Any, *, optimizer: Any = None, scheduler: Any = None, 
                    extra: Mapping[str, Any] | None = None, options: MegatronOptions = MegatronOptions()) -> dict[str, Any]:
     """The ckptkit state of a Megatron job (tensors are the job's own; the saver snapshots them)."""
     vocab = ModelSpaceOptions(options.vocab_size, options.make_vocab_size_divisible_by)
-    spaces = _spaces(model, vocab)
+    spaces, extras = _declared(model, vocab)
     entries: dict[str, Any] = {}
     for i, s in enumerate(spaces):
         for j, sh in enumerate(_by_tensor(s.view(), s.box_pieces("model/", for_save=True), s, "model/")):
             entries[f"p{i}.{j}"] = sh
+    entries[_EXTRA] = extra_state.save_entries(extras)
     meta: dict[str, Any] = {
         "format": FORMAT, "iteration": int(iteration), "layout": layout(), "num_layers": _num_layers(model),
         "vocab_size": options.vocab_size, "make_vocab_size_divisible_by": options.make_vocab_size_divisible_by,
@@ -246,14 +252,31 @@ def read_meta(path: str | os.PathLike[str], storage_options: dict[str, Any] | No
 def load_entries(model: Any, meta: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]], *, optimizer: Any = None,
                  load_optimizer: bool = True, where: str = "") -> tuple[dict[str, Any], list[opt_state.ParamState], bool]:
     """What a load fills, as Sharded declarations of this job's own tensors at this job's layout: the
-    model chunks, and the optimizer's state (primed if it has not stepped). ``meta`` and ``shapes`` are
-    :func:`read_meta`'s. Also the optimizer's per-parameter states and whether main copies are loaded.
-    Apart so that the load a large layout would do can be planned without reading (tests/scale_megatron.py)."""
+    model chunks (and their modules' stored extra states), and the optimizer's state (primed if it has
+    not stepped). ``meta`` and ``shapes`` are :func:`read_meta`'s. Also the optimizer's per-parameter
+    states and whether main copies are loaded. Apart so that the load a large layout would do can be
+    planned without reading (tests/scale_megatron.py)."""
+    plan = _load_plan(model, meta, shapes, optimizer=optimizer, load_optimizer=load_optimizer, where=where)
+    return plan.entries, plan.states, plan.load_main
+
+
+@dataclass(frozen=True)
+class _LoadPlan:
+    entries: dict[str, Any]
+    states: list[opt_state.ParamState]
+    load_main: bool
+    extras: list[extra_state.ExtraState]
+
+
+def _load_plan(model: Any, meta: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]], *, optimizer: Any,
+               load_optimizer: bool, where: str) -> _LoadPlan:
     vocab = ModelSpaceOptions(meta["vocab_size"], meta["make_vocab_size_divisible_by"])
-    spaces = padding_plan(_spaces(model, vocab), dict(shapes), "model/")
+    spaces, extras = _declared(model, vocab)
+    spaces = padding_plan(spaces, dict(shapes), "model/")
     entries: dict[str, Any] = {}
     for i, s in enumerate(spaces):
         entries[f"p{i}"] = Sharded(s.view(), s.box_pieces("model/", for_save=False))
+    entries[_EXTRA] = extra_state.load_entries(extras, shapes)
     saved_opt = meta.get("optimizer")
     states: list[opt_state.ParamState] = []
     load_main = False
@@ -270,12 +293,12 @@ def load_entries(model: Any, meta: Mapping[str, Any], shapes: Mapping[str, tuple
         for j, ps in enumerate(states):
             for name in saved_opt["tensor_states"] + ([opt_state.MAIN] if load_main else []):
                 entries[f"o{j}/{name}"] = opt_state.state_pieces(ps, name, for_save=False)
-    needed = {p.tensor for e in entries.values() for p in e.pieces}
+    needed = {p.tensor for e in entries.values() if isinstance(e, Sharded) for p in e.pieces}
     missing = sorted(needed - set(shapes))
     if missing:
         raise MissingKeysError(f"{where}: {len(missing)} tensor(s) this job needs are not in the checkpoint: "
                                f"{', '.join(repr(k) for k in missing[:8])}")
-    return entries, states, load_main
+    return _LoadPlan(entries, states, load_main, extras)
 
 
 def load(model: Any, path: str | os.PathLike[str], *, optimizer: Any = None, scheduler: Any = None,
@@ -287,12 +310,13 @@ def load(model: Any, path: str | os.PathLike[str], *, optimizer: Any = None, sch
     ``load_optimizer=False`` loads the weights alone; an ``optimizer`` passed then has its main copies
     refreshed from them (bf16/fp16 training), as Megatron-LM's own load without the optimizer does."""
     meta, shapes = read_meta(path, storage_options)
-    entries, states, load_main = load_entries(model, meta, shapes, optimizer=optimizer, load_optimizer=load_optimizer,
-                                              where=str(path))
+    plan = _load_plan(model, meta, shapes, optimizer=optimizer, load_optimizer=load_optimizer, where=str(path))
+    entries, states, load_main = plan.entries, plan.states, plan.load_main
     same = same_layout(meta["layout"], layout())
     if same:
         entries["rng"] = PerRank(None)
     ckptkit.load({ROOT: entries}, path, strict=False, options=options, storage_options=storage_options)
+    extra_state.restore(plan.extras, entries[_EXTRA], str(path))
     if states:
         opt_state.zero_fresh_rows(states)
         opt_state.sync_model_from_main(optimizer, had_main=load_main, have_main=any(ps.main is not None for ps in states))

@@ -302,23 +302,23 @@ def _replica(st: Any, dp_size: int) -> tuple[bool, int]:
 
 
 def chunk_params(chunks: Iterable[Any], vocab: ModelSpaceOptions, dp_sizes: DataParallelSizes) -> tuple[
-        list[ParamSpace], list[tuple[str, Any]]]:
+        list[ParamSpace], list[tuple[int, str, Any]]]:
     """Every declared parameter and buffer of the model chunks with its model space, and the
-    ShardedObjects (``_extra_state``)."""
+    ShardedObjects (``_extra_state``) as ``(chunk, state path, object)``."""
     spaces: list[ParamSpace] = []
-    objects: list[tuple[str, Any]] = []
-    for chunk in chunks:
+    objects: list[tuple[int, str, Any]] = []
+    for index, chunk in enumerate(chunks):
         model = unwrap(chunk)
         _refuse_transposed_experts(model)
         experts = routed_expert_params(model)
         tensors = [*model.parameters(), *(b for b in model.buffers() if b.numel())]
         owners = _Owners(tensors)
         grouped: dict[int, list[Any]] = {}
-        for _, leaf in _expand(model.sharded_state_dict()):
+        for path, leaf in _expand(model.sharded_state_dict()):
             sts = _sharded_tensors(leaf)
             if not sts:
                 if leaf is not None and hasattr(leaf, "key"):
-                    objects.append((leaf.key, leaf))
+                    objects.append((index, path, leaf))
                 continue
             for st in sts:
                 owner = owners.owner(st.data)
