@@ -213,3 +213,28 @@ def test_only_te2_payloads_are_carried_at_a_save():
     for data in (io.BytesIO(b"x"), {"scale": torch.ones(1)}, torch.ones(3), torch.zeros(2, 2, dtype=torch.uint8)):
         with pytest.raises(StateMismatchError, match="module 'm' holds a"):
             _payload(SimpleNamespace(data=data), "m")
+
+
+def test_a_grouped_gemm_modules_fp8_state_is_refused_and_its_empty_state_passed_over():
+    """TEGroupedMLP's grouped linear (``num_gemms`` experts in one module, ``_extra_state<i>`` per expert):
+    Megatron merges those in a load hook a per-object ``set_extra_state`` would bypass, so FP8 state there is
+    refused by name at the save, and state without FP8 (empty) is not declared at all."""
+    pytest.importorskip("megatron.core")
+    from types import SimpleNamespace
+
+    from ckptkit.adapters.megatron.extra_state import declared
+    from ckptkit.errors import StateMismatchError
+
+    model = torch.nn.Module()
+    model.add_module("fc1", torch.nn.Module())
+    model.fc1.num_gemms = 2
+
+    def obj(data, i):
+        return SimpleNamespace(key="decoder.layers.mlp.experts.linear_fc1._extra_state", data=data,
+                               global_offset=(0, i), global_shape=(1, 2), replica_id=(0, 0, 0),
+                               unique_key=f"decoder.layers.mlp.experts.linear_fc1._extra_state/shard_0.{i}_1.2")
+
+    empty = torch.empty(0, dtype=torch.uint8)
+    assert declared([model], [(0, "fc1._extra_state", obj(empty, 0)), (0, "fc1._extra_state1", obj(empty, 1))]) == []
+    with pytest.raises(StateMismatchError, match="'fc1._extra_state1' is a grouped-GEMM linear"):
+        declared([model], [(0, "fc1._extra_state1", obj(te.payload("x"), 1))])

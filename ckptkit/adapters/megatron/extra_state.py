@@ -26,6 +26,7 @@ Every payload a load would hand to a module is vetted first
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +43,7 @@ from ckptkit.layout.rules import PartitionRule
 
 PREFIX = "extra/"
 SUFFIX = "._extra_state"
+_GROUPED = re.compile(r"\._extra_state(\d*)$")
 _STACKED = "decoder.layers."
 
 
@@ -65,6 +67,12 @@ def declared(chunks: Sequence[Any], objects: Sequence[tuple[int, str, Any]]) -> 
 
     out = []
     for chunk, path, obj in objects:
+        grouped = _GROUPED.search(path)
+        if grouped:
+            module = chunks[chunk].get_submodule(path[: grouped.start()])
+            if getattr(module, "num_gemms", 1) > 1 or grouped.group(1):
+                _refuse_grouped(obj, path)
+                continue
         if not path.endswith(SUFFIX):
             raise StateMismatchError(f"Megatron object {obj.key!r} (state {path!r}) is not a module's _extra_state; "
                                      "ckptkit's Megatron adapter carries only those")
@@ -72,6 +80,17 @@ def declared(chunks: Sequence[Any], objects: Sequence[tuple[int, str, Any]]) -> 
         out.append(ExtraState(PREFIX + obj.unique_key, path, module, is_main_replica(obj.replica_id),
                               _rule(obj), _payload(obj, path)))
     return out
+
+
+def _refuse_grouped(obj: Any, path: str) -> None:
+    """A grouped-GEMM module (``TEGroupedMLP``'s ``TEGroupedLinear``): Megatron splits its FP8 state per
+    expert at the save and merges it back in a ``load_state_dict`` pre-hook, which a ``set_extra_state``
+    per object would bypass. Without FP8 state (empty payloads) there is nothing to carry; with it, refused."""
+    if _payload(obj, path) is not None:
+        raise StateMismatchError(
+            f"Megatron module {path!r} is a grouped-GEMM linear (TEGroupedMLP) with FP8 state; ckptkit does not carry "
+            "its per-expert _extra_state (Megatron merges it in a load hook): save without FP8, or with "
+            "SequentialMLP experts")
 
 
 def _payload(obj: Any, path: str) -> torch.Tensor | None:
