@@ -16,8 +16,14 @@ the report says which):
              (``wait4`` rusage of that very command, measured one process removed as
              benchmarks/bench_reshard.py explains)
 
+  hf export --max-memory 32MiB
+             the same export under a memory budget: every HF tensor written in slabs of rows
+             (converters/hf/slabs.py); the files must be the unbudgeted export's, byte for byte
+
 Ratios: export wall / raw-write wall, and peak RSS / (2 x the largest checkpoint tensor + 300 MB)
-(target <= 1: the export streams one expert slice at a time, never a shard or a stacked tensor).
+(target <= 1: the export streams one expert slice at a time, never a shard or a stacked tensor);
+under the budget, peak RSS / (the budget + 300 MiB for the interpreter, torch and ckptkit: ``--quick``'s
+export peaks at about 280 MiB) (target <= 1: no tensor is held whole).
 The result is checked once: every HF tensor of layer 0 and the embedding against the source,
 read through ``ckptkit.open``.
 
@@ -174,6 +180,24 @@ def check_equal(src: str, dst: str, m: Model) -> None:
         raise AssertionError(f"{len(experts)} expert tensors exported, expected {3 * m.experts * m.layers}")
 
 
+BUDGET = 32 * MiB
+
+
+def same_files(a: str, b: str) -> None:
+    """The budgeted export's files are the unbudgeted one's, byte for byte (the benchmark stops otherwise)."""
+    names = sorted(os.listdir(a))
+    if names != sorted(os.listdir(b)):
+        raise SystemExit(f"the budgeted export wrote {sorted(os.listdir(b))}, the unbudgeted {names}")
+    for n in names:
+        with open(os.path.join(a, n), "rb") as fa, open(os.path.join(b, n), "rb") as fb:
+            while True:
+                x, y = fa.read(1 << 24), fb.read(1 << 24)
+                if x != y:
+                    raise SystemExit(f"{n} differs between the budgeted and the unbudgeted export")
+                if not x:
+                    break
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return quick_reps_out_args(__doc__, "~50 MiB instead of >= 2 GiB (smoke test)", argv)
 
@@ -198,9 +222,10 @@ def run(args: argparse.Namespace) -> int:
                        "head_dim": m.head_dim, "hidden_size": m.dim, "vocab_size": m.vocab,
                        "num_hidden_layers": m.layers, "num_experts": m.experts, "tie_word_embeddings": False}, f)
         raw_t, hf_t, hf_rss, hf_inner, hf_bytes, shards = [], [], [], [], 0, 1
+        b_t, b_rss, b_inner = [], [], []
         cold = True
         for rep in range(args.reps):
-            for name in ("hf", "raw"):  # the export first: the raw write needs its shard count
+            for name in ("hf", "budget", "raw"):  # the export first: the raw write needs its shard count
                 dst = os.path.join(scratch, f"{name}-{rep}")
                 cold &= drop_page_cache()
                 if name == "raw":
@@ -208,33 +233,47 @@ def run(args: argparse.Namespace) -> int:
                     raw_t.append(wall)
                 else:
                     cmd = [sys.executable, "-m", "ckptkit.cli.main", "convert", src, dst, "--format", "hf",
-                           "--hf-config", config, "--json"]
+                           "--hf-config", config, "--json"] + (["--max-memory", str(BUDGET)] if name == "budget" else [])
                     wall, rss, out = run_child(cmd)
                     result = json.loads(out)
-                    hf_t.append(wall)
-                    hf_rss.append(rss)
-                    hf_inner.append(result["seconds"])
-                    hf_bytes, _ = tree_bytes(dst)
-                    shards = sum(n.endswith(".safetensors") for n in os.listdir(dst))
-                    if rep == 0:
+                    (hf_t if name == "hf" else b_t).append(wall)
+                    (hf_rss if name == "hf" else b_rss).append(rss)
+                    (hf_inner if name == "hf" else b_inner).append(result["seconds"])
+                    if name == "hf":
+                        hf_bytes, _ = tree_bytes(dst)
+                        shards = sum(n.endswith(".safetensors") for n in os.listdir(dst))
+                    if rep == 0 and name == "hf":
                         check_equal(src, dst, m)
+                    if rep == 0 and name == "budget":
+                        same_files(os.path.join(scratch, f"hf-{rep}"), dst)
                 print(f"  rep {rep} {name}: {wall:.2f}s", flush=True)
-                remove_tree(dst)
+                if name != "hf":
+                    remove_tree(dst)
+            remove_tree(os.path.join(scratch, f"hf-{rep}"))
         rss_target = 2 * largest + 300 * 10**6
         rows = command_vs_raw_rows("raw write (baseline)", raw_t, f"hf export ({shards} shards)", hf_t, hf_inner,
                                    hf_bytes, hf_rss)
+        rows += command_vs_raw_rows("raw write (baseline)", raw_t, f"hf export --max-memory {BUDGET // MiB}MiB", b_t,
+                                    b_inner, hf_bytes, b_rss)[1:]
+        budget_target = BUDGET + 300 * MiB  # the interpreter, torch and ckptkit: --quick's export peaks at ~280 MiB
         print(f"\npage cache: {'dropped before every run' if cold else 'warm (drop_caches not writable)'}; "
               f"reps {args.reps}, spread raw {spread(raw_t):.2f} export {spread(hf_t):.2f}")
         print(table(["method", "seconds", "MiB/s", "x raw", "peak RSS"], rows))
         print(f"\nexport wall vs raw write: {median(hf_t) / median(raw_t):.2f}x; peak RSS {max(hf_rss) / MiB:.0f} MiB "
               f"vs 2 x largest tensor + 300 MB = {rss_target / MiB:.0f} MiB: {max(hf_rss) / rss_target:.2f}x "
               f"(target <= 1)")
+        print(f"under --max-memory {BUDGET // MiB}MiB: wall {median(b_t) / median(raw_t):.2f}x raw, "
+              f"{median(b_t) / median(hf_t):.2f}x the unbudgeted export; peak RSS {max(b_rss) / MiB:.0f} MiB vs the "
+              f"budget + 300 MiB = {budget_target / MiB:.0f} MiB: {max(b_rss) / budget_target:.2f}x (target <= 1); "
+              f"{max(b_rss) / max(hf_rss):.2f}x the unbudgeted export's")
         write_results(args.out, "bench_hf_export", {
             "quick": args.quick, "experts": m.experts, "layers": m.layers, "bytes": total, "hf_bytes": hf_bytes,
             "shards": shards, "largest_tensor": largest, "cold_cache": cold, "reps": args.reps,
             "raw_seconds": median(raw_t), "export_seconds": median(hf_t), "export_inner_seconds": median(hf_inner),
             "wall_ratio": median(hf_t) / median(raw_t), "peak_rss": max(hf_rss), "rss_target": rss_target,
             "rss_ratio": max(hf_rss) / rss_target,
+            "budget": BUDGET, "budget_seconds": median(b_t), "budget_peak_rss": max(b_rss),
+            "budget_rss_ratio": max(b_rss) / budget_target,
         })
         return 0
     finally:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from ckptkit.cli.grouped import GroupedCommand, grouped
-from ckptkit.cli.options import KEY_VALUE, LAYOUT, json_option, storage_option, threads_option
+from ckptkit.cli.options import KEY_VALUE, LAYOUT, SIZE, json_option, storage_option, threads_option
 from ckptkit.cli.output import Output, human_bytes
 
 if TYPE_CHECKING:
@@ -44,6 +44,7 @@ FIELDS: dict[str, tuple[str, str, Any]] = {
     "vocab_size": ("--vocab-size", "vocab_size", None),
     "divisible_by": ("--divisible-by", "make_vocab_size_divisible_by", None),
     "to_layout": ("--to", "layout", None),
+    "max_memory": ("--max-memory", "max_memory", None),
 }
 
 
@@ -122,6 +123,9 @@ def _opt_help(formatter: click.HelpFormatter) -> None:
          help="Export: key/value heads (default: --heads).")
 @grouped("Hugging Face", "--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
          help="Export: cast the weights (default: as stored).")
+@grouped("Hugging Face", "--max-memory", type=SIZE, default=None, metavar="SIZE",
+         help="Export: bytes of tensor data held at once (e.g. 1GiB); each tensor is then written in slabs of rows, "
+              "the same bytes. Default: whole tensors.")
 @grouped("Hugging Face", "--prefix", default=None,
          help="Where the model's parameters sit in the state ('model/', or '' for the top level); export "
               "default: detected; import default: model/.")

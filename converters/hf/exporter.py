@@ -47,6 +47,7 @@ from ckptkit_converters.hf.families import (
     naming_of,
 )
 from ckptkit_converters.hf.importer import import_hf, read_hf
+from ckptkit_converters.hf.slabs import check_budget, unit_slabs
 from ckptkit_converters.hf.mapping import (
     AttentionHeads,
     HFConfig,
@@ -342,6 +343,7 @@ class _Job:
     dtypes: dict[str, torch.dtype]
     total: int
     read0: int
+    max_memory: int | None = None
 
 
 def _prepare(source: str | os.PathLike[str], dest: str | os.PathLike[str], config: HFConfig | AttentionHeads | None,
@@ -363,12 +365,18 @@ def _prepare(source: str | os.PathLike[str], dest: str | os.PathLike[str], confi
             raise CkptkitError(f"{view.url}: safetensors cannot store {d} (tensor "
                                f"{next(k for k, v in dtypes.items() if v == d)!r})")
     total = sum(_unit_bytes(u, dtypes[u.key]) for u in plan.units)
+    if options.max_memory is not None:  # a budget too small for some tensor fails here, before any write
+        for u in plan.units:
+            tensor = view[u.key]
+            check_budget(u, tuple(tensor.shape[len(u.index):]), tensor.dtype, cast, cfg,
+                         options.permute_rotary is not False, options.max_memory)
     return _Job(view, out, cfg, plan, cast, options.permute_rotary is not False, shards, _shard_names(len(shards)),
-                dtypes, total, read0)
+                dtypes, total, read0, options.max_memory)
 
 
 def _write_shards(job: _Job, mine: list[int], tick: Callable[[int], None], written: list[str]) -> None:
-    """Write the shards numbered ``mine``, naming each in ``written`` before it is begun."""
+    """Write the shards numbered ``mine``, naming each in ``written`` before it is begun: whole tensors
+    (one read ahead), or under ``max_memory`` in slabs of rows (:mod:`.slabs`)."""
 
     def produce(u: Unit) -> list[torch.Tensor]:
         t = job.view[u.key][u.index] if u.index else job.view[u.key][...]
@@ -376,11 +384,18 @@ def _write_shards(job: _Job, mine: list[int], tick: Callable[[int], None], writt
             t = t.to(job.cast)
         return apply(u, t, job.cfg, job.permute)
 
+    def slabs(u: Unit) -> Iterator[torch.Tensor]:
+        tensor = job.view[u.key]
+        return unit_slabs(u, lambda lo, hi: tensor[(*u.index, slice(lo, hi))], tuple(tensor.shape[len(u.index):]),
+                          tensor.dtype, job.cast, job.cfg, job.permute, job.max_memory)
+
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptkit-hf-read") as pool:
         for i in mine:
             written.append(job.names[i])
-            job.out.write_object(job.names[i], _shard_bytes(job.shards[i], _header(job.shards[i], job.dtypes), pool,
-                                                            produce, tick))
+            header = _header(job.shards[i], job.dtypes)
+            data = (_shard_bytes(job.shards[i], header, pool, produce, tick) if job.max_memory is None
+                    else _shard_slab_bytes(job.shards[i], header, slabs, tick))
+            job.out.write_object(job.names[i], data)
 
 
 def _remove(out: Any, names: list[str]) -> None:
@@ -419,6 +434,30 @@ def _shard_bytes(shard: list[Unit], header: bytes, pool: ThreadPoolExecutor,
                 yield memoryview(t.reshape(-1).view(torch.uint8).numpy())
         tick(sum(t.numel() * t.element_size() for t in tensors))
         del tensors
+
+
+def _shard_slab_bytes(shard: list[Unit], header: bytes, slabs: Callable[[Unit], Iterator[tuple[int, torch.Tensor]]],
+                      tick: Callable[[int], None]) -> Iterator[bytes | memoryview]:
+    """The shard's bytes under a memory budget: the header, then each unit's output tensors slab by slab
+    (none read ahead), every output checked to fill exactly the rows its header entry promised, in order."""
+    yield header
+    for u in shard:
+        rows = [0] * len(u.shapes)
+        last = 0
+        for i, t in slabs(u):
+            shape = u.shapes[i]
+            if i < last or any(rows[j] != u.shapes[j][0] for j in range(last, i)) or \
+                    tuple(t.shape[1:]) != tuple(shape[1:]) or rows[i] + t.shape[0] > shape[0]:
+                raise CkptkitError(f"tensor {u.key!r} gave rows {list(t.shape)} for {u.names[i]} after {rows[i]}, "
+                                   f"planned {list(shape)}: the plan and the data disagree")
+            if t.numel():
+                yield memoryview(t.reshape(-1).view(torch.uint8).numpy())
+            tick(t.numel() * t.element_size())
+            rows[i] += t.shape[0]
+            last = i
+        if rows != [s[0] for s in u.shapes]:
+            raise CkptkitError(f"tensor {u.key!r} gave {rows} rows for {list(u.names)}, planned "
+                               f"{[list(s) for s in u.shapes]}")
 
 
 def _shard_names(n: int) -> list[str]:

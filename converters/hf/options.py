@@ -71,6 +71,9 @@ class HFExportOptions:
     ``tie_word_embeddings``: drop the output projection (HF re-ties it to the embedding); None:
     the config's ``tie_word_embeddings`` (absent: not tied). ``permute_rotary``: apply the table's
     rotary permutation (None: yes; False for a model whose RoPE already rotates halves).
+    ``max_memory``: bytes of tensor data the export holds at once; each HF tensor is then written in
+    slabs of rows (:mod:`~ckptkit_converters.hf.slabs`), the same bytes. None: whole tensors, one read
+    ahead (about twice the largest HF tensor and its source slice).
     """
 
     family: str | None = None
@@ -82,9 +85,13 @@ class HFExportOptions:
     config: str | None = None
     heads: int | None = None
     kv_heads: int | None = None
+    max_memory: int | None = None
 
     def __post_init__(self) -> None:
         _check_common(self.family, self.prefix)
+        if self.max_memory is not None and (isinstance(self.max_memory, bool) or not isinstance(self.max_memory, int)
+                                            or self.max_memory < 1):
+            raise OptionsError(f"max_memory must be a positive number of bytes or None, got {self.max_memory!r}")
         if self.dtype is not None and self.dtype not in CAST_DTYPES:
             raise OptionsError(f"dtype must be one of {', '.join(CAST_DTYPES)} or None, got {self.dtype!r}")
         if self.max_shard_bytes < 1:
