@@ -488,6 +488,30 @@ def test_ckptkits_export_resumes_in_megatron_with_its_optimizer(worlds, saved, r
     check_migrated(got, reference(name, layout))
 
 
+def test_an_export_in_small_slabs_resumes_in_megatron_exactly_as_a_whole_one(worlds, saved, reference, tmp_path):
+    """`reshard --format megatron --max-memory 2KiB`: every target chunk over 2 KiB (nearly all: a row of 64
+    fp32 values is 256 B) is written as slabs of rows, each its own DCP chunk. Megatron's load reads by overlap:
+    model (bf16, the vocabulary padding among the slabs), main copies, Adam moments and scheduler resume at
+    tp1pp4 exactly as from the whole-chunk export and Megatron's own save."""
+    from click.testing import CliRunner
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from ckptkit.cli.main import cli
+
+    layout = mm.Layout(tp=1, pp=4, bf16=True)
+    out = str(tmp_path / "torch_dist")
+    result = CliRunner().invoke(cli, ["reshard", saved["D"][0], out, "--to", "tp1pp4", "--format", "megatron",
+                                      "--max-memory", "2KiB"])
+    assert result.exit_code == 0, result.output
+    chunks = FileSystemReader(out).read_metadata().state_dict_metadata
+    assert len(chunks["embedding.word_embeddings.weight"].chunks) > 8
+    sizes = {k: max(c.sizes.numel() for c in m.chunks) * m.properties.dtype.itemsize
+             for k, m in chunks.items() if hasattr(m, "chunks")}
+    assert max(sizes.values()) <= 2048, sorted(sizes.items(), key=lambda kv: -kv[1])[:3]
+    got = worlds.run(4, job.megatron_reference, layout, out, steps=STEPS)[0]
+    check_migrated(got, reference("D", layout))
+
+
 def test_megatron_to_megatron_reshard_keeps_the_optimizer(worlds, saved, reference, tmp_path):
     """The one-command relayout of a team's own checkpoint: `ckptkit reshard MEGATRON_CKPT OUT --to tp4pp1 --format
     megatron` on Megatron's save at tp2pp1dp2 in Megatron-LM's default form, the distributed optimizer's

@@ -113,7 +113,8 @@ def reshard_cmd(source: str, dest: str | None, to: ParallelConfig, dp: int | Non
     spread = launched_by_torchrun()
     out = Output(as_json, quiet=spread and os.environ.get("RANK") != "0")
     if fmt == "megatron":
-        _to_megatron(out, source, dest, target, facts, dry_run=dry_run, storage_options=storage_options)
+        _to_megatron(out, source, dest, target, facts, dry_run=dry_run, storage_options=storage_options,
+                     max_memory=max_memory)
         return
     from ckptkit.offline import ReshardOptions, ReshardPlanOptions, plan_reshard, reshard, torchrun_group
 
@@ -193,7 +194,7 @@ def _source_options(source: str, facts: dict[str, Any], storage_options: dict[st
 
 
 def _to_megatron(out: Output, source: str, dest: str | None, target: ParallelConfig, facts: dict[str, Any], *,
-                 dry_run: bool, storage_options: dict[str, Any] | None) -> None:
+                 dry_run: bool, storage_options: dict[str, Any] | None, max_memory: int) -> None:
     """``--format megatron``: SOURCE (a ckptkit Megatron checkpoint, or a Megatron one of another
     layout) as a ``torch_dist`` directory for the target's tp/pp (model weights, docs/megatron.md)."""
     from ckptkit.offline import RunOptions, options_from, torchrun_group
@@ -201,7 +202,8 @@ def _to_megatron(out: Output, source: str, dest: str | None, target: ParallelCon
 
     megatron = format_named("megatron")
     assert megatron.export_options is not None
-    export = options_from(megatron.export_options, {"layout": target, **facts}, where="the megatron export")
+    export = options_from(megatron.export_options, {"layout": target, "max_memory": max_memory, **facts},
+                          where="the megatron export")
     megatron.check_export(export)
     if dry_run:
         raise CkptkitError("--dry-run plans ckptkit output; the Megatron exporter has no separate plan "

@@ -194,19 +194,47 @@ class _ExportPlan:
     nbytes: int = 0
     skipped: list[str] = field(default_factory=list)
     chunks: dict[str, tuple[tuple[int, ...], list[Chunk]]] = field(default_factory=dict)
+    max_memory: int | None = None
 
     def add(self, fqn: str, source: str, dtype: torch.dtype, padded: tuple[int, ...], chunks: list[Chunk]) -> None:
-        """One DCP shard ``WriteItem`` per chunk of ``fqn``, on the rank that writes it, read from ``source``."""
+        """One DCP shard ``WriteItem`` per chunk of ``fqn``, on the rank that writes it, read from ``source``;
+        under ``max_memory``, per slab of a chunk (:func:`split_chunk`)."""
         from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
         from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
         self.sources[fqn] = source
         props = TensorProperties(dtype=dtype)
+        if self.max_memory is not None:
+            chunks = [c for chunk in chunks for c in split_chunk(chunk, dtype.itemsize, self.max_memory, fqn)]
         for rank, offs, sizes in chunks:
             chunk = ChunkStorageMetadata(torch.Size(offs), torch.Size(sizes))
             self.items[rank].append(WriteItem(index=MetadataIndex(fqn, offs), type=WriteItemType.SHARD,
                                               tensor_data=TensorWriteData(chunk, props, torch.Size(padded))))
             self.nbytes += math.prod(sizes) * dtype.itemsize  # what the planner ticks: padding rows included
+
+
+def split_chunk(chunk: Chunk, itemsize: int, max_memory: int, fqn: str) -> list[Chunk]:
+    """A target chunk as slabs of at most ``max_memory`` bytes along its first axis longer than 1 (DCP's
+    load reads by overlap, so Megatron's load of a rank's shard takes any number of stored chunks).
+    A slab of one row that does not fit is refused naming the tensor."""
+    rank, offs, sizes = chunk
+    axis = next((i for i, n in enumerate(sizes) if n > 1), None)
+    total = math.prod(sizes) * itemsize
+    if axis is None or total <= max_memory:
+        if total > max_memory:
+            raise LayoutError(f"tensor {fqn!r}: max_memory {max_memory} bytes cannot hold one element ({total})")
+        return [chunk]
+    row = total // sizes[axis]
+    if row > max_memory:
+        raise LayoutError(f"tensor {fqn!r}: max_memory {max_memory} bytes cannot hold one row of its chunk "
+                          f"({row} bytes, sizes {list(sizes)}); raise max_memory")
+    step = max_memory // row
+    out = []
+    for start in range(0, sizes[axis], step):
+        n = min(step, sizes[axis] - start)
+        out.append((rank, tuple(o + start if i == axis else o for i, o in enumerate(offs)),
+                    tuple(n if i == axis else z for i, z in enumerate(sizes))))
+    return out
 
 
 def _read_meta(view: Any) -> dict[str, Any]:
@@ -242,9 +270,10 @@ def _empty_destination(dest: str | os.PathLike[str]) -> str:
 
 
 def _plan_tensors(view: Any, config: ParallelConfig, make_vocab_size_divisible_by: int,
-                  num_layers: int) -> _ExportPlan:
-    """A DCP shard ``WriteItem`` per target chunk of every model tensor, on the rank that writes it."""
-    plan = _ExportPlan([[] for _ in range(config.world_size)])
+                  num_layers: int, max_memory: int | None = None) -> _ExportPlan:
+    """A DCP shard ``WriteItem`` per target chunk (or slab of one, under ``max_memory``) of every model
+    tensor, on the rank that writes it."""
+    plan = _ExportPlan([[] for _ in range(config.world_size)], max_memory=max_memory)
     for key, tmeta in sorted(view.manifest.tensors.items()):
         if not key.startswith(MODEL):
             plan.skipped.append(key)
@@ -378,7 +407,7 @@ def export_torch_dist(source: str | os.PathLike[str], dest: str | os.PathLike[st
                       ep: int = 1, etp: int | None = None, vpp: int = 1, pp_layers: Sequence[int] | None = None,
                       make_vocab_size_divisible_by: int | None = None, weights_only: bool = False,
                       progress: Progress | None = None, optimizer: str = "distributed",
-                      process_group: Any = None) -> MegatronConvertResult:
+                      process_group: Any = None, max_memory: int | None = None) -> MegatronConvertResult:
     """Write the ckptkit Megatron checkpoint ``source`` as a torch_dist directory for ``tp``/``pp``
     (and, for an MoE model, ``ep`` / ``etp``: routed experts are written as the expert ranks hold them;
     ``vpp`` / ``pp_layers``: virtual pipeline chunks and uneven stages, as in :class:`ParallelConfig`, each
@@ -396,8 +425,10 @@ def export_torch_dist(source: str | os.PathLike[str], dest: str | os.PathLike[st
     (:mod:`.optimizer_export`); ``optimizer="plain"``: the plain optimizer's state instead, for a job run
     without ``--use-distributed-optimizer``; ``weights_only``: the model (and scheduler) alone. ``common.pt``
     holds ``iteration``, ``checkpoint_version`` and ``content_metadata`` (no ``args``: Megatron-LM
-    then keeps its command-line arguments). Memory: about one target rank's tensors (DCP's writer
-    holds a file's tensors until it is written). ``process_group`` (a ``torchrun`` job's; call on
+    then keeps its command-line arguments). Memory: one target chunk at a time (DCP's writer on CPU
+    resolves and writes a file's items one by one), the largest a whole tensor at tp 1;
+    ``max_memory``: every chunk larger than that many bytes is written as slabs of rows, each its own DCP
+    chunk (Megatron's load reads by overlap). ``process_group`` (a ``torchrun`` job's; call on
     every process with the same arguments): the target ranks' files are spread over its processes
     (:func:`_write_directory`); the same files as one process writes.
     """
@@ -412,7 +443,9 @@ def export_torch_dist(source: str | os.PathLike[str], dest: str | os.PathLike[st
         num_layers = int(meta["num_layers"])
         config = _target_layout(num_layers, tp, pp, ep, etp, vpp, pp_layers)
         out = _empty_destination(dest)
-        plan = _plan_tensors(view, config, divisible, num_layers)
+        if max_memory is not None and max_memory < 1:
+            raise LayoutError(f"max_memory must be a positive number of bytes, got {max_memory}")
+        plan = _plan_tensors(view, config, divisible, num_layers, max_memory)
         record = None if weights_only else meta.get("optimizer")
         common_entry = None
         if record is not None:

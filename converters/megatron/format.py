@@ -49,7 +49,8 @@ class MegatronFormat(FormatBase, name="megatron", description="a Megatron checkp
                                  vpp=target.vpp, pp_layers=target.pp_layers,
                                  make_vocab_size_divisible_by=options.make_vocab_size_divisible_by,
                                  weights_only=options.weights_only, progress=run.progress,
-                                 optimizer=options.optimizer, process_group=run.process_group)
+                                 optimizer=options.optimizer, process_group=run.process_group,
+                                 max_memory=options.max_memory)
 
 
 FORMAT = MegatronFormat()

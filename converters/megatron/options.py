@@ -51,15 +51,19 @@ class MegatronExportOptions:
     leave the optimizer out (by default it is written, in the distributed optimizer's
     ``fully_reshardable`` form, whenever the checkpoint holds one; CLI: ``--opt weights_only=true``).
     ``optimizer``: which Megatron optimizer the state is written for, ``"distributed"`` or ``"plain"``
-    (a job without ``--use-distributed-optimizer``; CLI: ``--opt optimizer=plain``)."""
+    (a job without ``--use-distributed-optimizer``; CLI: ``--opt optimizer=plain``). ``max_memory``: bytes of
+    tensor data held at once; larger target chunks are written as slabs, each its own DCP chunk (CLI:
+    ``--max-memory``; None: whole chunks)."""
 
     layout: ParallelConfig | None = None
     make_vocab_size_divisible_by: int | None = None
     weights_only: bool = False
     optimizer: str = "distributed"
+    max_memory: int | None = None
 
     def __post_init__(self) -> None:
         _positive("make_vocab_size_divisible_by", self.make_vocab_size_divisible_by)
+        _positive("max_memory", self.max_memory)
         check_optimizer_form(self.optimizer)
 
     def target(self) -> ParallelConfig:
