@@ -18,6 +18,8 @@ Measured, ``--reps`` times each (median; page cache dropped before each run when
              export's source)
   export     ``ckptkit convert IMPORTED OUT --format megatron --to tp4pp1``: weights and the optimizer
              state in the distributed optimizer's ``fully_reshardable`` form, at a new layout
+  export --max-memory 32MiB
+             the same export with every target chunk over 32 MiB written as slabs (checked the same way)
   megatron   (baseline) Megatron-core's own change of layout: ``dist_checkpointing.load`` of the source
              at tp4pp1 (model and optimizer state) and ``save`` there, on 4 gloo processes
              (benchmarks/megatron_reshard_worker.py); peak RSS is the sum over its processes
@@ -166,7 +168,16 @@ def run_export(src: str, scratch: str, spec: dict, reps: int, largest: int) -> d
         imported, scratch, reps, "export",
         lambda dst: ["convert", imported, dst, "--format", "megatron", "--to", "tp4pp1"],
         lambda dst: check_export(src, dst))
+    raw_b, ex_b, ex_b_rss, ex_b_inner, _ = against_raw_copy(
+        imported, scratch, reps, "export-budget",
+        lambda dst: ["convert", imported, dst, "--format", "megatron", "--to", "tp4pp1", "--max-memory", "32MiB"],
+        lambda dst: check_export(src, dst))
     mg_t, mg_rss = megatron_relayout(src, scratch, spec, reps)
+    print(table(["method", "seconds", "MiB/s", "x raw", "peak RSS"],
+                command_vs_raw_rows("raw copy of the import (baseline)", raw_b, "export --max-memory 32MiB",
+                                    ex_b, ex_b_inner, total, ex_b_rss)))
+    print(f"under --max-memory 32MiB: wall {median(ex_b) / median(raw_b):.2f}x raw, peak RSS "
+          f"{max(ex_b_rss) / MiB:.0f} MiB vs {max(ex_rss) / MiB:.0f} MiB with whole chunks")
     print(table(["method", "seconds", "MiB/s", "x raw", "peak RSS"],
                 command_vs_raw_rows("raw copy of the import (baseline)", raw_t, "ckptkit export (--format megatron)",
                                     ex_t, ex_inner, total, ex_rss)
@@ -179,7 +190,8 @@ def run_export(src: str, scratch: str, spec: dict, reps: int, largest: int) -> d
     return {"export_bytes": total, "export_raw_seconds": median(raw_t), "export_seconds": median(ex_t),
             "export_inner_seconds": median(ex_inner), "export_wall_ratio": median(ex_t) / median(raw_t),
             "export_peak_rss": max(ex_rss), "megatron_seconds": median(mg_t), "megatron_peak_rss_sum": max(mg_rss),
-            "export_vs_megatron": median(ex_t) / median(mg_t)}
+            "export_vs_megatron": median(ex_t) / median(mg_t), "budget_export_seconds": median(ex_b),
+            "budget_export_wall_ratio": median(ex_b) / median(raw_b), "budget_export_peak_rss": max(ex_b_rss)}
 
 
 def main(argv: list[str] | None = None) -> int:

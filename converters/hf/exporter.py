@@ -384,7 +384,7 @@ def _write_shards(job: _Job, mine: list[int], tick: Callable[[int], None], writt
             t = t.to(job.cast)
         return apply(u, t, job.cfg, job.permute)
 
-    def slabs(u: Unit) -> Iterator[torch.Tensor]:
+    def slabs(u: Unit) -> Iterator[tuple[int, torch.Tensor]]:
         tensor = job.view[u.key]
         return unit_slabs(u, lambda lo, hi: tensor[(*u.index, slice(lo, hi))], tuple(tensor.shape[len(u.index):]),
                           tensor.dtype, job.cast, job.cfg, job.permute, job.max_memory)
