@@ -94,8 +94,16 @@ class WithPayloads:
     def __getitem__(self, ref: int) -> torch.Tensor:
         return self._inner[ref] if ref < self._n else self._payloads[ref - self._n]
 
-    def __getattr__(self, name: str) -> Any:  # release / close, where the inner source has them
-        return getattr(self._inner, name)
+    def release(self, ref: int) -> None:
+        """Told once piece ``ref`` is written: the inner source's own pieces go to it (if it reuses buffers)."""
+        release = getattr(self._inner, "release", None)
+        if ref < self._n and release is not None:
+            release(ref)
+
+    def close(self) -> None:
+        close = getattr(self._inner, "close", None)
+        if close is not None:
+            close()
 
 
 def export_blob(view: Any, item_key: str) -> bytes:

@@ -43,7 +43,7 @@ from ckptkit.layout.rules import PartitionRule
 
 PREFIX = "extra/"
 SUFFIX = "._extra_state"
-_GROUPED = re.compile(r"\._extra_state(\d*)$")
+_EXTRA_STATE = re.compile(r"\._extra_state(\d*)$")  # a grouped-GEMM module numbers its experts' from 1
 _STACKED = "decoder.layers."
 
 
@@ -67,16 +67,14 @@ def declared(chunks: Sequence[Any], objects: Sequence[tuple[int, str, Any]]) -> 
 
     out = []
     for chunk, path, obj in objects:
-        grouped = _GROUPED.search(path)
-        if grouped:
-            module = chunks[chunk].get_submodule(path[: grouped.start()])
-            if getattr(module, "num_gemms", 1) > 1 or grouped.group(1):
-                _refuse_grouped(obj, path)
-                continue
-        if not path.endswith(SUFFIX):
+        found = _EXTRA_STATE.search(path)
+        if found is None:
             raise StateMismatchError(f"Megatron object {obj.key!r} (state {path!r}) is not a module's _extra_state; "
                                      "ckptkit's Megatron adapter carries only those")
-        module = chunks[chunk].get_submodule(path[: -len(SUFFIX)])
+        module = chunks[chunk].get_submodule(path[: found.start()])
+        if found.group(1) or getattr(module, "num_gemms", 1) > 1:  # _extra_state<i>, or a grouped GEMM's own
+            _refuse_grouped(obj, path)
+            continue
         out.append(ExtraState(PREFIX + obj.unique_key, path, module, is_main_replica(obj.replica_id),
                               _rule(obj), _payload(obj, path)))
     return out

@@ -180,5 +180,5 @@ def _plain(module: str, name: str, where: str) -> tuple[str, str]:
 
 
 def named_globals(payload: bytes) -> Iterator[tuple[str, str]]:
-    """The globals a payload names (for tests and ``inspect``); refuses what :func:`check` refuses to read."""
+    """The globals a payload names (what the tests compare with TE's); refuses what :func:`check` cannot read."""
     yield from _walk_one(io.BytesIO(payload), "payload").globals
