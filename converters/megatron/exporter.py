@@ -214,26 +214,26 @@ class _ExportPlan:
 
 
 def split_chunk(chunk: Chunk, itemsize: int, max_memory: int, fqn: str) -> list[Chunk]:
-    """A target chunk as slabs of at most ``max_memory`` bytes along its first axis longer than 1 (DCP's
-    load reads by overlap, so Megatron's load of a rank's shard takes any number of stored chunks).
-    A slab of one row that does not fit is refused naming the tensor."""
+    """A target chunk as boxes of at most ``max_memory`` bytes (DCP's load reads by overlap, so Megatron's
+    load of a rank's shard takes any number of stored chunks): slabs along the outermost axis longer than 1
+    whose slab fits, each index of the axes outside it on its own (a chunk of stacked layers whose one layer
+    is over the budget is cut layer by layer, then by rows). The smallest box is one run of the innermost
+    axis; a budget below that is refused naming the tensor."""
     rank, offs, sizes = chunk
-    axis = next((i for i, n in enumerate(sizes) if n > 1), None)
-    total = math.prod(sizes) * itemsize
-    if axis is None or total <= max_memory:
-        if total > max_memory:
-            raise LayoutError(f"tensor {fqn!r}: max_memory {max_memory} bytes cannot hold one element ({total})")
+    if math.prod(sizes) * itemsize <= max_memory:
         return [chunk]
-    row = total // sizes[axis]
-    if row > max_memory:
-        raise LayoutError(f"tensor {fqn!r}: max_memory {max_memory} bytes cannot hold one row of its chunk "
-                          f"({row} bytes, sizes {list(sizes)}); raise max_memory")
-    step = max_memory // row
-    out = []
+    axis = next((i for i, n in enumerate(sizes) if n > 1), len(sizes) - 1)
+    row = math.prod(sizes[axis + 1:]) * itemsize
+    if axis == len(sizes) - 1:
+        raise LayoutError(f"tensor {fqn!r}: max_memory {max_memory} bytes cannot hold one run of {sizes[-1]} "
+                          f"elements of its chunk (sizes {list(sizes)}); raise max_memory")
+    step = max(1, max_memory // row)
+    out: list[Chunk] = []
     for start in range(0, sizes[axis], step):
         n = min(step, sizes[axis] - start)
-        out.append((rank, tuple(o + start if i == axis else o for i, o in enumerate(offs)),
-                    tuple(n if i == axis else z for i, z in enumerate(sizes))))
+        part = (rank, tuple(o + start if i == axis else o for i, o in enumerate(offs)),
+                tuple(n if i == axis else z for i, z in enumerate(sizes)))
+        out.extend([part] if row * n <= max_memory else split_chunk(part, itemsize, max_memory, fqn))
     return out
 
 
