@@ -238,3 +238,17 @@ def test_a_grouped_gemm_modules_fp8_state_is_refused_and_its_empty_state_passed_
     assert declared([model], [(0, "fc1._extra_state", obj(empty, 0)), (0, "fc1._extra_state1", obj(empty, 1))]) == []
     with pytest.raises(StateMismatchError, match="'fc1._extra_state1' is a grouped-GEMM linear"):
         declared([model], [(0, "fc1._extra_state1", obj(te.payload("x"), 1))])
+
+
+def test_a_stored_payload_declared_huge_or_not_1d_is_refused_before_its_buffer_is_made():
+    """A hostile manifest may declare any shape for an ``extra/`` tensor; the load would make its buffer before
+    reading, so a payload over 64 MiB (TE's are kilobytes) or of more than one axis is refused first."""
+    from types import SimpleNamespace
+
+    from ckptkit.adapters.megatron.extra_state import MAX_PAYLOAD_BYTES, load_entries
+
+    state = SimpleNamespace(name="extra/decoder.layers.x._extra_state/shard_0_1")
+    assert load_entries([state], {state.name: (22250,)}, "ckpt")["x0"].local.shape == (22250,)
+    for shape in ((1 << 40,), (MAX_PAYLOAD_BYTES + 1,), (4, 4), ()):
+        with pytest.raises(UnsafeCheckpointError, match=r"ckpt: tensor 'extra/decoder.*declares shape"):
+            load_entries([state], {state.name: shape}, "ckpt")

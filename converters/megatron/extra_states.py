@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from ckptkit.adapters.megatron import te_payload
-from ckptkit.adapters.megatron.extra_state import PREFIX, SUFFIX
+from ckptkit.adapters.megatron.extra_state import MAX_PAYLOAD_BYTES, PREFIX, SUFFIX, check_size
 
 __all__ = ["PREFIX", "ImportedPayloads", "WithPayloads", "export_blob", "read_payloads"]
 from ckptkit.engine.offline_writer import StoredTensor
@@ -58,6 +58,9 @@ def read_payloads(src: Any, ckpt: DcpCheckpoint, ranks: Mapping[str, int]) -> Im
         if not fqn.split("/")[0].endswith(SUFFIX):
             continue
         where = f"{src.url}/{item.blob.file} (item {fqn!r})"
+        if item.blob.length > MAX_PAYLOAD_BYTES + (1 << 20):  # torch.save's archive around the payload: ~1 KiB
+            raise UnsafeCheckpointError(f"{where}: {item.blob.length} bytes; an _extra_state item holds a payload of "
+                                        f"at most {MAX_PAYLOAD_BYTES} bytes")
         try:
             value = load_blob(read_blob(src, item.blob), where)
         except UnsafeCheckpointError:
@@ -114,8 +117,9 @@ def export_blob(view: Any, item_key: str) -> bytes:
     if meta is None:
         return _none_list()
     where = f"{view.url}: tensor {name!r}"
-    if meta.dtype != "uint8" or len(meta.shape) != 1:
-        raise ManifestError(f"{where} is {meta.dtype} of shape {list(meta.shape)}; a payload is 1-D uint8")
+    if meta.dtype != "uint8":
+        raise ManifestError(f"{where} is {meta.dtype}; a payload is uint8")
+    check_size(name, meta.shape, view.url)
     payload = view[name].read()
     te_payload.check(payload.numpy().tobytes(), where)  # Megatron's load hands it to TE, which unpickles it
     buf = io.BytesIO()

@@ -276,7 +276,7 @@ def _load_plan(model: Any, meta: Mapping[str, Any], shapes: Mapping[str, tuple[i
     entries: dict[str, Any] = {}
     for i, s in enumerate(spaces):
         entries[f"p{i}"] = Sharded(s.view(), s.box_pieces("model/", for_save=False))
-    entries[_EXTRA] = extra_state.load_entries(extras, shapes)
+    entries[_EXTRA] = extra_state.load_entries(extras, shapes, where)
     saved_opt = meta.get("optimizer")
     states: list[opt_state.ParamState] = []
     load_main = False

@@ -45,6 +45,9 @@ PREFIX = "extra/"
 SUFFIX = "._extra_state"
 _EXTRA_STATE = re.compile(r"\._extra_state(\d*)$")  # a grouped-GEMM module numbers its experts' from 1
 _STACKED = "decoder.layers."
+MAX_PAYLOAD_BYTES = 64 << 20
+"""TE's payloads are kilobytes (a 1,024-step amax history of a module: about 22 KiB); a stored one
+declared larger than this is refused before its buffer is made."""
 
 
 @dataclass(frozen=True)
@@ -143,12 +146,23 @@ def save_entries(states: Sequence[ExtraState]) -> dict[str, Sharded]:
     return out
 
 
-def load_entries(states: Sequence[ExtraState], shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Sharded]:
+def check_size(name: str, shape: Sequence[int], where: str) -> int:
+    """A stored payload's length, refused (before anything is allocated) unless it is 1-D and at most
+    :data:`MAX_PAYLOAD_BYTES`: a manifest may declare any shape, and the buffer is made before the read."""
+    if len(shape) != 1 or not 0 <= shape[0] <= MAX_PAYLOAD_BYTES:
+        raise UnsafeCheckpointError(f"{where}: tensor {name!r} declares shape {list(shape)}; an _extra_state payload "
+                                    f"is 1-D and at most {MAX_PAYLOAD_BYTES} bytes")
+    return int(shape[0])
+
+
+def load_entries(states: Sequence[ExtraState], shapes: Mapping[str, tuple[int, ...]], where: str = "") -> dict[
+        str, Sharded]:
     """What a load reads: the stored payload of every declared extra state (into fresh buffers)."""
     out = {}
     for i, s in enumerate(states):
         shape = shapes.get(s.name)
         if shape is not None:
+            check_size(s.name, shape, where)
             buf = torch.empty(tuple(shape), dtype=torch.uint8)
             out[f"x{i}"] = Sharded(buf, [box_piece(s.name, tuple(shape), (0,) * len(shape), tuple(shape))])
     return out
