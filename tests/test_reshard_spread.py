@@ -205,12 +205,14 @@ def test_torchrun_spreads_the_cli_reshard(src: Path, tmp_path: Path):
     job = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
     assert folder_bytes(tmp_path / "mlm-one") == folder_bytes(tmp_path / "mlm")
-    # a conversion that is not spread refuses under torchrun (every process would write DEST) rather than race
-    cmd[cmd.index("reshard"):] = ["convert", str(src), str(tmp_path / "z"), "--format", "zarr"]
+    # a conversion that is not spread (an import) refuses under torchrun (every process would write DEST)
+    from tests.test_import_trust_folders import dcp_folder
+
+    cmd[cmd.index("reshard"):] = ["convert", str(dcp_folder(tmp_path / "dcp-src")), str(tmp_path / "imp")]
     cmd[cmd.index(next(c for c in cmd if c.startswith("--master-port")))] = f"--master-port={free_port()}"
     job = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert job.returncode != 0 and "a conversion to zarr runs in one process" in job.stderr
-    assert not (tmp_path / "z").exists()
+    assert job.returncode != 0 and "a conversion to ckptkit runs in one process" in job.stderr
+    assert not (tmp_path / "imp").exists()
 
 
 def folder_bytes(path: Path) -> dict[str, Any]:
@@ -508,10 +510,67 @@ def test_a_failing_process_fails_a_spread_deepspeed_export_and_commits_nothing(w
     assert not [p for p in (tmp_path / "out").rglob("*") if p.is_file()]  # the tag folder is removed
 
 
-def test_a_conversion_that_does_not_spread_refuses_a_process_group(worlds, src: Path, tmp_path: Path):
-    errors = worlds.run(2, spread_zarr_export, str(src), str(tmp_path / "z"))
-    assert all("a conversion to zarr runs in one process" in e for e in errors), errors
-    assert not (tmp_path / "z").exists()
+def test_a_conversion_that_does_not_spread_refuses_a_process_group(worlds, tmp_path: Path):
+    """An import (to ckptkit) does not spread: under a process group every process would write DEST."""
+    from tests.test_import_trust_folders import dcp_folder
+
+    source = dcp_folder(tmp_path / "dcp")
+    errors = worlds.run(2, spread_convert, str(source), str(tmp_path / "imported"), "ckptkit")
+    assert all("a conversion to ckptkit runs in one process" in e for e in errors), errors
+    assert not (tmp_path / "imported").exists()
+
+
+def spread_convert(source: str, dest: str, target: str, fail_on: int | None = None) -> str:
+    """One process's part of ``convert(source, dest, to_format=target)`` over the world; ``fail_on``: that
+    process's zarr shard writes fail. Returns its error, or "no error"."""
+    import torch.distributed as dist
+
+    from ckptkit.offline import RunOptions
+    from ckptkit_converters.registry import convert
+    from ckptkit_converters.zarr import convert as zarr_convert
+
+    real = zarr_convert._ZarrExport.write
+    if fail_on is not None and dist.get_rank() == fail_on:
+        def failing(self, mine, options, tick):
+            raise OSError(f"injected failure writing zarr shards {mine[:3]}")
+
+        zarr_convert._ZarrExport.write = failing
+    try:
+        convert(source, dest, to_format=target, run=RunOptions(process_group=dist.group.WORLD))
+    except Exception as exc:  # noqa: BLE001
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        zarr_convert._ZarrExport.write = real
+    return "no error"
+
+
+@pytest.mark.parametrize("processes", [2, 4])
+def test_a_spread_zarr_export_is_the_one_process_export_byte_for_byte(worlds, src: Path, tmp_path: Path,
+                                                                       processes: int):
+    """Process 0 creates the arrays, every process writes the shards dealt to it, process 0 writes the root
+    attributes last: every file equal to the one-process export's, and the group converts back bit for bit."""
+    from ckptkit_converters.registry import convert
+    from ckptkit_converters.zarr.options import ZarrExportOptions
+
+    small = ZarrExportOptions(shard_bytes=1 << 16, chunk_bytes=1 << 14)  # many shards, so every process writes some
+    convert(src, tmp_path / "one", to_format="zarr", target_options=small)
+    results = worlds.run(processes, spread_zarr_export, str(src), str(tmp_path / "spread"))
+    assert results == ["no error"] * processes, results
+    one, spread_out = _files(tmp_path / "one"), _files(tmp_path / "spread")
+    assert sorted(one) == sorted(spread_out) and "zarr.json" in one and len(one) > 8
+    for root in (one, spread_out):  # the root attributes say when the export ran: compared without that
+        doc = json.loads(root["zarr.json"])
+        assert doc["attributes"]["ckptkit"].pop("exported")
+        root["zarr.json"] = json.dumps(doc, sort_keys=True).encode()
+    for name in one:
+        assert one[name] == spread_out[name], f"{name} differs"
+    convert(tmp_path / "spread", tmp_path / "back", to_format="ckptkit")
+    report = ckptkit.diff(src, tmp_path / "back")
+    assert report.tensors and all(t.identical for t in report.tensors)
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 def spread_zarr_export(source: str, dest: str) -> str:
@@ -519,12 +578,22 @@ def spread_zarr_export(source: str, dest: str) -> str:
 
     from ckptkit.offline import RunOptions
     from ckptkit_converters.registry import convert
+    from ckptkit_converters.zarr.options import ZarrExportOptions
 
     try:
-        convert(source, dest, to_format="zarr", run=RunOptions(process_group=dist.group.WORLD))
+        convert(source, dest, to_format="zarr", target_options=ZarrExportOptions(shard_bytes=1 << 16, chunk_bytes=1 << 14),
+                run=RunOptions(process_group=dist.group.WORLD))
     except Exception as exc:  # noqa: BLE001
         return f"{type(exc).__name__}: {exc}"
     return "no error"
+
+
+def test_a_failing_process_fails_a_spread_zarr_export_everywhere_and_leaves_nothing(worlds, src: Path,
+                                                                                     tmp_path: Path):
+    errors = worlds.run(2, spread_convert, str(src), str(tmp_path / "z"), "zarr", 1)
+    assert all("injected failure writing zarr shards" in e for e in errors), errors
+    assert errors[0].startswith("SpreadError") and errors[1].startswith("OSError")
+    assert not (tmp_path / "z").exists() or not [p for p in (tmp_path / "z").rglob("*") if p.is_file()]
 
 
 @settings(max_examples=200, deadline=None)

@@ -44,13 +44,14 @@ import math
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ckptkit.options import Progress, progress_counter
+from ckptkit.options import Progress
 from ckptkit.engine.offline_writer import ConvertResult, OfflineCheckpoint, OfflineWriteOptions, write_offline
 from ckptkit.engine.prefetch import ReadAhead
 from ckptkit.errors import (
@@ -67,6 +68,8 @@ from ckptkit.layout.box import Box, Region
 from ckptkit.layout.manifest import DTYPES, Manifest, TensorMeta, pieces_by_writer
 from ckptkit.offline.view import CheckpointView, ViewOptions
 from ckptkit.offline.view import open as open_view
+from ckptkit.offline.spread import Dealt, agreed, same_source, spread_comm, write_then_commit
+from ckptkit_converters.common.failures import export_step
 from ckptkit_converters.zarr.layout import (
     ATTRIBUTE,
     FORMAT,
@@ -126,8 +129,9 @@ def _slices(box: Box) -> tuple[slice, ...]:
 
 
 def array_spec(kv: dict[str, Any], path: str, meta: TensorMeta, stored: str, chunk: tuple[int, ...],
-               shard: tuple[int, ...], options: ZarrExportOptions) -> dict[str, Any]:
-    """The tensorstore spec creating one zarr v3 array (sharded when a shard holds several chunks)."""
+               shard: tuple[int, ...], options: ZarrExportOptions, *, create: bool = True) -> dict[str, Any]:
+    """The tensorstore spec creating one zarr v3 array (sharded when a shard holds several chunks), or
+    (``create=False``) opening the one created so, its metadata checked against this."""
     codecs: list[dict[str, Any]] = [{"name": "bytes", "configuration": {"endian": "little"}}]
     if options.compression == "zstd":
         codecs.append({"name": "zstd", "configuration": {"level": 3, "checksum": False}})
@@ -151,7 +155,7 @@ def array_spec(kv: dict[str, Any], path: str, meta: TensorMeta, stored: str, chu
         },
         # a chunk equal to the fill value is written anyway: -0.0 and NaN payloads stay bit-exact
         "store_data_equal_to_fill_value": True,
-        "create": True,
+        **({"create": True} if create else {"open": True}),
     }
 
 
@@ -165,14 +169,109 @@ def export_zarr(
     options: ZarrExportOptions = ZarrExportOptions(),
     storage_options: dict[str, Any] | None = None,
     progress: Progress | None = None,
+    process_group: Any = None,
 ) -> ConvertResult:
     """Write every logical tensor of the checkpoint ``source`` as a zarr v3 array in a new group at ``dest``.
 
     ``dest`` (local path or ``s3://`` URL) must be empty or absent. Reads go
     through the lazy view (only each shard's bytes, checksum-verified).
+    ``process_group`` (a ``torchrun`` job's; call on every process with the same arguments): process 0
+    creates the groups and arrays, the shards are dealt to the processes by bytes and each writes its
+    own, and process 0 writes the root group's attributes last (the export's commit); a failure anywhere
+    fails every process and removes the group. The files are the one-process export's, byte for byte.
     """
     t0 = time.perf_counter()
-    ts = _tensorstore()
+    comm = spread_comm(process_group)
+    job = agreed(comm, lambda: _prepare(source, dest, options, storage_options))
+    same_source(comm, job.view.url, job.view.manifest.attempt)
+    first = comm is None or comm.rank == 0
+    try:
+        agreed(comm, lambda: job.create(options) if first else None)  # the arrays exist before any shard
+    except BaseException:
+        if first:
+            _discard(job.out)
+        raise
+    sizes = {i: box.numel * DTYPES[meta.dtype] for i, (meta, _, box) in enumerate(job.units)}
+    dealt = Dealt(comm, sizes, len(job.units), progress, job.total, "zarr-export")
+    write_then_commit(comm, dealt, lambda mine: job.write(mine, options, dealt.tick),
+                      lambda _: job.commit(options), lambda: _discard(job.out))
+    manifest = job.view.manifest
+    return ConvertResult(job.view.url, job.out.url, "zarr", len(manifest.tensors), job.total,
+                         job.view.bytes_read - job.read0, time.perf_counter() - t0)
+
+
+@dataclass
+class _ZarrExport:
+    """What every process of a zarr export knows before anything is written: the source view, the
+    destination, each tensor's array path and chunking, and the shard boxes (the units of work,
+    largest first)."""
+
+    view: CheckpointView
+    out: ByteStore
+    paths: dict[str, str]
+    plans: list[tuple[TensorMeta, str, tuple[int, ...], tuple[int, ...]]]
+    units: list[tuple[TensorMeta, str, Box]]
+    total: int
+    read0: int
+
+    @property
+    def what(self) -> str:
+        return f"exporting {self.view.url} to {self.out.url} through tensorstore"
+
+    def _kvs(self) -> Any:
+        return _tensorstore().KvStore.open(_kvstore_spec(self.out)).result()
+
+    def _arrays(self, options: ZarrExportOptions, create: bool) -> dict[str, Any]:
+        ts = _tensorstore()
+        kv, context = _kvstore_spec(self.out), ts.Context()
+        opened = [ts.open(array_spec(kv, self.paths[m.key], m, stored, chunk, shard, options, create=create),
+                          context=context) for m, stored, chunk, shard in self.plans]
+        return {p[0].key: f.result() for p, f in zip(self.plans, opened)}
+
+    def create(self, options: ZarrExportOptions) -> None:
+        """Every group's and array's metadata (process 0, before any shard is written)."""
+        def run() -> None:
+            kvs = self._kvs()
+            groups = {"/".join(p.split("/")[:i]) for p in self.paths.values() for i in range(1, p.count("/") + 1)}
+            for group in sorted(groups):
+                kvs.write(f"{group}/{GROUP_METADATA}", group_json()).result()
+            self._arrays(options, create=True)
+        export_step(run, StorageError, self.what)
+
+    def write(self, mine: list[int], options: ZarrExportOptions, tick: Callable[[int], None]) -> None:
+        """The shards numbered ``mine``: each read through the view and written whole, ``threads`` at a time."""
+        def run() -> None:
+            arrays = self._arrays(options, create=False)
+
+            def write(i: int) -> None:
+                meta, stored, box = self.units[i]
+                host = to_stored(self.view.read_box(meta.key, box), meta.dtype, stored)
+                arrays[meta.key][_slices(box)].write(host).result()
+                tick(box.numel * DTYPES[meta.dtype])
+
+            with ThreadPoolExecutor(max_workers=options.threads, thread_name_prefix="ckptkit-zarr") as pool:
+                list(pool.map(write, mine))
+        export_step(run, StorageError, self.what)
+
+    def commit(self, options: ZarrExportOptions) -> None:
+        """The per-rank values' group, then the root group's attributes: last, the export is complete."""
+        def run() -> None:
+            kvs, view, manifest = self._kvs(), self.view, self.view.manifest
+            per_rank = {r: v for r, v in view.all_per_rank_values().items() if v} if manifest.per_rank_keys else {}
+            if per_rank:
+                doc = {"format": f"{FORMAT}-per-rank", "version": VERSION,
+                       "ranks": {str(r): v for r, v in sorted(per_rank.items())}}
+                kvs.write(f"{PER_RANK_GROUP}/{GROUP_METADATA}", group_json({ATTRIBUTE: doc})).result()
+            chunking = {"chunk_bytes": options.chunk_bytes, "shard_bytes": options.shard_bytes,
+                        "compression": options.compression, "portable": options.portable}
+            attrs = root_attributes(view.url, manifest, self.paths, {m.key: s for m, s, _, _ in self.plans},
+                                    bool(per_rank), chunking)
+            kvs.write(GROUP_METADATA, group_json({ATTRIBUTE: attrs})).result()
+        export_step(run, StorageError, self.what)
+
+
+def _prepare(source: str | os.PathLike[str] | CheckpointView, dest: str | os.PathLike[str],
+             options: ZarrExportOptions, storage_options: dict[str, Any] | None) -> _ZarrExport:
     view = source if isinstance(source, CheckpointView) else open_view(
         source, storage_options=storage_options, options=ViewOptions(options.io_threads))
     read0 = view.bytes_read
@@ -183,52 +282,16 @@ def export_zarr(
     paths = {key: node_path(key) for key in manifest.tensors}
     if len(set(paths.values())) != len(paths):
         raise LayoutError(f"{view.url}: two tensor keys map to one zarr path; cannot export")
-    kv = _kvstore_spec(out)
-    context = ts.Context()
-    kvs = ts.KvStore.open(kv, context=context).result()
     plans = []
     for meta in manifest.tensors.values():
         stored = stored_dtype(meta.dtype, options.portable)
-        chunk, shard = choose_chunking(meta.shape, DTYPES[stored], stored_boxes(meta), options.chunk_bytes, options.shard_bytes)
+        chunk, shard = choose_chunking(meta.shape, DTYPES[stored], stored_boxes(meta), options.chunk_bytes,
+                                       options.shard_bytes)
         plans.append((meta, stored, chunk, shard))
+    units = [(m, stored, box) for m, stored, _, shard in plans for box in shard_boxes(m.shape, shard)]
+    units.sort(key=lambda u: -u[2].numel * DTYPES[u[0].dtype])
     total = sum(m.numel * DTYPES[m.dtype] for m in manifest.tensors.values())
-    groups = {"/".join(p.split("/")[:i]) for p in paths.values() for i in range(1, p.count("/") + 1)}
-    try:
-        for group in sorted(groups):
-            kvs.write(f"{group}/{GROUP_METADATA}", group_json()).result()
-        tick = progress_counter(progress, total)
-
-        # every array is created first (concurrently), then shards are the units of work:
-        # largest first, ``threads`` in flight, each read through the view and written whole
-        opened = [ts.open(array_spec(kv, paths[m.key], m, stored, chunk, shard, options), context=context)
-                  for m, stored, chunk, shard in plans]
-        arrays = {p[0].key: f.result() for p, f in zip(plans, opened)}
-        units = [(m, stored, box) for m, stored, _, shard in plans for box in shard_boxes(m.shape, shard)]
-        units.sort(key=lambda u: -u[2].numel * DTYPES[u[0].dtype])
-
-        def write(unit: tuple[TensorMeta, str, Box]) -> None:
-            meta, stored, box = unit
-            host = to_stored(view.read_box(meta.key, box), meta.dtype, stored)
-            arrays[meta.key][_slices(box)].write(host).result()
-            tick(box.numel * DTYPES[meta.dtype])
-
-        with ThreadPoolExecutor(max_workers=options.threads, thread_name_prefix="ckptkit-zarr") as pool:
-            list(pool.map(write, units))
-        per_rank = {r: v for r, v in view.all_per_rank_values().items() if v} if manifest.per_rank_keys else {}
-        if per_rank:
-            doc = {"format": f"{FORMAT}-per-rank", "version": VERSION, "ranks": {str(r): v for r, v in sorted(per_rank.items())}}
-            kvs.write(f"{PER_RANK_GROUP}/{GROUP_METADATA}", group_json({ATTRIBUTE: doc})).result()
-        chunking = {"chunk_bytes": options.chunk_bytes, "shard_bytes": options.shard_bytes,
-                    "compression": options.compression, "portable": options.portable}
-        attrs = root_attributes(view.url, manifest, paths, {m.key: s for m, s, _, _ in plans}, bool(per_rank), chunking)
-        kvs.write(GROUP_METADATA, group_json({ATTRIBUTE: attrs})).result()  # last: the export is complete
-    except BaseException as exc:
-        _discard(out)
-        if isinstance(exc, CkptkitError) or not isinstance(exc, Exception):
-            raise
-        raise StorageError(f"exporting {view.url} to {out.url} through tensorstore failed: {exc}") from exc
-    return ConvertResult(view.url, out.url, "zarr", len(manifest.tensors), total, view.bytes_read - read0,
-                         time.perf_counter() - t0)
+    return _ZarrExport(view, out, paths, plans, units, total, read0)
 
 
 def _discard(out: ByteStore) -> None:

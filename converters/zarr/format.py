@@ -8,7 +8,7 @@ from ckptkit_converters.common.format import FormatBase
 
 
 class ZarrFormat(FormatBase, name="zarr", description="a zarr group", priority=40, options="Zarr",
-                 importer="convert:import_zarr", exporter="convert:export_zarr"):
+                 importer="convert:import_zarr", exporter="convert:export_zarr", spreads=True):
     """A zarr v3 group written by ``ckptkit convert --format zarr`` (``zarr.json`` at its root)."""
 
     def detect(self, url: str, storage_options: dict[str, Any] | None = None) -> bool:
