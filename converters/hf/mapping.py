@@ -313,7 +313,7 @@ def apply(unit: Unit, t: torch.Tensor, cfg: HFConfig, permute: bool) -> list[tor
         if rule.vocab == "trim":
             x = x[: shape[0]]
         if o.rope is not None and permute:
-            x = rope_to_hf(x, _heads(cfg, o.rope, unit.key))
+            x = rope_to_hf(x, rope_heads(cfg, o.rope, unit.key))
         res.append(x.contiguous())
     return res
 
@@ -323,7 +323,7 @@ def invert(rule: Rule, parts: list[torch.Tensor], cfg: HFConfig, permute: bool, 
     xs = []
     for o, x in zip(rule.outs, parts):
         if o.rope is not None and permute:
-            x = rope_from_hf(x, _heads(cfg, o.rope, where))
+            x = rope_from_hf(x, rope_heads(cfg, o.rope, where))
         xs.append(x)
     takes = [o.take for o in rule.outs]
     if takes == ["q", "k", "v"]:
@@ -341,7 +341,8 @@ def _layer_list(v: object, source: str) -> tuple[int, ...] | None:
     return tuple(v)
 
 
-def _heads(cfg: HFConfig, rope: str, where: str) -> int:
+def rope_heads(cfg: HFConfig, rope: str, where: str) -> int:
+    """The heads a rotary output's rows are grouped in (``rope`` is the rule's head-count field)."""
     if rope == "n_kv_heads":
         n = cfg.need("n_heads", f"the rotary permutation of {where}")
         return cfg.n_kv_heads or n

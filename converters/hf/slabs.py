@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from ckptkit.errors import CkptkitError
-from ckptkit_converters.hf.mapping import HFConfig, Unit, apply
+from ckptkit_converters.hf.mapping import HFConfig, Unit, apply, rope_heads
 
 
 @dataclass(frozen=True)
@@ -73,10 +73,8 @@ def plan_slabs(sources: np.ndarray, align: int, row_read: int, row_made: int, bu
 def _align(unit: Unit, out: int, rows: int, cfg: HFConfig, permute: bool) -> int:
     """Rows a slab of output ``out`` is made of: whole heads for a rotary output (its permutation stays
     inside a head), single rows otherwise."""
-    from ckptkit_converters.hf.mapping import _heads
-
     rope = unit.rule.outs[out].rope
-    return rows // _heads(cfg, rope, unit.key) if rope is not None and permute else 1
+    return rows // rope_heads(cfg, rope, unit.key) if rope is not None and permute else 1
 
 
 def check_budget(unit: Unit, src_shape: tuple[int, ...], src_dtype: torch.dtype, cast: torch.dtype | None,

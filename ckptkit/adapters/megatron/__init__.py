@@ -316,7 +316,8 @@ def load(model: Any, path: str | os.PathLike[str], *, optimizer: Any = None, sch
     if same:
         entries["rng"] = PerRank(None)
     ckptkit.load({ROOT: entries}, path, strict=False, options=options, storage_options=storage_options)
-    extra_state.restore(plan.extras, entries[_EXTRA], str(path))
+    if extra_state.stores_any(shapes):  # a checkpoint without FP8 payloads: no vetting exchange
+        extra_state.restore(plan.extras, entries[_EXTRA], str(path))
     if states:
         opt_state.zero_fresh_rows(states)
         opt_state.sync_model_from_main(optimizer, had_main=load_main, have_main=any(ps.main is not None for ps in states))

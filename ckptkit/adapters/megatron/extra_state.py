@@ -168,10 +168,16 @@ def load_entries(states: Sequence[ExtraState], shapes: Mapping[str, tuple[int, .
     return out
 
 
+def stores_any(shapes: Mapping[str, tuple[int, ...]]) -> bool:
+    """Whether a checkpoint (its manifest's tensor shapes) holds any payload: the same answer on every rank."""
+    return any(name.startswith(PREFIX) for name in shapes)
+
+
 def restore(states: Sequence[ExtraState], loaded: Mapping[str, Sharded], where: str) -> int:
     """Vet every loaded payload, then hand each to its module's ``set_extra_state`` (as Megatron's
     ``load_state_dict`` does); the number restored. Collective: a payload refused on one rank is
-    refused on every rank (each holds other layers), so no rank goes on with a half-restored job."""
+    refused on every rank (each holds other layers), so no rank goes on with a half-restored job.
+    Call it on every rank or on none (:func:`stores_any`: a checkpoint without payloads needs no call)."""
     picked = [(s, loaded[f"x{i}"].local) for i, s in enumerate(states) if f"x{i}" in loaded]
     refusal = None
     try:
