@@ -129,7 +129,9 @@ def test_nested_streams_are_vetted_and_bounded():
     assert bomb != _nested()
     _refused(pickle.dumps(_Call(load, bomb)), "declared size of 1073741824")
     short = _nested()[:-8]  # the storage's bytes cut short
-    _refused(pickle.dumps(_Call(load, short)), "weights_only")
+    _refused(pickle.dumps(_Call(load, short)), "are not the FloatStorage its record declares")
+    longer = _nested() + b"\0" * 4  # bytes past the storage
+    _refused(pickle.dumps(_Call(load, longer)), "are not the FloatStorage its record declares")
 
 
 def test_a_recipe_with_a_callable_is_refused_naming_it():
@@ -252,3 +254,24 @@ def test_a_stored_payload_declared_huge_or_not_1d_is_refused_before_its_buffer_i
     for shape in ((1 << 40,), (MAX_PAYLOAD_BYTES + 1,), (4, 4), ()):
         with pytest.raises(UnsafeCheckpointError, match=r"ckpt: tensor 'extra/decoder.*declares shape"):
             load_entries([state], {state.name: shape}, "ckpt")
+
+
+def test_a_load_does_not_refuse_what_the_loading_modules_hold_now():
+    """At a load the modules' current payloads are not used: a grouped-GEMM module with FP8 state, or TE 1.x's
+    BytesIO form, is passed over (saving refuses both, so no checkpoint holds them)."""
+    pytest.importorskip("megatron.core")
+    from types import SimpleNamespace
+
+    from ckptkit.adapters.megatron.extra_state import declared
+
+    model = torch.nn.Module()
+    model.add_module("fc1", torch.nn.Module())
+    model.add_module("proj", torch.nn.Module())
+    model.fc1.num_gemms = 2
+    grouped = SimpleNamespace(key="decoder.layers.mlp.experts.linear_fc1._extra_state", data=te.payload("x"),
+                              global_offset=(0, 1), global_shape=(1, 2), replica_id=(0, 0, 0),
+                              unique_key="decoder.layers.mlp.experts.linear_fc1._extra_state/shard_0.1_1.2")
+    old = SimpleNamespace(key="decoder.layers.proj._extra_state", data=io.BytesIO(b"te1"), global_offset=(0,),
+                          global_shape=(1,), replica_id=(0, 0, 0), unique_key="decoder.layers.proj._extra_state/shard_0_1")
+    got = declared([model], [(0, "fc1._extra_state1", grouped), (0, "proj._extra_state", old)], saving=False)
+    assert [(s.path, s.payload) for s in got] == [("proj._extra_state", None)]

@@ -115,14 +115,16 @@ def _chunks(model: Any) -> list[Any]:
     return list(model) if isinstance(model, (list, tuple)) else [model]
 
 
-def _declared(model: Any, vocab: ModelSpaceOptions) -> tuple[list[ParamSpace], list[extra_state.ExtraState]]:
-    """The model chunks' parameters in model space, and their modules' extra states."""
+def _declared(model: Any, vocab: ModelSpaceOptions, *, saving: bool = False) -> tuple[
+        list[ParamSpace], list[extra_state.ExtraState]]:
+    """The model chunks' parameters in model space, and their modules' extra states (with their payloads
+    when ``saving``)."""
     from megatron.core import parallel_state as ps
 
     sizes = DataParallelSizes(ps.get_data_parallel_world_size(with_context_parallel=True),
                               ps.get_expert_data_parallel_world_size())
     spaces, objects = chunk_params(_chunks(model), vocab, sizes)
-    return spaces, extra_state.declared([unwrap(c) for c in _chunks(model)], objects)
+    return spaces, extra_state.declared([unwrap(c) for c in _chunks(model)], objects, saving=saving)
 
 
 def _spaces(model: Any, vocab: ModelSpaceOptions) -> list[ParamSpace]:
@@ -179,7 +181,7 @@ def megatron_state(model: Any, *, optimizer: Any = None, scheduler: Any = None, 
                    extra: Mapping[str, Any] | None = None, options: MegatronOptions = MegatronOptions()) -> dict[str, Any]:
     """The ckptkit state of a Megatron job (tensors are the job's own; the saver snapshots them)."""
     vocab = ModelSpaceOptions(options.vocab_size, options.make_vocab_size_divisible_by)
-    spaces, extras = _declared(model, vocab)
+    spaces, extras = _declared(model, vocab, saving=True)
     entries: dict[str, Any] = {}
     for i, s in enumerate(spaces):
         for j, sh in enumerate(_by_tensor(s.view(), s.box_pieces("model/", for_save=True), s, "model/")):

@@ -63,9 +63,12 @@ class ExtraState:
     payload: torch.Tensor | None
 
 
-def declared(chunks: Sequence[Any], objects: Sequence[tuple[int, str, Any]]) -> list[ExtraState]:
+def declared(chunks: Sequence[Any], objects: Sequence[tuple[int, str, Any]], *, saving: bool = True) -> list[
+        ExtraState]:
     """The extra states among the ShardedObjects ``(chunk, state path, object)`` of the model chunks
-    (already unwrapped); other objects are refused by name."""
+    (already unwrapped); other objects are refused by name. ``saving``: take (and check) the payloads the
+    modules hold now; at a load (False) they are not used, so a form ckptkit does not carry is no reason
+    to refuse the load."""
     from megatron.core.dist_checkpointing.mapping import is_main_replica
 
     out = []
@@ -76,10 +79,11 @@ def declared(chunks: Sequence[Any], objects: Sequence[tuple[int, str, Any]]) -> 
                                      "ckptkit's Megatron adapter carries only those")
         module = chunks[chunk].get_submodule(path[: found.start()])
         if found.group(1) or getattr(module, "num_gemms", 1) > 1:  # _extra_state<i>, or a grouped GEMM's own
-            _refuse_grouped(obj, path)
+            if saving:
+                _refuse_grouped(obj, path)
             continue
         out.append(ExtraState(PREFIX + obj.unique_key, path, module, is_main_replica(obj.replica_id),
-                              _rule(obj), _payload(obj, path)))
+                              _rule(obj), _payload(obj, path) if saving else None))
     return out
 
 

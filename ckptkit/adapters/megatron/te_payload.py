@@ -9,10 +9,11 @@ pickle's opcodes (``pickletools.genops``: nothing is built, nothing is imported)
 it unless every global it names is one Transformer Engine's own payloads name (its recipe
 classes, torch's tensor rebuild, ``OrderedDict``). The tensors inside (TE pickles CPU
 tensors, whose storages are nested legacy ``torch.save`` streams behind
-``torch.storage._load_from_bytes``) are walked the same way, with only torch's storage
-classes allowed, every integer bounded by the stream's own length (a storage's declared
-size is allocated before its bytes are read) and the stream then loaded by
-``torch.load(weights_only=True)``.
+``torch.storage._load_from_bytes``) are walked the same way: one storage per stream, of one
+of torch's storage classes, every integer bounded by the stream's own length (a storage's
+declared size is allocated before its bytes are read), and the raw bytes after the pickles
+exactly that storage's (its 8-byte element count, then count x element size). Nothing here
+unpickles, not even with ``weights_only``: ``pickletools`` only names the opcodes.
 
 Conservative by construction: a ``STACK_GLOBAL`` whose two names were not pushed right
 before it as string literals (or memo reads of them) is refused, as are extension codes,
@@ -49,9 +50,12 @@ PAYLOAD_GLOBALS = frozenset({(TE_RECIPE, name) for name in RECIPE_CLASSES} | {
 })
 """Every global a payload may name."""
 
-STORAGE_GLOBALS = frozenset(("torch", f"{kind}Storage") for kind in (
-    "Float", "Double", "Half", "BFloat16", "Long", "Int", "Short", "Char", "Byte", "Bool",
-    "ComplexFloat", "ComplexDouble", "Float8_e4m3fn", "Float8_e5m2"))
+STORAGE_BYTES = {"FloatStorage": 4, "DoubleStorage": 8, "HalfStorage": 2, "BFloat16Storage": 2, "LongStorage": 8,
+                 "IntStorage": 4, "ShortStorage": 2, "CharStorage": 1, "ByteStorage": 1, "BoolStorage": 1,
+                 "ComplexFloatStorage": 8, "ComplexDoubleStorage": 16, "Float8_e4m3fnStorage": 1,
+                 "Float8_e5m2Storage": 1}
+"""torch's storage classes a nested stream may name, and the bytes of one element of each."""
+STORAGE_GLOBALS = frozenset(("torch", name) for name in STORAGE_BYTES)
 """Every global a nested legacy storage stream may name (its storage class)."""
 
 _LEGACY_PICKLES = 5  # magic number, protocol version, system info, the storage, the storage keys
@@ -113,16 +117,20 @@ def _check_storage_stream(blob: bytes, where: str) -> None:
     for value in walks[3].ints + walks[4].ints:
         if not 0 <= value <= len(blob):
             raise UnsafeCheckpointError(f"{where}: a declared size of {value} in a stream of {len(blob)} bytes")
-    _weights_only(blob, where)
+    _check_storage_bytes(blob[stream.tell():], walks[3], where)
 
 
-def _weights_only(blob: bytes, where: str) -> None:
-    import torch
-
-    try:
-        torch.load(io.BytesIO(blob), weights_only=True, map_location="cpu")
-    except Exception as exc:  # noqa: BLE001 - torch's reader raises many kinds on damaged input
-        raise UnsafeCheckpointError(f"{where}: torch.load(weights_only=True) refuses it: {exc}") from None
+def _check_storage_bytes(rest: bytes, record: _Walk, where: str) -> None:
+    """The raw part of a nested stream: exactly one storage (what ``TypedStorage.__reduce__`` writes), its
+    8-byte little-endian element count equal to the one its record declares, then that many elements."""
+    if len(record.globals) != 1 or record.persistent != 1:
+        raise UnsafeCheckpointError(f"{where}: {len(record.globals)} storage classes and {record.persistent} "
+                                    "persistent ids; torch nests one storage per stream")
+    size = STORAGE_BYTES[record.globals[0][1]]
+    count = int.from_bytes(rest[:8], "little", signed=True) if len(rest) >= 8 else -1
+    if count < 0 or count not in record.ints or len(rest) != 8 + count * size:
+        raise UnsafeCheckpointError(f"{where}: the storage's bytes ({len(rest)}, count {count}) are not the "
+                                    f"{record.globals[0][1]} its record declares")
 
 
 def _walk_one(stream: io.BytesIO, where: str) -> _Walk:
