@@ -68,6 +68,13 @@ class Link:
         t = torch.zeros(1)
         dist.all_reduce(t, group=self.group)
 
+    def all_ok(self, ok: bool) -> bool:
+        """Whether every rank's ``ok`` is true: a barrier that also agrees an outcome (one all-reduce,
+        bounded by the group's timeout), so every rank takes the same branch after it."""
+        t = torch.tensor([0 if ok else 1], dtype=torch.uint8)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return not int(t.item())
+
     def swap(self, send_to: int, payload: bytes | memoryview, recv_from: int) -> bytearray:
         """Send ``payload`` to ``send_to`` while receiving from ``recv_from``; sizes go first."""
         size = torch.tensor([len(payload)], dtype=torch.int64)

@@ -1,18 +1,28 @@
 """The memory tier at work: snapshots into node memory, copies to peers or parity, retirement.
 
-Per snapshot, on the training thread (:meth:`MemorySnapshots.snapshot`):
+Per snapshot, on the training thread (:meth:`MemorySnapshots.snapshot`), nothing collective:
 
-1. one tiny all-reduce of flags: is any rank's previous snapshot still being protected, did any
-   fail — so every rank takes the same branch and the background copies stay matched;
+1. if this rank's previous snapshot is still being protected, wait for it; if it failed, raise
+   (its outcome was agreed by every rank in the background, so every rank raises here alike);
 2. the copy of this rank's local state into a reusable staging buffer (the only part that
    blocks the step: it is :class:`~ckptkit.engine.async_save.AsyncSaver`'s snapshot, with a
    rank-local saver).
 
 Then, on one background thread per rank: the staged bytes are written to the node's memory
-folder as a one-rank ckptkit checkpoint (manifest, index, checksums, commit), sent to the
-replica holders or folded into the parity shares of the rank's group over the tier's own gloo
-group, and once every rank is done (a barrier on that group) the previous step's copies are
-retired. So a node holds at most two steps: the newest complete one and the one in flight.
+folder as a one-rank ckptkit checkpoint (manifest, index, checksums, commit); every rank agrees
+that every own copy is written (one tiny all-reduce on the tier's own gloo group, so a node whose
+write failed stops every rank's copies at once instead of leaving its peers waiting for bytes
+until the group's timeout); the copies are sent to the replica holders or folded into the parity
+shares of the rank's group; and once every rank agrees its copies are complete (a second
+all-reduce, also the barrier) the previous step's copies are retired. So a node holds at most
+two steps: the newest complete one and the one in flight.
+
+Why the agreement runs in the background, not on the step: a rank's protection of step ``s`` ends
+with an all-reduce every rank joins, so once its own protection is done every rank's copies of
+``s`` are, and the outcome it returns is every rank's. Waiting for one's own previous snapshot is
+therefore enough to keep the background copies matched, and the step never waits on a collective
+for the slowest rank (on 4 ranks sharing 2 cores that flag all-reduce was most of a snapshot's
+blocking time).
 
 Restores are :mod:`ckptkit.memory.restore`'s.
 """
@@ -85,16 +95,12 @@ class MemorySnapshots:
         is not possible), for a persistent save of the same step to persist from; call
         :meth:`lent_to` with that save's completion."""
         prev = self._inflight
-        busy = prev is not None and not prev.done()
-        failed = prev is not None and prev.done() and prev.exception() is not None
-        any_busy, any_failed = self.comm.any_flags([busy, failed])
-        if any_busy or any_failed:
-            self._wait_quietly()
-        if any_failed:
-            self._inflight = None
-            exc = prev.exception() if prev is not None else None
-            raise SaveError(f"the previous memory snapshot failed{': ' + str(exc) if exc else ' on another rank'}") \
-                from exc
+        if prev is not None:
+            self._wait_quietly()  # its outcome is agreed by every rank: all raise here, or none
+            exc = prev.exception()
+            if exc is not None:
+                self._inflight = None
+                raise SaveError(f"the previous memory snapshot failed: {exc}") from exc
         view = local_view(state, self.world_size, self.rank)
         if not self._budget_checked:
             self._check_budget(view.nbytes)
@@ -144,18 +150,49 @@ class MemorySnapshots:
 
     # ------------------------------------------------------------- background
     def _protect(self, step: int, handle: SaveHandle) -> int:
+        """Write, copy and retire, agreeing with every rank after the write and after the copies:
+        the outcome this returns (or raises) is every rank's."""
         t0 = time.perf_counter()
-        handle.wait()  # the own copy is committed in node memory
-        if self.link is not None:
-            if self.topology.parity is not None:
-                self._parity_rounds(step)
-            else:
-                self._replica_rounds(step)
-            self.link.barrier()  # every rank's copies of `step` are complete: older steps may go
-        self.retire_before(step)
+        error = self._attempt(handle.wait)  # the own copy is committed in node memory
+        if error is not None:
+            self._saver.acknowledge(handle)  # reported here, by every rank: the saver must not raise it again
+        if self.link is None:
+            if error is not None:
+                raise self._failed(step, error, "writing it into node memory")
+        else:
+            if not self._agree(step, error, "writing it into node memory"):
+                raise self._failed(step, error, "writing it into node memory")
+            rounds = self._parity_rounds if self.topology.parity is not None else self._replica_rounds
+            error = self._attempt(lambda: rounds(step))
+            if not self._agree(step, error, "copying it to its holders"):  # also the barrier
+                raise self._failed(step, error, "copying it to its holders")
+        self.retire_before(step)  # every rank's copies of `step` are complete: older steps may go
         self.last_protected = (step, time.perf_counter() - t0)
         log.debug("memory snapshot of step %d protected in %.3fs", step, self.last_protected[1])
         return step
+
+    @staticmethod
+    def _attempt(work: Any) -> BaseException | None:
+        try:
+            work()
+        except Exception as exc:  # noqa: BLE001 - agreed with every rank, then raised by _failed
+            return exc
+        return None
+
+    def _agree(self, step: int, error: BaseException | None, doing: str) -> bool:
+        """Whether no rank failed; the agreement itself failing (a lost peer: the group's timeout) is
+        raised as this step's failure, so the outcome always names the step."""
+        assert self.link is not None
+        try:
+            return self.link.all_ok(error is None)
+        except Exception as exc:  # noqa: BLE001 - raised as the snapshot's failure
+            raise self._failed(step, error or exc, doing + " (agreeing on it with every rank)") from exc
+
+    def _failed(self, step: int, error: BaseException | None, doing: str) -> SaveError:
+        where = f"on rank {self.rank}: {type(error).__name__}: {error}" if error is not None else "on another rank"
+        exc = SaveError(f"the memory snapshot of step {step} failed {doing} {where}")
+        exc.__cause__ = error
+        return exc
 
     def _replica_rounds(self, step: int) -> None:
         """Stream this rank's folder to each replica holder while receiving a source's, file by file,

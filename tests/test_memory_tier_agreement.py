@@ -1,0 +1,192 @@
+"""The memory tier's snapshot agreement, across real gloo worlds (4 ranks, 2 simulated nodes of 2).
+
+A memory snapshot blocks the step only for its copy into staging: whether every rank's previous
+snapshot is protected, and whether any failed, is agreed in the background, on the tier's own
+group. These tests hold that to account: no collective on the step path; a failure on one rank
+(its write into node memory, or its copies to peers) reaches every rank as the same outcome, and
+a failed write reaches them at once, not after the group's timeout; the job trains on, and the
+older complete step stays restorable bit for bit.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+import ckptkit
+from tests import models
+
+TIMEOUT = 60.0  # the tier group's timeout in these tests: a failure must reach every rank long before it
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_object", "broadcast", "broadcast_object_list", "barrier",
+               "gather_object", "scatter_object_list", "send", "recv", "isend", "irecv", "batch_isend_irecv")
+
+
+def _tier(base: str, **kw) -> ckptkit.MemoryTier:
+    return ckptkit.MemoryTier(every_steps=1, replicas=1, root=os.path.join(base, f"node{dist.get_rank() // 2}"),
+                              ranks_per_node=2, timeout_seconds=kw.pop("timeout_seconds", TIMEOUT), **kw)
+
+
+class _TrainingThreadCollectives:
+    """Counts the torch.distributed collectives the calling (training) thread makes while active;
+    the tier's background thread is not counted."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self._saved: dict[str, object] = {}
+        self._thread = threading.get_ident()
+
+    def __enter__(self) -> "_TrainingThreadCollectives":
+        for name in COLLECTIVES:
+            real = getattr(dist, name)
+            self._saved[name] = real
+
+            def counted(*a, _real=real, _name=name, **k):
+                if threading.get_ident() == self._thread:
+                    self.calls.append(_name)
+                return _real(*a, **k)
+            setattr(dist, name, counted)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name, real in self._saved.items():
+            setattr(dist, name, real)
+
+
+def steps_without_collectives(run: str, base: str) -> dict:
+    """Snapshot steps after the first make no collective on the training thread."""
+    model, optim = models.build("fsdp", torch.float32, seed=0)
+    with ckptkit.CheckpointManager(run, save=ckptkit.SavePolicy(), memory=_tier(base)) as mgr:
+        models.train(model, optim, 1, start=1)
+        mgr.maybe_save(1, models.sharded_state(model, optim))  # the first checks the host budget (collective)
+        calls = []
+        for step in range(2, 6):
+            models.train(model, optim, 1, start=step)
+            state = models.sharded_state(model, optim)
+            with _TrainingThreadCollectives() as seen:
+                mgr.maybe_save(step, state)
+            calls.append(seen.calls)
+        mgr.wait()
+    return {"calls": calls}
+
+
+def test_a_snapshot_step_makes_no_collective(worlds, tmp_path):
+    res = worlds.run(4, steps_without_collectives, str(tmp_path / "run"), str(tmp_path / "mem"))
+    assert all(r["calls"] == [[]] * 4 for r in res), [r["calls"] for r in res]
+
+
+def _fail_on(rank: int, step: int, target: str):
+    """Make ``target`` (``"write"``: the write of the rank's own copy into node memory; ``"copy"``:
+    its copies to peers) fail on ``rank`` at ``step``; returns the undo."""
+    from ckptkit.engine import async_save
+    from ckptkit.memory import tier
+
+    if target == "write":
+        real = async_save.write_staged
+
+        def write(store, plan, *a, **k):
+            if dist.get_rank() == rank and f"step-{step:010d}" in store.url:
+                raise OSError(errno.ENOSPC, "No space left on device (injected)", store.url)
+            return real(store, plan, *a, **k)
+        async_save.write_staged = write
+        return lambda: setattr(async_save, "write_staged", real)
+    real_rounds = tier.MemorySnapshots._replica_rounds
+
+    def rounds(self, s):
+        if dist.get_rank() == rank and s == step:
+            raise ConnectionError("peer link dropped (injected)")
+        return real_rounds(self, s)
+    tier.MemorySnapshots._replica_rounds = rounds
+    return lambda: setattr(tier.MemorySnapshots, "_replica_rounds", real_rounds)
+
+
+def one_rank_fails(run: str, base: str, rank: int, step: int, target: str, timeout: float, wait: bool) -> dict:
+    """Train 6 steps with a snapshot every step and a persistent save at 4; at ``step`` one rank's
+    write or copy fails. Reports what each rank saw, how long ``wait`` took to say so, and that
+    training and snapshots go on after it."""
+    model, optim = models.build("fsdp", torch.float32, seed=0)
+    undo = _fail_on(rank, step, target)
+    failed, seen_after, next_raised = None, None, None
+    try:
+        mgr = ckptkit.CheckpointManager(run, save=ckptkit.SavePolicy(every_steps=4),
+                                        memory=_tier(base, timeout_seconds=timeout))
+        for s in range(1, 7):
+            models.train(model, optim, 1, start=s)
+            if s == step + 1 and not wait:  # the failure was not waited for: the next snapshot raises it
+                try:
+                    mgr.maybe_save(s, models.sharded_state(model, optim))
+                except ckptkit.SaveError as exc:
+                    next_raised = str(exc)
+                continue
+            mgr.maybe_save(s, models.sharded_state(model, optim))
+            if s == step and wait:
+                t0 = time.monotonic()
+                try:
+                    mgr.wait()
+                except ckptkit.SaveError as exc:
+                    failed = str(exc)
+                seen_after = time.monotonic() - t0
+        mgr.close()
+    finally:
+        undo()
+    return {"failed": failed, "seconds": seen_after, "next_raised": next_raised}
+
+
+def restore(run: str, base: str) -> dict:
+    model, optim = models.build("fsdp", torch.float32, seed=5)
+    state = models.sharded_state(model, optim)
+    with ckptkit.CheckpointManager(run, memory=_tier(base)) as mgr:
+        step = mgr.restore_latest(state)
+        info = mgr.last_restore
+    models.apply_state(model, optim, state)
+    return {"step": step, "sources": info.sources, "full": models.full_state(model, optim)}
+
+
+def reference(step: int) -> dict:
+    model, optim = models.build("fsdp", torch.float32, seed=0)
+    for s in range(1, step + 1):
+        models.train(model, optim, 1, start=s)
+    return models.full_state(model, optim)
+
+
+def _equal(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_a_failed_write_on_one_rank_reaches_every_rank_at_once(worlds, tmp_path):
+    """Rank 2 cannot write its copy of step 3 into node memory. Every rank's copies stop at once
+    (its peer no longer waits for bytes until the group's timeout), every rank reports the same
+    failure, the job snapshots on, and the newest step restores bit-exact."""
+    run, base = str(tmp_path / "run"), str(tmp_path / "mem")
+    res = worlds.run(4, one_rank_fails, run, base, 2, 3, "write", TIMEOUT, True)
+    for r, got in enumerate(res):
+        assert got["failed"] is not None, r
+        assert "step 3" in got["failed"] and "writing it into node memory" in got["failed"], got["failed"]
+        assert got["seconds"] < TIMEOUT / 4, f"rank {r} learnt of the failure after {got['seconds']:.1f}s"
+    assert "No space left on device (injected)" in res[2]["failed"]
+    assert all("on another rank" in res[r]["failed"] for r in (0, 1, 3))
+    again = worlds.run(4, restore, run, base)
+    assert again[0]["step"] == 6 and again[0]["sources"] == ("memory",) * 4
+    _equal(again[0]["full"], worlds.run(4, reference, 6)[0])
+
+
+def test_a_failed_copy_unwaited_is_raised_by_every_rank_at_the_next_snapshot(worlds, tmp_path):
+    """Rank 1's copies of step 5 fail and nobody waits: at the next snapshot every rank raises it
+    (the same agreed outcome, none goes on alone), and the older complete step is what a lost node
+    gets back from its peers."""
+    run, base = str(tmp_path / "run"), str(tmp_path / "mem")
+    res = worlds.run(4, one_rank_fails, run, base, 1, 5, "copy", 10.0, False)
+    assert all(r["next_raised"] is not None and "step 5" in r["next_raised"] for r in res), res
+    assert "peer link dropped (injected)" in res[1]["next_raised"]
+    import shutil
+
+    shutil.rmtree(os.path.join(base, "node1"))
+    again = worlds.run(4, restore, run, base)
+    assert again[0]["step"] == 4 and again[0]["sources"][2:] == ("peer", "peer")
+    _equal(again[0]["full"], worlds.run(4, reference, 4)[0])
