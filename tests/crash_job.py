@@ -52,7 +52,9 @@ def worker(rank: int, world: int, run: str, pid_dir: str, steps: int, port: int)
             state["rep"].copy_(fresh["rep"])
             state["step"] = step
             mgr.maybe_save(step, state)
-    dist.destroy_process_group()
+    from ckptkit.resilience.restart import destroy_process_group
+
+    destroy_process_group()  # a clean exit: gloo's threads let go of their tensors first
 
 
 def main() -> int:
