@@ -14,6 +14,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+import ckptkit.gloo_exit  # noqa: F401 - registers the at-exit wait for gloo's threads (its docstring)
+
 from ckptkit.errors import (
     CheckpointNotFoundError,
     CheckpointUnreadableError,

@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.state_dict import (  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ckptkit  # noqa: E402
 from ckptkit.resilience import DetectorConfig, Rewarm, Rollback  # noqa: E402
-from ckptkit.resilience.restart import destroy_process_group, init_process_group  # noqa: E402
+from ckptkit.resilience.restart import init_process_group  # noqa: E402
 
 VOCAB, DIM, HEADS, LAYERS, SEQ, BATCH = 101, 32, 4, 2, 16, 8
 
@@ -276,7 +276,7 @@ def main() -> int:
     if dist.get_rank() == 0 and args.report:
         with open(args.report, "w") as f:
             json.dump({"phase": args.phase, "eval_loss": loss}, f)
-    destroy_process_group()  # and a moment for gloo's threads to let go of their tensors: a clean exit
+    dist.destroy_process_group()
     return 0
 
 

@@ -168,9 +168,7 @@ def train(layout: str, folder: str, steps: int, stop: int) -> None:
             seen = sorted({int(i) for t in ids for i in t.tolist()})
             print(f"[{layout}] step {state.step}: loss {total.item() / job['tp']:.5f}  samples {seen}", flush=True)
     checkpointer.close()
-    from ckptkit.resilience.restart import destroy_process_group
-
-    destroy_process_group()  # and a moment for gloo's threads to let go of their tensors: a clean exit
+    dist.destroy_process_group()
 
 
 def demo(folder: str) -> None:

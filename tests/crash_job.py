@@ -52,9 +52,7 @@ def worker(rank: int, world: int, run: str, pid_dir: str, steps: int, port: int)
             state["rep"].copy_(fresh["rep"])
             state["step"] = step
             mgr.maybe_save(step, state)
-    from ckptkit.resilience.restart import destroy_process_group
-
-    destroy_process_group()  # a clean exit: gloo's threads let go of their tensors first
+    dist.destroy_process_group()
 
 
 def main() -> int:

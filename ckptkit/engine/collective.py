@@ -17,7 +17,6 @@ import atexit
 import os
 import json
 import threading
-import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Protocol
@@ -206,25 +205,3 @@ def init_process_group(backend: str = "gloo", timeout: timedelta | None = None, 
                          timeout=timeout or timedelta(minutes=10))
     store = dist.PrefixStore(f"/ckptkit/attempt-{attempt}", base)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout, **kwargs)
-
-
-#: how long :func:`destroy_process_group` hands the GIL to gloo's worker threads before returning
-GLOO_SETTLE_SECONDS = 0.1
-
-
-def destroy_process_group() -> None:
-    """``torch.distributed.destroy_process_group()``, then a moment with the GIL released, so a job can
-    exit without aborting.
-
-    A gloo worker thread drops its reference to a finished collective's tensors a moment after the
-    caller sees the collective complete, and dropping it takes the GIL. Destroying the world does not
-    join those threads (their group object lives until the interpreter's last collection). If the
-    interpreter is finalizing by the time such a thread asks for the GIL, Python ends the thread
-    inside C++ and the process aborts ("terminate called without an active exception", SIGABRT;
-    pytorch/pytorch#190489). Measured here: the demo's tensor-parallel resume (2 ranks on 2 busy
-    cores) aborted at exit in 7 of 44 runs with the plain call, in none of 88 with this one. Call it
-    last, where a training script calls ``dist.destroy_process_group()``; a no-op without a world."""
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-    time.sleep(GLOO_SETTLE_SECONDS)
-

@@ -9,14 +9,10 @@ overwritten them; with gloo this showed up here (torch 2.13) as
 (``TORCHELASTIC_RESTART_COUNT``), so no key can be stale. Outside torchrun it
 is plain ``torch.distributed.init_process_group``. It lives in the engine
 (:mod:`ckptkit.engine.collective`), where the offline tools' torchrun runs use it too.
-
-:func:`destroy_process_group` is its pair at the end of a job: the world destroyed, then a moment
-for gloo's worker threads to let go of their last tensors while the interpreter still runs (without
-it a job can abort at exit after finishing its work; see its docstring).
 """
 
 from __future__ import annotations
 
-from ckptkit.engine.collective import destroy_process_group, init_process_group
+from ckptkit.engine.collective import init_process_group
 
-__all__ = ["destroy_process_group", "init_process_group"]
+__all__ = ["init_process_group"]
