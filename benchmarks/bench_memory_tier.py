@@ -22,6 +22,14 @@ round so slow drifts of the machine hit every variant alike:
   p4-every1   MemoryTier(every_steps=1, parity=4, ...)
   p4-every5   MemoryTier(every_steps=5, parity=4, ...)
 
+``--device-ms N`` follows every training step's compute with N ms in which the host only waits
+(then ``maybe_save``): a model of a GPU step, whose host launches the work and then waits for the
+device, its cores free meanwhile. What it does not model: a GPU node has more host cores than
+ranks, here the compute part still has 4 ranks on 2 cores, and the background work that starts at
+a snapshot shares them with the next step's compute before the idle part comes. Without it (the
+default) the step is CPU-bound: 4 ranks fill 2 cores, and every cycle of background work comes out
+of the steps.
+
 Persistent saves are off (``SavePolicy()`` has no interval), so only the memory tier is
 measured. Step time = train step + maybe_save, slowest rank; a variant's mean = block wall time /
 steps. A block starts at a multiple of 5 steps, so every snapshot but the block's last has
@@ -171,7 +179,13 @@ def part_training(args: argparse.Namespace, mesh: Any, rank: int, world: int, sc
     steps = max(EVERY, (args.steps or (10 if args.quick else 20)) // EVERY * EVERY)
     rounds = args.rounds or (3 if args.quick else 10)
 
-    n_params, train_step, make_state = fsdp_job(cfg, mesh, rank)
+    n_params, compute_step, make_state = fsdp_job(cfg, mesh, rank)
+    device_s = args.device_ms / 1000
+
+    def train_step() -> None:
+        compute_step()
+        if device_s:  # --device-ms: the host waits as it would for a GPU's compute; its cores are free meanwhile
+            time.sleep(device_s)
 
     for _ in range(3 if args.quick else 10):
         train_step()
@@ -294,7 +308,7 @@ def part_training(args: argparse.Namespace, mesh: Any, rank: int, world: int, sc
         r["extra_cpu_per_snapshot_s"] = (r["cpu_per_step_s"] - base_cpu) * every if every else None
     return {
         "model": asdict(cfg), "params": n_params, "state_bytes": state_bytes, "bytes_per_rank": rank_bytes,
-        "steps_per_block": steps, "rounds": rounds, "loop_seconds": loop_s,
+        "steps_per_block": steps, "rounds": rounds, "loop_seconds": loop_s, "device_ms": args.device_ms,
         "state_built_once": live, "state_live_check": why, "state_live_at_end": final_live,
         "copy_floor_s": floor_s, "copy_floor_median_s": median(floor_s),
         "variants": results,
@@ -507,6 +521,10 @@ def report(args: argparse.Namespace, world: int, p1: dict[str, Any] | None, p2: 
         print()
         print(f"== part 1: step-time overhead of the memory tier: TinyLM {p1['params'] / 1e6:.2f}M params under FSDP2 on "
               f"{world} ranks, AdamW, {p1['state_bytes'] / MiB:.1f} MiB of state; persistent saves off ==")
+        if p1["device_ms"]:
+            print(f"EMULATED DEVICE-BOUND STEP (--device-ms {p1['device_ms']:g}): each training step is followed by "
+                  f"{p1['device_ms']:g} ms in which the host only waits, as it does while a GPU computes; the tier's "
+                  "background work can use the cores then. A model of a GPU node's host, not a GPU measurement.")
         print(f"{p1['rounds']} rounds; a round = one block of {p1['steps_per_block']} steps per variant, order rotated "
               f"({p1['rounds'] * p1['steps_per_block']} timed steps per variant); step = train step + maybe_save, "
               "slowest rank; baseline = none")
@@ -535,9 +553,10 @@ def report(args: argparse.Namespace, world: int, p1: dict[str, Any] | None, p2: 
               "every_steps=1 it includes waiting for the previous snapshot's protection); excess/snap = (mean step - "
               "baseline) x interval; CPU/snap = extra CPU time of all ranks per snapshot, threads included; tail "
               "wait = after the block's last step, not counted)")
-        print(f"NOTE: {os.cpu_count()} CPU cores for {world} ranks: the tier's background thread (write into /dev/shm, "
-              "copy to the peer, parity) competes with training for the same cores; on a GPU node it would run on "
-              "otherwise idle host cores")
+        if not p1["device_ms"]:
+            print(f"NOTE: {os.cpu_count()} CPU cores for {world} ranks: the tier's background thread (write into /dev/shm, "
+                  "copy to the peer, parity) competes with training for the same cores; on a GPU node it would run on "
+                  "otherwise idle host cores (--device-ms N models that)")
         if args.quick:
             print("NOTE: --quick is a smoke test: a tiny model, few rounds; the overheads mean little")
         print("targets (printed, not asserted):")
@@ -668,6 +687,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--parts", default="training,recovery", help="comma-separated: training (part 1), recovery (part 2)")
     ap.add_argument("--steps", type=int, default=0, help="part 1: steps per block, a multiple of 5 (default 20, --quick 10)")
     ap.add_argument("--rounds", type=int, default=0, help="part 1: rounds of one block per variant (default 10, --quick 3)")
+    ap.add_argument("--device-ms", type=float, default=0.0,
+                    help="part 1: after each training step's compute, wait this long with the host idle, as for a GPU's "
+                         "compute (an emulated device-bound step; default 0: the CPU-bound step as it is)")
     ap.add_argument("--train-hidden", type=int, default=0)
     ap.add_argument("--train-layers", type=int, default=0)
     ap.add_argument("--no-drop-caches", action="store_true", help="part 2: do not drop the page cache before restores")
