@@ -5,7 +5,8 @@
   ``bench_memory_tier.py`` (the memory tier's cost to a training loop, and a
   lost node's time to the first resumed step from memory vs disk vs S3),
   ``bench_parity_memory.py`` (the process memory a parity snapshot's protection and
-  a parity rebuild take, against the rank's state) and
+  a parity rebuild take, against the rank's state), ``bench_tier_cpu.py`` (the host CPU one
+  memory snapshot's protection takes, r1 and p4, against the former SHA-256 digests) and
   ``bench_read_once.py`` (a dp4 load of replicated weights, read once vs by every
   replica, on local disk and S3) under
   ``torchrun --nproc_per_node=4``;
@@ -48,12 +49,13 @@ ASYNC_BENCH = "bench_async.py"
 MEMORY_BENCH = "bench_memory_tier.py"
 READ_ONCE_BENCH = "bench_read_once.py"
 PARITY_MEMORY_BENCH = "bench_parity_memory.py"
-TORCHRUN_BENCHES = (IO_BENCH, ASYNC_BENCH, MEMORY_BENCH, PARITY_MEMORY_BENCH, READ_ONCE_BENCH)  # run under torchrun, in this order
+TIER_CPU_BENCH = "bench_tier_cpu.py"
+TORCHRUN_BENCHES = (IO_BENCH, ASYNC_BENCH, MEMORY_BENCH, PARITY_MEMORY_BENCH, TIER_CPU_BENCH, READ_ONCE_BENCH)  # run under torchrun, in this order
 S3_BENCH = "bench_s3.py"  # a plain script that also takes --reps
 VARIANTS = {"bench_reshard.py": [[], ["--moe"]], "bench_reshard_spread.py": [[], ["--command", "dcp"]]}  # scripts run more than once, with these extra arguments
 SCRATCH_PREFIXES = ("bench_io-scratch-", "bench_async-scratch-", "bench_s3-scratch-", "bench_modelspace-scratch-", "bench_torchtitan-scratch-",
                     "bench_deepspeed-scratch-", "bench_reshard-scratch-", "bench_hf_export-scratch-",
-                    "bench_memory_tier-scratch-", "bench_parity_memory-scratch-", "bench_read_once-scratch-", "bench_reshard_spread-scratch-",
+                    "bench_memory_tier-scratch-", "bench_parity_memory-scratch-", "bench_tier_cpu-scratch-", "bench_read_once-scratch-", "bench_reshard_spread-scratch-",
                     "bench_fp32_consolidate-scratch-", "bench_megatron_import-scratch-",
                     "bench_megatron_dp_import-scratch-")
 

@@ -3,7 +3,6 @@ the receiver's new files, manifest last; hostile headers refused before anything
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import struct
@@ -15,6 +14,7 @@ from hypothesis import strategies as st
 
 import ckptkit
 from ckptkit.errors import CorruptCheckpointError
+from ckptkit.memory import digest
 from ckptkit.memory.bundle import MAGIC, BundleBytes, IncomingBundle, OutgoingBundle
 from ckptkit.memory.node_folder import NodeFolder
 from ckptkit.storage.local import LocalStore
@@ -32,7 +32,7 @@ def blob_of(store: LocalStore) -> bytes:
         bundle = BundleBytes(out.header, out.parts)
         blob = bytearray(bundle.length)
         bundle.read_into(0, memoryview(blob))
-        assert bundle.sha256() == hashlib.sha256(blob).hexdigest()
+        assert bundle.digest() == digest.of(blob)
         return bytes(blob)
 
 

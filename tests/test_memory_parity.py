@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import ckptkit
 from ckptkit.errors import CorruptCheckpointError
-from ckptkit.memory import parity
+from ckptkit.memory import digest, parity
 from ckptkit.memory.bundle import MAGIC, BundleBytes
 from ckptkit.memory.node_folder import NodeFolder
 from ckptkit.storage.local import LocalStore
@@ -85,7 +85,7 @@ def test_any_one_lost_member_is_rebuilt_exactly(g, window, data):
 def test_a_bundle_read_at_any_offset_is_its_bytes_then_zeros(pieces, offset, n):
     blob = b"".join(pieces)
     bundle = BundleBytes(pieces[0] if pieces else b"", [memoryview(p) for p in pieces[1:]])
-    assert bundle.length == len(blob) and bundle.sha256() == hashlib.sha256(blob).hexdigest()
+    assert bundle.length == len(blob) and bundle.digest() == digest.of(blob)
     out = bytearray(b"\xff" * n)
     bundle.read_into(offset, memoryview(out))
     assert bytes(out) == (blob[offset:offset + n] + bytes(n))[:n]
@@ -122,7 +122,7 @@ def _feed(sink, blob: bytes, cuts: list[int]) -> None:
 
 
 def _sink(folder: NodeFolder, blob: bytes, length: int | None = None):
-    return folder.rebuilt(7, 2, len(blob) if length is None else length, hashlib.sha256(blob).hexdigest())
+    return folder.rebuilt(7, 2, len(blob) if length is None else length, digest.of(blob))
 
 
 @settings(max_examples=300, deadline=None)
@@ -181,11 +181,16 @@ def test_rebuilt_round_trip_truncation_and_a_wrong_digest(tmp_path):
         assert folder.ranks_at(7) == []
     flipped = bytearray(blob)
     flipped[-10] ^= 1  # inside the manifest: a digest mismatch, caught before the manifest is written
-    with pytest.raises(CorruptCheckpointError, match="digest"):
-        with folder.rebuilt(7, 2, len(blob), hashlib.sha256(blob).hexdigest()) as sink:
-            sink.feed(bytes(flipped))
-            sink.commit()
-    assert folder.ranks_at(7) == []
+    for expected in (digest.of(blob), hashlib.sha256(blob).hexdigest()):  # block CRCs; version 1's SHA-256
+        with pytest.raises(CorruptCheckpointError, match="digest"):
+            with folder.rebuilt(7, 2, len(blob), expected) as sink:
+                sink.feed(bytes(flipped))
+                sink.commit()
+        assert folder.ranks_at(7) == []
+    with folder.rebuilt(7, 2, len(blob), hashlib.sha256(blob).hexdigest()) as sink:  # a version 1 digest still holds
+        sink.feed(blob)
+        assert blob_of(sink.commit()) == blob
+    folder.remove_rank(7, 2)
     with pytest.raises(CorruptCheckpointError, match="more than"):
         with _sink(folder, blob) as sink:
             sink.feed(blob + b"\0")

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import bisect
 import errno
-import hashlib
 import itertools
 import json
 import mmap
@@ -36,6 +35,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
 from ckptkit.errors import CorruptCheckpointError, StorageError
+from ckptkit.memory import digest as digests
 from ckptkit.layout.manifest import MANIFEST_NAME
 from ckptkit.storage.local import LocalStore
 
@@ -234,15 +234,16 @@ class BundleBytes:
         if pos < n:
             out[pos:] = bytes(n - pos)
 
-    def sha256(self) -> str:
-        h = hashlib.sha256()
+    def digest(self) -> str:
+        """The bundle's digest (:mod:`ckptkit.memory.digest`), read through its maps."""
+        h = digests.new()
         for piece in self._pieces:
             h.update(piece)
         return h.hexdigest()
 
 
 class BundleSink(_Closing):
-    """A bundle of ``length`` bytes whose SHA-256 is ``digest``, written into a rank folder as its
+    """A bundle of ``length`` bytes whose digest (:mod:`ckptkit.memory.digest`) is ``digest``, written into a rank folder as its
     bytes arrive, in order (a parity rebuild's output, a window at a time).
 
     Its header is checked as soon as it is complete, and its sizes must add up to ``length`` before
@@ -256,7 +257,7 @@ class BundleSink(_Closing):
         self._sink: IncomingBundle | None = None
         self._part = self._at = 0
         self._seen = 0
-        self._hash = hashlib.sha256()
+        self._hash = digests.new(digest)
 
     def feed(self, data: bytes | bytearray | memoryview) -> None:
         view = memoryview(data).cast("B")

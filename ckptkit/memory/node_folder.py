@@ -4,7 +4,7 @@
                                             (manifest, index, data: ``ckptkit verify`` reads it)
     <root>/step-0000000500/share-00007.bin  rank 7's parity share of the step (raw bytes)
     <root>/step-0000000500/share-00007.json its header (group, chunk size, members' lengths and
-                                            SHA-256 digests), written last: the share's commit
+                                            digests), written last: the share's commit
 
 A rank's snapshot travels between nodes as a *bundle* (:mod:`ckptkit.memory.bundle`): checked
 on arrival and written back as files, manifest last, so a half-written copy is never committed.
@@ -15,7 +15,6 @@ metadata and a CRC32C of every block, the same as for any checkpoint.
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import logging
 import mmap
@@ -28,6 +27,7 @@ from typing import Any
 
 from ckptkit.errors import CkptkitError, CorruptCheckpointError
 from ckptkit.layout.manifest import MANIFEST_NAME
+from ckptkit.memory import digest
 from ckptkit.memory.bundle import MAX_HEADER, BundleSink, IncomingBundle, OutgoingBundle
 from ckptkit.storage.local import LocalStore
 
@@ -46,10 +46,15 @@ def rank_name(rank: int) -> str:
     return f"rank-{rank:05d}"
 
 
+#: share headers written now: version 2 digests are block CRCs (:mod:`ckptkit.memory.digest`);
+#: version 1 headers (SHA-256 digests) are still read and checked as such
+SHARE_VERSION = 2
+
+
 @dataclass(frozen=True)
 class ShareHeader:
     """What a parity share protects: the group's members (ranks, in member order), whose share
-    this is, the chunk size, and each member's bundle length and SHA-256."""
+    this is, the chunk size, and each member's bundle length and digest (:mod:`ckptkit.memory.digest`)."""
 
     step: int
     members: tuple[int, ...]
@@ -60,7 +65,7 @@ class ShareHeader:
     share_digest: str
 
     def to_json(self) -> bytes:
-        return json.dumps({"version": 1, "step": self.step, "members": list(self.members), "index": self.index,
+        return json.dumps({"version": SHARE_VERSION, "step": self.step, "members": list(self.members), "index": self.index,
                            "chunk": self.chunk, "lengths": list(self.lengths), "digests": list(self.digests),
                            "share_digest": self.share_digest}).encode()
 
@@ -75,7 +80,7 @@ class ShareHeader:
         except (ValueError, KeyError, TypeError) as exc:
             raise CorruptCheckpointError(f"{where}: not a parity share header: {exc}") from None
         g = len(header.members)
-        if doc.get("version") != 1 or g < 2 or not 0 <= header.index < g or len(header.lengths) != g \
+        if doc.get("version") not in (1, SHARE_VERSION) or g < 2 or not 0 <= header.index < g or len(header.lengths) != g \
                 or len(header.digests) != g or header.chunk < 0 or any(n < 0 or n > (g - 1) * header.chunk
                                                                        for n in header.lengths):
             raise CorruptCheckpointError(f"{where}: inconsistent parity share header")
@@ -115,7 +120,7 @@ class MappedShare:
         return MappedShare(m)
 
     def digest(self) -> str:
-        return hashlib.sha256(self.view).hexdigest()
+        return digest.of(self.view)
 
     def flush(self) -> None:
         if self._map is not None:
@@ -208,7 +213,7 @@ class NodeFolder:
         if size != header.chunk:
             raise CorruptCheckpointError(f"{self._share_path(step, holder, '.bin')}: parity share of {size} bytes, "
                                          f"its header says {header.chunk}")
-        h, block = hashlib.sha256(), bytearray(min(_HASH_BLOCK, size))
+        h, block = digest.new(header.share_digest), bytearray(min(_HASH_BLOCK, size))
         for at in range(0, size, len(block) or 1):
             view = memoryview(block)[: min(len(block), size - at)]
             store.read_into(key, at, view)

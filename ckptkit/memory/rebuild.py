@@ -11,7 +11,7 @@ rebuilt rank holds two windows, not the group's snapshots; a holder holds one.
 A holder that cannot read its input says so in the window's flag instead of sending bytes, and
 every rank keeps walking: no rank is left waiting on a message that never comes, and the rebuilt
 rank fails with the input named. The rebuilt copy is committed only if every byte arrived and its
-SHA-256 is the one the parity shares recorded for it.
+digest is the one the parity shares recorded for it (:mod:`ckptkit.memory.digest`).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from ckptkit.storage.local import LocalStore
 @dataclass(frozen=True)
 class Rebuild:
     """What rebuilding ``rank`` at ``step`` takes: its group (``members``, in member order), the chunk
-    size, its snapshot's length and SHA-256, and which rank holds each member's share and copy."""
+    size, its snapshot's length and digest, and which rank holds each member's share and copy."""
 
     step: int
     rank: int

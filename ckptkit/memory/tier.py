@@ -217,7 +217,7 @@ class MemorySnapshots:
         me = members.index(self.rank)
         with self.folder.outgoing(step, self.rank) as out:
             blob = BundleBytes(out.header, out.parts)
-            facts = self.link.all_gather((blob.length, blob.sha256()))
+            facts = self.link.all_gather((blob.length, blob.digest()))
             lengths = tuple(facts[m][0] for m in members)
             c = parity.chunk_len(max(lengths), g)
             width = min(parity.WINDOW, c)

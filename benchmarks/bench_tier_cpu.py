@@ -1,0 +1,190 @@
+"""The host CPU one memory snapshot's protection costs, with nothing else running.
+
+``torchrun --nproc_per_node=4 benchmarks/bench_tier_cpu.py [--quick] [--mib N] [--out DIR]``
+(also run by ``benchmarks/run_all.py``).
+
+Why apart from bench_memory_tier: there the tier's cost is the step time it adds while 4 training
+ranks fill 2 cores, a figure that moves by several points between runs of the same code. The CPU
+a snapshot's background work takes is what that overhead is made of, and it can be measured
+alone: each rank snapshots a state of ``--mib`` MiB of fp32 (default 8, about part 1's 8.45 MiB
+per rank) with ``maybe_save`` and waits for its protection (``wait``), and nothing else runs. CPU
+= the process's CPU time over all its threads (the tier's thread, its saver's, gloo's), summed
+over the ranks, per snapshot; wall = the slowest rank's ``maybe_save`` + ``wait``.
+
+Variants, a round each in rotated order:
+
+* ``r1``: 2 simulated nodes of 2 ranks, ``MemoryTier(replicas=1)``;
+* ``p4``: 4 simulated nodes, ``MemoryTier(parity=4)`` (digests: block CRC32C, since 2026-12-05);
+* ``p4-sha256`` [baseline]: the same with SHA-256 digests of the bundle and the share, as every
+  parity snapshot computed them before 2026-12-05 (the digest module's factory swapped on every
+  rank for that variant's rounds).
+
+The floor printed beside them: a bare ``copy_`` of the same tensors into preallocated buffers, the
+CPU the snapshot itself cannot avoid.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import ckptkit  # noqa: E402
+from ckptkit.memory import digest  # noqa: E402
+from common import MiB, exit_on_sigterm, table, write_results  # noqa: E402
+
+VARIANTS = ("p4-sha256", "r1", "p4")
+BASELINE = "p4-sha256"
+
+
+def tier_for(variant: str, root: str, rank: int, world: int) -> ckptkit.MemoryTier:
+    if variant == "r1":
+        rpn = world // 2
+        return ckptkit.MemoryTier(every_steps=1, replicas=1, root=os.path.join(root, f"node{rank // rpn}"),
+                                  ranks_per_node=rpn, timeout_seconds=120.0)
+    rpn = world // 4
+    return ckptkit.MemoryTier(every_steps=1, parity=4, root=os.path.join(root, f"node{rank // rpn}"),
+                              ranks_per_node=rpn, timeout_seconds=120.0)
+
+
+def gather(x: float) -> list[float]:
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, x)
+    return [float(v) for v in out]
+
+
+def sha256_digests(expected: str | None = None) -> Any:
+    """The factory of the digests before 2026-12-05: SHA-256 of the bytes."""
+    return hashlib.sha256()
+
+
+def measure(mgr: ckptkit.CheckpointManager, state: dict[str, torch.Tensor], first: int, n: int) -> tuple[float, float]:
+    """(CPU seconds of all ranks, slowest rank's wall seconds) per snapshot, over ``n`` snapshots."""
+    cpu, wall = 0.0, []
+    for step in range(first, first + n):
+        with torch.no_grad():
+            for t in state.values():
+                t.add_(1e-3)  # new bytes every snapshot, as after an optimizer step
+        dist.barrier()
+        c0, t0 = time.process_time(), time.perf_counter()
+        mgr.maybe_save(step, state)
+        mgr.wait()
+        w = time.perf_counter() - t0
+        cpu += time.process_time() - c0
+        wall.append(max(gather(w)))
+    return sum(gather(cpu)) / n, statistics.median(wall)
+
+
+def copy_floor(state: dict[str, torch.Tensor], reps: int = 20) -> float:
+    """CPU seconds of all ranks for a bare copy_ of the state into preallocated buffers (median of ``reps``)."""
+    bufs = [torch.empty_like(t) for t in state.values()]
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        c0 = time.process_time()
+        for b, t in zip(bufs, state.values()):
+            b.copy_(t)
+        times.append(sum(gather(time.process_time() - c0)))
+    return statistics.median(times)
+
+
+def run(args: argparse.Namespace) -> int:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world % 4:
+        if rank == 0:
+            print(f"bench_tier_cpu needs a multiple of 4 ranks (r1: 2 nodes, p4: 4 nodes), got {world}", file=sys.stderr)
+        return 2
+    torch.manual_seed(rank)
+    rows_per = 1024
+    n_tensors = max(1, int(args.mib * MiB) // (rows_per * 256 * 4))
+    state = {f"t{i}": torch.randn(rows_per, 256) for i in range(n_tensors)}  # 1 MiB tensors, fp32
+    rounds, per_round = (2, 5) if args.quick else (args.rounds, args.snapshots)
+    os.makedirs(args.out, exist_ok=True)
+    names = [tempfile.mkdtemp(prefix="bench_tier_cpu-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None),
+             tempfile.mkdtemp(prefix="bench_tier_cpu-scratch-", dir=args.out)] if rank == 0 else [None, None]
+    dist.broadcast_object_list(names, 0)
+    shm, scratch = names
+    factory = digest.new
+    results: dict[str, dict[str, list[float]]] = {v: {"cpu": [], "wall": []} for v in VARIANTS}
+    try:
+        managers = {v: ckptkit.CheckpointManager(os.path.join(scratch, v), save=ckptkit.SavePolicy(),
+                                                 memory=tier_for(v, os.path.join(shm, v), rank, world))
+                    for v in VARIANTS}
+        step = 0
+        for rnd in range(-1, rounds):  # round -1: warm-up (staging buffers, the tier's groups), not counted
+            order = VARIANTS[rnd % len(VARIANTS):] + VARIANTS[:rnd % len(VARIANTS)]
+            for v in order:
+                digest.new = sha256_digests if v == BASELINE else factory
+                try:
+                    cpu, wall = measure(managers[v], state, step, per_round if rnd >= 0 else 2)
+                finally:
+                    digest.new = factory
+                step += per_round
+                if rnd >= 0:
+                    results[v]["cpu"].append(cpu)
+                    results[v]["wall"].append(wall)
+        for mgr in managers.values():
+            mgr.close()
+        floor = copy_floor(state)
+    finally:
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(shm, ignore_errors=True)
+            shutil.rmtree(scratch, ignore_errors=True)
+    if rank == 0:
+        state_mib = sum(t.nbytes for t in state.values()) / MiB
+        base = statistics.median(results[BASELINE]["cpu"])
+        print(f"== the CPU of one memory snapshot's protection: {world} ranks x {state_mib:.1f} MiB, nothing else "
+              f"running; {rounds} rounds x {per_round} snapshots per variant, medians of the rounds ==")
+        rows = [["bare copy_ of the state (floor)", f"{floor * 1e3:.1f}", f"{floor / base:.2f}x", "-"]]
+        for v in VARIANTS:
+            cpu = statistics.median(results[v]["cpu"])
+            rows.append([v + (" [baseline]" if v == BASELINE else ""), f"{cpu * 1e3:.1f}", f"{cpu / base:.2f}x",
+                         f"{statistics.median(results[v]['wall']) * 1e3:.1f}"])
+        print(table(["variant", "CPU per snapshot, all ranks (ms)", "vs baseline", "maybe_save + wait, slowest rank (ms)"],
+                    rows))
+        print(f"({os.cpu_count()} CPU cores; CPU includes every thread of every rank: the snapshot's copy, the write "
+              "into /dev/shm, gloo's sends and receives, digests, XOR, retiring the old step)")
+        write_results(args.out, "bench_tier_cpu", {
+            "quick": bool(args.quick), "world_size": world, "state_mib_per_rank": state_mib, "rounds": rounds,
+            "snapshots_per_round": per_round, "copy_floor_cpu_s": floor, "baseline": BASELINE,
+            "variants": {v: {"cpu_per_snapshot_s": r["cpu"], "wall_per_snapshot_s": r["wall"]} for v, r in results.items()},
+        })
+    return 0
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="2 rounds of 5 snapshots (a smoke test)")
+    ap.add_argument("--mib", type=float, default=8.0, help="MiB of fp32 state per rank (default 8)")
+    ap.add_argument("--rounds", type=int, default=5, help="rounds per variant (default 5)")
+    ap.add_argument("--snapshots", type=int, default=20, help="snapshots per round (default 20)")
+    ap.add_argument("--reps", type=int, default=1, help="accepted for run_all; rounds set the repetitions")
+    ap.add_argument("--out", default="bench-out", help="scratch and results directory")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    exit_on_sigterm()
+    dist.init_process_group("gloo")
+    try:
+        return run(args)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
