@@ -51,7 +51,7 @@ from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor import DTensor, Shard  # noqa: E402
 
 import ckptkit  # noqa: E402
-from common import exit_on_sigterm, GiB, MiB, drop_page_cache, median, remove_tree, spread, table, tree_bytes  # noqa: E402
+from common import GiB, MiB, drop_page_cache, median, remove_tree, spread, table, tree_bytes, run_gloo_main  # noqa: E402
 from gpt_shapes import ModelConfig, param_shapes  # noqa: E402
 
 METHODS = ("ckptkit", "dcp", "torch", "raw")
@@ -465,16 +465,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    exit_on_sigterm()
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.distributed\.checkpoint.*")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    try:
-        return run(args)
-    finally:
-        dist.destroy_process_group()
+    return run_gloo_main(parse_args, run, argv)
 
 
 if __name__ == "__main__":

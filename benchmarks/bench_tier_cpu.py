@@ -43,7 +43,7 @@ import torch.distributed as dist  # noqa: E402
 
 import ckptkit  # noqa: E402
 from ckptkit.memory import digest  # noqa: E402
-from common import MiB, exit_on_sigterm, table, write_results  # noqa: E402
+from common import MiB, run_gloo_main, table, write_results  # noqa: E402
 
 VARIANTS = ("p4-sha256", "r1", "p4")
 BASELINE = "p4-sha256"
@@ -177,13 +177,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    exit_on_sigterm()
-    dist.init_process_group("gloo")
-    try:
-        return run(args)
-    finally:
-        dist.destroy_process_group()
+    return run_gloo_main(parse_args, run, argv)
 
 
 if __name__ == "__main__":

@@ -122,6 +122,21 @@ def run_main(parse_args: Callable[[list[str] | None], Any], run: Callable[[Any],
     return run(args)
 
 
+def run_gloo_main(parse_args: Callable[[list[str] | None], Any], run: Callable[[Any], int],
+                  argv: list[str] | None) -> int:
+    """A torchrun benchmark's ``main``: :func:`run_main` inside a gloo world that is destroyed at the end,
+    whatever happened."""
+    import torch.distributed as dist
+
+    args = parse_args(argv)
+    exit_on_sigterm()
+    dist.init_process_group("gloo")
+    try:
+        return run(args)
+    finally:
+        dist.destroy_process_group()
+
+
 def write_results(out_dir: str, name: str, fields: dict) -> str:
     """Write ``out_dir/<name>.json`` with the benchmark's figures plus when/where it ran; returns the path."""
     import datetime
