@@ -243,8 +243,8 @@ class BundleBytes:
 
 
 class BundleSink(_Closing):
-    """A bundle of ``length`` bytes whose digest (:mod:`ckptkit.memory.digest`) is ``digest``, written into a rank folder as its
-    bytes arrive, in order (a parity rebuild's output, a window at a time).
+    """A bundle of ``length`` bytes whose digest (:mod:`ckptkit.memory.digest`) is ``digest``, written
+    into a rank folder as its bytes arrive, in order (a parity rebuild's output, a window at a time).
 
     Its header is checked as soon as it is complete, and its sizes must add up to ``length`` before
     any file is made; the copy is committed (manifest written) only when every byte has arrived and

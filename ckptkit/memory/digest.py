@@ -2,9 +2,10 @@
 
 A parity rebuild is committed only if the rebuilt bytes match the snapshot's digest, and a share
 is used only if its bytes match the digest its header records. Those digests are computed on every
-snapshot with parity, on host cores that training shares, so their cost is part of the step time:
-SHA-256 of the bundle and the share was ~12 ms of one rank's ~31 ms of CPU per snapshot (8.45 MiB
-per rank, measured 2026-12-05 with cProfile).
+snapshot with parity, on host cores that training shares, so their cost is part of the step time.
+With SHA-256 of the bundle and the share, a parity snapshot's protection took 83.9 ms of CPU over
+4 ranks of 8 MiB; with these digests, 66.9 ms (0.80x; 0.76x at 64 MiB per rank;
+benchmarks/bench_tier_cpu.py, 2026-12-05).
 
 So the digest is what ckptkit's format already trusts for raw bytes: a CRC32C of every 4 MiB block
 (hardware CRC, ~11 GB/s here, against ~0.9 GB/s for SHA-256), the blocks' CRCs and the length then

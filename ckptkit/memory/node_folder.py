@@ -65,8 +65,8 @@ class ShareHeader:
     share_digest: str
 
     def to_json(self) -> bytes:
-        return json.dumps({"version": SHARE_VERSION, "step": self.step, "members": list(self.members), "index": self.index,
-                           "chunk": self.chunk, "lengths": list(self.lengths), "digests": list(self.digests),
+        return json.dumps({"version": SHARE_VERSION, "step": self.step, "members": list(self.members),
+                           "index": self.index, "chunk": self.chunk, "lengths": list(self.lengths), "digests": list(self.digests),
                            "share_digest": self.share_digest}).encode()
 
     @staticmethod
@@ -80,9 +80,9 @@ class ShareHeader:
         except (ValueError, KeyError, TypeError) as exc:
             raise CorruptCheckpointError(f"{where}: not a parity share header: {exc}") from None
         g = len(header.members)
-        if doc.get("version") not in (1, SHARE_VERSION) or g < 2 or not 0 <= header.index < g or len(header.lengths) != g \
-                or len(header.digests) != g or header.chunk < 0 or any(n < 0 or n > (g - 1) * header.chunk
-                                                                       for n in header.lengths):
+        if doc.get("version") not in (1, SHARE_VERSION) or g < 2 or not 0 <= header.index < g \
+                or len(header.lengths) != g or len(header.digests) != g or header.chunk < 0 \
+                or any(n < 0 or n > (g - 1) * header.chunk for n in header.lengths):
             raise CorruptCheckpointError(f"{where}: inconsistent parity share header")
         return header
 
