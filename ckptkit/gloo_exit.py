@@ -12,7 +12,8 @@ this handler the same loop aborted in none of 180 runs; without it, in 4 of 65 (
 So ``import ckptkit`` registers :func:`settle_at_exit`: atexit handlers run before finalization
 begins, so it covers every process that imports ckptkit, whatever its script calls last, and a
 process without gloo threads does not wait. No torch import here (``import ckptkit`` stays light):
-the threads are found by name in ``/proc``, elsewhere a world that is up counts.
+the threads are found by name in ``/proc``; a world that is up counts too (a worker thread names
+itself when it starts, a moment after the group is made, and other systems have no ``/proc``).
 """
 
 from __future__ import annotations
@@ -29,22 +30,31 @@ SETTLE_SECONDS = 0.1
 WORKER_THREAD_NAME = "pt_gloo_runloop"
 
 
-def gloo_workers_alive() -> bool:
-    """Whether this process has gloo worker threads (Linux: by thread name); elsewhere, whether a
-    torch.distributed world is up."""
+def named_gloo_workers() -> int:
+    """How many of this process's threads carry gloo's worker name (0 where ``/proc`` is missing)."""
     try:
         tids = os.listdir("/proc/self/task")
     except OSError:
-        dist = sys.modules.get("torch.distributed")
-        return bool(dist is not None and dist.is_available() and dist.is_initialized())
+        return 0
+    found = 0
     for tid in tids:
         try:
             with open(f"/proc/self/task/{tid}/comm") as f:
-                if f.read().strip() == WORKER_THREAD_NAME:
-                    return True
+                found += f.read().strip() == WORKER_THREAD_NAME
         except OSError:
             continue
-    return False
+    return found
+
+
+def world_is_up() -> bool:
+    """Whether a torch.distributed world is up (without importing torch)."""
+    dist = sys.modules.get("torch.distributed")
+    return bool(dist is not None and dist.is_available() and dist.is_initialized())
+
+
+def gloo_workers_alive() -> bool:
+    """Whether gloo worker threads may be alive: some are found by name, or a world is up."""
+    return named_gloo_workers() > 0 or world_is_up()
 
 
 def settle_at_exit() -> None:

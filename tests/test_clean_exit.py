@@ -3,9 +3,10 @@
 Whether it prevents the abort it is for (a gloo worker thread asking for the GIL while the interpreter
 finalizes, pytorch/pytorch#190489) is a race measured outside the suite (docs/testing.md gives the
 figures). Here: the handler runs at a real exit of a process that imported ckptkit; it finds gloo's
-worker threads by their name (the check it relies on: a torch that renamed them fails this test
-instead of the handler doing nothing); it waits only where they exist; a job that ends with the plain
-``dist.destroy_process_group()`` exits 0.
+worker threads by their name (the check it relies on after the world is destroyed: a torch that
+renamed them fails this test instead of the handler doing nothing; a thread names itself when it
+starts, a moment after the group is made, so the test gives it that moment); it waits only where
+they exist or a world is up; a job that ends with the plain ``dist.destroy_process_group()`` exits 0.
 """
 
 from __future__ import annotations
@@ -21,18 +22,23 @@ JOB = textwrap.dedent("""
     assert "ckptkit.gloo_exit" in sys.modules  # registered by the import itself
     from ckptkit import gloo_exit
 
-    assert not gloo_exit.gloo_workers_alive()
+    assert not gloo_exit.gloo_workers_alive() and gloo_exit.named_gloo_workers() == 0
     t0 = time.monotonic(); gloo_exit.settle_at_exit(); assert time.monotonic() - t0 < 0.05
     store = os.path.join(tempfile.mkdtemp(), "store")
     dist.init_process_group("gloo", init_method="file://" + store, rank=0, world_size=1)
-    assert gloo_exit.gloo_workers_alive()
+    assert gloo_exit.gloo_workers_alive()  # the world is up, whether or not its threads are named yet
     t = torch.ones(4)
     dist.all_reduce(t)
     out = [torch.empty(4)]
     dist.all_gather(out, t)
+    deadline = time.monotonic() + 10
+    while gloo_exit.named_gloo_workers() == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert gloo_exit.named_gloo_workers() > 0, "no thread carries gloo's worker name"
     t0 = time.monotonic(); gloo_exit.settle_at_exit(); waited = time.monotonic() - t0
     assert waited >= gloo_exit.SETTLE_SECONDS, waited
     dist.destroy_process_group()
+    assert not gloo_exit.world_is_up()
 
     real = gloo_exit.settle_at_exit.__globals__["time"].sleep
     def sleep(s):  # the handler's own sleep at the real exit, reported
