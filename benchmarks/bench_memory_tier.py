@@ -107,7 +107,7 @@ from async_training import (  # noqa: E402
     TRAIN_FULL, TRAIN_QUICK, TrainConfig, agree_ok, fsdp_job, cpu_seconds, gather_floats, percentile, state_is_live,
 )
 from bench_io import FULL, QUICK, barrier, build_state, local_shards, settle, verify  # noqa: E402
-from common import GiB, MiB, median, remove_tree, spread, table, write_results  # noqa: E402
+from common import CopyFloor, GiB, MiB, median, remove_tree, spread, table, write_results  # noqa: E402
 from moto_process import CREDENTIALS, MotoProcess  # noqa: E402
 
 SCRATCH_PREFIX = "bench_memory_tier-scratch-"
@@ -150,22 +150,6 @@ def mean_ci(xs: list[float]) -> tuple[float, float | None]:
     """Mean and its 95% confidence half-width (normal approximation, as bench_async)."""
     m = statistics.fmean(xs)
     return m, (1.96 * statistics.stdev(xs) / math.sqrt(len(xs)) if len(xs) > 1 else None)
-
-
-class CopyFloor:
-    """A bare ``copy_`` of every local tensor into preallocated buffers: the floor of a snapshot."""
-
-    def __init__(self, tensors: list[torch.Tensor]) -> None:
-        self.src = tensors
-        self.buffers = [torch.empty_like(t) for t in tensors]
-        self.run()  # fault the pages in
-
-    def run(self) -> float:
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            for b, t in zip(self.buffers, self.src):
-                b.copy_(t)
-        return time.perf_counter() - t0
 
 
 # =========================================================================== part 1: training loop

@@ -43,7 +43,8 @@ import torch.distributed as dist  # noqa: E402
 
 import ckptkit  # noqa: E402
 from ckptkit.memory import digest  # noqa: E402
-from common import MiB, run_gloo_main, table, write_results  # noqa: E402
+from async_training import gather_floats  # noqa: E402
+from common import CopyFloor, MiB, run_gloo_main, table, write_results  # noqa: E402
 
 VARIANTS = ("p4-sha256", "r1", "p4")
 BASELINE = "p4-sha256"
@@ -60,9 +61,7 @@ def tier_for(variant: str, root: str, rank: int, world: int) -> ckptkit.MemoryTi
 
 
 def gather(x: float) -> list[float]:
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, x)
-    return [float(v) for v in out]
+    return [v[0] for v in gather_floats([x])]
 
 
 def sha256_digests(expected: str | None = None) -> Any:
@@ -89,14 +88,11 @@ def measure(mgr: ckptkit.CheckpointManager, state: dict[str, torch.Tensor], firs
 
 def copy_floor(state: dict[str, torch.Tensor], reps: int = 20) -> float:
     """CPU seconds of all ranks for a bare copy_ of the state into preallocated buffers (median of ``reps``)."""
-    bufs = [torch.empty_like(t) for t in state.values()]
+    floor = CopyFloor(list(state.values()))
     times = []
     for _ in range(reps):
         dist.barrier()
-        c0 = time.process_time()
-        for b, t in zip(bufs, state.values()):
-            b.copy_(t)
-        times.append(sum(gather(time.process_time() - c0)))
+        times.append(sum(gather(floor.run(time.process_time))))
     return statistics.median(times)
 
 

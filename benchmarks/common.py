@@ -7,6 +7,7 @@ import signal
 import shutil
 import statistics
 import sys
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -128,13 +129,35 @@ def run_gloo_main(parse_args: Callable[[list[str] | None], Any], run: Callable[[
     whatever happened."""
     import torch.distributed as dist
 
-    args = parse_args(argv)
-    exit_on_sigterm()
-    dist.init_process_group("gloo")
-    try:
-        return run(args)
-    finally:
-        dist.destroy_process_group()
+    def in_world(args: Any) -> int:
+        dist.init_process_group("gloo")
+        try:
+            return run(args)
+        finally:
+            dist.destroy_process_group()
+
+    return run_main(parse_args, in_world, argv)
+
+
+class CopyFloor:
+    """A bare ``copy_`` of every local tensor into preallocated buffers: the floor of a snapshot."""
+
+    def __init__(self, tensors: list[Any]) -> None:
+        import torch
+
+        self.src = tensors
+        self.buffers = [torch.empty_like(t) for t in tensors]
+        self.run()  # fault the pages in
+
+    def run(self, clock: Callable[[], float] = time.perf_counter) -> float:
+        """Copy once; the seconds ``clock`` counted (wall time, or ``time.process_time`` for CPU)."""
+        import torch
+
+        t0 = clock()
+        with torch.no_grad():
+            for b, t in zip(self.buffers, self.src):
+                b.copy_(t)
+        return clock() - t0
 
 
 def write_results(out_dir: str, name: str, fields: dict) -> str:

@@ -63,11 +63,6 @@ class Link:
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
-    def barrier(self) -> None:
-        """Every rank has reached this point (an all-reduce, bounded by the group's timeout)."""
-        t = torch.zeros(1)
-        dist.all_reduce(t, group=self.group)
-
     def all_ok(self, ok: bool) -> bool:
         """Whether every rank's ``ok`` is true: a barrier that also agrees an outcome (one all-reduce,
         bounded by the group's timeout), so every rank takes the same branch after it."""

@@ -35,6 +35,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -156,12 +157,9 @@ class MemorySnapshots:
         error = self._attempt(handle.wait)  # the own copy is committed in node memory
         if error is not None:
             self._saver.acknowledge(handle)  # reported here, by every rank: the saver must not raise it again
-        if self.link is None:
-            if error is not None:
-                raise self._failed(step, error, "writing it into node memory")
-        else:
-            if not self._agree(step, error, "writing it into node memory"):
-                raise self._failed(step, error, "writing it into node memory")
+        if not self._agree(step, error, "writing it into node memory"):
+            raise self._failed(step, error, "writing it into node memory")
+        if self.link is not None:
             rounds = self._parity_rounds if self.topology.parity is not None else self._replica_rounds
             error = self._attempt(lambda: rounds(step))
             if not self._agree(step, error, "copying it to its holders"):  # also the barrier
@@ -172,7 +170,7 @@ class MemorySnapshots:
         return step
 
     @staticmethod
-    def _attempt(work: Any) -> BaseException | None:
+    def _attempt(work: Callable[[], object]) -> BaseException | None:
         try:
             work()
         except Exception as exc:  # noqa: BLE001 - agreed with every rank, then raised by _failed
@@ -180,9 +178,11 @@ class MemorySnapshots:
         return None
 
     def _agree(self, step: int, error: BaseException | None, doing: str) -> bool:
-        """Whether no rank failed; the agreement itself failing (a lost peer: the group's timeout) is
-        raised as this step's failure, so the outcome always names the step."""
-        assert self.link is not None
+        """Whether no rank failed (alone in the job: whether this one did not); the agreement itself
+        failing (a lost peer: the group's timeout) is raised as this step's failure, so the outcome
+        always names the step."""
+        if self.link is None:
+            return error is None
         try:
             return self.link.all_ok(error is None)
         except Exception as exc:  # noqa: BLE001 - raised as the snapshot's failure
