@@ -15,9 +15,12 @@ from hypothesis import strategies as st
 import ckptkit
 from ckptkit.errors import CorruptCheckpointError
 from ckptkit.memory import digest
+from ckptkit.memory import exchange
 from ckptkit.memory.bundle import MAGIC, BundleBytes, IncomingBundle, OutgoingBundle
+from ckptkit.memory.exchange import messages
 from ckptkit.memory.node_folder import NodeFolder
 from ckptkit.storage.local import LocalStore
+from tests.small_fs import small_tmpfs
 
 
 def _snapshot(path) -> LocalStore:
@@ -58,11 +61,11 @@ def errors_within(calls: list, error: type[BaseException], seconds: float = 10.0
 
 
 def _stream(out: OutgoingBundle, folder: NodeFolder, step: int, rank: int, *, commit: bool = True) -> IncomingBundle:
-    """What Link.swap_parts does between two ranks, in one process: each part into its sink."""
+    """What Link.swap_bundles does between two ranks, in one process: the same messages, in order."""
     with folder.incoming(step, rank, out.header) as sink:
-        assert len(sink.parts) == len(out.parts)
-        for src, dst in zip(out.parts, sink.parts):
-            dst[:] = src
+        assert sink.sizes == [len(p) for p in out.parts]
+        for i, at, n in messages(sink.sizes):
+            sink.write(i, at, bytearray(out.parts[i][at:at + n]))  # a copy, as a received message is
         if commit:
             sink.commit()
     return sink
@@ -157,3 +160,88 @@ def test_a_fifo_or_link_in_a_snapshot_folder_is_refused_not_waited_on(tmp_path, 
         os.symlink(tmp_path / "outside", extra)
     got = errors_within([lambda: OutgoingBundle.open(src).close()], CorruptCheckpointError)
     assert len(got) == 1 and "extra" in str(got[0])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 40), max_size=8), st.integers(1, 9))
+def test_messages_cover_every_file_exactly_once_in_order(sizes, cap):
+    """Both sides cut the files at the same places from the sizes alone, so one side's messages are
+    the other's: every byte of every file in exactly one message, in order, none over the cap."""
+    old = exchange.MESSAGE_BYTES
+    exchange.MESSAGE_BYTES = cap
+    try:
+        got = messages(sizes)
+    finally:
+        exchange.MESSAGE_BYTES = old
+    covered = [(i, at) for i, at0, n in got for at in range(at0, at0 + n)]
+    assert covered == [(i, at) for i, size in enumerate(sizes) for at in range(size)]
+    assert all(0 < n <= cap for _, _, n in got)
+
+
+def test_a_write_outside_a_listed_file_is_refused(tmp_path):
+    src = _snapshot(tmp_path / "src")
+    folder = NodeFolder(str(tmp_path / "node"))
+    with OutgoingBundle.open(src) as out, folder.incoming(4, 1, out.header) as sink:
+        big = max(range(len(sink.sizes)), key=lambda i: sink.sizes[i])
+        with pytest.raises(CorruptCheckpointError, match="bundle header lists"):
+            sink.write(big, sink.sizes[big] - 2, b"xyz")
+        with pytest.raises(CorruptCheckpointError, match="bundle header lists"):
+            sink.write(big, -1, b"x")
+
+
+def test_a_copy_with_a_file_short_is_never_committed(tmp_path):
+    """Every message but one arrived: commit refuses, and the folder holds no manifest."""
+    src = _snapshot(tmp_path / "src")
+    folder = NodeFolder(str(tmp_path / "node"))
+    with OutgoingBundle.open(src) as out, folder.incoming(4, 1, out.header) as sink:
+        msgs = messages(sink.sizes)
+        for k, (i, at, n) in enumerate(msgs):
+            if k != len(msgs) // 2:
+                sink.write(i, at, out.parts[i][at:at + n])
+        with pytest.raises(CorruptCheckpointError, match="arrived"):
+            sink.commit()
+    assert folder.ranks_at(4) == []
+
+
+_FULL_FS_CHILD = r"""
+import os, sys, torch
+import ckptkit
+from ckptkit.errors import StorageError
+from ckptkit.memory.bundle import OutgoingBundle
+from ckptkit.memory.exchange import messages
+from ckptkit.memory.node_folder import NodeFolder
+from ckptkit.storage.local import LocalStore
+src, small = sys.argv[1], sys.argv[2]
+ckptkit.save({"w": torch.arange(1 << 20, dtype=torch.float32)}, src)  # 4 MiB, twice the small fs
+folder = NodeFolder(os.path.join(small, "node"))
+try:
+    with OutgoingBundle.open(LocalStore(src)) as out, folder.incoming(1, 0, out.header) as sink:
+        for i, at, n in messages(sink.sizes):
+            sink.write(i, at, bytes(out.parts[i][at:at + n]))
+        sink.commit()
+    print("COPIED")
+except StorageError as exc:
+    print("STORAGE_ERROR", exc)
+try:
+    folder.new_share(1, 0, 4 << 20).close()
+    print("SHARE")
+except StorageError as exc:
+    print("SHARE_STORAGE_ERROR", exc)
+"""
+
+
+def test_a_full_memory_folder_is_an_error_not_a_killed_rank(tmp_path):
+    """A received copy and a new parity share on a file system without room: a StorageError naming
+    the folder (which the tier agrees on, keeping the older step), never SIGBUS. Run in a child, so
+    the old behaviour (a store through a map of a file tmpfs cannot back) shows as its signal."""
+    import subprocess
+    import sys
+
+    with small_tmpfs(str(tmp_path / "small"), "2m") as small:
+        r = subprocess.run([sys.executable, "-c", _FULL_FS_CHILD, str(tmp_path / "src"), small],
+                           capture_output=True, text=True, timeout=120)
+        committed = [d for d, _, fs in os.walk(small) if "manifest.json" in fs]
+    assert r.returncode == 0, f"the child died (rc {r.returncode}): {r.stderr[-2000:]}"
+    assert "STORAGE_ERROR" in r.stdout and "No space left" in r.stdout, r.stdout
+    assert "SHARE_STORAGE_ERROR" in r.stdout and "parity share" in r.stdout, r.stdout
+    assert committed == [], committed  # the copy cut short by the full folder is not committed

@@ -191,3 +191,53 @@ def test_a_failed_copy_unwaited_is_raised_by_every_rank_at_the_next_snapshot(wor
     again = worlds.run(4, restore, run, base)
     assert again[0]["step"] == 4 and again[0]["sources"][2:] == ("peer", "peer")
     _equal(again[0]["full"], worlds.run(4, reference, 4)[0])
+
+
+def folder_fills_up(run: str, base: str) -> dict:
+    """Snapshots at steps 1-4; before step 4, something else fills node 1's memory folder until its
+    own copies fit but the copies it receives do not. Reports what each rank saw."""
+    model, optim = models.build("fsdp", torch.float32, seed=0)
+    failed = None
+    with ckptkit.CheckpointManager(run, save=ckptkit.SavePolicy(), memory=_tier(base, max_host_bytes=1 << 34)) as mgr:
+        for s in range(1, 5):
+            models.train(model, optim, 1, start=s)
+            if s == 4:
+                dist.barrier()
+                if dist.get_rank() == 2:
+                    node1 = os.path.join(base, "node1")
+                    step3 = [os.path.join(node1, d) for d in os.listdir(node1) if d.startswith("step-")]
+                    used = sum(os.stat(os.path.join(d, f)).st_blocks * 512
+                               for top in step3 for d, _, fs in os.walk(top) for f in fs)
+                    st = os.statvfs(node1)
+                    room = 3 * used // 4  # its two own copies and one of the two it receives
+                    with open(os.path.join(node1, "another-job"), "wb") as f:
+                        f.write(b"\0" * max(0, st.f_bavail * st.f_frsize - room))
+                dist.barrier()
+            mgr.maybe_save(s, models.sharded_state(model, optim))
+            try:
+                mgr.wait()
+            except ckptkit.SaveError as exc:
+                failed = (s, str(exc))
+    return {"failed": failed}
+
+
+def test_a_memory_folder_that_fills_up_fails_the_snapshot_on_every_rank_and_kills_none(worlds, tmp_path):
+    """Node 1's memory folder (a real small tmpfs) fills up under a snapshot's incoming copies: every
+    rank reports the step's failure, none is killed (a copy stored through a memory map would have
+    been: SIGBUS), and the older complete step is what a lost node gets back, bit for bit."""
+    from tests.small_fs import small_tmpfs
+
+    run, base = str(tmp_path / "run"), str(tmp_path / "mem")
+    with small_tmpfs(os.path.join(base, "node1"), "64m"):
+        res = worlds.run(4, folder_fills_up, run, base)
+        for r, got in enumerate(res):
+            assert got["failed"] is not None and got["failed"][0] == 4, (r, got)
+            assert "step 4" in got["failed"][1] and "copying it to its holders" in got["failed"][1], got
+        assert any("No space left" in got["failed"][1] for got in res[2:]), res
+        os.unlink(os.path.join(base, "node1", "another-job"))
+        import shutil
+
+        shutil.rmtree(os.path.join(base, "node0"))
+        again = worlds.run(4, restore, run, base)
+    assert again[0]["step"] == 3 and again[0]["sources"] == ("peer", "peer", "memory", "memory"), again[0]["sources"]
+    _equal(again[0]["full"], worlds.run(4, reference, 3)[0])

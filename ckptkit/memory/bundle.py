@@ -4,12 +4,12 @@ A bundle is the files of one rank folder behind a small header (magic, length, J
 and sizes), manifest last: one byte string, never built whole on the way between nodes. It
 travels in two shapes:
 
-* streamed (:class:`OutgoingBundle` / :class:`IncomingBundle`): the header, then each file as its
-  own message, sent straight from the sender's memory-mapped files and received straight into
-  the receiver's new files (a replica copy, a peer's copy at a restore). A replica copy made on
-  every snapshot then costs one copy on each side (the socket's) instead of four (read, join,
-  receive, write): on a host whose cores the training already fills, that copy work is what a
-  snapshot costs the step;
+* streamed (:class:`OutgoingBundle` / :class:`IncomingBundle`): the header, then the files in
+  messages of at most 4 MiB (:mod:`ckptkit.memory.exchange`), sent straight from the sender's
+  memory-mapped files, received into one reused buffer and written into the receiver's new files
+  (a replica copy, a peer's copy at a restore). Written, not received into maps of the new files:
+  a full ``/dev/shm`` is then an error the tier reports instead of a SIGBUS that kills the rank
+  (the CPU is the same: a new tmpfs page costs its allocation either way);
 * windowed (:class:`BundleBytes` / :class:`BundleSink`): the byte string read at any offset from
   the mapped files, and written in order into new files, a window at a time (the parity rounds of
   a snapshot and a parity rebuild: no process ever holds a whole snapshot, or a third of one).
@@ -99,11 +99,17 @@ def _open_regular(path: str) -> int:
 
 
 def _unmap(parts: list[memoryview], maps: list[mmap.mmap]) -> None:
-    """Release the views first: a map with a view still exported cannot close."""
+    """Release the views first: a map with a view still exported cannot close. One may still be
+    exported by a message in flight when a transfer failed (a tensor over it, kept alive by the
+    failure's traceback): that map is then unmapped when the last view of it goes, and the
+    failure is reported as itself, not as this close's BufferError."""
     for part in parts:
         part.release()
     for m in maps:
-        m.close()
+        try:
+            m.close()
+        except BufferError:
+            pass
 
 
 class _Closing(AbstractContextManager):
@@ -155,20 +161,29 @@ class OutgoingBundle(_Closing):
 
 
 class IncomingBundle(_Closing):
-    """A rank folder being received: every file created at its final size and memory-mapped, so the
-    bytes arrive in place; the manifest is held apart and written by :meth:`commit`, last."""
+    """A rank folder being received: every file created empty and written as its bytes arrive
+    (:meth:`write`, at their offset); the manifest is held apart and written by :meth:`commit`, last.
+
+    Written with ``pwrite``, never stored through a memory map: on a file system that runs out of
+    room (a full ``/dev/shm``) a write fails with ENOSPC, raised here as a :class:`StorageError`
+    that the tier agrees on and reports, while a store through a map of a file whose pages cannot
+    be supplied kills the process with SIGBUS. (The CPU is no different: bench_tier_cpu's r1
+    measured 47-52 ms per snapshot either way on 2026-12-05, a new tmpfs page's allocation
+    costing what its page fault did.)"""
 
     def __init__(self, store: LocalStore, header: bytes | bytearray | memoryview) -> None:
         self.store = store
         self.entries, end = parse_header(memoryview(header).cast("B"), store.url)
         if end != len(header):
             raise CorruptCheckpointError(f"{store.url}: bundle header has trailing bytes")
-        self.parts: list[memoryview] = []
-        self._maps: list[mmap.mmap] = []
+        #: every file's size, in the header's order (the order their bytes travel in)
+        self.sizes = [size for _, size in self.entries]
+        self._written = [0] * len(self.entries)
+        self._fds: list[int | None] = []
         self._manifest = bytearray()
         try:
             for name, size in self.entries:
-                self.parts.append(self._sink(name, size))
+                self._fds.append(self._create(name, size))
         except OSError as exc:
             self.close()
             raise StorageError(f"{store.url}: cannot make room for a received snapshot copy: {exc}") from exc
@@ -176,35 +191,55 @@ class IncomingBundle(_Closing):
             self.close()
             raise
 
-    def _sink(self, name: str, size: int) -> memoryview:
+    def _create(self, name: str, size: int) -> int | None:
         if name == MANIFEST_NAME:
             self._manifest = bytearray(size)
-            return memoryview(self._manifest)
+            return None
         path = os.path.join(self.store.root, name)
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            os.ftruncate(fd, size)
-            if not size:
-                return memoryview(bytearray())
-            m = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
-        self._maps.append(m)
-        return memoryview(m)
+        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+
+    def write(self, index: int, offset: int, data: bytes | bytearray | memoryview) -> None:
+        """Bytes of file ``index`` (the header's order) at ``offset``, as they arrive."""
+        view = memoryview(data).cast("B")
+        name, size = self.entries[index]
+        if offset < 0 or offset + len(view) > size:
+            raise CorruptCheckpointError(f"{self.store.url}: {len(view)} bytes at {offset} of {name!r}, which the "
+                                         f"bundle header lists as {size} bytes")
+        fd = self._fds[index]
+        if fd is None:
+            self._manifest[offset:offset + len(view)] = view
+        else:
+            done = 0
+            while done < len(view):
+                try:
+                    n = os.pwrite(fd, view[done:], offset + done)
+                except OSError as exc:
+                    raise StorageError(f"{self.store.url}: cannot write the received copy of {name!r}: {exc}") from exc
+                if n <= 0:
+                    raise StorageError(f"{self.store.url}: cannot write the received copy of {name!r}: no progress")
+                done += n
+        self._written[index] += len(view)
 
     def commit(self) -> LocalStore:
-        """Every file has arrived: flush them and write the manifest, which commits the copy."""
-        for m in self._maps:
-            m.flush()
+        """Every file has arrived: sync them and write the manifest, which commits the copy."""
+        short = [(name, size, got) for (name, size), got in zip(self.entries, self._written) if got != size]
+        if short:
+            name, size, got = short[0]
+            raise CorruptCheckpointError(f"{self.store.url}: {got} of the {size} bytes of {name!r} arrived")
+        for fd in self._fds:
+            if fd is not None:
+                os.fsync(fd)
         manifest = bytes(self._manifest)
         self.close()
         self.store.write_object(MANIFEST_NAME, [manifest])
         return self.store
 
     def close(self) -> None:
-        _unmap(self.parts, self._maps)
-        self.parts, self._maps = [], []
+        fds, self._fds = self._fds, []
+        for fd in fds:
+            if fd is not None:
+                os.close(fd)
 
 
 class BundleBytes:
@@ -272,14 +307,14 @@ class BundleSink(_Closing):
             if len(self._head) == self._need:
                 self._header_step()
         while len(view):
-            parts = self._sink.parts  # type: ignore[union-attr]
-            while self._part < len(parts) and self._at == len(parts[self._part]):
+            sink = self._sink
+            assert sink is not None
+            while self._part < len(sink.sizes) and self._at == sink.sizes[self._part]:
                 self._part, self._at = self._part + 1, 0
-            if self._part == len(parts):
+            if self._part == len(sink.sizes):
                 raise CorruptCheckpointError(f"{self.where}: bytes past the files the bundle header lists")
-            part = parts[self._part]
-            take = min(len(part) - self._at, len(view))
-            part[self._at:self._at + take] = view[:take]
+            take = min(sink.sizes[self._part] - self._at, len(view))
+            sink.write(self._part, self._at, view[:take])
             self._at += take
             view = view[take:]
 

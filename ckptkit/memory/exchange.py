@@ -8,10 +8,11 @@ Two shapes of transfer:
 
 * :meth:`Link.swap` — a round in which every rank sends to one rank and receives from another
   (a permutation: the replica rounds, the parity rounds). All pairs run at once.
-  :meth:`Link.swap_parts` is the same round for a message per file, in place.
+  :meth:`Link.swap_parts` is the same round for a message per window, in place, and
+  :meth:`Link.swap_bundles` for whole rank folders.
 * :meth:`Link.transfer_bundles` — a list of ``(sender, receiver, key)`` moves of whole rank folders
   that every rank walks in the same order, each rank acting only in its own (a restore's copies
-  from peers), streamed in place. The same order on every rank means no two ranks ever wait on
+  from peers), streamed. The same order on every rank means no two ranks ever wait on
   each other in a cycle. :meth:`Link.send_window` / :meth:`Link.recv_window` are the single
   messages of such a walk whose sizes both sides know (a parity rebuild's windows,
   :mod:`ckptkit.memory.rebuild`).
@@ -20,6 +21,7 @@ Two shapes of transfer:
 from __future__ import annotations
 
 import datetime
+import threading
 import warnings
 from collections.abc import Callable, Hashable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -31,6 +33,27 @@ from ckptkit.engine.collective import release_group
 
 if TYPE_CHECKING:
     from ckptkit.memory.bundle import IncomingBundle, OutgoingBundle
+
+
+#: A rank folder's files travel in messages of at most this many bytes, each received into the
+#: link's own buffer and written into the receiver's file from there: both sides cut the same
+#: files (the header listed their sizes) at the same places, so the messages match one to one.
+MESSAGE_BYTES = 4 << 20
+
+
+def messages(sizes: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(file index, offset, length) of every message that carries files of ``sizes``, in order."""
+    return [(i, at, min(MESSAGE_BYTES, size - at)) for i, size in enumerate(sizes) for at in range(0, size, MESSAGE_BYTES)]
+
+
+def _write(sink: IncomingBundle, msg: tuple[int, int, int], inbox: bytearray) -> BaseException | None:
+    """Write one received message into its file; the failure, if any, to raise once the round ends."""
+    i, at, n = msg
+    try:
+        sink.write(i, at, memoryview(inbox)[:n])
+    except Exception as exc:  # noqa: BLE001 - a full folder, a header the bytes overrun: raised by the caller
+        return exc
+    return None
 
 
 def _u8(buf: bytes | bytearray | memoryview) -> torch.Tensor:
@@ -48,6 +71,9 @@ class Link:
                                     timeout=datetime.timedelta(seconds=timeout_seconds))
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
+        self._inbox = bytearray(MESSAGE_BYTES)  # made once: a message is received here, then written
+        self._inbox_t = _u8(self._inbox)
+        self._inbox_lock = threading.Lock()  # the tier's thread and a restore never share it
 
     def close(self) -> None:
         """Destroy this link's group now (see :func:`ckptkit.engine.collective.release_group`)."""
@@ -96,6 +122,33 @@ class Link:
             if i < len(sinks) and len(sinks[i]):
                 ops.append((_u8(sinks[i]), recv_from, False))
             self._batch(ops)
+
+    def swap_bundles(self, send_to: int, out: OutgoingBundle, recv_from: int, sink: IncomingBundle) -> None:
+        """Send the files of ``out`` to ``send_to`` while receiving ``sink``'s from ``recv_from`` (both
+        headers already swapped), in messages of at most :data:`MESSAGE_BYTES`: each read from the
+        sender's mapped file and written into the receiver's file from the link's buffer.
+
+        A write that fails (a full memory folder) is raised once every message has arrived: the
+        sender's messages are still received, so both sides leave the round in step, and the
+        failure is the snapshot's, agreed after it."""
+        sends = messages([len(p) for p in out.parts])
+        recvs = messages(sink.sizes)
+        failed: BaseException | None = None
+        with self._inbox_lock:
+            for k in range(max(len(sends), len(recvs))):
+                ops = []
+                if k < len(sends):
+                    i, at, n = sends[k]
+                    ops.append((_u8(out.parts[i][at:at + n]), send_to, True))
+                n = recvs[k][2] if k < len(recvs) else 0
+                if n:
+                    ops.append((self._inbox_t[:n], recv_from, False))
+                self._batch(ops)
+                del ops  # no tensor over the sender's map outlives its message
+                if n and failed is None:
+                    failed = _write(sink, recvs[k], self._inbox)
+        if failed is not None:
+            raise failed
 
     def _batch(self, ops: list[tuple[torch.Tensor, int, bool]]) -> None:
         if not ops:
@@ -154,9 +207,8 @@ class Link:
             ack = torch.zeros(1, dtype=torch.int64)
             dist.recv(ack, peer, group=self.group)
             if int(ack.item()):
-                for part in out.parts:
-                    if len(part):
-                        dist.send(_u8(part), peer, group=self.group)
+                for i, at, n in messages([len(p) for p in out.parts]):
+                    dist.send(_u8(out.parts[i][at:at + n]), peer, group=self.group)
         finally:
             if out is not None:
                 out.close()
@@ -177,9 +229,12 @@ class Link:
         dist.send(torch.tensor([int(sink is not None)], dtype=torch.int64), peer, group=self.group)
         if sink is None:
             return why
-        with sink:
-            for part in sink.parts:
-                if len(part):
-                    dist.recv(_u8(part), peer, group=self.group)
-            sink.commit()
-        return None
+        failed: BaseException | None = None
+        with sink, self._inbox_lock:
+            for msg in messages(sink.sizes):  # every message, even after a failed write: the sender sends them all
+                dist.recv(self._inbox_t[:msg[2]], peer, group=self.group)
+                if failed is None:
+                    failed = _write(sink, msg, self._inbox)
+            if failed is None:
+                sink.commit()
+        return None if failed is None else f"{type(failed).__name__}: {failed}"

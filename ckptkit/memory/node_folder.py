@@ -25,7 +25,7 @@ import stat
 from dataclasses import dataclass
 from typing import Any
 
-from ckptkit.errors import CkptkitError, CorruptCheckpointError
+from ckptkit.errors import CkptkitError, CorruptCheckpointError, StorageError
 from ckptkit.layout.manifest import MANIFEST_NAME
 from ckptkit.memory import digest
 from ckptkit.memory.bundle import MAX_HEADER, BundleSink, IncomingBundle, OutgoingBundle
@@ -90,6 +90,18 @@ class ShareHeader:
 _HASH_BLOCK = 8 << 20
 
 
+def _reserve(fd: int, size: int, path: str) -> None:
+    """Allocate a new share's ``size`` bytes before it is mapped. Stores through a map into pages
+    the file system cannot supply (a full ``/dev/shm``) kill the process with SIGBUS; allocated
+    first, the shortage is an error the parity rounds report and every rank agrees on."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+            return  # a file system without fallocate: nothing to reserve with, as before
+        raise StorageError(f"{path}: cannot make room for a parity share of {size} bytes: {exc}") from exc
+
+
 class MappedShare:
     """A parity share's file, memory-mapped: :attr:`view` is its bytes (``with`` unmaps it)."""
 
@@ -112,6 +124,8 @@ class MappedShare:
                 raise CorruptCheckpointError(f"{path}: a parity share must be a regular file")
             if writable:
                 os.ftruncate(fd, size)
+                if size:  # its pages now: a full file system is ENOSPC here, not SIGBUS in the XOR
+                    _reserve(fd, size, path)
             elif st.st_size != size:
                 raise CorruptCheckpointError(f"{path}: parity share of {st.st_size} bytes, expected {size}")
             m = mmap.mmap(fd, size, prot=mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)) if size else None

@@ -21,7 +21,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
-from ckptkit.errors import CorruptCheckpointError
+from ckptkit.errors import CorruptCheckpointError, StorageError
 from ckptkit.memory import parity
 from ckptkit.memory.bundle import BundleBytes
 from ckptkit.memory.exchange import Link
@@ -126,7 +126,7 @@ def walk(link: Link | None, me: int, local_ids: Sequence[str], folder: NodeFolde
                 if mine and problem is None:
                     try:
                         sink.feed(view[: max(0, min(w.n, rb.length - w.at))])  # type: ignore[union-attr]
-                    except CorruptCheckpointError as exc:
+                    except (CorruptCheckpointError, StorageError) as exc:  # damaged bytes, a full folder
                         problem = str(exc)
             if mine:
                 if problem is not None:

@@ -195,15 +195,15 @@ class MemorySnapshots:
         return exc
 
     def _replica_rounds(self, step: int) -> None:
-        """Stream this rank's folder to each replica holder while receiving a source's, file by file,
-        straight from the own files' pages into the new files' pages."""
+        """Stream this rank's folder to each replica holder while receiving a source's, file by file
+        (:meth:`~ckptkit.memory.exchange.Link.swap_bundles`)."""
         assert self.link is not None
         with self.folder.outgoing(step, self.rank) as out:
             for holder, source in zip(self.topology.replica_holders(self.rank),
                                       self.topology.replica_sources(self.rank)):
                 header = self.link.swap(holder, out.header, source)
                 with self.folder.incoming(step, source, header) as sink:
-                    self.link.swap_parts(holder, out.parts, source, sink.parts)
+                    self.link.swap_bundles(holder, out, source, sink)
                     sink.commit()
 
     def _parity_rounds(self, step: int) -> None:
