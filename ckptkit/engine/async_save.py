@@ -51,7 +51,6 @@ from ckptkit.engine.saver import (
     _fail,
     bind,
     check_target_collective,
-    classify_state,
     commit,
     persist,
     plan_collective,
@@ -60,6 +59,7 @@ from ckptkit.engine.saver import (
 from ckptkit.engine.staging import Staged, StagingPool, snapshot, staged_views
 from ckptkit.engine.waves import WaveChannel, WaveSchedule, stage_in_waves, write_waves
 from ckptkit.engine.state import flatten_state
+from ckptkit.engine.structure import ClassifyMemo
 from ckptkit.engine.writer import write_staged
 from ckptkit.errors import CkptkitError, OptionsError, SaveError, SnapshotRaceError
 from ckptkit.options import AsyncOptions
@@ -157,6 +157,7 @@ class AsyncSaver:
         self._side_streams: dict[Any, Any] = {}
         self.guards = Guards(self.wait_snapshot)
         self._plans: dict[str, SavePlan] = {}
+        self._classified = ClassifyMemo()  # the structure of the last save, reused while unchanged
         self._lock = threading.Lock()
         self.closed = False
 
@@ -210,7 +211,7 @@ class AsyncSaver:
         cls: Classified | None = None
         failure = Outcome(True)
         try:
-            cls = classify_state(flatten_state(state), self.rank)
+            cls = self._classified.classify(flatten_state(state), self.rank)
         except (CkptkitError, OSError) as exc:
             failure = _fail(exc)
         prev = self._inflight

@@ -9,6 +9,7 @@ holds pending reductions, not values, and is refused.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -38,8 +39,27 @@ def mesh_of(device_mesh: Any) -> Mesh:
     return mesh
 
 
+#: id(DTensor) -> (a weak reference to it, its placements, mesh and shape when described, the
+#: layout, the coordinate): a training loop snapshots the same parameter and optimizer DTensors
+#: every few steps, and describing one again costs more than the check that it has not changed.
+#: An entry goes with its DTensor (the reference's callback), before its id can be another's.
+_grid_cache: dict[int, tuple[Any, Any, Any, Any, GridLayout, tuple[int, ...]]] = {}
+
+
 def grid_of(dt: DTensor, key: str) -> tuple[GridLayout, tuple[int, ...]]:
     """The grid layout of ``dt`` and this rank's coordinate in its mesh."""
+    placements, device_mesh, shape = dt.placements, dt.device_mesh, dt.shape
+    hit = _grid_cache.get(id(dt))
+    if hit is not None and hit[0]() is dt and hit[1] == placements and hit[2] is device_mesh and hit[3] == shape:
+        return hit[4], hit[5]
+    layout, coord = _describe(dt, key)
+    ident = id(dt)
+    _grid_cache[ident] = (weakref.ref(dt, lambda _ref: _grid_cache.pop(ident, None)), placements, device_mesh,
+                          shape, layout, coord)
+    return layout, coord
+
+
+def _describe(dt: DTensor, key: str) -> tuple[GridLayout, tuple[int, ...]]:
     placements = []
     for p in dt.placements:
         if isinstance(p, _StridedShard):

@@ -50,16 +50,26 @@ class StagingPool:
         self.max_bytes = max_bytes
         self.shared = shared
         self._buffer: torch.Tensor | None = None
+        self._destinations: tuple[SavePlan, torch.Tensor, list[torch.Tensor]] | None = None
         self.kind = "host"
 
     @property
     def nbytes(self) -> int:
         return 0 if self._buffer is None else self._buffer.numel()
 
+    def destinations(self, plan: SavePlan, buf: torch.Tensor) -> list[torch.Tensor]:
+        """Every planned piece's place in ``buf`` (:func:`piece_destination`), made once per plan and
+        buffer: a snapshot every few steps of the same structure copies into the same views."""
+        cached = self._destinations
+        if cached is None or cached[0] is not plan or cached[1] is not buf:
+            cached = self._destinations = (plan, buf, [piece_destination(item, buf) for item in plan.items])
+        return cached[2]
+
     def release(self) -> None:
         """Drop the buffer: the next snapshot allocates a new one. For a buffer lent to a reader
         that may still be reading it (it stays alive as long as the reader holds views of it)."""
         self._buffer = None
+        self._destinations = None  # its views would keep the lent buffer's memory alive
 
     def over_budget(self, plan: SavePlan) -> bool:
         return self.max_bytes is not None and sum(plan.objects.values()) > self.max_bytes
@@ -82,7 +92,7 @@ class StagingPool:
 
     def _buffer_of(self, size: int, on_device: bool, rank: int) -> torch.Tensor:
         if self._buffer is None or self._buffer.numel() != size:
-            self._buffer = None  # release the old one before allocating the new one
+            self._buffer = self._destinations = None  # release the old one before allocating the new one
             pin = on_device and torch.cuda.is_available() and not self.shared
             if self.shared:
                 # fresh shared pages are already zero (padding stays zero): no fill, no copy
@@ -100,8 +110,8 @@ def snapshot(plan: SavePlan, tensors: list[torch.Tensor], pool: StagingPool) -> 
     on_device = any(t.device.type != "cpu" for t in tensors)
     buf = pool.buffer_for(plan, on_device)
     with torch.no_grad():
-        for item in plan.items:
-            src, dst = piece_pair(item, tensors[item.ref], buf)
+        for item, dst in zip(plan.items, pool.destinations(plan, buf)):
+            src = piece_source(item, tensors[item.ref])
             dst.copy_(src, non_blocking=src.device.type == "cuda")
     ready = None
     if on_device and torch.cuda.is_available():
@@ -113,12 +123,26 @@ def snapshot(plan: SavePlan, tensors: list[torch.Tensor], pool: StagingPool) -> 
 def piece_pair(item: WriteItem, local: torch.Tensor, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(source, destination) of one planned piece: its part of ``local``, and its place in the
     staging buffer ``buf``, shaped alike so that one ``copy_`` stages it."""
+    return piece_source(item, local), piece_destination(item, buf)
+
+
+def piece_destination(item: WriteItem, buf: torch.Tensor) -> torch.Tensor:
+    """A planned piece's place in the staging buffer ``buf``, shaped as its source."""
     dst = buf[item.offset:item.offset + item.nbytes].view(torch_dtype(item.dtype))
+    return dst.view(item.region.box.sizes) if isinstance(item.local, LocalBox) else dst
+
+
+def piece_source(item: WriteItem, local: torch.Tensor) -> torch.Tensor:
+    """A planned piece's part of ``local``: a box of it, or a run of its flattened elements. A box
+    that is all of ``local`` is ``local`` itself (no view to make)."""
     if isinstance(item.local, LocalBox):
-        index = tuple(slice(o, o + s) for o, s in zip(item.local.offsets, item.region.box.sizes))
-        return (local[index] if index else local), dst.view(item.region.box.sizes)
+        sizes = item.region.box.sizes
+        if not any(item.local.offsets) and tuple(local.shape) == tuple(sizes):
+            return local
+        index = tuple(slice(o, o + s) for o, s in zip(item.local.offsets, sizes))
+        return local[index] if index else local
     flat = local.reshape(-1) if local.is_contiguous() else local.contiguous().reshape(-1)
-    return flat[item.local.start:item.local.start + item.region.numel], dst
+    return flat[item.local.start:item.local.start + item.region.numel]
 
 
 def staged_views(plan: SavePlan, tensors: list[torch.Tensor], buffer: torch.Tensor) -> list[torch.Tensor | None]:

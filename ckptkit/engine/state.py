@@ -18,7 +18,6 @@ import torch
 from ckptkit.errors import LayoutError
 from ckptkit.layout.pieces import Piece
 from ckptkit.layout.rules import PartitionRule
-from ckptkit.layout.values import join_key
 
 
 @dataclass(frozen=True)
@@ -92,6 +91,8 @@ class Leaf:
     parent: Any = None
     slot: Any = None
     expert_axis: int | None = None  # set by an Experts wrapper
+    #: the key's parts as strings (``split_key(key)``, without parsing it again)
+    path: tuple[str, ...] = ()
 
     def assign(self, value: Any) -> None:
         if isinstance(self.parent, tuple):
@@ -122,32 +123,40 @@ def flatten_state(state: Any) -> FlatState:
     if not isinstance(state, dict):
         raise LayoutError(f"state must be a dict, got {type(state).__name__}")
     out = FlatState()
-    _walk(state, (), None, None, out)
+    _walk(state, "", (), None, None, out)
     return out
 
 
-def _walk(obj: Any, path: tuple, parent: Any, slot: Any, out: FlatState) -> None:
-    key = join_key(path)
+def _key_part(part: Any) -> str:
+    """One part of a key as :func:`~ckptkit.layout.values.join_key` escapes it."""
+    text = str(part)
+    return text.replace("%", "%25").replace("/", "%2F") if "%" in text or "/" in text else text
+
+
+def _walk(obj: Any, key: str, path: tuple[str, ...], parent: Any, slot: Any, out: FlatState) -> None:
+    """``key`` is ``join_key`` of the path, built a part at a time (a snapshot every few steps walks a
+    state of thousands of leaves: joining every path from its root again was most of its cost)."""
     if isinstance(obj, torch.Tensor):
-        out.tensors.append(Leaf(key, obj, parent, slot))
+        out.tensors.append(Leaf(key, obj, parent, slot, None, path))
     elif isinstance(obj, Experts):
-        out.tensors.append(Leaf(key, obj.tensor, parent, slot, obj.axis))
+        out.tensors.append(Leaf(key, obj.tensor, parent, slot, obj.axis, path))
     elif isinstance(obj, Sharded):
-        out.sharded.append(Leaf(key, obj, parent, slot))
+        out.sharded.append(Leaf(key, obj, parent, slot, None, path))
     elif isinstance(obj, torch.Generator):
-        out.generators.append(Leaf(key, obj, parent, slot))
+        out.generators.append(Leaf(key, obj, parent, slot, None, path))
     elif isinstance(obj, PerRank):
-        out.per_rank.append(Leaf(key, obj, parent, slot))
+        out.per_rank.append(Leaf(key, obj, parent, slot, None, path))
     elif isinstance(obj, dict) and obj:
         for k, v in obj.items():
-            _walk(v, (*path, k), obj, k, out)
+            part = _key_part(k)
+            _walk(v, f"{key}/{part}" if path else part, (*path, str(k)), obj, k, out)
     elif isinstance(obj, (list, tuple)) and obj and _has_state(obj):
         for i, v in enumerate(obj):
-            _walk(v, (*path, i), obj, i, out)
+            _walk(v, f"{key}/{i}" if path else str(i), (*path, str(i)), obj, i, out)
     else:
         if not path:
             return
-        out.values.append(Leaf(key, obj, parent, slot))
+        out.values.append(Leaf(key, obj, parent, slot, None, path))
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -17,13 +17,14 @@ from typing import Any
 import torch
 
 from ckptkit.engine.dtensor_grid import grid_of, is_dtensor, local_of
-from ckptkit.engine.state import FlatState, flatten_state
+from ckptkit.engine.state import FlatState, Leaf, flatten_state
+from ckptkit.engine.structure import structure_signature
 from ckptkit.layout.values import split_key
 
 
-def _put(view: dict[str, Any], key: str, value: Any) -> None:
-    """Place ``value`` at ``key``'s path, so the snapshot stores it under the user's own key."""
-    parts = split_key(key)
+def _put(view: dict[str, Any], leaf: Leaf, value: Any) -> None:
+    """Place ``value`` at ``leaf``'s path, so the snapshot stores it under the user's own key."""
+    parts = leaf.path or split_key(leaf.key)
     node = view
     for part in parts[:-1]:
         node = node.setdefault(part, {})
@@ -44,7 +45,11 @@ class LocalView:
     state: dict[str, Any]
     flat: FlatState
     fingerprint: str
-    nbytes: int = 0  # this rank's tensor bytes
+
+    @property
+    def nbytes(self) -> int:
+        """This rank's tensor bytes (walked on demand: the budget check asks once)."""
+        return sum(t.numel() * t.element_size() for t in _tensors(self.state))
 
     def write_back(self) -> None:
         """After a load into :attr:`state`: values and per-rank values back into the user's state
@@ -55,36 +60,61 @@ class LocalView:
             leaf.obj.value = _get(self.state, leaf.key)
 
 
-def local_view(state: dict[str, Any], world_size: int, rank: int) -> LocalView:
+@dataclass
+class FingerprintMemo:
+    """The last view's layout signature and its fingerprint: a snapshot every few steps of the same
+    tensors hashes their layout once, not every time (:mod:`ckptkit.engine.structure`)."""
+
+    signature: tuple[Any, ...] | None = None
+    fingerprint: str = ""
+
+
+def local_view(state: dict[str, Any], world_size: int, rank: int, memo: FingerprintMemo | None = None) -> LocalView:
     flat = flatten_state(state)
-    h = hashlib.sha256(repr((world_size, rank)).encode())
     view: dict[str, Any] = {}
+    for leaf in flat.tensors:
+        t = leaf.obj
+        _put(view, leaf, (local_of(t) if is_dtensor(t) else t).detach())
+    for leaf in flat.sharded:
+        _put(view, leaf, leaf.obj.local.detach())
+    for leaf in flat.generators:
+        _put(view, leaf, leaf.obj)
+    for leaf in flat.per_rank:
+        _put(view, leaf, leaf.obj.value)
+    for leaf in flat.values:
+        _put(view, leaf, leaf.obj)
+    sig = (world_size, rank, structure_signature(flat), tuple(leaf.key for leaf in flat.generators),
+           tuple(leaf.key for leaf in flat.per_rank), tuple(leaf.key for leaf in flat.values))
+    if memo is not None and memo.signature == sig:
+        return LocalView(view, flat, memo.fingerprint)
+    fingerprint = layout_fingerprint(flat, world_size, rank)
+    if memo is not None:
+        memo.signature, memo.fingerprint = sig, fingerprint
+    return LocalView(view, flat, fingerprint)
+
+
+def layout_fingerprint(flat: FlatState, world_size: int, rank: int) -> str:
+    """What a snapshot may only be restored to: the rank, the world, and every leaf's key, dtype,
+    shapes and (for a DTensor) grid layout and coordinate."""
+    h = hashlib.sha256(repr((world_size, rank)).encode())
     for leaf in flat.tensors:
         t = leaf.obj
         if is_dtensor(t):
             layout, coord = grid_of(t, leaf.key)
-            local = local_of(t)
-            h.update(repr((leaf.key, str(t.dtype), tuple(t.shape), tuple(local.shape), layout.mesh.shape,
+            h.update(repr((leaf.key, str(t.dtype), tuple(t.shape), tuple(local_of(t).shape), layout.mesh.shape,
                            layout.placements, layout.padded, layout.fused, coord)).encode())
         else:
-            local = t
             h.update(repr((leaf.key, str(t.dtype), tuple(t.shape))).encode())
-        _put(view, leaf.key, local.detach())
     for leaf in flat.sharded:
         s = leaf.obj
-        _put(view, leaf.key, s.local.detach())
         h.update(repr((leaf.key, str(s.local.dtype), tuple(s.local.shape), s.pieces)).encode())
     for leaf in flat.generators:
-        _put(view, leaf.key, leaf.obj)
         h.update(repr((leaf.key, "generator")).encode())
     for leaf in flat.per_rank:
-        _put(view, leaf.key, leaf.obj.value)
         h.update(repr((leaf.key, "per_rank")).encode())
     for leaf in flat.values:
-        _put(view, leaf.key, leaf.obj)
         h.update(repr((leaf.key, "value")).encode())
-    nbytes = sum(t.numel() * t.element_size() for t in _tensors(view))
-    return LocalView(view, flat, h.hexdigest(), nbytes)
+    return h.hexdigest()
 
 
 def _tensors(node: Any) -> Any:

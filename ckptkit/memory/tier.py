@@ -44,7 +44,7 @@ from ckptkit.engine.collective import Comm
 from ckptkit.errors import SaveError
 from ckptkit.memory import parity
 from ckptkit.memory.exchange import Link
-from ckptkit.memory.local_view import local_view, mirror_state
+from ckptkit.memory.local_view import FingerprintMemo, local_view, mirror_state
 from ckptkit.memory.bundle import BundleBytes
 from ckptkit.memory.node_folder import NodeFolder, ShareHeader
 from ckptkit.memory.options import MemoryTier
@@ -73,6 +73,7 @@ class MemorySnapshots:
         self.folder = NodeFolder(options.root or default_root(run_url))
         self.link = Link(ranks, options.timeout_seconds) if self.world_size > 1 else None
         self._saver = AsyncSaver(None, AsyncOptions(), rank_local=True)
+        self._view_memo = FingerprintMemo()  # the last snapshot's layout fingerprint, while unchanged
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptkit-memory")
         self._inflight: Future[int] | None = None
         self._lent: Future[Any] | None = None  # a persistent save persisting from the staging buffer
@@ -102,7 +103,7 @@ class MemorySnapshots:
             if exc is not None:
                 self._inflight = None
                 raise SaveError(f"the previous memory snapshot failed: {exc}") from exc
-        view = local_view(state, self.world_size, self.rank)
+        view = local_view(state, self.world_size, self.rank, self._view_memo)
         if not self._budget_checked:
             self._check_budget(view.nbytes)
         if self._lent is not None and not self._lent.done():
