@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from ckptkit.errors import CorruptCheckpointError, StorageError
 from ckptkit.memory import digest as digests
 from ckptkit.layout.manifest import MANIFEST_NAME
+from ckptkit.memory.spares import SparePool, open_new_file
 from ckptkit.storage.local import LocalStore
 
 MAGIC = b"CKMT1\n"
@@ -171,8 +172,10 @@ class IncomingBundle(_Closing):
     measured 47-52 ms per snapshot either way on 2026-12-05, a new tmpfs page's allocation
     costing what its page fault did.)"""
 
-    def __init__(self, store: LocalStore, header: bytes | bytearray | memoryview) -> None:
+    def __init__(self, store: LocalStore, header: bytes | bytearray | memoryview,
+                 spares: SparePool | None = None) -> None:
         self.store = store
+        self._spares = spares
         self.entries, end = parse_header(memoryview(header).cast("B"), store.url)
         if end != len(header):
             raise CorruptCheckpointError(f"{store.url}: bundle header has trailing bytes")
@@ -197,7 +200,7 @@ class IncomingBundle(_Closing):
             return None
         path = os.path.join(self.store.root, name)
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+        return open_new_file(path, size, self._spares)
 
     def write(self, index: int, offset: int, data: bytes | bytearray | memoryview) -> None:
         """Bytes of file ``index`` (the header's order) at ``offset``, as they arrive."""

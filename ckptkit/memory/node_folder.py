@@ -29,6 +29,7 @@ from ckptkit.errors import CkptkitError, CorruptCheckpointError, StorageError
 from ckptkit.layout.manifest import MANIFEST_NAME
 from ckptkit.memory import digest
 from ckptkit.memory.bundle import MAX_HEADER, BundleSink, IncomingBundle, OutgoingBundle
+from ckptkit.memory.spares import RecyclingStore, SparePool
 from ckptkit.storage.local import LocalStore
 
 log = logging.getLogger("ckptkit")
@@ -36,6 +37,7 @@ log = logging.getLogger("ckptkit")
 STEP_RE = re.compile(r"^step-(\d{10})$")
 RANK_RE = re.compile(r"^rank-(\d{5})$")
 SHARE_RE = re.compile(r"^share-(\d{5})\.json$")
+POOL_RE = re.compile(r"^spares-(\d{5})$")
 
 
 def step_name(step: int) -> str:
@@ -159,12 +161,24 @@ class NodeFolder:
     def __init__(self, root: str) -> None:
         self.root = os.path.abspath(root)
         os.makedirs(self.root, exist_ok=True)
+        #: this process's spare files (:mod:`ckptkit.memory.spares`), once :meth:`keep_spares` is called
+        self.spares: SparePool | None = None
+
+    def keep_spares(self, rank: int, claims: Any) -> None:
+        """Keep retired files as spares for the next snapshot (in a pool named for ``rank``),
+        after removing the pools that ``claims`` says are this process's (a former run's)."""
+        for name in os.listdir(self.root):
+            m = POOL_RE.match(name)
+            if m and claims(int(m.group(1))):
+                shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+        self.spares = SparePool(self.root, rank)
 
     def step_path(self, step: int) -> str:
         return os.path.join(self.root, step_name(step))
 
     def rank_store(self, step: int, rank: int) -> LocalStore:
-        return LocalStore(os.path.join(self.step_path(step), rank_name(rank)))
+        root = os.path.join(self.step_path(step), rank_name(rank))
+        return LocalStore(root) if self.spares is None else RecyclingStore(root, self.spares)
 
     def steps(self) -> list[int]:
         """Steps with a folder here, newest first."""
@@ -202,7 +216,7 @@ class NodeFolder:
         """Receive rank ``rank``'s folder at ``step`` (replacing whatever is there) as ``header`` lists it."""
         store = self.rank_store(step, rank)
         self.remove_rank(step, rank)
-        return IncomingBundle(store, header)
+        return IncomingBundle(store, header, self.spares)
 
     def rebuilt(self, step: int, rank: int, length: int, digest: str) -> BundleSink:
         """Rank ``rank``'s folder at ``step``, written as a parity rebuild's bytes arrive in order;
@@ -279,6 +293,43 @@ class NodeFolder:
             os.rmdir(self.step_path(step))
         except OSError:
             pass
+
+    def retire_claimed(self, step: int, claims: Any, room: int) -> int:
+        """:meth:`remove_claimed`, keeping up to ``room`` bytes of the rank folders' data files as
+        spares (each folder's manifest removed first, so it is no longer a committed snapshot
+        when its files move). Returns the bytes kept."""
+        kept = 0
+        if self.spares is not None:
+            for r in self.ranks_at(step) + self._uncommitted_ranks(step):
+                if not claims(r):
+                    continue
+                root = self.rank_store(step, r).root
+                try:
+                    os.unlink(os.path.join(root, MANIFEST_NAME))
+                except FileNotFoundError:
+                    pass
+                except OSError:
+                    continue  # left to remove_claimed, as any folder
+                for dirpath, _, names in os.walk(root):
+                    for name in names:
+                        kept += self.spares.keep(os.path.join(dirpath, name), room - kept)
+        self.remove_claimed(step, claims)
+        return kept
+
+    def data_bytes(self, step: int, claims: Any) -> int:
+        """The bytes of the files in the rank folders ``claims`` says are this process's at ``step``."""
+        total = 0
+        for r in self._uncommitted_ranks(step):
+            if claims(r):
+                for dirpath, _, names in os.walk(self.rank_store(step, r).root):
+                    for name in names:
+                        try:
+                            st = os.lstat(os.path.join(dirpath, name))
+                        except OSError:
+                            continue
+                        if stat.S_ISREG(st.st_mode):
+                            total += st.st_size
+        return total
 
     def _uncommitted_ranks(self, step: int) -> list[int]:
         try:

@@ -71,6 +71,7 @@ class MemorySnapshots:
         self.rank, self.world_size = comm.rank, comm.world_size
         self.topology = Topology(self.world_size, options.node_size(), options.copies, options.parity)
         self.folder = NodeFolder(options.root or default_root(run_url))
+        self.folder.keep_spares(self.rank, self.claims)
         self.link = Link(ranks, options.timeout_seconds) if self.world_size > 1 else None
         self._saver = AsyncSaver(None, AsyncOptions(), rank_local=True)
         self._view_memo = FingerprintMemo()  # the last snapshot's layout fingerprint, while unchanged
@@ -145,6 +146,8 @@ class MemorySnapshots:
         try:
             self._wait_quietly()
             self._saver.close()
+            if self.folder.spares is not None:
+                self.folder.spares.close()  # the snapshots stay for a restart; spares are only memory
         finally:
             self._executor.shutdown(wait=True)
             if self.link is not None:
@@ -234,10 +237,16 @@ class MemorySnapshots:
 
     # ------------------------------------------------------------- retirement
     def retire_before(self, step: int) -> None:
-        """Remove this process's entries of steps older than ``step`` (a complete newer one exists)."""
+        """Remove this process's entries of steps older than ``step`` (a complete newer one exists),
+        keeping their data files as the next snapshot's spares, up to the size of ``step``'s
+        (:mod:`ckptkit.memory.spares`: the node folder never holds more than two steps)."""
+        spares = self.folder.spares
+        if spares is not None:
+            spares.drop()  # the ones this step did not need
+        room = self.folder.data_bytes(step, self.claims) if spares is not None else 0
         for s in self.folder.steps():
             if s < step:
-                self.folder.remove_claimed(s, self.claims)
+                room -= self.folder.retire_claimed(s, self.claims, room)
 
     def discard_after(self, step: int) -> None:
         """Remove this process's entries of steps newer than ``step`` (an abandoned trajectory)."""

@@ -102,11 +102,17 @@ class LocalStore(ByteStore):
                     raise
             _fsync_dir(os.path.dirname(d))
 
+    def _open_new(self, path: str) -> tuple[int, bool]:
+        """The file descriptor to write a new object at ``path`` through, and whether it must be cut
+        to the written length afterwards (a file reused rather than made empty: the memory tier's
+        :class:`~ckptkit.memory.spares.RecyclingStore`)."""
+        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), False
+
     def write_object(self, key: str, chunks: Iterable[memoryview | bytes]) -> int:
         path = self._write_path(key)
         try:
             self._make_parent(path)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            fd, cut = self._open_new(path)
             try:
                 total = 0
                 flushed = 0
@@ -121,6 +127,8 @@ class LocalStore(ByteStore):
                         # has little left to flush (the disk works while we produce more)
                         _sync_file_range(fd, flushed, total - flushed, _SYNC_FILE_RANGE_WRITE)
                         flushed = total
+                if cut:
+                    os.ftruncate(fd, total)
                 os.fsync(fd)
             finally:
                 os.close(fd)
