@@ -15,9 +15,11 @@ Variants, a round each in rotated order:
 
 * ``r1``: 2 simulated nodes of 2 ranks, ``MemoryTier(replicas=1)``;
 * ``p4``: 4 simulated nodes, ``MemoryTier(parity=4)`` (digests: block CRC32C, since 2026-12-05);
-* ``p4-sha256`` [baseline]: the same with SHA-256 digests of the bundle and the share, as every
-  parity snapshot computed them before 2026-12-05 (the digest module's factory swapped on every
-  rank for that variant's rounds).
+* ``r1-new-files`` / ``p4-new-files``: the same with ``reuse_files=False``, every snapshot written
+  into new ``/dev/shm`` files as before 2026-12-05 (the spare files' own baseline);
+* ``p4-sha256`` [baseline]: the parity snapshot as it was before 2026-12-05: SHA-256 digests of
+  the bundle and the share (the digest module's factory swapped on every rank for that variant's
+  rounds) and new files every snapshot.
 
 The floor printed beside them: a bare ``copy_`` of the same tensors into preallocated buffers, the
 CPU the snapshot itself cannot avoid.
@@ -46,18 +48,19 @@ from ckptkit.memory import digest  # noqa: E402
 from async_training import gather_floats  # noqa: E402
 from common import CopyFloor, MiB, run_gloo_main, table, write_results  # noqa: E402
 
-VARIANTS = ("p4-sha256", "r1", "p4")
+VARIANTS = ("p4-sha256", "r1-new-files", "r1", "p4-new-files", "p4")
 BASELINE = "p4-sha256"
 
 
 def tier_for(variant: str, root: str, rank: int, world: int) -> ckptkit.MemoryTier:
-    if variant == "r1":
+    reuse = not (variant.endswith("-new-files") or variant == BASELINE)
+    if variant.startswith("r1"):
         rpn = world // 2
         return ckptkit.MemoryTier(every_steps=1, replicas=1, root=os.path.join(root, f"node{rank // rpn}"),
-                                  ranks_per_node=rpn, timeout_seconds=120.0)
+                                  ranks_per_node=rpn, timeout_seconds=120.0, reuse_files=reuse)
     rpn = world // 4
     return ckptkit.MemoryTier(every_steps=1, parity=4, root=os.path.join(root, f"node{rank // rpn}"),
-                              ranks_per_node=rpn, timeout_seconds=120.0)
+                              ranks_per_node=rpn, timeout_seconds=120.0, reuse_files=reuse)
 
 
 def gather(x: float) -> list[float]:
@@ -151,6 +154,9 @@ def run(args: argparse.Namespace) -> int:
                          f"{statistics.median(results[v]['wall']) * 1e3:.1f}"])
         print(table(["variant", "CPU per snapshot, all ranks (ms)", "vs baseline", "maybe_save + wait, slowest rank (ms)"],
                     rows))
+        med = {v: statistics.median(results[v]["cpu"]) for v in VARIANTS}
+        print(f"reusing the retired step's files (the default) against new files: r1 {med['r1'] / med['r1-new-files']:.2f}x, "
+              f"p4 {med['p4'] / med['p4-new-files']:.2f}x the CPU")
         print(f"({os.cpu_count()} CPU cores; CPU includes every thread of every rank: the snapshot's copy, the write "
               "into /dev/shm, gloo's sends and receives, digests, XOR, retiring the old step)")
         write_results(args.out, "bench_tier_cpu", {

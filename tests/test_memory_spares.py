@@ -109,7 +109,7 @@ def _step_bytes(root: str, step: int) -> int:
     return _folder_bytes(os.path.join(root, f"step-{step:010d}"))
 
 
-def growing_job(run: str, base: str) -> dict:
+def growing_job(run: str, base: str, reuse: bool = True) -> dict:
     """Snapshots every step while the state grows (an extra buffer appears, then doubles) and shrinks
     again; after each, this node's folder against the newest step. Returns the ratios."""
     model, optim = models.build("fsdp", torch.float32, seed=0)
@@ -117,7 +117,8 @@ def growing_job(run: str, base: str) -> dict:
     ratios, reused = [], []
     pool_inodes: set[int] = set()
     node = os.path.join(base, f"node{dist.get_rank() // 2}")
-    tier = ckptkit.MemoryTier(every_steps=1, replicas=1, root=node, ranks_per_node=2, timeout_seconds=60.0)
+    tier = ckptkit.MemoryTier(every_steps=1, replicas=1, root=node, ranks_per_node=2, timeout_seconds=60.0,
+                              reuse_files=reuse)
     with ckptkit.CheckpointManager(run, save=ckptkit.SavePolicy(), memory=tier) as mgr:
         for s in range(1, 8):
             models.train(model, optim, 1, start=s)
@@ -181,3 +182,15 @@ def test_a_growing_and_shrinking_state_recycles_within_two_steps_and_restores_bi
     assert again[0]["full"].keys() == want.keys()
     for k in want:
         assert torch.equal(again[0]["full"][k], want[k]), k
+
+
+def test_reuse_files_off_keeps_one_step_between_snapshots(worlds, tmp_path):
+    res = worlds.run(4, growing_job, str(tmp_path / "run"), str(tmp_path / "mem"), False)
+    for r in (0, 2):
+        assert all(x <= 1.05 for x in res[r]["ratios"]) and not any(res[r]["reused"]), res[r]
+    assert not [n for n in os.listdir(tmp_path / "mem" / "node0") if n.startswith("spares-")]
+
+
+def test_reuse_files_must_be_a_bool():
+    with pytest.raises(ckptkit.OptionsError, match="reuse_files"):
+        ckptkit.MemoryTier(every_steps=1, reuse_files="yes")

@@ -71,7 +71,8 @@ class MemorySnapshots:
         self.rank, self.world_size = comm.rank, comm.world_size
         self.topology = Topology(self.world_size, options.node_size(), options.copies, options.parity)
         self.folder = NodeFolder(options.root or default_root(run_url))
-        self.folder.keep_spares(self.rank, self.claims)
+        if options.reuse_files:
+            self.folder.keep_spares(self.rank, self.claims)
         self.link = Link(ranks, options.timeout_seconds) if self.world_size > 1 else None
         self._saver = AsyncSaver(None, AsyncOptions(), rank_local=True)
         self._view_memo = FingerprintMemo()  # the last snapshot's layout fingerprint, while unchanged
