@@ -194,3 +194,27 @@ def test_reuse_files_off_keeps_one_step_between_snapshots(worlds, tmp_path):
 def test_reuse_files_must_be_a_bool():
     with pytest.raises(ckptkit.OptionsError, match="reuse_files"):
         ckptkit.MemoryTier(every_steps=1, reuse_files="yes")
+
+
+def test_a_spare_that_cannot_be_moved_into_place_is_not_left_behind(tmp_path):
+    pool = SparePool(str(tmp_path), 0)
+    _spare(pool, str(tmp_path), "old", 2 * MiB)
+    assert pool.open_over(str(tmp_path / "no" / "such" / "dir" / "x.bin")) is None
+    assert len(pool) == 0 and os.listdir(pool.dir) == []
+
+
+def test_a_link_in_place_of_the_pool_folder_is_not_followed(tmp_path):
+    """A symlink where the pool's folder goes (a hostile or damaged node folder) is removed, and the
+    pool made as a folder of its own: nothing is ever moved into the place it pointed at."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "theirs").write_bytes(b"x")
+    node = tmp_path / "node"
+    node.mkdir()
+    os.symlink(elsewhere, node / "spares-00000")
+    pool = SparePool(str(node), 0)
+    assert not os.path.islink(pool.dir) and os.path.isdir(pool.dir)
+    _spare(pool, str(node), "old", 2 * MiB)
+    assert sorted(os.listdir(elsewhere)) == ["theirs"]
+    pool.close()
+    assert sorted(os.listdir(elsewhere)) == ["theirs"]

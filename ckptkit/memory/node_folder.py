@@ -171,7 +171,10 @@ class NodeFolder:
             m = POOL_RE.match(name)
             if m and claims(int(m.group(1))):
                 shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
-        self.spares = SparePool(self.root, rank)
+        try:
+            self.spares = SparePool(self.root, rank)
+        except OSError as exc:  # something that cannot be removed stands in the pool's place
+            log.warning("memory tier: no spare files in %s (%s); every snapshot writes new files", self.root, exc)
 
     def step_path(self, step: int) -> str:
         return os.path.join(self.root, step_name(step))

@@ -48,8 +48,13 @@ class SparePool:
         self._files: list[tuple[int, str]] = []  # (size, path)
         self._next = 0
         self._lock = threading.Lock()
-        shutil.rmtree(self.dir, ignore_errors=True)  # a former process's spares: nothing to trust there
-        os.makedirs(self.dir, exist_ok=True)
+        # a former process's spares: nothing to trust there. A link in the pool's place is removed,
+        # not followed, and the folder made anew must be this process's own (mkdir, not exist_ok)
+        if os.path.islink(self.dir):
+            os.unlink(self.dir)
+        shutil.rmtree(self.dir, ignore_errors=True)
+        os.makedirs(root, exist_ok=True)
+        os.mkdir(self.dir, 0o700)
 
     @property
     def nbytes(self) -> int:
@@ -114,6 +119,7 @@ class SparePool:
         try:
             os.rename(spare, path)
         except OSError:
+            _unlink_quietly(spare)  # out of the list already: not left behind untracked
             return None
         try:
             fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
