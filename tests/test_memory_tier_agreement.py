@@ -241,3 +241,50 @@ def test_a_memory_folder_that_fills_up_fails_the_snapshot_on_every_rank_and_kill
         again = worlds.run(4, restore, run, base)
     assert again[0]["step"] == 3 and again[0]["sources"] == ("peer", "peer", "memory", "memory"), again[0]["sources"]
     _equal(again[0]["full"], worlds.run(4, reference, 3)[0])
+
+
+def train_six(run: str, base: str) -> dict:
+    """Snapshots at steps 1-6, a persistent checkpoint at step 4."""
+    model, optim = models.build("fsdp", torch.float32, seed=0)
+    with ckptkit.CheckpointManager(run, save=ckptkit.SavePolicy(every_steps=4), memory=_tier(base)) as mgr:
+        for s in range(1, 7):
+            models.train(model, optim, 1, start=s)
+            mgr.maybe_save(s, models.sharded_state(model, optim))
+    return {}
+
+
+def restore_saying(run: str, base: str) -> dict:
+    """:func:`restore`, and the warnings the tier logged on this rank while restoring."""
+    import logging
+
+    said: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            said.append(record.getMessage())
+
+    handler = Keep(logging.WARNING)
+    logging.getLogger("ckptkit").addHandler(handler)
+    try:
+        out = restore(run, base)
+    finally:
+        logging.getLogger("ckptkit").removeHandler(handler)
+    return {**out, "warnings": said}
+
+
+def test_a_restore_into_a_full_memory_folder_falls_back_to_storage(worlds, tmp_path):
+    """Node 1 is lost and comes back with a memory folder too small for the copies its ranks get
+    from their peers (a real tmpfs of 8 KiB): the copies' writes fail on the way in, both sides of
+    every transfer stay in step, and the job restores the persistent step 4 together, bit-exact."""
+    from tests.small_fs import small_tmpfs
+    import shutil
+
+    run, base = str(tmp_path / "run"), str(tmp_path / "mem")
+    worlds.run(4, train_six, run, base)
+    shutil.rmtree(os.path.join(base, "node1"))
+    with small_tmpfs(os.path.join(base, "node1"), "8k"):
+        again = worlds.run(4, restore_saying, run, base)
+    assert again[0]["step"] == 4 and again[0]["sources"] == ("persistent",) * 4, again[0]["sources"]
+    said = " ".join(m for r in again for m in r["warnings"])
+    assert "no space left" in said.lower() or "No space" in said, said
+    _equal(again[0]["full"], worlds.run(4, reference, 4)[0])
