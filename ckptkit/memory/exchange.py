@@ -71,9 +71,11 @@ class Link:
                                     timeout=datetime.timedelta(seconds=timeout_seconds))
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
-        self._inbox = bytearray(MESSAGE_BYTES)  # made once: a message is received here, then written
-        self._inbox_t = _u8(self._inbox)
-        self._inbox_lock = threading.Lock()  # the tier's thread and a restore never share it
+        # made once: two buffers, so a message is received into one while the one before it is
+        # written from the other (the write of a received copy overlaps its transfer)
+        self._inboxes = (bytearray(MESSAGE_BYTES), bytearray(MESSAGE_BYTES))
+        self._inboxes_t = tuple(_u8(b) for b in self._inboxes)
+        self._inbox_lock = threading.Lock()  # the tier's thread and a restore never share them
 
     def close(self) -> None:
         """Destroy this link's group now (see :func:`ckptkit.engine.collective.release_group`)."""
@@ -140,23 +142,30 @@ class Link:
                 if k < len(sends):
                     i, at, n = sends[k]
                     ops.append((_u8(out.parts[i][at:at + n]), send_to, True))
-                n = recvs[k][2] if k < len(recvs) else 0
-                if n:
-                    ops.append((self._inbox_t[:n], recv_from, False))
-                self._batch(ops)
-                del ops  # no tensor over the sender's map outlives its message
-                if n and failed is None:
-                    failed = _write(sink, recvs[k], self._inbox)
+                if k < len(recvs):
+                    ops.append((self._inboxes_t[k % 2][: recvs[k][2]], recv_from, False))
+                works = self._start(ops)
+                if 0 < k <= len(recvs) and failed is None:  # the message before, while this one travels
+                    failed = _write(sink, recvs[k - 1], self._inboxes[(k - 1) % 2])
+                for work in works:
+                    work.wait()
+                del ops, works  # no tensor over the sender's map outlives its message
+            if recvs and len(recvs) >= len(sends) and failed is None:
+                failed = _write(sink, recvs[-1], self._inboxes[(len(recvs) - 1) % 2])
         if failed is not None:
             raise failed
 
     def _batch(self, ops: list[tuple[torch.Tensor, int, bool]]) -> None:
+        for work in self._start(ops):
+            work.wait()
+
+    def _start(self, ops: list[tuple[torch.Tensor, int, bool]]) -> list[Any]:
+        """Start ``ops`` (sends and receives) together; their works, to wait on."""
         if not ops:
-            return
+            return []
         p2p = [dist.P2POp(dist.isend if send else dist.irecv, t, self._global(peer), self.group)
                for t, peer, send in ops]
-        for work in dist.batch_isend_irecv(p2p):
-            work.wait()
+        return list(dist.batch_isend_irecv(p2p))
 
     def send_window(self, to: int, data: memoryview | None) -> None:
         """Send one window to ``to`` (both sides know its size), or word that it could not be read
@@ -230,11 +239,15 @@ class Link:
         if sink is None:
             return why
         failed: BaseException | None = None
+        msgs = messages(sink.sizes)
         with sink, self._inbox_lock:
-            for msg in messages(sink.sizes):  # every message, even after a failed write: the sender sends them all
-                dist.recv(self._inbox_t[:msg[2]], peer, group=self.group)
-                if failed is None:
-                    failed = _write(sink, msg, self._inbox)
+            for k, msg in enumerate(msgs):  # every message, even after a failed write: the sender sends them all
+                work = dist.irecv(self._inboxes_t[k % 2][:msg[2]], peer, group=self.group)
+                if k and failed is None:  # the message before, while this one travels
+                    failed = _write(sink, msgs[k - 1], self._inboxes[(k - 1) % 2])
+                work.wait()
+            if msgs and failed is None:
+                failed = _write(sink, msgs[-1], self._inboxes[(len(msgs) - 1) % 2])
             if failed is None:
                 sink.commit()
         return None if failed is None else f"{type(failed).__name__}: {failed}"
