@@ -6,8 +6,8 @@ travels in two shapes:
 
 * streamed (:class:`OutgoingBundle` / :class:`IncomingBundle`): the header, then the files in
   messages of at most 4 MiB (:mod:`ckptkit.memory.exchange`), sent straight from the sender's
-  memory-mapped files, received into one reused buffer and written into the receiver's new files
-  (a replica copy, a peer's copy at a restore). Written, not received into maps of the new files:
+  memory-mapped files, received into two reused buffers in turn and written into the receiver's
+  new files (a replica copy, a peer's copy at a restore). Written, not received into maps of the new files:
   a full ``/dev/shm`` is then an error the tier reports instead of a SIGBUS that kills the rank
   (the CPU is the same: a new tmpfs page costs its allocation either way);
 * windowed (:class:`BundleBytes` / :class:`BundleSink`): the byte string read at any offset from
