@@ -107,7 +107,7 @@ from async_training import (  # noqa: E402
     TRAIN_FULL, TRAIN_QUICK, TrainConfig, agree_ok, fsdp_job, cpu_seconds, gather_floats, percentile, state_is_live,
 )
 from bench_io import FULL, QUICK, barrier, build_state, local_shards, settle, verify  # noqa: E402
-from common import CopyFloor, GiB, MiB, median, remove_tree, spread, table, write_results  # noqa: E402
+from common import CopyFloor, GiB, MiB, median, memory_tier_world_ok, remove_tree, spread, table, write_results  # noqa: E402
 from moto_process import CREDENTIALS, MotoProcess  # noqa: E402
 
 SCRATCH_PREFIX = "bench_memory_tier-scratch-"
@@ -613,9 +613,7 @@ def report(args: argparse.Namespace, world: int, p1: dict[str, Any] | None, p2: 
 
 def run(args: argparse.Namespace) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
-    if world % 4:
-        if rank == 0:
-            print(f"bench_memory_tier needs a multiple of 4 ranks (r1: 2 nodes, p4: 4 nodes), got {world}", file=sys.stderr)
+    if not memory_tier_world_ok("bench_memory_tier"):
         return 2
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
     t_begin = time.perf_counter()

@@ -46,7 +46,7 @@ import torch.distributed as dist  # noqa: E402
 import ckptkit  # noqa: E402
 from ckptkit.memory import digest  # noqa: E402
 from async_training import gather_floats  # noqa: E402
-from common import CopyFloor, MiB, run_gloo_main, table, write_results  # noqa: E402
+from common import CopyFloor, MiB, memory_tier_world_ok, run_gloo_main, table, write_results  # noqa: E402
 
 VARIANTS = ("p4-sha256", "r1-new-files", "r1", "p4-new-files", "p4")
 BASELINE = "p4-sha256"
@@ -101,9 +101,7 @@ def copy_floor(state: dict[str, torch.Tensor], reps: int = 20) -> float:
 
 def run(args: argparse.Namespace) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
-    if world % 4:
-        if rank == 0:
-            print(f"bench_tier_cpu needs a multiple of 4 ranks (r1: 2 nodes, p4: 4 nodes), got {world}", file=sys.stderr)
+    if not memory_tier_world_ok("bench_tier_cpu"):
         return 2
     torch.manual_seed(rank)
     rows_per = 1024

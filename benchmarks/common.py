@@ -139,6 +139,17 @@ def run_gloo_main(parse_args: Callable[[list[str] | None], Any], run: Callable[[
     return run_main(parse_args, in_world, argv)
 
 
+def memory_tier_world_ok(name: str) -> bool:
+    """Whether the world has a multiple of 4 ranks, as the memory-tier benchmarks' simulated nodes need
+    (r1: 2 nodes, p4: 4 nodes); rank 0 says why not."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    if world % 4 and dist.get_rank() == 0:
+        print(f"{name} needs a multiple of 4 ranks (r1: 2 nodes, p4: 4 nodes), got {world}", file=sys.stderr)
+    return world % 4 == 0
+
+
 class CopyFloor:
     """A bare ``copy_`` of every local tensor into preallocated buffers: the floor of a snapshot."""
 

@@ -36,9 +36,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-import crc32c
 import torch
 
+from ckptkit.engine.block_crc import BlockCrcs
 from ckptkit.engine.state import torch_dtype
 from ckptkit.engine.tensor_bytes import as_bytes
 from ckptkit.errors import SaveError
@@ -234,9 +234,7 @@ class ItemCrcs:
         self.block = block
         self.items = sorted(range(len(items)), key=lambda i: items[i].offset)
         self.spans = items
-        self.crcs: list[list[int]] = [[] for _ in items]
-        self.cur = [0] * len(items)
-        self.filled = [0] * len(items)
+        self.crcs = [BlockCrcs(block) for _ in items]
         self.first = 0
 
     def feed(self, start: int, data: memoryview) -> None:
@@ -247,7 +245,7 @@ class ItemCrcs:
             item = self.spans[i]
             lo, hi = max(start, item.offset), min(end, item.offset + item.nbytes)
             if hi > lo:
-                self._feed(i, data[lo - start:hi - start])
+                self.crcs[i].update(data[lo - start:hi - start])
             k += 1
         while self.first < len(self.items) and self._end(self.items[self.first]) <= end:
             self.first += 1
@@ -255,22 +253,11 @@ class ItemCrcs:
     def _end(self, i: int) -> int:
         return self.spans[i].offset + self.spans[i].nbytes
 
-    def _feed(self, i: int, mv: memoryview) -> None:
-        while len(mv):
-            take = min(self.block - self.filled[i], len(mv))
-            self.cur[i] = crc32c.crc32c(mv[:take], self.cur[i])
-            self.filled[i] += take
-            mv = mv[take:]
-            if self.filled[i] == self.block:
-                self.crcs[i].append(self.cur[i])
-                self.cur[i], self.filled[i] = 0, 0
-
     def entries(self) -> list[IndexEntry]:
         """In ``plan.items`` order, like :func:`~ckptkit.engine.writer.write_staged`."""
         out = []
         for i, item in enumerate(self.spans):
-            crcs = self.crcs[i] + ([self.cur[i]] if self.filled[i] or not self.crcs[i] else [])
-            out.append(IndexEntry(item.tensor, item.region, item.object, item.offset, item.nbytes, tuple(crcs)))
+            out.append(IndexEntry(item.tensor, item.region, item.object, item.offset, item.nbytes, self.crcs[i].crcs()))
         return out
 
 

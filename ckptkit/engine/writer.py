@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
-import crc32c
 import torch
 
+from ckptkit.engine.block_crc import block_crcs
 from ckptkit.engine.tensor_bytes import as_bytes, piece_tensor
 from ckptkit.layout.index import IndexEntry
 from ckptkit.plan.save_plan import SavePlan, WriteItem
@@ -28,12 +28,6 @@ TensorFor = Callable[[WriteItem], torch.Tensor]
 # Told when an item's bytes are no longer needed: written to the store and checksummed (a
 # streaming source then reuses the buffer they were in).
 Release = Callable[[WriteItem], None]
-
-
-def block_crcs(data: memoryview, block: int) -> tuple[int, ...]:
-    if len(data) == 0:
-        return (crc32c.crc32c(b""),)
-    return tuple(crc32c.crc32c(data[b:b + block]) for b in range(0, len(data), block))
 
 
 def write_pieces(

@@ -23,7 +23,7 @@ import hashlib
 import struct
 from typing import Protocol
 
-import crc32c
+from ckptkit.engine.block_crc import BlockCrcs
 
 BLOCK = 4 << 20
 PREFIX = "crc32c-4m:"
@@ -36,29 +36,18 @@ class Hasher(Protocol):
 
 
 class BlockCrc:
-    """CRC32C of every :data:`BLOCK` bytes (the last block may be short), however the bytes are fed."""
+    """The block-CRC digest: the format's block CRCs of the bytes (:class:`~ckptkit.engine.block_crc.BlockCrcs`),
+    with the length, folded into one SHA-256."""
 
     def __init__(self) -> None:
-        self._crcs = bytearray()
-        self._crc = 0
-        self._fill = 0
-        self._length = 0
+        self._crcs = BlockCrcs(BLOCK)
 
     def update(self, data: bytes | bytearray | memoryview, /) -> None:
-        view = memoryview(data).cast("B")
-        self._length += len(view)
-        while len(view):
-            take = min(len(view), BLOCK - self._fill)
-            self._crc = crc32c.crc32c(view[:take], self._crc)
-            self._fill += take
-            view = view[take:]
-            if self._fill == BLOCK:
-                self._crcs += struct.pack("<I", self._crc)
-                self._crc, self._fill = 0, 0
+        self._crcs.update(data)
 
     def hexdigest(self) -> str:
-        crcs = self._crcs + (struct.pack("<I", self._crc) if self._fill else b"")
-        return PREFIX + hashlib.sha256(struct.pack("<Q", self._length) + crcs).hexdigest()
+        crcs = self._crcs.crcs() if self._crcs.length else ()
+        return PREFIX + hashlib.sha256(struct.pack("<Q", self._crcs.length) + struct.pack(f"<{len(crcs)}I", *crcs)).hexdigest()
 
 
 def new(expected: str | None = None) -> Hasher:

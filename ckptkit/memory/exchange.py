@@ -135,25 +135,38 @@ class Link:
         failure is the snapshot's, agreed after it."""
         sends = messages([len(p) for p in out.parts])
         recvs = messages(sink.sizes)
-        failed: BaseException | None = None
+
+        def start(k: int) -> tuple[list[Any], list[Any]]:
+            ops = []
+            if k < len(sends):
+                i, at, n = sends[k]
+                ops.append((_u8(out.parts[i][at:at + n]), send_to, True))
+            if k < len(recvs):
+                ops.append((self._inboxes_t[k % 2][: recvs[k][2]], recv_from, False))
+            return ops, self._start(ops)
+
         with self._inbox_lock:
-            for k in range(max(len(sends), len(recvs))):
-                ops = []
-                if k < len(sends):
-                    i, at, n = sends[k]
-                    ops.append((_u8(out.parts[i][at:at + n]), send_to, True))
-                if k < len(recvs):
-                    ops.append((self._inboxes_t[k % 2][: recvs[k][2]], recv_from, False))
-                works = self._start(ops)
-                if 0 < k <= len(recvs) and failed is None:  # the message before, while this one travels
-                    failed = _write(sink, recvs[k - 1], self._inboxes[(k - 1) % 2])
-                for work in works:
-                    work.wait()
-                del ops, works  # no tensor over the sender's map outlives its message
-            if recvs and len(recvs) >= len(sends) and failed is None:
-                failed = _write(sink, recvs[-1], self._inboxes[(len(recvs) - 1) % 2])
+            failed = self._pipeline(max(len(sends), len(recvs)), start, recvs, sink)
         if failed is not None:
             raise failed
+
+    def _pipeline(self, rounds: int, start: Callable[[int], tuple[list[Any], list[Any]]],
+                  recvs: list[tuple[int, int, int]], sink: IncomingBundle) -> BaseException | None:
+        """``rounds`` rounds of messages, started by ``start(k)`` (its tensors, kept until their works
+        are done, and the works), round ``k`` receiving ``recvs[k]`` into buffer ``k % 2``: the message
+        before is written from the other buffer while it travels. Every round runs, even after a
+        failed write (its sender sends them all); returns the first failure, to raise once they end."""
+        failed: BaseException | None = None
+        for k in range(rounds):
+            keep, works = start(k)
+            if 0 < k <= len(recvs) and failed is None:
+                failed = _write(sink, recvs[k - 1], self._inboxes[(k - 1) % 2])
+            for work in works:
+                work.wait()
+            del keep, works  # no tensor over the sender's map outlives its message
+        if recvs and rounds == len(recvs) and failed is None:  # the last one, unless a later round wrote it
+            failed = _write(sink, recvs[-1], self._inboxes[(len(recvs) - 1) % 2])
+        return failed
 
     def _batch(self, ops: list[tuple[torch.Tensor, int, bool]]) -> None:
         for work in self._start(ops):
@@ -238,16 +251,13 @@ class Link:
         dist.send(torch.tensor([int(sink is not None)], dtype=torch.int64), peer, group=self.group)
         if sink is None:
             return why
-        failed: BaseException | None = None
         msgs = messages(sink.sizes)
+
+        def start(k: int) -> tuple[list[Any], list[Any]]:
+            return [], [dist.irecv(self._inboxes_t[k % 2][:msgs[k][2]], peer, group=self.group)]
+
         with sink, self._inbox_lock:
-            for k, msg in enumerate(msgs):  # every message, even after a failed write: the sender sends them all
-                work = dist.irecv(self._inboxes_t[k % 2][:msg[2]], peer, group=self.group)
-                if k and failed is None:  # the message before, while this one travels
-                    failed = _write(sink, msgs[k - 1], self._inboxes[(k - 1) % 2])
-                work.wait()
-            if msgs and failed is None:
-                failed = _write(sink, msgs[-1], self._inboxes[(len(msgs) - 1) % 2])
+            failed = self._pipeline(len(msgs), start, msgs, sink)
             if failed is None:
                 sink.commit()
         return None if failed is None else f"{type(failed).__name__}: {failed}"

@@ -19,21 +19,20 @@ import torch
 from ckptkit.engine.dtensor_grid import grid_of, is_dtensor, local_of
 from ckptkit.engine.state import FlatState, Leaf, flatten_state
 from ckptkit.engine.structure import structure_signature
-from ckptkit.layout.values import split_key
 
 
 def _put(view: dict[str, Any], leaf: Leaf, value: Any) -> None:
     """Place ``value`` at ``leaf``'s path, so the snapshot stores it under the user's own key."""
-    parts = leaf.path or split_key(leaf.key)
+    parts = leaf.path
     node = view
     for part in parts[:-1]:
         node = node.setdefault(part, {})
     node[parts[-1]] = value
 
 
-def _get(view: dict[str, Any], key: str) -> Any:
+def _get(view: dict[str, Any], leaf: Leaf) -> Any:
     node: Any = view
-    for part in split_key(key):
+    for part in leaf.path:
         node = node[part]
     return node
 
@@ -55,9 +54,9 @@ class LocalView:
         """After a load into :attr:`state`: values and per-rank values back into the user's state
         (tensors and generators were loaded in place)."""
         for leaf in self.flat.values:
-            leaf.assign(_get(self.state, leaf.key))
+            leaf.assign(_get(self.state, leaf))
         for leaf in self.flat.per_rank:
-            leaf.obj.value = _get(self.state, leaf.key)
+            leaf.obj.value = _get(self.state, leaf)
 
 
 @dataclass
@@ -83,14 +82,13 @@ def local_view(state: dict[str, Any], world_size: int, rank: int, memo: Fingerpr
         _put(view, leaf, leaf.obj.value)
     for leaf in flat.values:
         _put(view, leaf, leaf.obj)
+    if memo is None:
+        return LocalView(view, flat, layout_fingerprint(flat, world_size, rank))
     sig = (world_size, rank, structure_signature(flat), tuple(leaf.key for leaf in flat.generators),
            tuple(leaf.key for leaf in flat.per_rank), tuple(leaf.key for leaf in flat.values))
-    if memo is not None and memo.signature == sig:
-        return LocalView(view, flat, memo.fingerprint)
-    fingerprint = layout_fingerprint(flat, world_size, rank)
-    if memo is not None:
-        memo.signature, memo.fingerprint = sig, fingerprint
-    return LocalView(view, flat, fingerprint)
+    if memo.signature != sig:
+        memo.signature, memo.fingerprint = sig, layout_fingerprint(flat, world_size, rank)
+    return LocalView(view, flat, memo.fingerprint)
 
 
 def layout_fingerprint(flat: FlatState, world_size: int, rank: int) -> str:

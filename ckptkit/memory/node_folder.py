@@ -165,11 +165,12 @@ class NodeFolder:
         self.spares: SparePool | None = None
 
     def keep_spares(self, rank: int, claims: Any) -> None:
-        """Keep retired files as spares for the next snapshot (in a pool named for ``rank``),
-        after removing the pools that ``claims`` says are this process's (a former run's)."""
+        """Keep retired files as spares for the next snapshot (in a pool named for ``rank``, which
+        clears itself), after removing the other pools ``claims`` says are this process's (a former
+        run's, with ranks placed otherwise)."""
         for name in os.listdir(self.root):
             m = POOL_RE.match(name)
-            if m and claims(int(m.group(1))):
+            if m and int(m.group(1)) != rank and claims(int(m.group(1))):
                 shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
         try:
             self.spares = SparePool(self.root, rank)

@@ -56,11 +56,6 @@ class SparePool:
         os.makedirs(root, exist_ok=True)
         os.mkdir(self.dir, 0o700)
 
-    @property
-    def nbytes(self) -> int:
-        with self._lock:
-            return sum(size for size, _ in self._files)
-
     def __len__(self) -> int:
         with self._lock:
             return len(self._files)
