@@ -30,7 +30,7 @@ from typing import Any
 
 from ckptkit.engine.async_save import AsyncSaver, SaveHandle
 from ckptkit.engine.collective import Comm, resolve_comm
-from ckptkit.engine.loader import load_state
+from ckptkit.engine.loader import load_state, overwrote_state
 from ckptkit.engine.saver import SaveResult, save_state
 from ckptkit.engine.state import flatten_state
 from ckptkit.errors import (
@@ -360,11 +360,17 @@ class CheckpointManager:
             from ckptkit.memory.restore import restore_from_memory
 
             newest = self.latest_common_step(bound)
-            info = restore_from_memory(self._memory, state, at_most=at_most, at_least=-1 if newest is None else newest)
+            info, overwritten = restore_from_memory(self._memory, state, at_most=at_most,
+                                                    at_least=-1 if newest is None else newest)
             if info is not None:
                 self.last_restore = info
                 return info.step
-        step = self._restore_persistent(state, strict, bound)
+            if overwritten:
+                self.skipped.append(("memory tier", "a step restored from node memory failed after part of the "
+                                                    "state was loaded (see the log)"))
+        else:
+            overwritten = False
+        step = self._restore_persistent(state, strict, bound, overwritten)
         if step is not None:
             from ckptkit.memory.restore import RestoreInfo
 
@@ -374,17 +380,25 @@ class CheckpointManager:
                 self._memory.discard_after(step)
         return step
 
-    def _restore_persistent(self, state: dict[str, Any], strict: bool, bound: int) -> int | None:
+    def _restore_persistent(self, state: dict[str, Any], strict: bool, bound: int, overwritten: bool) -> int | None:
+        """The newest persistent step that loads, skipping damaged ones. ``overwritten``: an earlier
+        attempt (the memory tier's) already wrote into ``state``; so may a damaged step here. Then
+        "nothing restored" is no longer true of ``state``, and is raised instead of returned
+        (:meth:`_overwritten_error`)."""
         while True:
             step = self.latest_common_step(bound)
             if step is None:
+                if overwritten:
+                    raise self._overwritten_error(None)
                 return None
             name = self.folder.name_of(step)
             damaged: BaseException | None = None
             other: BaseException | None = None
+            missing: tuple[str, ...] = ()
             lease = self.folder.acquire_lease(name, self.rank)
             try:
-                load_state(flatten_state(state), self.root.child(name), self._comm, strict=strict, options=self.load_options)
+                missing = load_state(flatten_state(state), self.root.child(name), self._comm, strict=strict,
+                                     options=self.load_options).missing
             except LoadStalledError:
                 # raised on every rank by the watchdog; the group may hold collectives the stalled rank
                 # never joins, so no agreement (no collective) follows: straight to the caller
@@ -397,15 +411,36 @@ class CheckpointManager:
                 other = exc
             finally:
                 self.folder.release_lease(lease)
-            any_damaged, any_other = self._comm.any_flags([damaged is not None and not isinstance(damaged, PeerFailureError), other is not None])
+            any_damaged, any_other, any_overwritten, any_missing = self._comm.any_flags([
+                damaged is not None and not isinstance(damaged, PeerFailureError), other is not None,
+                damaged is not None and overwrote_state(damaged), bool(missing)])
             if any_other:
                 if other is not None:
                     raise other
                 raise PeerFailureError(f"restoring {name} failed on another rank")
             if not any_damaged:
+                if overwritten and any_missing:  # strict=False: tensors this step lacks hold a failed attempt's bytes
+                    raise self._overwritten_error(name)
                 log.info("restored %s", name)
                 return step
+            overwritten = overwritten or any_overwritten
             reason = str(damaged) if damaged is not None else "damaged on another rank"
             log.warning("skipping %s: %s", name, reason)
             self.skipped.append((name, reason))
             bound = step - 1
+
+    def _overwritten_error(self, restored: str | None) -> CorruptCheckpointError:
+        """A restore that must not look like "nothing to restore" (None) or a clean load: a damaged
+        step failed after part of ``state`` had been loaded from it, and either no older step loads
+        (``restored`` None) or the one that did (non-strict) lacks some of the state's tensors, which
+        still hold the failed attempt's bytes. Training on from such a state would mix checkpoints."""
+        tried = "; ".join(f"{name}: {reason}" for name, reason in self.skipped) or "see the log"
+        if restored is None:
+            what = (f"{self.root.url}: no checkpoint could be restored, and the state passed in is partly "
+                    "overwritten: a damaged step failed after part of it had been loaded")
+        else:
+            what = (f"{self.root.url}: restored {restored}, which lacks some of the state's tensors (strict=False), "
+                    "and those hold bytes of a damaged step that failed mid-load")
+        return CorruptCheckpointError(
+            f"{what} ({tried}). To start from scratch, re-create the state first; to resume, repair or remove the "
+            "damaged checkpoint(s) named here, or pass at_most= to restore an older step on purpose")

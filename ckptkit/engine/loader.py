@@ -157,6 +157,17 @@ def _all_keys(manifest: Manifest) -> list[str]:
     return sorted({*manifest.tensors, *manifest.values, *manifest.per_rank_keys, *manifest.rank_values})
 
 
+#: the attribute :func:`load_state` sets on an exception it raises once reading into the state began
+_OVERWROTE = "ckptkit_state_overwritten"
+
+
+def overwrote_state(exc: BaseException) -> bool:
+    """Whether the failed load that raised ``exc`` had begun writing into the caller's tensors (a
+    checksum mismatch found mid-read, a rank lost mid-read): they may then hold part of the
+    checkpoint. A failure found before (keys, shapes, metadata, index damage) left them untouched."""
+    return bool(getattr(exc, _OVERWROTE, False))
+
+
 def load_state(
     flat: FlatState,
     store: ByteStore,
@@ -220,9 +231,14 @@ def _load(flat: FlatState, store: ByteStore, comm: Comm, strict: bool, options: 
             f"per-rank values {keys_pr[:4]} cannot be matched to ranks (LoadOptions(per_rank_on_resize='skip') keeps the current ones)"
         )
     own = {comm.rank} if per_rank_needed and not resized else set()
-    nbytes, error = _read_into_state(session, ops, own, plan, flat, comm, options, resized)
+    nbytes, error, reading = _read_into_state(session, ops, own, plan, flat, comm, options, resized)
     record.phase("agreement")
-    outcomes = _agree(comm, error, time.perf_counter() - t0, nbytes, where)
+    try:
+        outcomes = _agree(comm, error, time.perf_counter() - t0, nbytes, where)
+    except BaseException as exc:
+        if reading:  # bytes may have landed in this rank's tensors before the load failed here or elsewhere
+            setattr(exc, _OVERWROTE, True)
+        raise
     record.finish()
     seconds = time.perf_counter() - t0
     log.info(
@@ -236,10 +252,11 @@ def _load(flat: FlatState, store: ByteStore, comm: Comm, strict: bool, options: 
 
 
 def _read_into_state(session: ReadSession, ops: list[CopyOp], own: set[int], plan: _Plan, flat: FlatState,
-                     comm: Comm, options: LoadOptions, resized: bool) -> tuple[int, BaseException | None]:
+                     comm: Comm, options: LoadOptions, resized: bool) -> tuple[int, BaseException | None, bool]:
     """Plan the reads, read (once per job when ranks share bytes), place, assign values. Returns the
-    bytes this rank read from storage and its error, if any (not raised: the caller agrees on it).
-    Collective when reading once: every rank enters it whatever failed before."""
+    bytes this rank read from storage, its error, if any (not raised: the caller agrees on it), and
+    whether reading into this rank's tensors began (from then on a failure leaves them partly
+    overwritten). Collective when reading once: every rank enters it whatever failed before."""
     where = session.url
     manifest = session.manifest
     targets = [d.work for d in plan.dests]
@@ -276,7 +293,7 @@ def _read_into_state(session: ReadSession, ops: list[CopyOp], own: set[int], pla
             if reading else exc
     except Exception as exc:  # noqa: BLE001 - carried through the collective below, then re-raised
         error = exc
-    return nbytes, error
+    return nbytes, error, reading
 
 
 def _agree(comm: Comm, error: BaseException | None, seconds: float, nbytes: int, where: str) -> list[Any]:

@@ -8,10 +8,15 @@ Collective over the job. In order:
    Copies taken at another world size or layout never count (and the log says so plainly).
 2. **Choose a step.** The newest step (not older than ``at_least``, not newer than ``at_most``)
    for which :func:`~ckptkit.memory.topology.plan_sources` finds a source for every rank.
-3. **Verify.** Every holder checks its copies of that step end to end (digests of the metadata,
-   a CRC32C of every block) and its shares against their digests; the verified inventory is
-   gathered again and the sources planned anew. A copy that fails is never used: the plan falls
-   back to the next source (own -> peer -> parity) or the step to an older one, with a warning.
+3. **Verify what the plan uses.** The sources are planned on the inventory, and each holder
+   checks the copies and shares *that plan uses* end to end (digests of the metadata, a CRC32C of
+   every block; a share against its digest); the failures are gathered and the step planned anew
+   without them, until a plan uses only checked sources. A copy that fails is never used: the
+   plan falls back to the next source (own -> peer -> parity) or the step to an older one, with a
+   warning. Why not check everything: a restart or a rollback with every node's memory intact
+   reads every rank's own copy, and checking the replicas or shares as well (a second
+   snapshot's worth of CRCs per rank with ``replicas=1``, at a thousand nodes every replica for
+   the one node lost) is time the job waits for nothing.
 4. **Move and load.** Copies and shares travel over the tier's group in one agreed order; a rank
    whose copy came from a peer or a parity rebuild writes it into its own node folder (its node
    is protected again), then loads its local state from it. Any failure on any rank is agreed
@@ -28,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptkit.engine.collective import LocalComm
-from ckptkit.engine.loader import load_state
+from ckptkit.engine.loader import load_state, overwrote_state
 from ckptkit.engine.metadata_io import read_manifest
 from ckptkit.engine.state import flatten_state
 from ckptkit.errors import CkptkitError, CorruptCheckpointError
@@ -120,28 +125,78 @@ def _explain_unusable(gathered: list[Any], fingerprints: list[str], world_size: 
                     return
 
 
-def _verify_step(tier: MemorySnapshots, step: int, inv: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
-    """This process's inventory of ``step`` with only the copies and shares that pass every check."""
+#: a source a plan uses: (holder, "copy", rank of the snapshot) or (holder, "share", rank that made it)
+_Item = tuple[int, str, int]
+
+
+def _checked_plan(tier: MemorySnapshots, step: int, gathered: list[Any],
+                  fingerprints: list[str]) -> tuple[dict[int, Source], list[Any]] | None:
+    """A plan for ``step`` whose every source its holder has checked, and the inventory it was made
+    from (failed sources left out); None when no plan is left. Collective: every rank plans from the
+    same inventory, checks the sources it holds, and the failures are gathered, so every rank
+    removes the same ones and plans again alike. Each round checks at least one source or ends."""
+    inv = [(local, fp, {step: got[step]} if step in got else {}) for local, fp, got in gathered]
+    checked: set[_Item] = set()
+    while True:
+        plan = _plan(step, inv, fingerprints, tier.world_size)
+        if plan is None:
+            return None
+        try:
+            rebuilds = rebuild.plan_rebuilds(step, plan, inv)
+        except CorruptCheckpointError as exc:  # the same on every rank: no rebuild can be made
+            if tier.rank == 0:
+                log.warning("memory tier: step %d: %s", step, exc)
+            return None
+        used = _used_sources(step, plan, rebuilds, inv)
+        failed = [list(item) for item in sorted(used - checked) if item[0] == tier.rank and not _passes(tier, step, item)]
+        gone = {(int(h), str(k), int(r)) for theirs in tier.comm.all_gather_json(failed) for h, k, r in theirs}
+        checked |= used
+        if not gone:
+            return plan, inv
+        inv = [(local, fp, _without(got, step, h, gone)) for h, (local, fp, got) in enumerate(inv)]
+
+
+def _used_sources(step: int, plan: dict[int, Source], rebuilds: list[rebuild.Rebuild], inv: list[Any]) -> set[_Item]:
+    """Every copy and share ``plan`` reads: each rank's own or peer copy (a rebuild also reads the
+    other members' copies, which are those members' sources), and each rebuild's shares: the other
+    members' (the lost member's own share holds only the others' chunks)."""
+    used: set[_Item] = {(src.holder, "copy", r) for r, src in plan.items() if src.holder is not None}
+    for rb in rebuilds:
+        for index, holder in rb.share_holders.items():
+            if index == rb.me:
+                continue
+            for made_by, members, i, *_ in inv[holder][2].get(step, {}).get("shares", []):
+                if tuple(members) == tuple(rb.members) and i == index:
+                    used.add((holder, "share", made_by))
+                    break
+    return used
+
+
+def _passes(tier: MemorySnapshots, step: int, item: _Item) -> bool:
+    """Whether this process's copy or share ``item`` passes every check (else say why, once)."""
+    _, kind, rank = item
+    if kind == "copy":
+        problem = verified(tier.folder.rank_store(step, rank))
+        if problem is not None:
+            log.warning("memory tier: rank %d's copy of step %d at %s fails its checks and is not used: %s",
+                        rank, step, tier.folder.root, problem)
+        return problem is None
+    try:
+        tier.folder.check_share(step, rank)
+        return True
+    except (CkptkitError, OSError) as exc:
+        log.warning("memory tier: parity share %d of step %d fails its checks and is not used: %s", rank, step, exc)
+        return False
+
+
+def _without(inv: dict[int, dict[str, Any]], step: int, holder: int, gone: set[_Item]) -> dict[int, dict[str, Any]]:
+    """``holder``'s inventory of ``step`` less the sources in ``gone``."""
     entry = inv.get(step)
     if entry is None:
-        return {}
-    good = []
-    for c in entry["copies"]:
-        problem = verified(tier.folder.rank_store(step, c.rank))
-        if problem is None:
-            good.append(c)
-        else:
-            log.warning("memory tier: rank %d's copy of step %d at %s fails its checks and is not used: %s",
-                        c.rank, step, tier.folder.root, problem)
-    shares = []
-    for share in entry["shares"]:
-        h = share[0]
-        try:
-            tier.folder.check_share(step, h)
-            shares.append(share)
-        except (CkptkitError, OSError) as exc:
-            log.warning("memory tier: parity share %d of step %d fails its checks and is not used: %s", h, step, exc)
-    return {step: {"copies": good, "shares": shares}} if good or shares else {}
+        return inv
+    copies = [c for c in entry["copies"] if (holder, "copy", c.rank) not in gone]
+    shares = [s for s in entry["shares"] if (holder, "share", s[0]) not in gone]
+    return {step: {"copies": copies, "shares": shares}} if copies or shares else {}
 
 
 def _peer_moves(plan: dict[int, Source]) -> list[tuple[int, int, Hashable]]:
@@ -155,9 +210,11 @@ def _peer_moves(plan: dict[int, Source]) -> list[tuple[int, int, Hashable]]:
 
 
 def _restore_step(tier: MemorySnapshots, view: LocalView, step: int, plan: dict[int, Source],
-                  gathered: list[Any]) -> BaseException | None:
+                  gathered: list[Any]) -> tuple[BaseException | None, bool]:
     """Move, rebuild and load this rank's snapshot of ``step``; the error, if any (not raised:
-    every rank must reach the agreement that follows)."""
+    every rank must reach the agreement that follows), and whether the load wrote into the state
+    (it did when it succeeded, here or on a rank whose peer then failed)."""
+    loading = False
     try:
         arrived: dict[Hashable, str | None] = {}
         rebuilt = None
@@ -172,17 +229,21 @@ def _restore_step(tier: MemorySnapshots, view: LocalView, step: int, plan: dict[
         if src.kind == "peer" and arrived.get(("copy", tier.rank)) is not None:
             raise CorruptCheckpointError(f"memory tier: rank {src.holder}'s copy of rank {tier.rank}'s snapshot of "
                                          f"step {step} did not arrive: {arrived[('copy', tier.rank)]}")
+        loading = True
         load_state(flatten_state(view.state), store, LocalComm(), strict=True)
         view.write_back()
-        return None
+        return None, True
     except Exception as exc:  # noqa: BLE001 - agreed below, then the next step is tried
-        return exc
+        return exc, loading and overwrote_state(exc)
 
 
 def restore_from_memory(tier: MemorySnapshots, state: dict[str, Any], *, at_most: int | None,
-                        at_least: int) -> RestoreInfo | None:
+                        at_least: int) -> tuple[RestoreInfo | None, bool]:
     """The newest step in ``[at_least, at_most]`` every rank can restore from memory, restored;
-    None when there is none (then the caller restores from persistent storage). Collective."""
+    None when there is none (then the caller restores from persistent storage). Also whether a step
+    that failed had written into ``state`` on some rank (agreed: the same on every rank), which the
+    caller must not then report as untouched. Collective."""
+    overwritten = False
     t0 = time.perf_counter()
     tier._wait_quietly()
     bound = 2**62 if at_most is None else at_most
@@ -195,17 +256,18 @@ def restore_from_memory(tier: MemorySnapshots, state: dict[str, Any], *, at_most
     if steps and not candidates:
         _explain_unusable(gathered, fingerprints, tier.world_size, tier.rank)
     for step in candidates:
-        checked = _gather(tier, view.fingerprint, _verify_step(tier, step, mine))
-        plan = _plan(step, checked, fingerprints, tier.world_size)
-        if plan is None:
+        found = _checked_plan(tier, step, gathered, fingerprints)
+        if found is None:
             if tier.rank == 0:
                 log.warning("memory tier: step %d cannot be restored once damaged copies are left out; trying older",
                             step)
             continue
-        error = _restore_step(tier, view, step, plan, checked)
-        flags = tier.comm.all_gather_json(None if error is None else f"{type(error).__name__}: {error}")
-        failed = [(r, e) for r, e in enumerate(flags) if e is not None]
+        plan, checked = found
+        error, wrote = _restore_step(tier, view, step, plan, checked)
+        flags = tier.comm.all_gather_json([None if error is None else f"{type(error).__name__}: {error}", wrote])
+        failed = [(r, e) for r, (e, _) in enumerate(flags) if e is not None]
         if failed:
+            overwritten = overwritten or any(w for _, w in flags)
             log.warning("memory tier: restoring step %d failed (rank %d: %s); trying an older step",
                         step, failed[0][0], failed[0][1])
             continue
@@ -216,8 +278,8 @@ def restore_from_memory(tier: MemorySnapshots, state: dict[str, Any], *, at_most
             counts = {k: sources.count(k) for k in ("memory", "peer", "parity")}
             log.info("restored step %d from the memory tier in %.2fs (%s)", step, info.seconds,
                      ", ".join(f"{n} rank(s) from {k}" for k, n in counts.items() if n))
-        return info
-    return None
+        return info, overwritten
+    return None, overwritten
 
 
 def _gather(tier: MemorySnapshots, fingerprint: str, inv: dict[int, dict[str, Any]]) -> list[Any]:
