@@ -54,6 +54,8 @@ s3fs client), methods rotated per round, each on every rank:
   memory-r1   node 1's memory folder deleted (its ranks' own copies and the replicas it held);
               ranks 2, 3 get their snapshot from their peers' replicas
   memory-p4   node 1's memory folder deleted; rank 1's snapshot rebuilt from the group's parity
+  memory-r1-intact / memory-p4-intact
+              no node lost (a crashed process restarted, a rollback): every rank reads its own copy
   disk        the persistent checkpoint on local disk (CheckpointManager without a memory tier)
   s3          the persistent checkpoint on s3://bucket/run through the moto server
 
@@ -118,7 +120,7 @@ TARGET_OVERHEAD_EVERY5 = 0.03  # step overhead <= 3% with a snapshot every 5 ste
 EVERY = 5  # the "every 5 steps" interval
 TIERS = ("r1", "p4")
 VARIANTS = ("none", "r1-every1", "r1-every5", "p4-every1", "p4-every5")
-RESTORE_METHODS = ("memory-r1", "memory-p4", "disk", "s3")
+RESTORE_METHODS = ("memory-r1", "memory-p4", "memory-r1-intact", "memory-p4-intact", "disk", "s3")
 LOST_NODE = 1
 SOURCE_LETTER = {"memory": "m", "peer": "R", "parity": "X", "persistent": "P"}
 # bench_resilience's measured process restart on this machine (docs/benchmarks.md, 2026-11-30):
@@ -378,7 +380,8 @@ def part_recovery(args: argparse.Namespace, mesh: Any, rank: int, world: int, sc
     # The state never changes: every snapshot and checkpoint holds the same bytes. Each restore must
     # come back to its tier's newest snapshot; the persistent checkpoints are saved at the last step.
     saved_step = step
-    expected = {"memory-r1": snap["r1"]["step"], "memory-p4": snap["p4"]["step"], "disk": saved_step, "s3": saved_step}
+    expected = {"memory-r1": snap["r1"]["step"], "memory-p4": snap["p4"]["step"], "memory-r1-intact": snap["r1"]["step"],
+                "memory-p4-intact": snap["p4"]["step"], "disk": saved_step, "s3": saved_step}
 
     # ---- (b) the persistent checkpoints: local disk and S3 (moto)
     os.environ.update(CREDENTIALS)
@@ -411,13 +414,13 @@ def part_recovery(args: argparse.Namespace, mesh: Any, rank: int, world: int, sc
             for m in order:
                 for t in dest_local:
                     t.zero_()
-                if m.startswith("memory") and rank == 0:
+                if m.startswith("memory") and not m.endswith("-intact") and rank == 0:
                     lose_node(shm, m.removeprefix("memory-"))
                 cold = settle(rank, drop=not args.no_drop_caches)
                 cold_all = cold_all and cold
                 t_a = time.perf_counter()
                 if m.startswith("memory"):
-                    kind = m.removeprefix("memory-")
+                    kind = m.removeprefix("memory-").removesuffix("-intact")
                     mgr = ckptkit.CheckpointManager(os.path.join(scratch, f"mem-run-{kind}"),
                                                     memory=tier_options(kind, 1, shm, rank, world))
                 else:
@@ -594,6 +597,9 @@ def report(args: argparse.Namespace, world: int, p1: dict[str, Any] | None, p2: 
               "client, imports), not in the median)")
         print(f"the process restart itself (torchrun noticing, new processes, imports, process group) is the same for "
               f"every method and not measured here: {restart:.2f} s on this machine per {where}")
+        for m in ("memory-r1-intact", "memory-p4-intact"):
+            print(f"  {m} (no node lost): {res[m]['total_s_median_s']:.2f} s to the first resumed step, disk "
+                  f"{res['disk']['total_s_median_s'] / res[m]['total_s_median_s']:.2f}x of it")
         for m in ("disk", "s3"):
             print(f"  {m} / memory: {res[m]['total_vs_memory-r1']:.2f}x memory-r1, {res[m]['total_vs_memory-p4']:.2f}x "
                   f"memory-p4 (to the first resumed step); with the {restart:.1f} s restart added: "

@@ -21,8 +21,11 @@ Variants, a round each in rotated order:
   the bundle and the share (the digest module's factory swapped on every rank for that variant's
   rounds) and new files every snapshot.
 
-The floor printed beside them: a bare ``copy_`` of the same tensors into preallocated buffers, the
-CPU the snapshot itself cannot avoid.
+The floors printed beside them: a bare ``copy_`` of the same tensors into preallocated buffers, the
+CPU the snapshot itself cannot avoid; and the same bytes sent by every rank to its r1 replica
+holder over gloo while it receives its source's (4 MiB messages, preallocated tensors, no files),
+the CPU the replica's trip over TCP cannot avoid (on one machine: loopback, both ends on the same
+2 cores).
 """
 
 from __future__ import annotations
@@ -99,6 +102,37 @@ def copy_floor(state: dict[str, torch.Tensor], reps: int = 20) -> float:
     return statistics.median(times)
 
 
+def transfer_floor(state: dict[str, torch.Tensor], reps: int = 10) -> float:
+    """CPU seconds of all ranks for every rank sending its state to its replica holder under r1 (the
+    same local slot on the other simulated node) while receiving its source's, over a gloo group of
+    its own, in messages of 4 MiB between preallocated tensors (median of ``reps``): what r1's copy
+    cannot go below while its bytes travel over TCP, with no file, digest or protocol around them."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    to, frm = (rank + world // 2) % world, (rank - world // 2) % world
+    group = dist.new_group(backend="gloo")
+    src = [t.reshape(-1).view(torch.uint8) for t in state.values()]
+    dst = [torch.empty_like(s) for s in src]
+    msg = 4 << 20
+
+    def once() -> None:
+        for s, d in zip(src, dst):
+            for at in range(0, s.numel(), msg):
+                ops = [dist.P2POp(dist.isend, s[at:at + msg], to, group), dist.P2POp(dist.irecv, d[at:at + msg], frm, group)]
+                for work in dist.batch_isend_irecv(ops):
+                    work.wait()
+    try:
+        once()
+        times = []
+        for _ in range(reps):
+            dist.barrier()
+            c0 = time.process_time()
+            once()
+            times.append(sum(gather(time.process_time() - c0)))
+    finally:
+        dist.destroy_process_group(group)
+    return statistics.median(times)
+
+
 def run(args: argparse.Namespace) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     if not memory_tier_world_ok("bench_tier_cpu"):
@@ -135,6 +169,7 @@ def run(args: argparse.Namespace) -> int:
         for mgr in managers.values():
             mgr.close()
         floor = copy_floor(state)
+        wire = transfer_floor(state)
     finally:
         dist.barrier()
         if rank == 0:
@@ -145,7 +180,8 @@ def run(args: argparse.Namespace) -> int:
         base = statistics.median(results[BASELINE]["cpu"])
         print(f"== the CPU of one memory snapshot's protection: {world} ranks x {state_mib:.1f} MiB, nothing else "
               f"running; {rounds} rounds x {per_round} snapshots per variant, medians of the rounds ==")
-        rows = [["bare copy_ of the state (floor)", f"{floor * 1e3:.1f}", f"{floor / base:.2f}x", "-"]]
+        rows = [["bare copy_ of the state (floor)", f"{floor * 1e3:.1f}", f"{floor / base:.2f}x", "-"],
+                ["gloo transfer of the state to its r1 holder (floor)", f"{wire * 1e3:.1f}", f"{wire / base:.2f}x", "-"]]
         for v in VARIANTS:
             cpu = statistics.median(results[v]["cpu"])
             rows.append([v + (" [baseline]" if v == BASELINE else ""), f"{cpu * 1e3:.1f}", f"{cpu / base:.2f}x",
@@ -153,13 +189,15 @@ def run(args: argparse.Namespace) -> int:
         print(table(["variant", "CPU per snapshot, all ranks (ms)", "vs baseline", "maybe_save + wait, slowest rank (ms)"],
                     rows))
         med = {v: statistics.median(results[v]["cpu"]) for v in VARIANTS}
+        print(f"r1 takes {med['r1'] / (floor + wire):.2f}x the CPU of its two floors together (the copy and the transfer: "
+              f"{(floor + wire) * 1e3:.1f} ms); the transfer alone is {wire / med['r1']:.0%} of r1's CPU")
         print(f"reusing the retired step's files (the default) against new files: r1 {med['r1'] / med['r1-new-files']:.2f}x, "
               f"p4 {med['p4'] / med['p4-new-files']:.2f}x the CPU")
         print(f"({os.cpu_count()} CPU cores; CPU includes every thread of every rank: the snapshot's copy, the write "
               "into /dev/shm, gloo's sends and receives, digests, XOR, retiring the old step)")
         write_results(args.out, "bench_tier_cpu", {
             "quick": bool(args.quick), "world_size": world, "state_mib_per_rank": state_mib, "rounds": rounds,
-            "snapshots_per_round": per_round, "copy_floor_cpu_s": floor, "baseline": BASELINE,
+            "snapshots_per_round": per_round, "copy_floor_cpu_s": floor, "transfer_floor_cpu_s": wire, "baseline": BASELINE,
             "variants": {v: {"cpu_per_snapshot_s": r["cpu"], "wall_per_snapshot_s": r["wall"]} for v, r in results.items()},
         })
     return 0
