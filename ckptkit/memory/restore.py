@@ -175,18 +175,19 @@ def _used_sources(step: int, plan: dict[int, Source], rebuilds: list[rebuild.Reb
 def _passes(tier: MemorySnapshots, step: int, item: _Item) -> bool:
     """Whether this process's copy or share ``item`` passes every check (else say why, once)."""
     _, kind, rank = item
-    if kind == "copy":
-        problem = verified(tier.folder.rank_store(step, rank))
-        if problem is not None:
-            log.warning("memory tier: rank %d's copy of step %d at %s fails its checks and is not used: %s",
-                        rank, step, tier.folder.root, problem)
-        return problem is None
     try:
-        tier.folder.check_share(step, rank)
-        return True
-    except (CkptkitError, OSError) as exc:
-        log.warning("memory tier: parity share %d of step %d fails its checks and is not used: %s", rank, step, exc)
-        return False
+        if kind == "copy":
+            problem = verified(tier.folder.rank_store(step, rank))
+        else:
+            tier.folder.check_share(step, rank)
+            problem = None
+    except Exception as exc:  # noqa: BLE001 - any failure is this source's, never a rank leaving the collective
+        problem = f"{type(exc).__name__}: {exc}"
+    if problem is not None:
+        what = f"rank {rank}'s copy" if kind == "copy" else f"parity share {rank}"
+        log.warning("memory tier: %s of step %d at %s fails its checks and is not used: %s",
+                    what, step, tier.folder.root, problem)
+    return problem is None
 
 
 def _without(inv: dict[int, dict[str, Any]], step: int, holder: int, gone: set[_Item]) -> dict[int, dict[str, Any]]:
@@ -214,7 +215,7 @@ def _restore_step(tier: MemorySnapshots, view: LocalView, step: int, plan: dict[
     """Move, rebuild and load this rank's snapshot of ``step``; the error, if any (not raised:
     every rank must reach the agreement that follows), and whether the load wrote into the state
     (it did when it succeeded, here or on a rank whose peer then failed)."""
-    loading = False
+    loading = loaded = False
     try:
         arrived: dict[Hashable, str | None] = {}
         rebuilt = None
@@ -231,10 +232,11 @@ def _restore_step(tier: MemorySnapshots, view: LocalView, step: int, plan: dict[
                                          f"step {step} did not arrive: {arrived[('copy', tier.rank)]}")
         loading = True
         load_state(flatten_state(view.state), store, LocalComm(), strict=True)
+        loaded = True
         view.write_back()
         return None, True
     except Exception as exc:  # noqa: BLE001 - agreed below, then the next step is tried
-        return exc, loading and overwrote_state(exc)
+        return exc, loaded or (loading and overwrote_state(exc))
 
 
 def restore_from_memory(tier: MemorySnapshots, state: dict[str, Any], *, at_most: int | None,
