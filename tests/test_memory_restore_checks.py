@@ -206,3 +206,46 @@ def test_a_lost_members_own_damaged_share_does_not_stop_its_rebuild(worlds, tmp_
     res = worlds.run(4, restore_logged, run, base, "p4", 11)
     _check_restored(res, saved, ("memory", "parity", "memory", "memory"))
     assert {r for x in res for _, what, r in x["checked"] if what == "share"} == {0, 2, 3}
+
+
+def _hostile(path: str, kind: str, rng: random.Random, others: list[str]) -> None:
+    """Damage one file of a node folder: a flipped byte, a cut, gone, a FIFO or a link in its place."""
+    size = os.path.getsize(path)
+    if kind == "flip" and size:
+        with open(path, "r+b") as f:
+            f.seek(rng.randrange(size))
+            b = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([b[0] ^ (1 << rng.randrange(8))]))
+    elif kind == "cut":
+        os.truncate(path, rng.randrange(size) if size else 0)
+    elif kind == "gone":
+        os.unlink(path)
+    elif kind == "fifo":
+        os.unlink(path)
+        os.mkfifo(path)
+    elif kind == "link":  # another file of the tier, of the same name where there is one (another rank's)
+        target = rng.choice([o for o in others if o != path] or [path + ".nowhere"])
+        os.unlink(path)
+        os.symlink(target, path)
+
+
+@pytest.mark.parametrize("kind,seed", [(k, s) for k in ("r1", "p4") for s in range(6)])
+def test_hostile_node_folders_give_back_the_saved_bytes_or_fall_back_never_other_bytes(worlds, tmp_path, kind, seed):
+    """1-3 random files of the node folders (data, index, manifest of any copy; a share or its
+    header) flipped, cut, removed, or replaced by a FIFO or a link: the restore finishes (no hang),
+    and gives back either the memory step or the persistent one, bit-exact on every rank."""
+    rng = random.Random(1000 * (kind == "p4") + seed)
+    run, base = str(tmp_path / "run"), str(tmp_path / "mem")
+    saved = worlds.run(4, save_both, run, base, kind, seed, True)
+    files = sorted(p for p in glob.glob(os.path.join(base, "node*", f"step-{MEM_STEP:010d}", "**", "*"), recursive=True)
+                   if os.path.isfile(p))
+    for path in rng.sample(files, rng.randint(1, 3)):
+        _hostile(path, rng.choice(("flip", "cut", "gone", "fifo", "link")), rng, files)
+    res = worlds.run(4, restore_logged, run, base, kind, seed, timeout=120)
+    assert all(r["raised"] is None for r in res), [r["raised"] for r in res]
+    step = res[0]["got"]
+    assert step in (MEM_STEP, PERSISTENT_STEP) and [r["got"] for r in res] == [step] * 4
+    for rank, r in enumerate(res):
+        for k, v in r["dest"].items():
+            assert torch.equal(v, saved[rank][step][k]), (rank, k, step, res[0]["sources"])
