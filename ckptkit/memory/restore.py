@@ -129,13 +129,16 @@ def _explain_unusable(gathered: list[Any], fingerprints: list[str], world_size: 
 _Item = tuple[int, str, int]
 
 
-def _checked_plan(tier: MemorySnapshots, step: int, gathered: list[Any],
-                  fingerprints: list[str]) -> tuple[dict[int, Source], list[Any]] | None:
-    """A plan for ``step`` whose every source its holder has checked, and the inventory it was made
-    from (failed sources left out); None when no plan is left. Collective: every rank plans from the
-    same inventory, checks the sources it holds, and the failures are gathered, so every rank
-    removes the same ones and plans again alike. Each round checks at least one source or ends."""
-    inv = [(local, fp, {step: got[step]} if step in got else {}) for local, fp, got in gathered]
+def _checked_plan(tier: MemorySnapshots, step: int, gathered: list[Any], fingerprints: list[str],
+                  bad: set[_Item]) -> tuple[dict[int, Source], list[Any]] | None:
+    """A plan for ``step`` without the sources in ``bad``, whose every source its holder has checked
+    (except an own copy only its rank reads: its load checks it, :func:`_loaded_directly`), and the
+    inventory it was made from (failed sources left out); None when no plan is left. Collective:
+    every rank plans from the same inventory, checks the sources it holds, and the failures are
+    gathered, so every rank removes the same ones and plans again alike. Each round checks at
+    least one source or ends."""
+    inv = [(local, fp, _without({step: got[step]} if step in got else {}, step, h, bad))
+           for h, (local, fp, got) in enumerate(gathered)]
     checked: set[_Item] = set()
     while True:
         plan = _plan(step, inv, fingerprints, tier.world_size)
@@ -147,7 +150,7 @@ def _checked_plan(tier: MemorySnapshots, step: int, gathered: list[Any],
             if tier.rank == 0:
                 log.warning("memory tier: step %d: %s", step, exc)
             return None
-        used = _used_sources(step, plan, rebuilds, inv)
+        used = _used_sources(step, plan, rebuilds, inv) - _loaded_directly(plan, rebuilds)
         failed = [list(item) for item in sorted(used - checked) if item[0] == tier.rank and not _passes(tier, step, item)]
         gone = {(int(h), str(k), int(r)) for theirs in tier.comm.all_gather_json(failed) for h, k, r in theirs}
         checked |= used
@@ -170,6 +173,14 @@ def _used_sources(step: int, plan: dict[int, Source], rebuilds: list[rebuild.Reb
                     used.add((holder, "share", made_by))
                     break
     return used
+
+
+def _loaded_directly(plan: dict[int, Source], rebuilds: list[rebuild.Rebuild]) -> set[_Item]:
+    """The own copies that only their rank reads (no rebuild reads them): the load checks every
+    CRC and digest of what it reads, so checking them first would read each twice. One that fails
+    to load is left out and the step planned again (:func:`restore_from_memory`)."""
+    read_by_rebuilds = {(h, "copy", rb.members[i]) for rb in rebuilds for i, h in rb.copy_holders.items()}
+    return {(src.holder, "copy", r) for r, src in plan.items() if src.kind == "memory"} - read_by_rebuilds
 
 
 def _passes(tier: MemorySnapshots, step: int, item: _Item) -> bool:
@@ -211,10 +222,11 @@ def _peer_moves(plan: dict[int, Source]) -> list[tuple[int, int, Hashable]]:
 
 
 def _restore_step(tier: MemorySnapshots, view: LocalView, step: int, plan: dict[int, Source],
-                  gathered: list[Any]) -> tuple[BaseException | None, bool]:
+                  gathered: list[Any]) -> tuple[BaseException | None, bool, bool]:
     """Move, rebuild and load this rank's snapshot of ``step``; the error, if any (not raised:
-    every rank must reach the agreement that follows), and whether the load wrote into the state
-    (it did when it succeeded, here or on a rank whose peer then failed)."""
+    every rank must reach the agreement that follows), whether the load wrote into the state (it
+    did when it succeeded, here or on a rank whose peer then failed), and whether what failed was
+    the load of this rank's own copy (unchecked before: :func:`_loaded_directly`)."""
     loading = loaded = False
     try:
         arrived: dict[Hashable, str | None] = {}
@@ -234,9 +246,10 @@ def _restore_step(tier: MemorySnapshots, view: LocalView, step: int, plan: dict[
         load_state(flatten_state(view.state), store, LocalComm(), strict=True)
         loaded = True
         view.write_back()
-        return None, True
+        return None, True, False
     except Exception as exc:  # noqa: BLE001 - agreed below, then the next step is tried
-        return exc, loaded or (loading and overwrote_state(exc))
+        own = loading and not loaded and plan[tier.rank].kind == "memory"
+        return exc, loaded or (loading and overwrote_state(exc)), own
 
 
 def restore_from_memory(tier: MemorySnapshots, state: dict[str, Any], *, at_most: int | None,
@@ -258,21 +271,11 @@ def restore_from_memory(tier: MemorySnapshots, state: dict[str, Any], *, at_most
     if steps and not candidates:
         _explain_unusable(gathered, fingerprints, tier.world_size, tier.rank)
     for step in candidates:
-        found = _checked_plan(tier, step, gathered, fingerprints)
-        if found is None:
-            if tier.rank == 0:
-                log.warning("memory tier: step %d cannot be restored once damaged copies are left out; trying older",
-                            step)
+        done, wrote = _restore_one(tier, view, step, gathered, fingerprints)
+        overwritten = overwritten or wrote
+        if done is None:
             continue
-        plan, checked = found
-        error, wrote = _restore_step(tier, view, step, plan, checked)
-        flags = tier.comm.all_gather_json([None if error is None else f"{type(error).__name__}: {error}", wrote])
-        failed = [(r, e) for r, (e, _) in enumerate(flags) if e is not None]
-        if failed:
-            overwritten = overwritten or any(w for _, w in flags)
-            log.warning("memory tier: restoring step %d failed (rank %d: %s); trying an older step",
-                        step, failed[0][0], failed[0][1])
-            continue
+        plan = done
         tier.discard_after(step)
         sources = tuple(plan[r].kind for r in range(tier.world_size))
         info = RestoreInfo(step, sources[tier.rank], sources, time.perf_counter() - t0)
@@ -282,6 +285,41 @@ def restore_from_memory(tier: MemorySnapshots, state: dict[str, Any], *, at_most
                      ", ".join(f"{n} rank(s) from {k}" for k, n in counts.items() if n))
         return info, overwritten
     return None, overwritten
+
+
+def _restore_one(tier: MemorySnapshots, view: LocalView, step: int, gathered: list[Any],
+                 fingerprints: list[str]) -> tuple[dict[int, Source] | None, bool]:
+    """Restore ``step``: its plan when every rank has it back (else None), and whether a failed
+    attempt wrote into the state on some rank (agreed). An own copy that fails to load is left out
+    and the step planned again (its rank then gets a peer's copy or a rebuild); any other failure
+    gives the step up."""
+    bad: set[_Item] = set()
+    overwritten = False
+    while True:
+        found = _checked_plan(tier, step, gathered, fingerprints, bad)
+        if found is None:
+            if tier.rank == 0:
+                log.warning("memory tier: step %d cannot be restored once damaged copies are left out; trying older",
+                            step)
+            return None, overwritten
+        plan, checked = found
+        error, wrote, own = _restore_step(tier, view, step, plan, checked)
+        why = None if error is None else f"{type(error).__name__}: {error}"
+        flags = tier.comm.all_gather_json([why, wrote, own])
+        failed = [(r, e, o) for r, (e, _, o) in enumerate(flags) if e is not None]
+        if not failed:
+            return plan, overwritten
+        overwritten = overwritten or any(w for _, w, _ in flags)
+        if all(o for _, _, o in failed):  # only own copies failed their loads: without them, once more
+            for r, e, _ in failed:
+                if tier.rank == 0:
+                    log.warning("memory tier: rank %d's own copy of step %d fails its checks as it loads and is not "
+                                "used: %s", r, step, e)
+                bad.add((plan[r].holder, "copy", r))  # type: ignore[arg-type]
+            continue
+        log.warning("memory tier: restoring step %d failed (rank %d: %s); trying an older step",
+                    step, failed[0][0], failed[0][1])
+        return None, overwritten
 
 
 def _gather(tier: MemorySnapshots, fingerprint: str, inv: dict[int, dict[str, Any]]) -> list[Any]:
