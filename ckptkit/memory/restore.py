@@ -8,19 +8,23 @@ Collective over the job. In order:
    Copies taken at another world size or layout never count (and the log says so plainly).
 2. **Choose a step.** The newest step (not older than ``at_least``, not newer than ``at_most``)
    for which :func:`~ckptkit.memory.topology.plan_sources` finds a source for every rank.
-3. **Verify what the plan uses.** The sources are planned on the inventory, and each holder
-   checks the copies and shares *that plan uses* end to end (digests of the metadata, a CRC32C of
-   every block; a share against its digest); the failures are gathered and the step planned anew
-   without them, until a plan uses only checked sources. A copy that fails is never used: the
-   plan falls back to the next source (own -> peer -> parity) or the step to an older one, with a
-   warning. Why not check everything: a restart or a rollback with every node's memory intact
-   reads every rank's own copy, and checking the replicas or shares as well (a second
-   snapshot's worth of CRCs per rank with ``replicas=1``, at a thousand nodes every replica for
-   the one node lost) is time the job waits for nothing.
+3. **Check what the plan uses.** The sources are planned on the inventory, and each holder
+   checks the peers' copies, rebuild inputs and shares *that plan uses* end to end (digests of the
+   metadata, a CRC32C of every block; a share against its digest); the failures are gathered and
+   the step planned anew without them, until a plan uses only checked sources. An own copy that
+   only its rank reads is checked by that rank's load, which checks every CRC and digest of what
+   it reads. A source that fails is never used: the plan falls back to the next source (own ->
+   peer -> parity) or the step to an older one, with a warning. Why not check everything first:
+   a restart or a rollback with every node's memory intact reads every rank's own copy, and
+   checking it before loading it, and the replicas or shares as well, read each snapshot two or
+   three times (at a thousand nodes, every replica for the one node lost).
 4. **Move and load.** Copies and shares travel over the tier's group in one agreed order; a rank
    whose copy came from a peer or a parity rebuild writes it into its own node folder (its node
-   is protected again), then loads its local state from it. Any failure on any rank is agreed
-   and the next older step is tried; none left means the persistent checkpoint.
+   is protected again), then loads its local state from it. An own copy that fails its load is
+   left out and the step planned once more; any other failure on any rank is agreed and the next
+   older step is tried; none left means the persistent checkpoint. A step that failed after some
+   rank loaded has written into the state, which the caller is told (``restore_latest`` then
+   raises rather than report an untouched state).
 """
 
 from __future__ import annotations
