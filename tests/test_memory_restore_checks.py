@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 import ckptkit
+from tests.damage import flip_byte
 
 MEM_STEP, PERSISTENT_STEP = 2, 1
 
@@ -89,12 +90,7 @@ def restore_logged(run: str, base: str, kind: str, seed: int) -> dict:
 
 def _flip_largest(folder: str, pattern: str = "**/*") -> None:
     files = [p for p in glob.glob(os.path.join(folder, pattern), recursive=True) if os.path.isfile(p)]
-    path = max(files, key=os.path.getsize)
-    with open(path, "r+b") as f:
-        f.seek(os.path.getsize(path) // 3)
-        b = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([b[0] ^ 0x11]))
+    flip_byte(max(files, key=os.path.getsize), 1 / 3, 0x11)
 
 
 def _step_dir(base: str, node: int) -> str:
@@ -218,11 +214,7 @@ def _hostile(path: str, kind: str, rng: random.Random, others: list[str]) -> Non
     """Damage one file of a node folder: a flipped byte, a cut, gone, a FIFO or a link in its place."""
     size = os.path.getsize(path)
     if kind == "flip" and size:
-        with open(path, "r+b") as f:
-            f.seek(rng.randrange(size))
-            b = f.read(1)
-            f.seek(-1, 1)
-            f.write(bytes([b[0] ^ (1 << rng.randrange(8))]))
+        flip_byte(path, rng.random(), 1 << rng.randrange(8))
     elif kind == "cut":
         os.truncate(path, rng.randrange(size) if size else 0)
     elif kind == "gone":

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 import ckptkit
 from tests import models
+from tests.damage import flip_byte
 
 STEPS = 6
 PERSIST_EVERY = 4
@@ -270,11 +271,7 @@ def test_kill_while_copying_uses_the_older_complete_step(worlds, tmp_path, refer
 def _flip(folder: str) -> str:
     files = [os.path.join(d, f) for d, _, names in os.walk(folder) for f in names]
     data = max(files, key=os.path.getsize)
-    with open(data, "r+b") as f:
-        f.seek(os.path.getsize(data) // 2)
-        b = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([b[0] ^ 0x40]))
+    flip_byte(data)
     return data
 
 

@@ -26,6 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ckptkit
+from tests.damage import flip_byte
 
 DAMAGE = ("flip_data", "flip_data_late", "truncate_data", "flip_index", "flip_manifest", "delete_data", "none")
 
@@ -47,31 +48,34 @@ def _files(step_dir: str, part: str) -> list[str]:
                                             os.path.basename(p) == part))
 
 
-def _flip(path: str, where: float) -> None:
-    size = os.path.getsize(path)
-    with open(path, "r+b") as f:
-        f.seek(min(size - 1, int(size * where)))
-        b = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([b[0] ^ 0x5A]))
-
-
 def damage(step_dir: str, kind: str, rng: random.Random) -> None:
     """Damage one committed step folder the way ``kind`` says (a real file changed on disk)."""
     data = _files(step_dir, "data")
     if kind == "flip_data":
-        _flip(rng.choice(data), rng.random())
+        flip_byte(rng.choice(data), rng.random())
     elif kind == "flip_data_late":  # the last bytes: the load has written the earlier tensors by then
-        _flip(rng.choice(data), 0.999)
+        flip_byte(rng.choice(data), 0.999)
     elif kind == "truncate_data":
         path = rng.choice(data)
         os.truncate(path, rng.randrange(os.path.getsize(path)))
     elif kind == "flip_index":
-        _flip(rng.choice(_files(step_dir, "index")), rng.random())
+        flip_byte(rng.choice(_files(step_dir, "index")), rng.random())
     elif kind == "flip_manifest":
-        _flip(os.path.join(step_dir, "manifest.json"), rng.random())
+        flip_byte(os.path.join(step_dir, "manifest.json"), rng.random())
     elif kind == "delete_data":
         os.unlink(rng.choice(data))
+
+
+def restore_into(root: str, initial: dict, strict: bool) -> tuple:
+    """``restore_latest`` into a copy of ``initial``: (step or None, the exception or None, the copy)."""
+    dest = _clone(initial)
+    got, raised = None, None
+    with ckptkit.CheckpointManager(root) as mgr:
+        try:
+            got = mgr.restore_latest(dest, strict=strict)
+        except Exception as exc:  # noqa: BLE001 - the invariant says which are allowed
+            raised = exc
+    return got, raised, dest
 
 
 def check_invariant(got, raised, dest: dict, initial: dict, saved: dict[int, dict]) -> None:
@@ -104,13 +108,7 @@ def test_a_restore_never_hands_back_a_touched_state_as_untouched(kind, older, st
             mgr.wait()
         damage(os.path.join(root, "step-0000002"), kind, rng)
         initial = _state(seed + 3)
-        dest = _clone(initial)
-        got, raised = None, None
-        with ckptkit.CheckpointManager(root) as mgr:
-            try:
-                got = mgr.restore_latest(dest, strict=strict)
-            except Exception as exc:  # noqa: BLE001 - the invariant says which are allowed
-                raised = exc
+        got, raised, dest = restore_into(root, initial, strict)
         check_invariant(got, raised, dest, initial, saved)
         if kind == "none":
             assert raised is None and got == 2
@@ -118,11 +116,15 @@ def test_a_restore_never_hands_back_a_touched_state_as_untouched(kind, older, st
             assert raised is not None and "partly overwritten" in str(raised), (got, raised)
 
 
-def test_the_only_step_damaged_mid_load_raises_and_says_so(tmp_path):
-    with ckptkit.CheckpointManager(str(tmp_path), save=ckptkit.SavePolicy(every_steps=1)) as mgr:
+def _one_damaged_step(root: str, kind: str) -> None:
+    with ckptkit.CheckpointManager(root, save=ckptkit.SavePolicy(every_steps=1)) as mgr:
         mgr.save(1, _state(1))
         mgr.wait()
-    damage(str(tmp_path / "step-0000001"), "flip_data_late", random.Random(0))
+    damage(os.path.join(root, "step-0000001"), kind, random.Random(0))
+
+
+def test_the_only_step_damaged_mid_load_raises_and_says_so(tmp_path):
+    _one_damaged_step(str(tmp_path), "flip_data_late")
     dest = _state(9)
     with ckptkit.CheckpointManager(str(tmp_path)) as mgr:
         with pytest.raises(ckptkit.CorruptCheckpointError) as err:
@@ -133,10 +135,7 @@ def test_the_only_step_damaged_mid_load_raises_and_says_so(tmp_path):
 
 def test_damage_found_before_any_byte_is_read_still_means_nothing_restored(tmp_path):
     """An index that fails its digest is found before reading: the state is untouched, so None."""
-    with ckptkit.CheckpointManager(str(tmp_path), save=ckptkit.SavePolicy(every_steps=1)) as mgr:
-        mgr.save(1, _state(1))
-        mgr.wait()
-    damage(str(tmp_path / "step-0000001"), "flip_index", random.Random(0))
+    _one_damaged_step(str(tmp_path), "flip_index")
     initial = _state(9)
     dest = _clone(initial)
     with ckptkit.CheckpointManager(str(tmp_path)) as mgr:
@@ -178,20 +177,14 @@ def save_and_damage(root: str, older: bool, damaged_rank: int | None, seed: int)
     dist.barrier()
     if damaged_rank is not None and rank == 0:  # that rank's data object, near its end
         for path in glob.glob(os.path.join(root, "step-0000002", "data", f"rank-{damaged_rank:05d}-*")):
-            _flip(path, 0.999)
+            flip_byte(path, 0.999)
     dist.barrier()
     return saved
 
 
 def restore_everywhere(root: str, seed: int, strict: bool) -> dict:
     initial = _rank_state(100 * dist.get_rank() + seed + 3)
-    dest = _clone(initial)
-    got, raised = None, None
-    with ckptkit.CheckpointManager(root) as mgr:
-        try:
-            got = mgr.restore_latest(dest, strict=strict)
-        except Exception as exc:  # noqa: BLE001 - compared across ranks by the test
-            raised = exc
+    got, raised, dest = restore_into(root, initial, strict)
     return {"got": got, "raised": None if raised is None else f"{type(raised).__name__}: {raised}",
             "is_ckptkit": raised is None or isinstance(raised, ckptkit.CkptkitError), "dest": dest, "initial": initial}
 
