@@ -78,7 +78,7 @@ def restore_logged(run: str, base: str, kind: str, seed: int) -> dict:
         with ckptkit.CheckpointManager(run, memory=_tier(base, kind)) as mgr:
             try:
                 got = mgr.restore_latest(dest)
-                sources = mgr.last_restore.sources
+                sources = mgr.last_restore.sources if mgr.last_restore is not None else None
             except ckptkit.CkptkitError as exc:
                 raised = f"{type(exc).__name__}: {exc}"
     finally:
@@ -247,3 +247,18 @@ def test_hostile_node_folders_give_back_the_saved_bytes_or_fall_back_never_other
     for rank, r in enumerate(res):
         for k, v in r["dest"].items():
             assert torch.equal(v, saved[rank][step][k]), (rank, k, step, res[0]["sources"])
+
+
+def test_without_a_persistent_step_a_damaged_own_copy_is_found_before_loading(worlds, tmp_path):
+    """No persistent checkpoint yet (early in a run): own copies are checked before any load, so a
+    rank whose own copy and replica are both damaged leaves every state untouched and the restore
+    says "nothing to restore" (None: a fresh start), not "partly overwritten"."""
+    run, base = str(tmp_path / "run"), str(tmp_path / "mem")
+    worlds.run(4, save_both, run, base, "r1", 3, False)
+    _flip_largest(os.path.join(_step_dir(base, 0), "rank-00000"))  # rank 0's own copy
+    _flip_largest(os.path.join(_step_dir(base, 1), "rank-00000"))  # and its replica on node 1
+    res = worlds.run(4, restore_logged, run, base, "r1", 3)
+    assert [(r["got"], r["raised"]) for r in res] == [(None, None)] * 4
+    for r in res:
+        assert all(torch.equal(v, r["initial"][k]) for k, v in r["dest"].items())
+    assert ("node0", "copy", 0) in {c for r in res for c in r["checked"]}  # checked, not loaded

@@ -134,9 +134,10 @@ _Item = tuple[int, str, int]
 
 
 def _checked_plan(tier: MemorySnapshots, step: int, gathered: list[Any], fingerprints: list[str],
-                  bad: set[_Item]) -> tuple[dict[int, Source], list[Any]] | None:
+                  bad: set[_Item], load_checks_own: bool) -> tuple[dict[int, Source], list[Any]] | None:
     """A plan for ``step`` without the sources in ``bad``, whose every source its holder has checked
-    (except an own copy only its rank reads: its load checks it, :func:`_loaded_directly`), and the
+    (except, with ``load_checks_own``, an own copy only its rank reads: its load checks it,
+    :func:`_loaded_directly`), and the
     inventory it was made from (failed sources left out); None when no plan is left. Collective:
     every rank plans from the same inventory, checks the sources it holds, and the failures are
     gathered, so every rank removes the same ones and plans again alike. Each round checks at
@@ -154,7 +155,9 @@ def _checked_plan(tier: MemorySnapshots, step: int, gathered: list[Any], fingerp
             if tier.rank == 0:
                 log.warning("memory tier: step %d: %s", step, exc)
             return None
-        used = _used_sources(step, plan, rebuilds, inv) - _loaded_directly(plan, rebuilds)
+        used = _used_sources(step, plan, rebuilds, inv)
+        if load_checks_own:
+            used -= _loaded_directly(plan, rebuilds)
         failed = [list(item) for item in sorted(used - checked) if item[0] == tier.rank and not _passes(tier, step, item)]
         gone = {(int(h), str(k), int(r)) for theirs in tier.comm.all_gather_json(failed) for h, k, r in theirs}
         checked |= used
@@ -275,7 +278,10 @@ def restore_from_memory(tier: MemorySnapshots, state: dict[str, Any], *, at_most
     if steps and not candidates:
         _explain_unusable(gathered, fingerprints, tier.world_size, tier.rank)
     for step in candidates:
-        done, wrote = _restore_one(tier, view, step, gathered, fingerprints)
+        # with a persistent step to fall back on, an own copy is checked by its load; without one, it
+        # is checked first, so that an own copy found damaged leaves the state untouched and "nothing
+        # to restore" (a fresh start) stays possible instead of an error (a step that failed mid-load)
+        done, wrote = _restore_one(tier, view, step, gathered, fingerprints, load_checks_own=at_least >= 0)
         overwritten = overwritten or wrote
         if done is None:
             continue
@@ -292,7 +298,7 @@ def restore_from_memory(tier: MemorySnapshots, state: dict[str, Any], *, at_most
 
 
 def _restore_one(tier: MemorySnapshots, view: LocalView, step: int, gathered: list[Any],
-                 fingerprints: list[str]) -> tuple[dict[int, Source] | None, bool]:
+                 fingerprints: list[str], *, load_checks_own: bool) -> tuple[dict[int, Source] | None, bool]:
     """Restore ``step``: its plan when every rank has it back (else None), and whether a failed
     attempt wrote into the state on some rank (agreed). An own copy that fails to load is left out
     and the step planned again (its rank then gets a peer's copy or a rebuild); any other failure
@@ -300,7 +306,7 @@ def _restore_one(tier: MemorySnapshots, view: LocalView, step: int, gathered: li
     bad: set[_Item] = set()
     overwritten = False
     while True:
-        found = _checked_plan(tier, step, gathered, fingerprints, bad)
+        found = _checked_plan(tier, step, gathered, fingerprints, bad, load_checks_own)
         if found is None:
             if tier.rank == 0:
                 log.warning("memory tier: step %d cannot be restored once damaged copies are left out; trying older",
