@@ -13,7 +13,9 @@ Collective over the job. In order:
    metadata, a CRC32C of every block; a share against its digest); the failures are gathered and
    the step planned anew without them, until a plan uses only checked sources. An own copy that
    only its rank reads is checked by that rank's load, which checks every CRC and digest of what
-   it reads. A source that fails is never used: the plan falls back to the next source (own ->
+   it reads (when a persistent step exists to fall back on; before the first one, own copies are
+   checked first too, so that a damaged one leaves the state untouched). A source that fails is
+   never used: the plan falls back to the next source (own ->
    peer -> parity) or the step to an older one, with a warning. Why not check everything first:
    a restart or a rollback with every node's memory intact reads every rank's own copy, and
    checking it before loading it, and the replicas or shares as well, read each snapshot two or
