@@ -42,7 +42,8 @@ into preallocated buffers (the floor).
 
 Part 2 -- a lost node to the first resumed step ("recovery"). bench_io's state (the same as
 bench_async part 1): the ``Shard(0)`` DTensor shards of a small GPT, bf16 parameters plus two
-fp32 Adam moments, ~1.26 GiB over 4 ranks. First the blocking time of one memory snapshot of it
+fp32 Adam moments, ~1.26 GiB over 4 ranks. Each tier's run starts with a persistent checkpoint of
+step 0 (a run has one; its memory restores then have it to fall back on). First the blocking time of one memory snapshot of it
 (``maybe_save``, slowest rank) against the bare-copy floor, and the time until the snapshot is
 protected (``mgr.wait()``), ``--reps`` times each after a warm-up snapshot, copy and snapshot
 alternating. The last snapshot of each tier stays in node memory; the same state is also saved
@@ -337,6 +338,10 @@ def part_recovery(args: argparse.Namespace, mesh: Any, rank: int, world: int, sc
     for kind in TIERS:
         mgr = ckptkit.CheckpointManager(os.path.join(scratch, f"mem-run-{kind}"), save=ckptkit.SavePolicy(),
                                         memory=tier_options(kind, 1, shm, rank, world))
+        # a persistent step before the snapshots, as a run has one (the memory tier's restores then
+        # have it to fall back on, and check an own copy by loading it: docs/memory_tier.md)
+        mgr.save(step, state)
+        mgr.wait()
         rec: dict[str, Any] = {"block_s": [], "protected_s": []}
 
         def snapshot() -> tuple[float, float]:
