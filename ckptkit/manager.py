@@ -356,6 +356,7 @@ class CheckpointManager:
         self.wait()
         bound = 2**62 if at_most is None else at_most
         self.skipped = []
+        overwritten = False  # whether a failed memory attempt wrote into `state`
         if self._memory is not None:
             from ckptkit.memory.restore import restore_from_memory
 
@@ -368,8 +369,6 @@ class CheckpointManager:
             if overwritten:
                 self.skipped.append(("memory tier", "a step restored from node memory failed after part of the "
                                                     "state was loaded (see the log)"))
-        else:
-            overwritten = False
         step = self._restore_persistent(state, strict, bound, overwritten)
         if step is not None:
             from ckptkit.memory.restore import RestoreInfo

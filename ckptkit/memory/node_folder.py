@@ -287,7 +287,7 @@ class NodeFolder:
     def remove_claimed(self, step: int, claims: Any) -> None:
         """Remove the folders and shares ``claims(kind, rank)`` says are this process's to manage;
         the step folder goes when nothing else is left in it (a node mate's entries stay)."""
-        for r in self.ranks_at(step) + self._uncommitted_ranks(step):
+        for r in self._rank_folders(step):
             if claims(r):
                 self.remove_rank(step, r)
         for h in self._share_holders_any(step):
@@ -304,7 +304,7 @@ class NodeFolder:
         when its files move). Returns the bytes kept."""
         kept = 0
         if self.spares is not None:
-            for r in self.ranks_at(step) + self._uncommitted_ranks(step):
+            for r in self._rank_folders(step):
                 if not claims(r):
                     continue
                 root = self.rank_store(step, r).root
@@ -323,7 +323,7 @@ class NodeFolder:
     def data_bytes(self, step: int, claims: Any) -> int:
         """The bytes of the files in the rank folders ``claims`` says are this process's at ``step``."""
         total = 0
-        for r in self._uncommitted_ranks(step):
+        for r in self._rank_folders(step):
             if claims(r):
                 for dirpath, _, names in os.walk(self.rank_store(step, r).root):
                     for name in names:
@@ -335,12 +335,13 @@ class NodeFolder:
                             total += st.st_size
         return total
 
-    def _uncommitted_ranks(self, step: int) -> list[int]:
+    def _rank_folders(self, step: int) -> list[int]:
+        """Ranks with a folder at ``step``, committed or not (:meth:`ranks_at` is the committed ones)."""
         try:
             names = os.listdir(self.step_path(step))
         except FileNotFoundError:
             return []
-        return [int(m.group(1)) for m in map(RANK_RE.match, names) if m]
+        return sorted(int(m.group(1)) for m in map(RANK_RE.match, names) if m)
 
     def _share_holders_any(self, step: int) -> list[int]:
         try:
