@@ -46,6 +46,7 @@ from ckptkit.errors import (
 from ckptkit.layout.manifest import MANIFEST_NAME
 from ckptkit.memory.options import MemoryTier
 from ckptkit.options import AsyncOptions, LoadOptions
+from ckptkit import run_identity
 from ckptkit.retention import Record, RetentionPolicy
 from ckptkit.run_folder import LEASES, STEP_PATTERN, RunFolder, StepNaming, step_dir
 from ckptkit.storage.tiered import TieredStore
@@ -114,7 +115,7 @@ class CheckpointManager:
         store = open_store(root, storage_options)
         if local_dir is not None:
             # node-local disk in front of the (object) store: see storage/tiered.py
-            store = TieredStore(open_store(local_dir), store, remote_only=frozenset({MANIFEST_NAME}))
+            store = TieredStore(open_store(local_dir), store, remote_only=frozenset({MANIFEST_NAME, run_identity.RUN_FILE}))
         self.root = store
         self.folder = RunFolder(store, naming, lease_seconds)
         self.save_policy = save
@@ -135,6 +136,10 @@ class CheckpointManager:
         if memory is not None and not isinstance(memory, MemoryTier):
             raise OptionsError(f"memory must be ckptkit.MemoryTier(...) or None, got {memory!r}")
         self._memory: Any = None
+        # the persistent steps this run's trajectory has committed (since its restore): the newest is
+        # recorded in each memory snapshot, which a restore then refuses if that step was deleted
+        self._lineage: list[int] = []
+        self._lineage_lock = threading.Lock()
         if memory is not None:
             import torch.distributed as dist
 
@@ -142,7 +147,8 @@ class CheckpointManager:
 
             ranks = (dist.get_process_group_ranks(process_group)
                      if process_group is not None and dist.is_initialized() else None)
-            self._memory = MemorySnapshots(memory, self._comm, store.url, ranks)
+            self._memory = MemorySnapshots(memory, self._comm, store.url, ranks,
+                                           run_id=run_identity.agree(store, self._comm))
         if guard is not None:
             self.guard(*(guard if isinstance(guard, (list, tuple)) else (guard,)))
 
@@ -195,12 +201,13 @@ class CheckpointManager:
         With a memory tier, also snapshot into node memory at its own interval (the snapshot
         blocks the step like a persistent save's does; its protection runs in the background)."""
         snapshot = self._memory is not None and step % self._memory.options.every_steps == 0
+        due = self.should_save(step)
         mirror = None
         if snapshot:
             # a persistent save at the same step persists from the memory snapshot: one copy of the state
-            lend = self._saver is not None and self.options.executor == "thread" and self._persistent_due(step)
-            _, mirror = self._memory.snapshot(step, state, lend=lend)
-        if not self.should_save(step):
+            lend = self._saver is not None and self.options.executor == "thread" and due
+            _, mirror = self._memory.snapshot(step, state, lend=lend, base=self._lineage_base())
+        if not due:
             return None
         if mirror is None:
             return self.save(step, state, metrics=metrics)
@@ -209,11 +216,14 @@ class CheckpointManager:
             self._memory.lent_to(handle.committed)
         return handle
 
-    def _persistent_due(self, step: int) -> bool:
-        """Whether the step-count policy alone makes ``step`` a persistent save (not collective: a
-        time or request trigger may add one, which then simply copies the state itself)."""
-        every = self.save_policy.every_steps
-        return every is not None and step % every == 0
+    def _lineage_base(self) -> int:
+        """The newest persistent step committed on this trajectory (-1: none)."""
+        with self._lineage_lock:
+            return self._lineage[-1] if self._lineage else -1
+
+    def _set_lineage(self, steps: list[int]) -> None:
+        with self._lineage_lock:
+            self._lineage = sorted(set(steps))
 
     def save(self, step: int, state: dict[str, Any], *, metrics: dict[str, Any] | None = None,
              deadline: float | None = None, private: bool = False) -> SaveHandle | None:
@@ -233,7 +243,7 @@ class CheckpointManager:
         if self._saver is None:
             result = save_state(flatten_state(state), store, self._comm, block=self.options.block_size,
                                 metadata=metadata, deadline=deadline)
-            self._after_commit(name, result)
+            self._after_commit(name, step, result)
             done: Future[SaveResult] = Future()
             done.set_result(result)
             staged: Future[None] = Future()
@@ -241,7 +251,7 @@ class CheckpointManager:
             return SaveHandle(store.url, step, staged, done, result.seconds)
         self._inflight_name = name
         handle = self._saver.save(
-            state, store, step=step, metadata=metadata, after_commit=lambda r: self._after_commit(name, r),
+            state, store, step=step, metadata=metadata, after_commit=lambda r: self._after_commit(name, step, r),
             deadline=deadline, private=private,
         )
         if handle is not None:
@@ -275,8 +285,10 @@ class CheckpointManager:
         self.close()
 
     # --------------------------------------------------------------- the folder
-    def _after_commit(self, name: str, result: SaveResult) -> None:
+    def _after_commit(self, name: str, step: int, result: SaveResult) -> None:
         self._inflight_name = None
+        with self._lineage_lock:
+            self._lineage = sorted({*self._lineage, step})
         if self.rank == 0:
             self.folder.apply_retention(self.retention, after=name)
 
@@ -290,6 +302,7 @@ class CheckpointManager:
         leave a checkpoint a restart could resume from.
         """
         self.wait()
+        self._set_lineage([s for s in self._lineage if s <= step])
         if self._memory is not None:
             self._memory.discard_after(step)
         return self.folder.discard_after(step) if self.rank == 0 else []
@@ -315,15 +328,23 @@ class CheckpointManager:
         checkpoint newer than that (a store failure, after retries): returning the older step
         would silently resume back in time. Damaged checkpoints (a manifest that fails its checks)
         are skipped with a warning."""
+        return self._common_steps(at_most)[0]
+
+    def _common_steps(self, at_most: int | None) -> tuple[int | None, int]:
+        """:meth:`latest_common_step`, and the newest step folder holding a manifest (committed, or
+        one that fails its checks; at any step) on any rank, -1 if none: a memory snapshot that
+        followed a newer persistent step belongs to a history deleted since (a run rewound by hand)."""
         bound = 2**62 if at_most is None else at_most
-        records = [r for r in self.records() if r.step <= bound]
+        everything = self.records()
+        present = max((r.step for r in everything if r.status != "uncommitted"), default=-1)
+        records = [r for r in everything if r.step <= bound]
         mine = max((r.step for r in records if r.committed), default=-1)
         blind = [r for r in records if r.status == "unreadable" and r.step > mine]
         problem = f"{blind[-1].name}: {blind[-1].reason}" if blind else None
         for r in records:
             if r.status == "damaged" and r.step > mine:
                 log.warning("skipping %s: %s", r.name, r.reason)
-        step = self._comm.all_min([mine])[0]
+        step, least_present = self._comm.all_min([mine, -present])
         problems = self._comm.all_gather(problem)
         seen = [(rank, p) for rank, p in enumerate(problems) if p is not None]
         if seen:
@@ -333,7 +354,7 @@ class CheckpointManager:
                 f"not falling back to an older one. Retry when the store answers, or pass at_most= to "
                 "restore an older step on purpose"
             )
-        return None if step < 0 else step
+        return None if step < 0 else step, -least_present
 
     def step_url(self, step: int) -> str:
         """The URL of step ``step``'s folder (what the framework adapters load from)."""
@@ -360,10 +381,11 @@ class CheckpointManager:
         if self._memory is not None:
             from ckptkit.memory.restore import restore_from_memory
 
-            newest = self.latest_common_step(bound)
+            newest, present = self._common_steps(bound)
             info, overwritten = restore_from_memory(self._memory, state, at_most=at_most,
-                                                    at_least=-1 if newest is None else newest)
+                                                    at_least=-1 if newest is None else newest, history=present)
             if info is not None:
+                self._set_lineage([] if newest is None else [newest])
                 self.last_restore = info
                 return info.step
             if overwritten:
@@ -377,6 +399,7 @@ class CheckpointManager:
             self.last_restore = RestoreInfo(step, "persistent", sources, time.perf_counter() - t0)
             if self._memory is not None:
                 self._memory.discard_after(step)
+        self._set_lineage([] if step is None else [step])
         return step
 
     def _restore_persistent(self, state: dict[str, Any], strict: bool, bound: int, overwritten: bool) -> int | None:

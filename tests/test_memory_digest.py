@@ -20,6 +20,8 @@ from ckptkit.errors import CorruptCheckpointError
 from ckptkit.memory import digest
 from ckptkit.memory.node_folder import SHARE_VERSION, NodeFolder, ShareHeader
 
+RUN = "ab" * 16
+
 
 def by_definition(data: bytes, block: int) -> str:
     """The digest written out from its definition, independently of the streaming code."""
@@ -86,12 +88,13 @@ def _write_share(folder: NodeFolder, data: bytes, header: ShareHeader, version: 
         f.write(doc)
 
 
-@pytest.mark.parametrize("version", [1, SHARE_VERSION])
+@pytest.mark.parametrize("version", [1, 2, SHARE_VERSION])
 def test_a_share_is_checked_with_the_digest_its_header_names(tmp_path, version):
     folder = NodeFolder(str(tmp_path / "node"))
     data = os.urandom(64)
     share_digest = hashlib.sha256(data).hexdigest() if version == 1 else digest.of(data)
-    header = ShareHeader(3, (0, 1, 2), 1, 64, (64, 64, 64), ("0" * 64,) * 3, share_digest)
+    header = ShareHeader(3, (0, 1, 2), 1, 64, (64, 64, 64), ("0" * 64,) * 3, share_digest,
+                         RUN if version == SHARE_VERSION else None)
     _write_share(folder, data, header, version)
     assert folder.check_share(3, 1) == header
     damaged = bytearray(data)
@@ -101,11 +104,18 @@ def test_a_share_is_checked_with_the_digest_its_header_names(tmp_path, version):
         folder.check_share(3, 1)
 
 
-def test_new_share_headers_are_version_2_and_unknown_versions_are_refused(tmp_path):
+def test_new_share_headers_are_version_3_with_their_run_and_others_are_refused(tmp_path):
     folder = NodeFolder(str(tmp_path / "node"))
     data = bytes(64)
-    header = ShareHeader(3, (0, 1, 2), 1, 64, (64, 64, 64), ("0" * 64,) * 3, digest.of(data))
-    assert b'"version": 2' in header.to_json()
-    _write_share(folder, data, header, 3)
-    with pytest.raises(CorruptCheckpointError, match="inconsistent"):
+    header = ShareHeader(3, (0, 1, 2), 1, 64, (64, 64, 64), ("0" * 64,) * 3, digest.of(data), RUN)
+    assert b'"version": 3' in header.to_json() and RUN.encode() in header.to_json()
+    _write_share(folder, data, header, 2)  # a version 2 header names no run: a run it may carry is not believed
+    assert folder.share_header(3, 1).run is None
+    for version in (0, 4):
+        _write_share(folder, data, header, version)
+        with pytest.raises(CorruptCheckpointError, match="inconsistent"):
+            folder.check_share(3, 1)
+    no_run = ShareHeader(3, (0, 1, 2), 1, 64, (64, 64, 64), ("0" * 64,) * 3, digest.of(data), None)
+    _write_share(folder, data, no_run, 3)
+    with pytest.raises(CorruptCheckpointError, match="inconsistent"):  # version 3 must name its run
         folder.check_share(3, 1)

@@ -48,9 +48,10 @@ def rank_name(rank: int) -> str:
     return f"rank-{rank:05d}"
 
 
-#: share headers written now: version 2 digests are block CRCs (:mod:`ckptkit.memory.digest`);
-#: version 1 headers (SHA-256 digests) are still read and checked as such
-SHARE_VERSION = 2
+#: share headers written now: version 3 records the run that made the share; version 2's digests
+#: are block CRCs (:mod:`ckptkit.memory.digest`), as are 3's; version 1 headers (SHA-256 digests)
+#: are still read and checked as such. A share of no run (1, 2) is checked, never restored from.
+SHARE_VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -65,11 +66,12 @@ class ShareHeader:
     lengths: tuple[int, ...]
     digests: tuple[str, ...]
     share_digest: str
+    run: str | None = None  # the run that made it (:mod:`ckptkit.run_identity`); None before version 3
 
     def to_json(self) -> bytes:
         return json.dumps({"version": SHARE_VERSION, "step": self.step, "members": list(self.members),
                            "index": self.index, "chunk": self.chunk, "lengths": list(self.lengths), "digests": list(self.digests),
-                           "share_digest": self.share_digest}).encode()
+                           "share_digest": self.share_digest, "run": self.run}).encode()
 
     @staticmethod
     def from_json(data: bytes, where: str) -> ShareHeader:
@@ -78,11 +80,12 @@ class ShareHeader:
             members = tuple(int(m) for m in doc["members"])
             header = ShareHeader(int(doc["step"]), members, int(doc["index"]), int(doc["chunk"]),
                                  tuple(int(n) for n in doc["lengths"]), tuple(str(d) for d in doc["digests"]),
-                                 str(doc["share_digest"]))
+                                 str(doc["share_digest"]), doc["run"] if doc.get("version") == 3 else None)
         except (ValueError, KeyError, TypeError) as exc:
             raise CorruptCheckpointError(f"{where}: not a parity share header: {exc}") from None
         g = len(header.members)
-        if doc.get("version") not in (1, SHARE_VERSION) or g < 2 or not 0 <= header.index < g \
+        if doc.get("version") not in (1, 2, SHARE_VERSION) or (doc.get("version") == 3) != isinstance(header.run, str) \
+                or g < 2 or not 0 <= header.index < g \
                 or len(header.lengths) != g or len(header.digests) != g or header.chunk < 0 \
                 or any(n < 0 or n > (g - 1) * header.chunk for n in header.lengths):
             raise CorruptCheckpointError(f"{where}: inconsistent parity share header")

@@ -71,33 +71,66 @@ class _Copy:
     fingerprint: str
 
 
-def _inventory(tier: MemorySnapshots, at_most: int) -> dict[int, dict[str, Any]]:
-    """step -> {"copies": [_Copy...], "shares": [(holder, members, index)]} of what this process manages."""
+def _inventory(tier: MemorySnapshots, at_most: int, history: int) -> dict[int, dict[str, Any]]:
+    """step -> {"copies": [_Copy...], "shares": [(holder, members, index)]} of what this process
+    manages, leaving out what belongs to another run or to a history deleted since (:func:`_foreign`)."""
     out: dict[int, dict[str, Any]] = {}
     for step in tier.folder.steps():
         if step > at_most:
             continue
-        copies = []
+        copies, foreign = [], None
         for r in tier.folder.ranks_at(step):
             if not tier.claims(r):
                 continue
             try:
                 meta = decode_value(read_manifest(tier.folder.rank_store(step, r)).meta.get("user", {}), "memory tier")
-                copies.append(_Copy(int(meta["rank"]), int(meta["world_size"]), str(meta["fingerprint"])))
-            except (CkptkitError, OSError, KeyError, TypeError, ValueError) as exc:
+                copy = _Copy(int(meta["rank"]), int(meta["world_size"]), str(meta["fingerprint"]))
+            except (CkptkitError, OSError, KeyError, TypeError, ValueError, AttributeError) as exc:
                 log.warning("memory tier: step %d, rank %d's copy at %s is unreadable, not used: %s",
                             step, r, tier.folder.root, exc)
+                continue
+            why = _foreign(meta.get("run"), meta.get("base"), tier.run_id, history)
+            if why is None:
+                copies.append(copy)
+            else:
+                foreign = foreign or why
         shares = []
         for h in tier.folder.shares_at(step):
             if tier.claims(h):
                 try:
                     header = tier.folder.share_header(step, h)
-                    shares.append((h, header.members, header.index, header.chunk, header.lengths, header.digests))
                 except (CkptkitError, OSError) as exc:
                     log.warning("memory tier: step %d, parity share %d unreadable, not used: %s", step, h, exc)
+                    continue
+                if header.run == tier.run_id:
+                    shares.append((h, header.members, header.index, header.chunk, header.lengths, header.digests))
+                else:
+                    foreign = foreign or _foreign(header.run, -1, tier.run_id, history)
+        if foreign is not None:
+            log.warning("memory tier: step %d in %s is not restored: %s", step, tier.folder.root, foreign)
         if copies or shares:
             out[step] = {"copies": copies, "shares": shares}
     return out
+
+
+def _foreign(run: Any, base: Any, run_id: str, history: int) -> str | None:
+    """Why a snapshot recording ``run`` and ``base`` is not this run's to restore, or None.
+
+    ``run``: the id of the run that took it; another id is another run at the same URL (the old
+    run's folder deleted and a new run started, on the same nodes), none an older ckptkit.
+    ``base``: the newest persistent step committed when it was taken; newer than the newest step
+    folder left (``history``), it follows a persistent history someone has deleted since (a run
+    rewound by hand)."""
+    if run != run_id:
+        return (f"it was taken by another run (run id {run}; this run's, in its folder, is {run_id}: a run started "
+                "anew at this URL, or another run given the same memory folder)"
+                if isinstance(run, str) else "it records no run id (taken by an older ckptkit)")
+    if not isinstance(base, int) or isinstance(base, bool):
+        return "it records no persistent step it followed"
+    if base > history:
+        return (f"it followed persistent step {base}, which is gone (the newest step left is "
+                f"{history if history >= 0 else 'none'}): the run was rewound, so it belongs to an abandoned history")
+    return None
 
 
 def _usable(copies: list[_Copy], fingerprints: list[str], world_size: int) -> frozenset[int]:
@@ -262,17 +295,18 @@ def _restore_step(tier: MemorySnapshots, view: LocalView, step: int, plan: dict[
 
 
 def restore_from_memory(tier: MemorySnapshots, state: dict[str, Any], *, at_most: int | None,
-                        at_least: int) -> tuple[RestoreInfo | None, bool]:
+                        at_least: int, history: int) -> tuple[RestoreInfo | None, bool]:
     """The newest step in ``[at_least, at_most]`` every rank can restore from memory, restored;
     None when there is none (then the caller restores from persistent storage). Also whether a step
     that failed had written into ``state`` on some rank (agreed: the same on every rank), which the
-    caller must not then report as untouched. Collective."""
+    caller must not then report as untouched. ``history``: the newest persistent step folder there
+    is (-1: none); snapshots that followed a newer one are not used. Collective."""
     overwritten = False
     t0 = time.perf_counter()
     tier._wait_quietly()
     bound = 2**62 if at_most is None else at_most
     view = local_view(state, tier.world_size, tier.rank)
-    mine = _inventory(tier, bound)
+    mine = _inventory(tier, bound, history)
     gathered = _gather(tier, view.fingerprint, mine)
     fingerprints = [g[1] for g in gathered]
     steps = sorted({s for _, _, inv in gathered for s in inv if s >= at_least}, reverse=True)

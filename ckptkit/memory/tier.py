@@ -65,8 +65,12 @@ def default_root(run_url: str) -> str:
 class MemorySnapshots:
     """One rank's side of the memory tier. Construct on every rank (collective: makes the tier's group)."""
 
-    def __init__(self, options: MemoryTier, comm: Comm, run_url: str, ranks: list[int] | None = None) -> None:
+    def __init__(self, options: MemoryTier, comm: Comm, run_url: str, ranks: list[int] | None = None, *,
+                 run_id: str) -> None:
+        """``run_id``: the run's identity (:mod:`ckptkit.run_identity`), recorded in every snapshot:
+        only snapshots of this id are restored (a new run at the same URL never gets an old one's)."""
         self.options = options
+        self.run_id = run_id
         self.comm = comm
         self.rank, self.world_size = comm.rank, comm.world_size
         self.topology = Topology(self.world_size, options.node_size(), options.copies, options.parity)
@@ -92,10 +96,12 @@ class MemorySnapshots:
         return rank % n == self.rank % n
 
     # ---------------------------------------------------------------- snapshot
-    def snapshot(self, step: int, state: dict[str, Any], *, lend: bool = False) -> tuple[SaveHandle, dict[str, Any] | None]:
+    def snapshot(self, step: int, state: dict[str, Any], *, lend: bool = False,
+                 base: int = -1) -> tuple[SaveHandle, dict[str, Any] | None]:
         """Snapshot ``state`` at ``step`` into memory and protect it in the background. Collective.
 
-        ``lend``: also return ``state`` with every tensor replaced by its staged copy (None when that
+        ``base``: the newest persistent step committed on this run's trajectory (-1: none), which
+        a restore requires to be still there. ``lend``: also return ``state`` with every tensor replaced by its staged copy (None when that
         is not possible), for a persistent save of the same step to persist from; call
         :meth:`lent_to` with that save's completion."""
         prev = self._inflight
@@ -113,7 +119,7 @@ class MemorySnapshots:
         self._lent = None
         self.folder.remove_rank(step, self.rank)  # a leftover of an abandoned trajectory
         meta = {"memory_tier": TIER_VERSION, "step": step, "rank": self.rank, "world_size": self.world_size,
-                "fingerprint": view.fingerprint}
+                "fingerprint": view.fingerprint, "run": self.run_id, "base": base}
         handle = self._saver.save(view.state, self.folder.rank_store(step, self.rank), step=step, metadata=meta)
         assert handle is not None  # a rank-local saver with on_busy="wait" never skips
         self._inflight = self._executor.submit(self._protect, step, handle)
@@ -159,6 +165,7 @@ class MemorySnapshots:
         """Write, copy and retire, agreeing with every rank after the write and after the copies:
         the outcome this returns (or raises) is every rank's."""
         t0 = time.perf_counter()
+        self._drop_newer(step)
         error = self._attempt(handle.wait)  # the own copy is committed in node memory
         if error is not None:
             self._saver.acknowledge(handle)  # reported here, by every rank: the saver must not raise it again
@@ -233,7 +240,8 @@ class MemorySnapshots:
                     blob.read_into(r.send_at, out_view)
                     self.link.swap_parts(members[r.to], [out_view], members[r.frm], [in_view])
                     parity.xor_into(share.view[r.off:r.off + r.n], in_view)
-                header = ShareHeader(step, members, me, c, lengths, tuple(facts[m][1] for m in members), share.digest())
+                header = ShareHeader(step, members, me, c, lengths, tuple(facts[m][1] for m in members), share.digest(),
+                                     self.run_id)
                 self.folder.commit_share(step, self.rank, share, header)
 
     # ------------------------------------------------------------- retirement
@@ -252,6 +260,12 @@ class MemorySnapshots:
     def discard_after(self, step: int) -> None:
         """Remove this process's entries of steps newer than ``step`` (an abandoned trajectory)."""
         self._wait_quietly()
+        self._drop_newer(step)
+
+    def _drop_newer(self, step: int) -> None:
+        """Entries of steps newer than ``step``: a trajectory the run has left (a rollback, a fresh
+        start, another run's leftovers). Removed at each snapshot too, so that they never come back
+        into use once the run's persistent history again reaches the step they say they followed."""
         for s in self.folder.steps():
             if s > step:
                 self.folder.remove_claimed(s, self.claims)
