@@ -341,3 +341,35 @@ def test_many_small_messages_of_unequal_counts_keep_every_transfer_in_step(world
     assert again[0]["step"] == 3 and again[0]["sources"] == ("peer", "peer", "memory", "memory"), again[0]["sources"]
     assert all(r["extra_ok"] for r in again)
     _equal(again[0]["full"], worlds.run(4, reference, 3)[0])
+
+
+def _placement_warnings(run: str, roots: list[str], kw: dict) -> list[str]:
+    import logging
+
+    seen: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record.getMessage())
+
+    handler = Keep(logging.WARNING)
+    logging.getLogger("ckptkit").addHandler(handler)
+    try:
+        tier = ckptkit.MemoryTier(every_steps=1, root=roots[dist.get_rank()], timeout_seconds=60.0, **kw)
+        ckptkit.CheckpointManager(run, memory=tier).close()
+    finally:
+        logging.getLogger("ckptkit").removeHandler(handler)
+    return [m for m in seen if "share its memory folder" in m]
+
+
+def test_protection_kept_in_the_protected_ranks_own_folder_is_said(worlds, tmp_path):
+    """ranks_per_node=2 on a host running 4 ranks (one memory folder): "node 1" is the same host,
+    so the replicas and shares would die with it. Rank 0 warns, naming the ranks and the fix."""
+    shared = [str(tmp_path / "shm")] * 4
+    for kw in ({"replicas": 1, "ranks_per_node": 2}, {"parity": 2, "ranks_per_node": 2}):
+        got = worlds.run(4, _placement_warnings, str(tmp_path / "run"), shared, kw)
+        assert len(got[0]) == 1 and "ranks_per_node=2" in got[0][0] and "LOCAL_WORLD_SIZE" in got[0][0], got[0]
+        assert got[1:] == [[], [], []]
+    apart = [str(tmp_path / f"node{r // 2}") for r in range(4)]  # a folder per node: placed as meant
+    got = worlds.run(4, _placement_warnings, str(tmp_path / "run"), apart, {"replicas": 1, "ranks_per_node": 2})
+    assert got == [[], [], [], []]

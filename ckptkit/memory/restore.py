@@ -31,7 +31,6 @@ Collective over the job. In order:
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Hashable
@@ -375,7 +374,7 @@ def _gather(tier: MemorySnapshots, fingerprint: str, inv: dict[int, dict[str, An
                        "shares": [[h, list(m), i, c, list(n), list(d)] for h, m, i, c, n, d in e["shares"]]}
            for step, e in inv.items()}
     out = []
-    for local, fp, got in tier.comm.all_gather_json([_local_id(tier), fingerprint, doc]):
+    for local, fp, got in tier.comm.all_gather_json([tier.local_id(), fingerprint, doc]):
         out.append((local, fp, {int(step): {"copies": [_Copy(int(r), int(w), str(f)) for r, w, f in e["copies"]],
                                             "shares": [(int(h), tuple(int(x) for x in m), int(i), int(c),
                                                         tuple(int(x) for x in n), tuple(str(x) for x in d))
@@ -384,8 +383,3 @@ def _gather(tier: MemorySnapshots, fingerprint: str, inv: dict[int, dict[str, An
     return out
 
 
-def _local_id(tier: MemorySnapshots) -> str:
-    """Ranks whose ids are equal read the same memory folder (same host, same path)."""
-    import socket
-
-    return json.dumps([socket.gethostname(), tier.folder.root])

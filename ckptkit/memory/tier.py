@@ -30,6 +30,7 @@ Restores are :mod:`ckptkit.memory.restore`'s.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -78,6 +79,8 @@ class MemorySnapshots:
         if options.reuse_files:
             self.folder.keep_spares(self.rank, self.claims)
         self.link = Link(ranks, options.timeout_seconds) if self.world_size > 1 else None
+        if self.link is not None:
+            self._check_placement()
         self._saver = AsyncSaver(None, AsyncOptions(), rank_local=True)
         self._view_memo = FingerprintMemo()  # the last snapshot's layout fingerprint, while unchanged
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptkit-memory")
@@ -86,6 +89,33 @@ class MemorySnapshots:
         self._budget_checked = False
         #: the last protected step's (step, seconds to write and protect it)
         self.last_protected: tuple[int, float] | None = None
+
+    def local_id(self) -> str:
+        """Ranks whose ids are equal read the same memory folder (same host, same path)."""
+        import socket
+
+        return json.dumps([socket.gethostname(), self.folder.root])
+
+    def _check_placement(self) -> None:
+        """Warn when a rank's protection lands in its own memory folder (collective). ``ranks_per_node``
+        smaller than the ranks a host runs puts "another node" on the same host: the replica or
+        parity shares then die with the host they are meant to outlive, and nothing else would say so."""
+        ids = self.comm.all_gather_json(self.local_id())
+        if self.rank != 0:
+            return
+        for r in range(self.world_size):
+            if self.topology.parity is not None:
+                peers = [m for m in self.topology.parity_group(r) if m != r]
+            else:
+                peers = list(self.topology.replica_holders(r))
+            same = [h for h in peers if ids[h] == ids[r]]
+            if same:
+                log.warning("memory tier: rank %d's %s held by rank(s) %s, which share its memory folder (%s): they "
+                            "do not outlive the loss of that host. ranks_per_node=%d: set it to the ranks each host "
+                            "runs (the launcher's LOCAL_WORLD_SIZE)", r,
+                            "parity group is" if self.topology.parity is not None else "replicas are",
+                            same, ids[r], self.topology.ranks_per_node)
+                return
 
     # ------------------------------------------------------------------ claims
     def claims(self, rank: int) -> bool:
