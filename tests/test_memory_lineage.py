@@ -142,7 +142,7 @@ class _Model:
         self.restore()
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=_ops)
 def test_a_restore_returns_this_runs_newest_step_never_another_runs_or_a_deleted_historys(tmp_path_factory, ops):
     model = _Model(str(tmp_path_factory.mktemp("lineage")))
@@ -197,6 +197,23 @@ def test_a_damaged_run_file_gives_a_new_id_and_falls_back_to_persistent(tmp_path
             assert mgr.restore_latest(state) == 2 and mgr.last_restore.source == "persistent"
         assert torch.equal(state["w"], torch.full((3,), 2.0))
         assert "not a ckptkit run file" in caplog.text or "unreadable" in caplog.text
+
+
+def test_a_hostile_run_file_is_replaced_never_followed_or_waited_on(tmp_path):
+    run, mem = str(tmp_path / "run"), str(tmp_path / "mem")
+    outside = tmp_path / "outside.json"
+    outside.write_bytes(b"precious")
+    _train(run, mem, range(1, 3))
+    path = os.path.join(run, RUN_FILE)
+    for plant in (lambda: os.mkfifo(path), lambda: os.symlink(outside, path)):
+        os.unlink(path)
+        plant()
+        tier = ckptkit.MemoryTier(every_steps=1, replicas=0, root=mem)
+        with ckptkit.CheckpointManager(run, memory=tier) as mgr:  # a FIFO would block a plain open
+            state = {"w": torch.zeros(3)}
+            assert mgr.restore_latest(state) is None  # the old snapshots' id is gone with the file
+        assert os.path.isfile(path) and not os.path.islink(path)
+        assert outside.read_bytes() == b"precious"
 
 
 def test_the_run_file_is_made_once_and_kept(tmp_path):
