@@ -37,6 +37,7 @@ _ops = st.lists(st.one_of(
     st.tuples(st.just("new_run"), st.just(0)),
     st.tuples(st.just("switch"), st.just(0)),
     st.tuples(st.just("rewind"), st.integers(0, 3)),
+    st.tuples(st.just("rollback"), st.integers(0, 6)),
 ), min_size=1, max_size=9)
 
 
@@ -93,30 +94,46 @@ class _Model:
                 run.base = s
             run.step, run.value = s, (token, s)
 
-    def restore(self) -> None:
-        """A restart: what ``restore_latest`` must return, and the bytes it must put back."""
-        self.close()
-        mgr = self.open()
+    def restore(self, at_most: int | None = None, reopen: bool = True) -> int | None:
+        """A restart (or, not ``reopen``, a rollback in the running job to a step <= ``at_most``):
+        what ``restore_latest`` must return, and the bytes it must put back."""
+        if reopen:
+            self.close()
+            self.open()
+        mgr = self.mgr
         run = self.run
-        newest = max(run.persistent, default=-1)
+        bound = 2**62 if at_most is None else at_most
+        present = max(run.persistent, default=-1)
+        newest = max((s for s in run.persistent if s <= bound), default=-1)
         usable = [s for s, (_, owner, base) in self.memory.items()
-                  if owner == (self.current, run.run_token) and base <= newest and s >= newest]
+                  if owner == (self.current, run.run_token) and base <= present and newest <= s <= bound]
         want = max(usable, default=None)
         source = "memory"
         if want is None and newest >= 0:
             want, source = newest, "persistent"
         state = {"w": torch.tensor([-1.0, -1.0], dtype=torch.float64)}
-        got = mgr.restore_latest(state)
+        got = mgr.restore_latest(state, at_most=at_most)
         assert got == want, (got, want, self.memory, run.persistent)
         if want is None:
             assert state["w"].tolist() == [-1.0, -1.0]  # untouched: a fresh start
             run.step, run.base = 0, -1
-            return
+            return None
         value = self.memory[want][0] if source == "memory" else run.persistent[want]
         assert mgr.last_restore.source == source
         assert tuple(state["w"].tolist()) == value, (state["w"], value)
         run.step, run.value, run.base = want, value, newest
         self.memory = {s: m for s, m in self.memory.items() if s <= want}  # discarded after the restored step
+        return want
+
+    def rollback(self, back: int) -> None:
+        """What the resilience controller does in the running job: restore the newest step at most
+        ``back`` steps behind, then discard everything newer (persistent and memory)."""
+        run = self.run
+        got = self.restore(at_most=max(0, run.step - back), reopen=False)
+        keep = -1 if got is None else got  # nothing that old: a start from scratch, everything discarded
+        self.mgr.discard_after(keep)
+        run.persistent = {s: v for s, v in run.persistent.items() if s <= keep}
+        self.memory = {s: m for s, m in self.memory.items() if s <= keep}
 
     def new_run(self) -> None:
         """The run's folder deleted and a new run started at the same URL, on the same nodes."""
@@ -157,6 +174,8 @@ def test_a_restore_returns_this_runs_newest_step_never_another_runs_or_a_deleted
                 model.new_run()
             elif op == "switch":
                 model.switch()
+            elif op == "rollback":
+                model.rollback(arg)
             else:
                 model.rewind(arg)
         model.restore()
