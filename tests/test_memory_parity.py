@@ -4,8 +4,10 @@ its bytes exactly, and a rebuild's output is committed only when it is whole and
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
+import random
 import struct
 
 import pytest
@@ -35,15 +37,21 @@ def _raw(blob: bytes) -> BundleBytes:
     return BundleBytes(blob, [])
 
 
-def encode(blobs: list, c: int, window: int = parity.WINDOW) -> list[bytearray]:
-    """Every member's share at once, walking each member's side of the parity rounds as the tier does."""
+def encode(blobs: list, c: int, window: int = parity.WINDOW, *, recycled: bool = False) -> list[bytearray]:
+    """Every member's share at once, walking each member's side of the parity rounds as the tier does:
+    the first round's windows stored, the others XORed. ``recycled``: the shares start as junk (a
+    spare file's former bytes) instead of zeros, which the first round must leave no trace of."""
     g = len(blobs)
-    shares = [bytearray(c) for _ in range(g)]
+    shares = [bytearray(random.Random(j).randbytes(c)) if recycled else bytearray(c) for j in range(g)]
     buf = bytearray(min(window, c) if c else 0)
-    for i, blob in enumerate(blobs):
-        for r in parity.encode_rounds(i, g, c, window):
-            view = memoryview(buf)[: r.n]
-            blob.read_into(r.send_at, view)
+    # round by round, as the rounds run (a member receives round t's windows before round t + 1's)
+    rounds = sorted(((r.send_at // c, i, k), r) for i in range(g) for k, r in enumerate(parity.encode_rounds(i, g, c, window)))
+    for (_, i, _), r in rounds:
+        view = memoryview(buf)[: r.n]
+        blobs[i].read_into(r.send_at, view)
+        if r.first:
+            memoryview(shares[r.to])[r.off:r.off + r.n] = view
+        else:
             parity.xor_into(memoryview(shares[r.to])[r.off:r.off + r.n], view)
     return shares
 
@@ -74,6 +82,12 @@ def test_any_one_lost_member_is_rebuilt_exactly(g, window, data):
     assert sum(len(s) for s in shares) <= g * (max(len(b) for b in blobs) / (g - 1) + 8)
     # the windows change nothing: the same shares as one window per chunk
     assert shares == encode([_raw(b) for b in blobs], c, max(8, c))
+    # nor do a recycled share's former bytes: the first round covers every share once, and all of it
+    assert shares == encode([_raw(b) for b in blobs], c, window, recycled=True)
+    for i in range(g):
+        firsts = sorted((r.off, r.n) for r in parity.encode_rounds(i, g, c, window) if r.first)
+        assert [off for off, _ in firsts] == list(itertools.accumulate([0] + [n for _, n in firsts[:-1]])) if firsts else c == 0
+        assert sum(n for _, n in firsts) == c
     lost = data.draw(st.integers(0, g - 1))
     others = {i: _raw(blobs[i]) for i in range(g) if i != lost}
     got = _rebuilt(lost, len(blobs[lost]), others, {j: shares[j] for j in range(g) if j != lost}, g, c, window)

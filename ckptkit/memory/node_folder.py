@@ -29,7 +29,7 @@ from ckptkit.errors import CkptkitError, CorruptCheckpointError, StorageError
 from ckptkit.layout.manifest import MANIFEST_NAME
 from ckptkit.memory import digest
 from ckptkit.memory.bundle import MAX_HEADER, BundleSink, IncomingBundle, OutgoingBundle
-from ckptkit.memory.spares import RecyclingStore, SparePool
+from ckptkit.memory.spares import MIN_SPARE, RecyclingStore, SparePool
 from ckptkit.storage.local import LocalStore
 
 log = logging.getLogger("ckptkit")
@@ -115,10 +115,13 @@ class MappedShare:
         self.view = memoryview(m) if m is not None else memoryview(bytearray())
 
     @staticmethod
-    def open(path: str, size: int, *, writable: bool) -> MappedShare:
+    def open(path: str, size: int, *, writable: bool, fd: int | None = None) -> MappedShare:
+        """``fd``: a file already open read-write at ``path`` (a spare renamed there), whose former
+        bytes the parity rounds' first round writes over."""
         flags = (os.O_RDWR | os.O_CREAT | os.O_TRUNC) if writable else os.O_RDONLY
         try:
-            fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)  # a FIFO in its place: no wait
+            if fd is None:
+                fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)  # a FIFO in its place: no wait
         except OSError as exc:
             if exc.errno == errno.ELOOP:
                 raise CorruptCheckpointError(f"{path}: a link in place of a parity share, not followed") from None
@@ -264,11 +267,14 @@ class NodeFolder:
         return MappedShare.open(self._share_path(step, holder, ".bin"), header.chunk, writable=False)
 
     def new_share(self, step: int, holder: int, chunk: int) -> MappedShare:
-        """A new parity share of ``chunk`` zero bytes, mapped for the parity rounds to XOR into;
-        committed by :meth:`commit_share` (its header, written last)."""
+        """A new parity share of ``chunk`` bytes, mapped for the parity rounds to write into (a spare
+        file when there is one: the first round writes every byte); committed by
+        :meth:`commit_share` (its header, written last)."""
         self.remove_share(step, holder)
         os.makedirs(self.step_path(step), exist_ok=True)
-        return MappedShare.open(self._share_path(step, holder, ".bin"), chunk, writable=True)
+        path = self._share_path(step, holder, ".bin")
+        fd = self.spares.open_over(path, chunk, readable=True) if self.spares is not None and chunk >= MIN_SPARE else None
+        return MappedShare.open(path, chunk, writable=True, fd=fd)
 
     def commit_share(self, step: int, holder: int, share: MappedShare, header: ShareHeader) -> None:
         share.flush()
@@ -320,12 +326,30 @@ class NodeFolder:
                 for dirpath, _, names in os.walk(root):
                     for name in names:
                         kept += self.spares.keep(os.path.join(dirpath, name), room - kept)
+            for h in self._share_holders_any(step):
+                if claims(h):
+                    try:  # the header first: a share without one is not committed
+                        os.unlink(self._share_path(step, h, ".json"))
+                    except FileNotFoundError:
+                        pass
+                    except OSError:
+                        continue
+                    kept += self.spares.keep(self._share_path(step, h, ".bin"), room - kept)
         self.remove_claimed(step, claims)
         return kept
 
     def data_bytes(self, step: int, claims: Any) -> int:
-        """The bytes of the files in the rank folders ``claims`` says are this process's at ``step``."""
+        """The bytes of the files in the rank folders and of the parity shares ``claims`` says are
+        this process's at ``step``."""
         total = 0
+        for h in self._share_holders_any(step):
+            if claims(h):
+                try:
+                    st = os.lstat(self._share_path(step, h, ".bin"))
+                except OSError:
+                    continue
+                if stat.S_ISREG(st.st_mode):
+                    total += st.st_size
         for r in self._rank_folders(step):
             if claims(r):
                 for dirpath, _, names in os.walk(self.rank_store(step, r).root):

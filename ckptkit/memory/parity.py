@@ -71,13 +71,16 @@ def xor_into(acc: memoryview | bytearray, other: memoryview | bytes | bytearray)
 class Round:
     """One window of the parity rounds, seen by one member: send ``n`` bytes of its snapshot at
     ``send_at`` to member ``to``; receive ``n`` bytes from member ``frm`` and XOR them into its share
-    at ``off``."""
+    at ``off`` — or, in the ``first`` round, whose windows cover the share once, store them there:
+    the share's former bytes then never matter (a recycled file's need no zeroing), and a store is
+    cheaper than an XOR with zeros."""
 
     to: int
     frm: int
     send_at: int
     off: int
     n: int
+    first: bool = False
 
 
 def encode_rounds(me: int, g: int, c: int, window: int = WINDOW) -> Iterator[Round]:
@@ -87,7 +90,7 @@ def encode_rounds(me: int, g: int, c: int, window: int = WINDOW) -> Iterator[Rou
     for t in range(g - 1):
         to, frm = holder_of(me, t, g), (me - 1 - t) % g
         for off, n in windows(c, window):
-            yield Round(to, frm, t * c + off, off, n)
+            yield Round(to, frm, t * c + off, off, n, t == 0)
 
 
 @dataclass(frozen=True)

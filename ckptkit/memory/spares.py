@@ -94,10 +94,11 @@ class SparePool:
         self.drop()
         shutil.rmtree(self.dir, ignore_errors=True)
 
-    def open_over(self, path: str, size: int | None = None) -> int | None:
-        """A file descriptor, open for writing, of a spare renamed to ``path`` (replacing what is
-        there), not emptied: the caller writes it over entirely and cuts it to its length. The
-        spare nearest above ``size`` (None: the largest). None when there is no usable spare."""
+    def open_over(self, path: str, size: int | None = None, *, readable: bool = False) -> int | None:
+        """A file descriptor, open for writing (and reading, if ``readable``: to be mapped), of a
+        spare renamed to ``path`` (replacing what is there), not emptied: the caller writes it over
+        entirely and cuts it to its length. The spare nearest above ``size`` (None: the largest).
+        None when there is no usable spare."""
         while True:
             with self._lock:
                 if not self._files:
@@ -105,19 +106,19 @@ class SparePool:
                 fits = [f for f in self._files if size is not None and f[0] >= size]
                 pick = min(fits) if fits else max(self._files)
                 self._files.remove(pick)
-            fd = self._claim(pick[1], path)
+            fd = self._claim(pick[1], path, os.O_RDWR if readable else os.O_WRONLY)
             if fd is not None:
                 return fd
 
     @staticmethod
-    def _claim(spare: str, path: str) -> int | None:
+    def _claim(spare: str, path: str, mode: int) -> int | None:
         try:
             os.rename(spare, path)
         except OSError:
             _unlink_quietly(spare)  # out of the list already: not left behind untracked
             return None
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+            fd = os.open(path, mode | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
         except OSError:  # ELOOP: a link in the pool, never written through
             _unlink_quietly(path)
             return None

@@ -269,7 +269,10 @@ class MemorySnapshots:
                     out_view, in_view = memoryview(send)[: r.n], memoryview(got)[: r.n]
                     blob.read_into(r.send_at, out_view)
                     self.link.swap_parts(members[r.to], [out_view], members[r.frm], [in_view])
-                    parity.xor_into(share.view[r.off:r.off + r.n], in_view)
+                    if r.first:
+                        share.view[r.off:r.off + r.n] = in_view
+                    else:
+                        parity.xor_into(share.view[r.off:r.off + r.n], in_view)
                 header = ShareHeader(step, members, me, c, lengths, tuple(facts[m][1] for m in members), share.digest(),
                                      self.run_id)
                 self.folder.commit_share(step, self.rank, share, header)
