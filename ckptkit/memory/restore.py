@@ -121,7 +121,7 @@ def _foreign(run: Any, base: Any, run_id: str, history: int) -> str | None:
     folder left (``history``), it follows a persistent history someone has deleted since (a run
     rewound by hand)."""
     if run != run_id:
-        return (f"it was taken by another run (run id {run}; this run's, in its folder, is {run_id}: a run started "
+        return (f"it was taken by another run (run id {run[:40]!r}; this run's, in its folder, is {run_id}: a run started "
                 "anew at this URL, or another run given the same memory folder)"
                 if isinstance(run, str) else "it records no run id (taken by an older ckptkit)")
     if not isinstance(base, int) or isinstance(base, bool):
