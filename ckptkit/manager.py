@@ -136,9 +136,11 @@ class CheckpointManager:
         if memory is not None and not isinstance(memory, MemoryTier):
             raise OptionsError(f"memory must be ckptkit.MemoryTier(...) or None, got {memory!r}")
         self._memory: Any = None
-        # the persistent steps this run's trajectory has committed (since its restore): the newest is
-        # recorded in each memory snapshot, which a restore then refuses if that step was deleted
+        # the persistent steps this run's trajectory has committed (since its restore), and the newest
+        # whose save it started: recorded in each memory snapshot, which a restore then refuses if the
+        # committed one was deleted, or if a persistent step it never saved lies between them and it
         self._lineage: list[int] = []
+        self._started = -1
         self._lineage_lock = threading.Lock()
         if memory is not None:
             import torch.distributed as dist
@@ -206,7 +208,9 @@ class CheckpointManager:
         if snapshot:
             # a persistent save at the same step persists from the memory snapshot: one copy of the state
             lend = self._saver is not None and self.options.executor == "thread" and due
-            _, mirror = self._memory.snapshot(step, state, lend=lend, base=self._lineage_base())
+            base = self._lineage_base()
+            started = max(base, step if due else self._started)
+            _, mirror = self._memory.snapshot(step, state, lend=lend, base=base, started=started)
         if not due:
             return None
         if mirror is None:
@@ -222,8 +226,10 @@ class CheckpointManager:
             return self._lineage[-1] if self._lineage else -1
 
     def _set_lineage(self, steps: list[int]) -> None:
+        """After a restore or a discard (no save in flight): the committed steps are the started ones."""
         with self._lineage_lock:
             self._lineage = sorted(set(steps))
+            self._started = self._lineage[-1] if self._lineage else -1
 
     def save(self, step: int, state: dict[str, Any], *, metrics: dict[str, Any] | None = None,
              deadline: float | None = None, private: bool = False) -> SaveHandle | None:
@@ -244,6 +250,7 @@ class CheckpointManager:
             result = save_state(flatten_state(state), store, self._comm, block=self.options.block_size,
                                 metadata=metadata, deadline=deadline)
             self._after_commit(name, step, result)
+            self._started = max(self._started, step)
             done: Future[SaveResult] = Future()
             done.set_result(result)
             staged: Future[None] = Future()
@@ -256,6 +263,7 @@ class CheckpointManager:
         )
         if handle is not None:
             self._last_handle = handle
+            self._started = max(self._started, step)
         return handle
 
     def wait(self) -> SaveResult | None:
@@ -330,13 +338,14 @@ class CheckpointManager:
         are skipped with a warning."""
         return self._common_steps(at_most)[0]
 
-    def _common_steps(self, at_most: int | None) -> tuple[int | None, int]:
-        """:meth:`latest_common_step`, and the newest step folder holding a manifest (committed, or
-        one that fails its checks; at any step) on any rank, -1 if none: a memory snapshot that
-        followed a newer persistent step belongs to a history deleted since (a run rewound by hand)."""
+    def _common_steps(self, at_most: int | None) -> tuple[int | None, int, tuple[int, ...]]:
+        """:meth:`latest_common_step`; the newest step folder holding a manifest (committed, or one
+        that fails its checks; at any step) on any rank, -1 if none; and the steps of those this rank
+        sees. What a memory snapshot's lineage is checked against (:func:`ckptkit.memory.restore._foreign`)."""
         bound = 2**62 if at_most is None else at_most
         everything = self.records()
-        present = max((r.step for r in everything if r.status != "uncommitted"), default=-1)
+        steps = tuple(r.step for r in everything if r.status != "uncommitted")
+        present = max(steps, default=-1)
         records = [r for r in everything if r.step <= bound]
         mine = max((r.step for r in records if r.committed), default=-1)
         blind = [r for r in records if r.status == "unreadable" and r.step > mine]
@@ -354,7 +363,7 @@ class CheckpointManager:
                 f"not falling back to an older one. Retry when the store answers, or pass at_most= to "
                 "restore an older step on purpose"
             )
-        return None if step < 0 else step, -least_present
+        return None if step < 0 else step, -least_present, steps
 
     def step_url(self, step: int) -> str:
         """The URL of step ``step``'s folder (what the framework adapters load from)."""
@@ -381,9 +390,9 @@ class CheckpointManager:
         if self._memory is not None:
             from ckptkit.memory.restore import restore_from_memory
 
-            newest, present = self._common_steps(bound)
+            newest, present, steps = self._common_steps(bound)
             info, overwritten = restore_from_memory(self._memory, state, at_most=at_most,
-                                                    at_least=-1 if newest is None else newest, history=present)
+                                                    at_least=-1 if newest is None else newest, history=(present, steps))
             if info is not None:
                 self._set_lineage([] if newest is None else [newest])
                 self.last_restore = info

@@ -38,7 +38,10 @@ _ops = st.lists(st.one_of(
     st.tuples(st.just("switch"), st.just(0)),
     st.tuples(st.just("rewind"), st.integers(0, 3)),
     st.tuples(st.just("rollback"), st.integers(0, 6)),
-), min_size=1, max_size=9)
+    st.tuples(st.just("away"), st.just(0)),
+    st.tuples(st.just("save_now"), st.just(0)),
+    st.tuples(st.just("back"), st.just(0)),
+), min_size=1, max_size=10)
 
 
 class _Run:
@@ -49,6 +52,7 @@ class _Run:
         self.persistent: dict[int, tuple[float, int]] = {}
         self.run_token = 0   # changes when the folder (and so the run's id) is deleted
         self.base = -1       # the newest persistent step committed on the current trajectory
+        self.started = -1    # the newest persistent save the current trajectory started
         self.step = 0
         self.value: tuple[float, int] = (0.0, 0)
 
@@ -58,8 +62,10 @@ class _Model:
         self.mem_root = os.path.join(root, "mem")
         self.runs = [_Run(os.path.join(root, "run-a")), _Run(os.path.join(root, "run-b"))]
         self.current = 0
-        #: what node memory holds: step -> (value, (run index, run token), base)
-        self.memory: dict[int, tuple[tuple[float, int], tuple[int, int], int]] = {}
+        #: what node memory holds: step -> (value, (run index, run token), base, started)
+        self.memory: dict[int, tuple[tuple[float, int], tuple[int, int], int, int]] = {}
+        #: a memory folder away (its node out of the job) while the job restarted without it
+        self.away: dict[int, tuple[tuple[float, int], tuple[int, int], int, int]] | None = None
         self.tokens = itertools.count(1)
         self.mgr: ckptkit.CheckpointManager | None = None
 
@@ -87,11 +93,12 @@ class _Model:
             state["w"] = torch.tensor([token, float(s)], dtype=torch.float64)
             handle = self.mgr.maybe_save(s, state)
             if s % MEM_EVERY == 0:  # a snapshot: newer steps dropped, older ones retired
-                self.memory = {s: ((token, s), (self.current, run.run_token), run.base)}
+                started = s if s % PERSIST_EVERY == 0 else run.started
+                self.memory = {s: ((token, s), (self.current, run.run_token), run.base, max(run.base, started))}
             if handle is not None:
                 self.mgr.wait()  # committed before the next step: the next snapshot's base is exact
                 run.persistent[s] = (token, s)
-                run.base = s
+                run.base = run.started = s
             run.step, run.value = s, (token, s)
 
     def restore(self, at_most: int | None = None, reopen: bool = True) -> int | None:
@@ -105,8 +112,11 @@ class _Model:
         bound = 2**62 if at_most is None else at_most
         present = max(run.persistent, default=-1)
         newest = max((s for s in run.persistent if s <= bound), default=-1)
-        usable = [s for s, (_, owner, base) in self.memory.items()
-                  if owner == (self.current, run.run_token) and base <= present and newest <= s <= bound]
+        # this run's, not after a persistent step deleted since, not a branch the run left (a
+        # persistent step saved after its trajectory's last save and up to it), in range
+        usable = [s for s, (_, owner, base, started) in self.memory.items()
+                  if owner == (self.current, run.run_token) and base <= present
+                  and not any(started < p <= s for p in run.persistent) and newest <= s <= bound]
         want = max(usable, default=None)
         source = "memory"
         if want is None and newest >= 0:
@@ -116,12 +126,12 @@ class _Model:
         assert got == want, (got, want, self.memory, run.persistent)
         if want is None:
             assert state["w"].tolist() == [-1.0, -1.0]  # untouched: a fresh start
-            run.step, run.base = 0, -1
+            run.step, run.base, run.started = 0, -1, -1
             return None
         value = self.memory[want][0] if source == "memory" else run.persistent[want]
         assert mgr.last_restore.source == source
         assert tuple(state["w"].tolist()) == value, (state["w"], value)
-        run.step, run.value, run.base = want, value, newest
+        run.step, run.value, run.base, run.started = want, value, newest, newest
         self.memory = {s: m for s, m in self.memory.items() if s <= want}  # discarded after the restored step
         return want
 
@@ -134,6 +144,39 @@ class _Model:
         self.mgr.discard_after(keep)
         run.persistent = {s: v for s, v in run.persistent.items() if s <= keep}
         self.memory = {s: m for s, m in self.memory.items() if s <= keep}
+
+    def save_now(self) -> None:
+        """A save on demand at the current step (a preemption's, ``request_save``): off the grid."""
+        run = self.run
+        if run.step == 0 or run.step in run.persistent:
+            return
+        self.mgr.save(run.step, {"w": torch.tensor(list(run.value), dtype=torch.float64)})
+        self.mgr.wait()
+        run.persistent[run.step] = run.value
+        run.base = run.started = run.step
+
+    def go_away(self) -> None:
+        """The node's memory folder leaves the job (a node drained, its ``/dev/shm`` kept); the job
+        restarts without it, from storage."""
+        if self.away is not None:
+            return
+        self.close()
+        os.rename(self.mem_root, self.mem_root + ".away")
+        self.away, self.memory = self.memory, {}
+        self.restore()
+
+    def come_back(self) -> None:
+        """The node returns with the snapshots it had; the job restarts with it."""
+        if self.away is None:
+            return
+        self.close()
+        for name in os.listdir(self.mem_root + ".away"):
+            if name.startswith("step-") and not os.path.exists(os.path.join(self.mem_root, name)):
+                os.rename(os.path.join(self.mem_root + ".away", name), os.path.join(self.mem_root, name))
+        shutil.rmtree(self.mem_root + ".away")
+        self.memory = {**{s: m for s, m in self.away.items() if s not in self.memory}, **self.memory}
+        self.away = None
+        self.restore()
 
     def new_run(self) -> None:
         """The run's folder deleted and a new run started at the same URL, on the same nodes."""
@@ -176,6 +219,12 @@ def test_a_restore_returns_this_runs_newest_step_never_another_runs_or_a_deleted
                 model.switch()
             elif op == "rollback":
                 model.rollback(arg)
+            elif op == "save_now":
+                model.save_now()
+            elif op == "away":
+                model.go_away()
+            elif op == "back":
+                model.come_back()
             else:
                 model.rewind(arg)
         model.restore()
@@ -188,6 +237,35 @@ def _train(path: str, mem: str, steps: range, start: float = 0.0) -> None:
     with ckptkit.CheckpointManager(path, save=ckptkit.SavePolicy(every_steps=100), memory=tier) as mgr:
         for s in steps:
             mgr.maybe_save(s, {"w": torch.full((3,), start + s)})
+
+
+def test_a_node_back_from_away_never_takes_the_run_back_to_the_branch_it_left(tmp_path, caplog):
+    """A node leaves with its snapshots (drained, ``/dev/shm`` kept); the job restarts from storage
+    and goes on, saving again; the node comes back. Its snapshot is newer by step number than
+    anything the job has, yet the run left that branch: the job's own newest step is restored."""
+    run, mem = str(tmp_path / "run"), str(tmp_path / "mem")
+
+    def manager(every: int) -> ckptkit.CheckpointManager:
+        tier = ckptkit.MemoryTier(every_steps=1, replicas=0, root=mem)
+        return ckptkit.CheckpointManager(run, save=ckptkit.SavePolicy(every_steps=every), memory=tier)
+
+    with manager(4) as mgr:  # branch 1: persistent 4, snapshots to 7
+        for s in range(1, 8):
+            if mgr.maybe_save(s, {"w": torch.full((3,), 100.0 + s)}):
+                mgr.wait()
+    os.rename(mem, mem + ".away")
+    with manager(3) as mgr:  # branch 2, without the node: from persistent 4, saving at 6
+        state = {"w": torch.zeros(3)}
+        assert mgr.restore_latest(state) == 4 and mgr.last_restore.source == "persistent"
+        for s in range(5, 7):
+            if mgr.maybe_save(s, {"w": torch.full((3,), 200.0 + s)}):
+                mgr.wait()
+    shutil.move(os.path.join(mem + ".away", "step-0000000007"), mem)  # the node is back with step 7
+    with manager(3) as mgr:
+        state = {"w": torch.zeros(3)}
+        assert mgr.restore_latest(state) == 6 and mgr.last_restore.source == "memory"
+    assert torch.equal(state["w"], torch.full((3,), 206.0))
+    assert "saved by another trajectory" in caplog.text
 
 
 def test_a_new_run_at_the_same_url_starts_fresh_and_says_why(tmp_path, caplog):

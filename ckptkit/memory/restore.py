@@ -70,7 +70,7 @@ class _Copy:
     fingerprint: str
 
 
-def _inventory(tier: MemorySnapshots, at_most: int, history: int) -> dict[int, dict[str, Any]]:
+def _inventory(tier: MemorySnapshots, at_most: int, history: tuple[int, tuple[int, ...]]) -> dict[int, dict[str, Any]]:
     """step -> {"copies": [_Copy...], "shares": [(holder, members, index)]} of what this process
     manages, leaving out what belongs to another run or to a history deleted since (:func:`_foreign`)."""
     out: dict[int, dict[str, Any]] = {}
@@ -88,7 +88,7 @@ def _inventory(tier: MemorySnapshots, at_most: int, history: int) -> dict[int, d
                 log.warning("memory tier: step %d, rank %d's copy at %s is unreadable, not used: %s",
                             step, r, tier.folder.root, exc)
                 continue
-            why = _foreign(meta.get("run"), meta.get("base"), tier.run_id, history)
+            why = _foreign(meta, step, tier.run_id, history)
             if why is None:
                 copies.append(copy)
             else:
@@ -104,7 +104,7 @@ def _inventory(tier: MemorySnapshots, at_most: int, history: int) -> dict[int, d
                 if header.run == tier.run_id:
                     shares.append((h, header.members, header.index, header.chunk, header.lengths, header.digests))
                 else:
-                    foreign = foreign or _foreign(header.run, -1, tier.run_id, history)
+                    foreign = foreign or _foreign({"run": header.run}, step, tier.run_id, history, lineage=False)
         if foreign is not None:
             log.warning("memory tier: step %d in %s is not restored: %s", step, tier.folder.root, foreign)
         if copies or shares:
@@ -112,23 +112,41 @@ def _inventory(tier: MemorySnapshots, at_most: int, history: int) -> dict[int, d
     return out
 
 
-def _foreign(run: Any, base: Any, run_id: str, history: int) -> str | None:
-    """Why a snapshot recording ``run`` and ``base`` is not this run's to restore, or None.
+def _foreign(meta: dict[str, Any], step: int, run_id: str, history: tuple[int, tuple[int, ...]], *,
+             lineage: bool = True) -> str | None:
+    """Why the snapshot of ``step`` whose manifest records ``meta`` is not this run's to restore, or None.
 
-    ``run``: the id of the run that took it; another id is another run at the same URL (the old
-    run's folder deleted and a new run started, on the same nodes), none an older ckptkit.
-    ``base``: the newest persistent step committed when it was taken; newer than the newest step
-    folder left (``history``), it follows a persistent history someone has deleted since (a run
-    rewound by hand)."""
+    ``history``: the newest step folder holding a manifest on any rank, and the steps of those
+    this rank lists. What the snapshot records:
+
+    * ``run``: the id of the run that took it; another id is another run at the same URL (the old
+      run's folder deleted and a new run started, on the same nodes), none an older ckptkit;
+    * ``base``: the newest persistent step committed on its trajectory when it was taken. Newer
+      than the newest step left, it follows a history someone has deleted since (a run rewound by hand);
+    * ``started``: the newest persistent save its trajectory had started (its own step's included).
+      A persistent step after that and up to the snapshot's was saved by another trajectory: the
+      run went on without this snapshot (its node was away while the job restarted from storage,
+      at another world size or with that node's memory lost, and saved again), so it is a branch
+      the run has left.
+
+    ``lineage`` False: a parity share, which records only the run (its step's copies carry the rest)."""
+    run, base, started = meta.get("run"), meta.get("base"), meta.get("started", -2)
+    newest, steps = history
     if run != run_id:
         return (f"it was taken by another run (run id {run[:40]!r}; this run's, in its folder, is {run_id}: a run started "
                 "anew at this URL, or another run given the same memory folder)"
                 if isinstance(run, str) else "it records no run id (taken by an older ckptkit)")
-    if not isinstance(base, int) or isinstance(base, bool):
+    if not lineage:
+        return None
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (base, started)):
         return "it records no persistent step it followed"
-    if base > history:
+    if base > newest:
         return (f"it followed persistent step {base}, which is gone (the newest step left is "
-                f"{history if history >= 0 else 'none'}): the run was rewound, so it belongs to an abandoned history")
+                f"{newest if newest >= 0 else 'none'}): the run was rewound, so it belongs to an abandoned history")
+    later = [s for s in steps if started < s <= step]
+    if later:
+        return (f"persistent step {later[0]} was saved by another trajectory after this snapshot's last save "
+                f"(step {started}): the run went on without it (restarted from storage while its node was away)")
     return None
 
 
@@ -294,12 +312,13 @@ def _restore_step(tier: MemorySnapshots, view: LocalView, step: int, plan: dict[
 
 
 def restore_from_memory(tier: MemorySnapshots, state: dict[str, Any], *, at_most: int | None,
-                        at_least: int, history: int) -> tuple[RestoreInfo | None, bool]:
+                        at_least: int, history: tuple[int, tuple[int, ...]]) -> tuple[RestoreInfo | None, bool]:
     """The newest step in ``[at_least, at_most]`` every rank can restore from memory, restored;
     None when there is none (then the caller restores from persistent storage). Also whether a step
     that failed had written into ``state`` on some rank (agreed: the same on every rank), which the
     caller must not then report as untouched. ``history``: the newest persistent step folder there
-    is (-1: none); snapshots that followed a newer one are not used. Collective."""
+    is (-1: none) and the steps this rank lists, which a snapshot's lineage must agree with
+    (:func:`_foreign`). Collective."""
     overwritten = False
     t0 = time.perf_counter()
     tier._wait_quietly()
