@@ -132,8 +132,9 @@ class MemorySnapshots:
 
         ``base``: the newest persistent step committed on this run's trajectory (-1: none), which
         a restore requires to be still there; ``started``: the newest whose save it started (this
-        step's included), after which a restore requires no persistent step up to this one. ``lend``: also return ``state`` with every tensor replaced by its staged copy (None when that
-        is not possible), for a persistent save of the same step to persist from; call
+        step's included), after which a restore requires no persistent step up to this one.
+        ``lend``: also return ``state`` with every tensor replaced by its staged copy (None when
+        that is not possible), for a persistent save of the same step to persist from; call
         :meth:`lent_to` with that save's completion."""
         prev = self._inflight
         if prev is not None:
@@ -197,7 +198,7 @@ class MemorySnapshots:
         """Write, copy and retire, agreeing with every rank after the write and after the copies:
         the outcome this returns (or raises) is every rank's."""
         t0 = time.perf_counter()
-        self._drop_newer(step)
+        self._tidy(f"removing steps newer than {step}", lambda: self._drop_newer(step))
         error = self._attempt(handle.wait)  # the own copy is committed in node memory
         if error is not None:
             self._saver.acknowledge(handle)  # reported here, by every rank: the saver must not raise it again
@@ -208,7 +209,8 @@ class MemorySnapshots:
             error = self._attempt(lambda: rounds(step))
             if not self._agree(step, error, "copying it to its holders"):  # also the barrier
                 raise self._failed(step, error, "copying it to its holders")
-        self.retire_before(step)  # every rank's copies of `step` are complete: older steps may go
+        # every rank's copies of `step` are complete: older steps may go
+        self._tidy(f"retiring steps before {step}", lambda: self.retire_before(step))
         self.last_protected = (step, time.perf_counter() - t0)
         log.debug("memory snapshot of step %d protected in %.3fs", step, self.last_protected[1])
         return step
@@ -295,7 +297,19 @@ class MemorySnapshots:
     def discard_after(self, step: int) -> None:
         """Remove this process's entries of steps newer than ``step`` (an abandoned trajectory)."""
         self._wait_quietly()
-        self._drop_newer(step)
+        self._tidy(f"removing steps newer than {step}", lambda: self._drop_newer(step))
+
+    def _tidy(self, what: str, work: Callable[[], object]) -> None:
+        """Remove entries no longer in use; a failure (something in the folder that cannot be
+        removed: a directory planted where a share should be, a file without permission) is logged,
+        never raised. Raised, it would fail one rank's snapshot or restore alone, after the
+        agreements every rank joins: the others would carry on into collectives it never joins.
+        What is left is retried at the next snapshot, and a restore checks whatever it finds."""
+        try:
+            work()
+        except Exception as exc:  # noqa: BLE001 - see above
+            log.warning("memory tier: %s in %s failed, left for the next snapshot: %s: %s",
+                        what, self.folder.root, type(exc).__name__, exc)
 
     def _drop_newer(self, step: int) -> None:
         """Entries of steps newer than ``step``: a trajectory the run has left (a rollback, a fresh
