@@ -148,3 +148,58 @@ def test_a_step_in_both_tiers_copies_the_state_once(tmp_path):
     with _manager(tmp_path, persist_every=4) as mgr:
         assert mgr.restore_latest(restored) == 8 and mgr.last_restore.source == "memory"
     assert torch.equal(restored["model"]["w"], _state(8)["model"]["w"])
+
+
+def _tree(root) -> dict:
+    out = {}
+    for d, _, fs in os.walk(root):
+        for f in fs:
+            with open(os.path.join(d, f), "rb") as fh:
+                out[os.path.relpath(os.path.join(d, f), root)] = fh.read()
+    return out
+
+
+def test_planted_entries_are_never_read_or_written_through(tmp_path):
+    """A file in a step's place, a link in a step's or a rank's place pointing at a real snapshot
+    elsewhere, a real snapshot folder moved under another step's name: none is restored from, no
+    write or removal goes through a link, and the real newest step comes back."""
+    import shutil
+
+    with _manager(tmp_path) as mgr:
+        for step in range(1, 7):
+            mgr.maybe_save(step, _state(step))
+    mem, outside = tmp_path / "mem", tmp_path / "outside"
+    shutil.copytree(mem / "step-0000000006", outside / "step-0000000006")  # a real snapshot elsewhere
+    (mem / "step-0000000011").write_bytes(b"x")
+    os.symlink(outside / "step-0000000006", mem / "step-0000000010")
+    os.makedirs(mem / "step-0000000009")
+    os.symlink(outside / "step-0000000006" / "rank-00000", mem / "step-0000000009" / "rank-00000")
+    shutil.copytree(mem / "step-0000000006", mem / "step-0000000008")  # moved: it records step 6
+    before = _tree(outside)
+    state = _state(99)
+    with _manager(tmp_path) as mgr:
+        assert mgr.restore_latest(state) == 6 and mgr.last_restore.source == "memory"
+        assert state["step_count"] == 6
+        for step in range(7, 12):  # writes at the planted steps' numbers, retirement of all of them
+            mgr.maybe_save(step, _state(step))
+    assert _tree(outside) == before
+    assert not any(os.path.islink(mem / n) for n in os.listdir(mem))
+    with _manager(tmp_path) as mgr:
+        state = _state(99)
+        assert mgr.restore_latest(state) == 10 and state["step_count"] == 10  # 11 is a file: never a step
+
+
+def test_a_link_planted_at_the_default_memory_folder_is_refused(tmp_path):
+    """The default folder's name under /dev/shm is predictable (derived from the run's URL), and
+    /dev/shm is writable by every user: a link planted there would receive the snapshots."""
+    from ckptkit.memory.tier import default_root
+
+    run = str(tmp_path / "run")
+    root = default_root(os.path.abspath(run))
+    os.symlink(tmp_path, root)
+    try:
+        with pytest.raises(ckptkit.CkptkitError, match="not a directory of this user's"):
+            ckptkit.CheckpointManager(run, memory=ckptkit.MemoryTier(every_steps=1, replicas=0))
+    finally:
+        os.unlink(root)
+    assert not os.path.exists(tmp_path / "step-0000000001")

@@ -161,12 +161,52 @@ class MappedShare:
             self._map = None
 
 
-class NodeFolder:
-    """The memory folder of one node (or of one process, when each passes its own)."""
+def _regular(path: str) -> bool:
+    """A regular file itself, not a link to one."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
 
-    def __init__(self, root: str) -> None:
+
+def _real_dir(path: str) -> bool:
+    """A directory itself, not a link to one (never followed)."""
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def _names(path: str) -> list[str]:
+    """The entries of ``path`` when it is a real directory, else none: a file or a link planted
+    under a step's or a rank's name is never listed through (nor read or written through)."""
+    if not _real_dir(path):
+        return []
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
+class NodeFolder:
+    """The memory folder of one node (or of one process, when each passes its own).
+
+    Entries are trusted only as what they are: a step or rank folder must be a real directory (a
+    link in its place is neither listed nor followed, and is removed before that step is written),
+    a manifest or share a regular file. ``private``: the folder is ckptkit's default under a
+    world-writable ``/dev/shm``, whose name anyone can predict; it must then be a real directory
+    this user owns, made ``0700``, or the tier refuses it (another user's link there would receive
+    the snapshots)."""
+
+    def __init__(self, root: str, *, private: bool = False) -> None:
         self.root = os.path.abspath(root)
-        os.makedirs(self.root, exist_ok=True)
+        os.makedirs(self.root, mode=0o700 if private else 0o777, exist_ok=True)
+        if private:
+            st = os.lstat(self.root)
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+                raise StorageError(f"memory tier: {self.root} is not a directory of this user's (a link, a file or "
+                                   "another user's): refusing to keep snapshots there; remove it or pass "
+                                   "MemoryTier(root=...)")
         #: this process's spare files (:mod:`ckptkit.memory.spares`), once :meth:`keep_spares` is called
         self.spares: SparePool | None = None
 
@@ -190,33 +230,33 @@ class NodeFolder:
         root = os.path.join(self.step_path(step), rank_name(rank))
         return LocalStore(root) if self.spares is None else RecyclingStore(root, self.spares)
 
+    def own_step(self, step: int) -> None:
+        """Make ``step``'s folder a real directory before writing in it: a file or a link in its
+        place is removed (unlinked, never followed), so no write goes through it."""
+        path = self.step_path(step)
+        if os.path.lexists(path) and not _real_dir(path):
+            os.unlink(path)
+        os.makedirs(path, exist_ok=True)
+
     def steps(self) -> list[int]:
-        """Steps with a folder here, newest first."""
-        try:
-            names = os.listdir(self.root)
-        except FileNotFoundError:
-            return []
-        return sorted((int(m.group(1)) for m in map(STEP_RE.match, names) if m), reverse=True)
+        """Steps with a folder here (a real directory), newest first."""
+        names = _names(self.root)
+        return sorted((int(m.group(1)) for m in map(STEP_RE.match, names)
+                       if m and _real_dir(os.path.join(self.root, m.group(0)))), reverse=True)
 
     def ranks_at(self, step: int) -> list[int]:
-        """Ranks with a *committed* snapshot folder at ``step`` (manifest present; not yet verified)."""
-        try:
-            names = os.listdir(self.step_path(step))
-        except FileNotFoundError:
-            return []
+        """Ranks with a *committed* snapshot folder at ``step`` (a real directory with a manifest
+        that is a regular file; not yet verified)."""
         out = []
-        for m in map(RANK_RE.match, names):
-            if m and os.path.isfile(os.path.join(self.step_path(step), m.group(0), MANIFEST_NAME)):
+        for m in map(RANK_RE.match, _names(self.step_path(step))):
+            folder = os.path.join(self.step_path(step), m.group(0)) if m else ""
+            if m and _real_dir(folder) and _regular(os.path.join(folder, MANIFEST_NAME)):
                 out.append(int(m.group(1)))
         return sorted(out)
 
     def shares_at(self, step: int) -> list[int]:
         """Holders of committed parity shares at ``step``."""
-        try:
-            names = os.listdir(self.step_path(step))
-        except FileNotFoundError:
-            return []
-        return sorted(int(m.group(1)) for m in map(SHARE_RE.match, names) if m)
+        return sorted(int(m.group(1)) for m in map(SHARE_RE.match, _names(self.step_path(step))) if m)
 
     def outgoing(self, step: int, rank: int) -> OutgoingBundle:
         """Rank ``rank``'s committed folder at ``step``, opened to be streamed to a peer."""
@@ -225,6 +265,7 @@ class NodeFolder:
     def incoming(self, step: int, rank: int, header: bytes | bytearray | memoryview) -> IncomingBundle:
         """Receive rank ``rank``'s folder at ``step`` (replacing whatever is there) as ``header`` lists it."""
         store = self.rank_store(step, rank)
+        self.own_step(step)
         self.remove_rank(step, rank)
         return IncomingBundle(store, header, self.spares)
 
@@ -270,8 +311,8 @@ class NodeFolder:
         """A new parity share of ``chunk`` bytes, mapped for the parity rounds to write into (a spare
         file when there is one: the first round writes every byte); committed by
         :meth:`commit_share` (its header, written last)."""
+        self.own_step(step)
         self.remove_share(step, holder)
-        os.makedirs(self.step_path(step), exist_ok=True)
         path = self._share_path(step, holder, ".bin")
         fd = self.spares.open_over(path, chunk, readable=True) if self.spares is not None and chunk >= MIN_SPARE else None
         return MappedShare.open(path, chunk, writable=True, fd=fd)
@@ -284,7 +325,14 @@ class NodeFolder:
         return os.path.join(self.step_path(step), f"share-{holder:05d}{ext}")
 
     def remove_rank(self, step: int, rank: int) -> None:
-        shutil.rmtree(os.path.join(self.step_path(step), rank_name(rank)), ignore_errors=True)
+        """Remove a rank's folder at ``step``; a file or a link in its place is unlinked (not followed)."""
+        if not _real_dir(self.step_path(step)):
+            return
+        path = os.path.join(self.step_path(step), rank_name(rank))
+        if os.path.lexists(path) and not _real_dir(path):
+            os.unlink(path)
+        else:
+            shutil.rmtree(path, ignore_errors=True)
 
     def remove_share(self, step: int, holder: int) -> None:
         for ext in (".json", ".bin"):  # header first: a share without it is not committed
@@ -317,6 +365,8 @@ class NodeFolder:
                 if not claims(r):
                     continue
                 root = self.rank_store(step, r).root
+                if not _real_dir(root):
+                    continue  # a link in a rank's place: removed by remove_claimed, never walked through
                 try:
                     os.unlink(os.path.join(root, MANIFEST_NAME))
                 except FileNotFoundError:
@@ -351,7 +401,7 @@ class NodeFolder:
                 if stat.S_ISREG(st.st_mode):
                     total += st.st_size
         for r in self._rank_folders(step):
-            if claims(r):
+            if claims(r) and _real_dir(self.rank_store(step, r).root):
                 for dirpath, _, names in os.walk(self.rank_store(step, r).root):
                     for name in names:
                         try:
@@ -364,17 +414,10 @@ class NodeFolder:
 
     def _rank_folders(self, step: int) -> list[int]:
         """Ranks with a folder at ``step``, committed or not (:meth:`ranks_at` is the committed ones)."""
-        try:
-            names = os.listdir(self.step_path(step))
-        except FileNotFoundError:
-            return []
-        return sorted(int(m.group(1)) for m in map(RANK_RE.match, names) if m)
+        return sorted(int(m.group(1)) for m in map(RANK_RE.match, _names(self.step_path(step))) if m)
 
     def _share_holders_any(self, step: int) -> list[int]:
-        try:
-            names = os.listdir(self.step_path(step))
-        except FileNotFoundError:
-            return []
+        names = _names(self.step_path(step))
         return sorted({int(n[6:11]) for n in names if n.startswith("share-") and n[6:11].isdigit()})
 
 

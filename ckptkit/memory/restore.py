@@ -84,6 +84,8 @@ def _inventory(tier: MemorySnapshots, at_most: int, history: tuple[int, tuple[in
             try:
                 meta = decode_value(read_manifest(tier.folder.rank_store(step, r)).meta.get("user", {}), "memory tier")
                 copy = _Copy(int(meta["rank"]), int(meta["world_size"]), str(meta["fingerprint"]))
+                if (int(meta["step"]), copy.rank) != (step, r):
+                    raise ValueError(f"it records step {meta['step']}, rank {meta['rank']}: moved from elsewhere")
             except (CkptkitError, OSError, KeyError, TypeError, ValueError, AttributeError) as exc:
                 log.warning("memory tier: step %d, rank %d's copy at %s is unreadable, not used: %s",
                             step, r, tier.folder.root, exc)

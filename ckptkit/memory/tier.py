@@ -75,7 +75,7 @@ class MemorySnapshots:
         self.comm = comm
         self.rank, self.world_size = comm.rank, comm.world_size
         self.topology = Topology(self.world_size, options.node_size(), options.copies, options.parity)
-        self.folder = NodeFolder(options.root or default_root(run_url))
+        self.folder = NodeFolder(options.root or default_root(run_url), private=options.root is None)
         if options.reuse_files:
             self.folder.keep_spares(self.rank, self.claims)
         self.link = Link(ranks, options.timeout_seconds) if self.world_size > 1 else None
@@ -149,6 +149,7 @@ class MemorySnapshots:
         if self._lent is not None and not self._lent.done():
             self._saver.pool.release()  # still being persisted from: stage into a new buffer
         self._lent = None
+        self.folder.own_step(step)  # a file or a link planted in its place: removed, never written through
         self.folder.remove_rank(step, self.rank)  # a leftover of an abandoned trajectory
         meta = {"memory_tier": TIER_VERSION, "step": step, "rank": self.rank, "world_size": self.world_size,
                 "fingerprint": view.fingerprint, "run": self.run_id, "base": base,
