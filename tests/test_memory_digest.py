@@ -119,3 +119,21 @@ def test_new_share_headers_are_version_3_with_their_run_and_others_are_refused(t
     _write_share(folder, data, no_run, 3)
     with pytest.raises(CorruptCheckpointError, match="inconsistent"):  # version 3 must name its run
         folder.check_share(3, 1)
+
+
+def test_a_share_moved_to_another_step_or_holder_is_refused(tmp_path):
+    """A share's header names its step and holder: copied under another step's or rank's name (its
+    bytes and digest intact), it would rebuild that step's member from another step's parity."""
+    folder = NodeFolder(str(tmp_path / "node"))
+    data = bytes(range(64))
+    header = ShareHeader(3, (0, 1, 2), 1, 64, (64, 64, 64), ("0" * 64,) * 3, digest.of(data), RUN)
+    _write_share(folder, data, header, SHARE_VERSION)
+    assert folder.check_share(3, 1) == header
+    for step, holder in ((4, 1), (3, 2)):
+        os.makedirs(folder.step_path(step), exist_ok=True)
+        for ext in (".bin", ".json"):
+            with open(os.path.join(folder.step_path(3), f"share-00001{ext}"), "rb") as src, \
+                    open(os.path.join(folder.step_path(step), f"share-{holder:05d}{ext}"), "wb") as dst:
+                dst.write(src.read())
+        with pytest.raises(CorruptCheckpointError, match="moved here"):
+            folder.check_share(step, holder)

@@ -281,7 +281,11 @@ class NodeFolder:
         (a FIFO, a device or a link out of the folder in its place is refused, never waited on)."""
         where = self._share_path(step, holder, ".json")
         data = LocalStore(self.step_path(step)).read_bytes(f"share-{holder:05d}.json", limit=MAX_HEADER)
-        return ShareHeader.from_json(data, where)
+        header = ShareHeader.from_json(data, where)
+        if header.step != step or header.members[header.index] != holder:
+            raise CorruptCheckpointError(f"{where}: the share of rank {header.members[header.index]} at step "
+                                         f"{header.step}, moved here from elsewhere")
+        return header
 
     def check_share(self, step: int, holder: int) -> ShareHeader:
         """A parity share's header, once its bytes are checked against the digest it records (read
