@@ -203,3 +203,17 @@ def test_a_link_planted_at_the_default_memory_folder_is_refused(tmp_path):
     finally:
         os.unlink(root)
     assert not os.path.exists(tmp_path / "step-0000000001")
+
+
+def test_a_root_given_as_a_link_is_the_folder_it_names(tmp_path):
+    """``MemoryTier(root=...)`` may name its folder through a link (the user's choice): snapshots
+    are kept in, and restored from, the folder the link names."""
+    os.makedirs(tmp_path / "real")
+    os.symlink(tmp_path / "real", tmp_path / "mem")
+    with _manager(tmp_path) as mgr:
+        for step in range(1, 5):
+            mgr.maybe_save(step, _state(step))
+    assert os.path.isdir(tmp_path / "real" / "step-0000000004")
+    state = _state(99)
+    with _manager(tmp_path) as mgr:
+        assert mgr.restore_latest(state) == 4 and mgr.last_restore.source == "memory"

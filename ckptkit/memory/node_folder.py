@@ -199,7 +199,8 @@ class NodeFolder:
     the snapshots)."""
 
     def __init__(self, root: str, *, private: bool = False) -> None:
-        self.root = os.path.abspath(root)
+        # a root the user gives may be a link to the folder they mean: resolved once, here
+        self.root = os.path.abspath(root) if private else os.path.realpath(root)
         os.makedirs(self.root, mode=0o700 if private else 0o777, exist_ok=True)
         if private:
             st = os.lstat(self.root)
