@@ -28,6 +28,7 @@ import ckptkit
 from ckptkit.manager import step_dir
 from ckptkit.run_identity import RUN_FILE
 from tests.s3_server import s3_env, s3_server  # noqa: F401 - fixtures
+from tests.test_memory_restore_checks import _state, _tier
 
 MEM_EVERY, PERSIST_EVERY = 2, 4
 
@@ -208,25 +209,12 @@ def test_a_restore_returns_this_runs_newest_step_never_another_runs_or_a_deleted
     model = _Model(str(tmp_path_factory.mktemp("lineage")))
     model.restore()
     try:
+        actions = {"train": model.train, "rollback": model.rollback, "rewind": model.rewind,
+                   "restart": lambda _: model.restore(), "new_run": lambda _: model.new_run(),
+                   "switch": lambda _: model.switch(), "save_now": lambda _: model.save_now(),
+                   "away": lambda _: model.go_away(), "back": lambda _: model.come_back()}
         for op, arg in ops:
-            if op == "train":
-                model.train(arg)
-            elif op == "restart":
-                model.restore()
-            elif op == "new_run":
-                model.new_run()
-            elif op == "switch":
-                model.switch()
-            elif op == "rollback":
-                model.rollback(arg)
-            elif op == "save_now":
-                model.save_now()
-            elif op == "away":
-                model.go_away()
-            elif op == "back":
-                model.come_back()
-            else:
-                model.rewind(arg)
+            actions[op](arg)
         model.restore()
     finally:
         model.close()
@@ -330,16 +318,11 @@ def test_the_run_file_is_made_once_and_kept(tmp_path):
 # --------------------------------------------------------------- 4 gloo ranks, 2 or 4 nodes
 
 def _rank_state(seed: float) -> dict:
-    r = dist.get_rank()
-    g = torch.Generator().manual_seed(int(seed * 1000) + r)
-    return {f"w@{r}": torch.randn(2000 + 37 * r, generator=g), f"m@{r}": torch.randn(300, generator=g).double()}
+    return _state(int(seed * 1000) + dist.get_rank(), 2000)
 
 
 def _rank_tier(base: str, kind: str) -> ckptkit.MemoryTier:
-    rpn = 2 if kind == "r1" else 1
-    kw = {"replicas": 1} if kind == "r1" else {"parity": 4}
-    return ckptkit.MemoryTier(every_steps=2, root=os.path.join(base, f"node{dist.get_rank() // rpn}"),
-                              ranks_per_node=rpn, timeout_seconds=60.0, **kw)
+    return _tier(base, kind, every_steps=2)
 
 
 def _rank_train(run: str, base: str, kind: str, seed: float, steps: list[int], persist: list[int]) -> dict:

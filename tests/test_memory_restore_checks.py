@@ -30,16 +30,18 @@ from tests.damage import flip_byte
 MEM_STEP, PERSISTENT_STEP = 2, 1
 
 
-def _state(seed: int) -> dict:
+def _state(seed: int, n: int = 3000) -> dict:
+    """This rank's own keys and bytes (``n + 41 * rank`` floats and 700 doubles), from ``seed``."""
     g = torch.Generator().manual_seed(seed)
     r = dist.get_rank()
-    return {f"w@{r}": torch.randn(3000 + 41 * r, generator=g), f"m@{r}": torch.randn(700, generator=g).double()}
+    return {f"w@{r}": torch.randn(n + 41 * r, generator=g), f"m@{r}": torch.randn(700, generator=g).double()}
 
 
-def _tier(base: str, kind: str) -> ckptkit.MemoryTier:
+def _tier(base: str, kind: str, every_steps: int = 1) -> ckptkit.MemoryTier:
+    """``replicas=1`` on 2 nodes of 2 (``kind`` "r1") or ``parity=4`` on 4 nodes of 1 ("p4")."""
     rpn = 2 if kind == "r1" else 1
     kw = {"replicas": 1} if kind == "r1" else {"parity": 4}
-    return ckptkit.MemoryTier(every_steps=1, root=os.path.join(base, f"node{dist.get_rank() // rpn}"),
+    return ckptkit.MemoryTier(every_steps=every_steps, root=os.path.join(base, f"node{dist.get_rank() // rpn}"),
                               ranks_per_node=rpn, timeout_seconds=60.0, **kw)
 
 

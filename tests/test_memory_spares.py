@@ -143,18 +143,21 @@ def _inodes(root: str) -> set[int]:
             if os.lstat(os.path.join(d, f)).st_size >= MIN_SPARE}
 
 
-def restore_with_extra(run: str, base: str) -> dict:
+def restore_with_extra(run: str, base: str, extra: int = 900_000, value: float = 70.0, parity: bool = False) -> dict:
+    """Restore into a fresh model whose "extra" buffer has the last step's size (``extra``), and
+    whether it came back as ``value + rank``. Replicas on 2 nodes of 2, or ``parity``=4 on 4 of 1."""
     model, optim = models.build("fsdp", torch.float32, seed=5)
     state = models.sharded_state(model, optim)
-    state["extra"] = torch.zeros(900_000)  # step 7's size
-    tier = ckptkit.MemoryTier(every_steps=1, replicas=1, root=os.path.join(base, f"node{dist.get_rank() // 2}"),
-                              ranks_per_node=2, timeout_seconds=60.0)
+    state["extra"] = torch.zeros(extra)
+    rpn, kw = (1, {"parity": 4}) if parity else (2, {"replicas": 1})
+    tier = ckptkit.MemoryTier(every_steps=1, root=os.path.join(base, f"node{dist.get_rank() // rpn}"),
+                              ranks_per_node=rpn, timeout_seconds=60.0, **kw)
     with ckptkit.CheckpointManager(run, memory=tier) as mgr:
         step = mgr.restore_latest(state)
         info = mgr.last_restore
     models.apply_state(model, optim, state)
     return {"step": step, "sources": info.sources, "full": models.full_state(model, optim),
-            "extra_ok": bool(torch.equal(state["extra"], torch.full((900_000,), float(70 + dist.get_rank()))))}
+            "extra_ok": bool(torch.equal(state["extra"], torch.full((extra,), float(value + dist.get_rank()))))}
 
 
 def reference(step: int) -> dict:
@@ -240,20 +243,6 @@ def parity_job(run: str, base: str) -> dict:
     return {"recycled": recycled}
 
 
-def restore_parity(run: str, base: str) -> dict:
-    model, optim = models.build("fsdp", torch.float32, seed=5)
-    state = models.sharded_state(model, optim)
-    state["extra"] = torch.zeros(1_005_000)
-    tier = ckptkit.MemoryTier(every_steps=1, parity=4, root=os.path.join(base, f"node{dist.get_rank()}"),
-                              ranks_per_node=1, timeout_seconds=60.0)
-    with ckptkit.CheckpointManager(run, memory=tier) as mgr:
-        step = mgr.restore_latest(state)
-        info = mgr.last_restore
-    models.apply_state(model, optim, state)
-    return {"step": step, "sources": info.sources, "full": models.full_state(model, optim),
-            "extra_ok": bool(torch.equal(state["extra"], torch.full((1_005_000,), float(50 + dist.get_rank()))))}
-
-
 def test_parity_shares_are_written_over_spares_and_still_rebuild_a_lost_node_bit_exact(worlds, tmp_path):
     """A share of a retired step is kept as a spare like the data files, and the next share is written
     over one (no zeroing: the parity rounds' first round stores every byte). Step 5's shares were
@@ -265,7 +254,7 @@ def test_parity_shares_are_written_over_spares_and_still_rebuild_a_lost_node_bit
     import shutil
 
     shutil.rmtree(os.path.join(base, "node1"))
-    again = worlds.run(4, restore_parity, run, base)
+    again = worlds.run(4, restore_with_extra, run, base, 1_005_000, 50.0, True)
     assert again[0]["step"] == 5 and again[0]["sources"] == ("memory", "parity", "memory", "memory")
     assert all(a["extra_ok"] for a in again)
     want = worlds.run(4, reference, 5)[0]

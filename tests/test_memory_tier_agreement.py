@@ -253,8 +253,8 @@ def train_six(run: str, base: str) -> dict:
     return {}
 
 
-def restore_saying(run: str, base: str) -> dict:
-    """:func:`restore`, and the warnings the tier logged on this rank while restoring."""
+def _warnings_during(work) -> tuple[object, list[str]]:
+    """``work()``'s result, and the warnings ckptkit logged on this rank meanwhile."""
     import logging
 
     said: list[str] = []
@@ -266,9 +266,14 @@ def restore_saying(run: str, base: str) -> dict:
     handler = Keep(logging.WARNING)
     logging.getLogger("ckptkit").addHandler(handler)
     try:
-        out = restore(run, base)
+        return work(), said
     finally:
         logging.getLogger("ckptkit").removeHandler(handler)
+
+
+def restore_saying(run: str, base: str) -> dict:
+    """:func:`restore`, and the warnings the tier logged on this rank while restoring."""
+    out, said = _warnings_during(lambda: restore(run, base))
     return {**out, "warnings": said}
 
 
@@ -344,22 +349,11 @@ def test_many_small_messages_of_unequal_counts_keep_every_transfer_in_step(world
 
 
 def _placement_warnings(run: str, roots: list[str], kw: dict) -> list[str]:
-    import logging
-
-    seen: list[str] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            seen.append(record.getMessage())
-
-    handler = Keep(logging.WARNING)
-    logging.getLogger("ckptkit").addHandler(handler)
-    try:
+    def build() -> None:
         tier = ckptkit.MemoryTier(every_steps=1, root=roots[dist.get_rank()], timeout_seconds=60.0, **kw)
         ckptkit.CheckpointManager(run, memory=tier).close()
-    finally:
-        logging.getLogger("ckptkit").removeHandler(handler)
-    return [m for m in seen if "share its memory folder" in m]
+
+    return [m for m in _warnings_during(build)[1] if "share its memory folder" in m]
 
 
 def test_protection_kept_in_the_protected_ranks_own_folder_is_said(worlds, tmp_path):
