@@ -236,7 +236,10 @@ class NodeFolder:
         place is removed (unlinked, never followed), so no write goes through it."""
         path = self.step_path(step)
         if os.path.lexists(path) and not _real_dir(path):
-            os.unlink(path)
+            try:
+                os.unlink(path)
+            except FileNotFoundError:  # a node mate removed it first
+                pass
         os.makedirs(path, exist_ok=True)
 
     def steps(self) -> list[int]:
@@ -335,7 +338,10 @@ class NodeFolder:
             return
         path = os.path.join(self.step_path(step), rank_name(rank))
         if os.path.lexists(path) and not _real_dir(path):
-            os.unlink(path)
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
         else:
             shutil.rmtree(path, ignore_errors=True)
 
