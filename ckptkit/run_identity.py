@@ -35,7 +35,7 @@ _MAX_BYTES = 4096
 def _parse(data: bytes) -> str | None:
     try:
         doc = json.loads(data)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
         return None
     if not isinstance(doc, dict) or doc.get("format") != _FORMAT or doc.get("version") != _VERSION:
         return None
