@@ -19,7 +19,8 @@ class MemoryTier:
 
     ``root``: this node's memory folder. Shared memory (``/dev/shm``) outlives the worker
     processes, so a crash followed by a ``torchrun`` restart finds it; the default is
-    ``/dev/shm/ckptkit-<run>``, derived from the manager's root, and each process may pass its own.
+    ``/dev/shm/ckptkit-<run>``, derived from the manager's root (made ``0700``; refused if a link or
+    another user's directory stands there), and each process may pass its own.
     ``ranks_per_node``: node ``k`` holds ranks ``k * ranks_per_node ...``; default the launcher's
     ``LOCAL_WORLD_SIZE`` (1 without a launcher).
 
