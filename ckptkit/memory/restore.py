@@ -103,10 +103,11 @@ def _inventory(tier: MemorySnapshots, at_most: int, history: tuple[int, tuple[in
                 except (CkptkitError, OSError) as exc:
                     log.warning("memory tier: step %d, parity share %d unreadable, not used: %s", step, h, exc)
                     continue
-                if header.run == tier.run_id:
+                why = _foreign({"run": header.run}, step, tier.run_id, history, lineage=False)
+                if why is None:
                     shares.append((h, header.members, header.index, header.chunk, header.lengths, header.digests))
                 else:
-                    foreign = foreign or _foreign({"run": header.run}, step, tier.run_id, history, lineage=False)
+                    foreign = foreign or why
         if foreign is not None:
             log.warning("memory tier: step %d in %s is not restored: %s", step, tier.folder.root, foreign)
         if copies or shares:

@@ -132,7 +132,8 @@ class MemorySnapshots:
 
         ``base``: the newest persistent step committed on this run's trajectory (-1: none), which
         a restore requires to be still there; ``started``: the newest whose save it started (this
-        step's included), after which a restore requires no persistent step up to this one.
+        step's included; never below ``base``), after which a restore requires no persistent step
+        up to this one.
         ``lend``: also return ``state`` with every tensor replaced by its staged copy (None when
         that is not possible), for a persistent save of the same step to persist from; call
         :meth:`lent_to` with that save's completion."""
@@ -153,7 +154,7 @@ class MemorySnapshots:
         self.folder.remove_rank(step, self.rank)  # a leftover of an abandoned trajectory
         meta = {"memory_tier": TIER_VERSION, "step": step, "rank": self.rank, "world_size": self.world_size,
                 "fingerprint": view.fingerprint, "run": self.run_id, "base": base,
-                "started": max(base, started)}
+                "started": started}
         handle = self._saver.save(view.state, self.folder.rank_store(step, self.rank), step=step, metadata=meta)
         assert handle is not None  # a rank-local saver with on_busy="wait" never skips
         self._inflight = self._executor.submit(self._protect, step, handle)
