@@ -96,6 +96,27 @@ class TinyLM(torch.nn.Module):
 
 MODELS = {"mlp": MLP, "lm": TinyLM}
 
+FROZEN = ("fc1.weight", "fc2.bias")
+"""The MLP's parameters ``frozen_seed`` freezes: odd sizes (91 and 13 elements), so ZeRO-3's partitions
+of them are padded, at DP 4 and at DP 2 alike."""
+
+
+def frozen_values(seed: int) -> dict[str, torch.Tensor]:
+    """The values ``frozen_seed=seed`` gives the frozen parameters (fp32; a bf16 engine holds them rounded)."""
+    g = torch.Generator().manual_seed(seed)
+    return {"fc1.weight": torch.randn(HIDDEN, IN, generator=g), "fc2.bias": torch.randn(HIDDEN, generator=g)}
+
+
+def freeze(model: torch.nn.Module, seed: int) -> None:
+    """Set :data:`FROZEN` to :func:`frozen_values` and take them out of training (``requires_grad=False``, so
+    no ZeRO optimizer group holds them). A resume built with another seed holds other values until its load:
+    a load that skipped frozen parameters would show in its first loss."""
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, value in frozen_values(seed).items():
+            params[name].copy_(value)
+            params[name].requires_grad_(False)
+
 
 def config(stage: int, dtype: str, *, config_optimizer: bool = False, gas: int = 1, **extra: Any) -> dict[str, Any]:
     dp = dist.get_world_size()
@@ -117,7 +138,7 @@ def config(stage: int, dtype: str, *, config_optimizer: bool = False, gas: int =
 
 
 def build(stage: int, dtype: str, *, config_optimizer: bool = False, model: str = "mlp",
-          **extra: Any) -> Any:
+          frozen_seed: int | None = None, **extra: Any) -> Any:
     deepspeed = import_deepspeed()
     # A ZeRO-3 engine replaces torch.nn.functional.linear process-wide (memory_efficient_linear; DeepSpeed
     # says it "will persist unless manually reset"). These worlds run many engines in one process, so
@@ -130,6 +151,8 @@ def build(stage: int, dtype: str, *, config_optimizer: bool = False, model: str 
         torch.nn.functional.linear = _Init.linear_bk
     torch.manual_seed(0)
     model = MODELS[model]()
+    if frozen_seed is not None:
+        freeze(model, frozen_seed)
     cfg = config(stage, dtype, config_optimizer=config_optimizer, **extra)
     kwargs: dict[str, Any] = {"model": model, "config": cfg, "model_parameters": model.parameters()}
     if not config_optimizer:
@@ -185,13 +208,13 @@ def eval_loss(engine: Any) -> float:
 
 def train_and_save(stage: int, dtype: str, folder: str, *, save_step: int, steps: int,
                    config_optimizer: bool = False, native: bool = True, model: str = "mlp",
-                   universal: bool = False) -> dict[str, Any]:
+                   universal: bool = False, frozen_seed: int | None = None) -> dict[str, Any]:
     """The uninterrupted reference run: saves asynchronously with ckptkit at ``save_step``
     (and natively with DeepSpeed; ``universal``: that converted by DeepSpeed's ds_to_universal, see
     :func:`resume_universal`), keeps training to ``steps``."""
     from ckptkit.adapters import deepspeed as ds_ckpt
 
-    engine = build(stage, dtype, config_optimizer=config_optimizer, model=model)
+    engine = build(stage, dtype, config_optimizer=config_optimizer, model=model, frozen_seed=frozen_seed)
     losses, out = {}, {}
     for step in range(1, steps + 1):
         losses[step] = train_step(engine, step)
@@ -215,19 +238,23 @@ def train_and_save(stage: int, dtype: str, folder: str, *, save_step: int, steps
 
 def resume(stage: int, dtype: str, path: str, *, from_step: int, steps: int,
            config_optimizer: bool = False, gas: int = 1, model: str = "mlp",
-           resave: str | None = None, load_optimizer_states: bool = True, perturb: bool = False) -> dict[str, Any]:
+           resave: str | None = None, load_optimizer_states: bool = True, perturb: bool = False,
+           frozen_seed: int | None = None) -> dict[str, Any]:
     """Load ``path`` into a fresh engine (``resave``: then save it again right away, so the test can
     compare the two checkpoints in model space), evaluate, and train on. Negative controls: ``perturb`` scales
-    the fp32 master of ``fc2.weight`` by 1.001 after the load; ``load_optimizer_states=False`` keeps a fresh Adam."""
+    the fp32 master of ``fc2.weight`` by 1.001 after the load; ``load_optimizer_states=False`` keeps a fresh Adam.
+    ``frozen_seed``: the fresh engine's frozen parameters (:func:`freeze`); its loss before the load is
+    reported as ``eval_before``."""
     from ckptkit.adapters import deepspeed as ds_ckpt
 
-    engine = build(stage, dtype, config_optimizer=config_optimizer, gas=gas, model=model)
+    engine = build(stage, dtype, config_optimizer=config_optimizer, gas=gas, model=model, frozen_seed=frozen_seed)
+    before = eval_loss(engine)
     client = ds_ckpt.load(engine, path, load_optimizer_states=load_optimizer_states)
     if perturb:
         _scale_master(engine, "fc2.weight", 1.001)
     if resave is not None:
         ds_ckpt.save(engine, resave, client_state=client)
-    return _train_on(engine, {"client": client}, from_step, steps)
+    return _train_on(engine, {"client": client, "eval_before": before}, from_step, steps)
 
 
 def _train_on(engine: Any, out: dict[str, Any], from_step: int, steps: int) -> dict[str, Any]:
@@ -345,9 +372,9 @@ def layout_facts(stage: int, dtype: str, zero_extra: dict[str, Any]) -> dict[str
 
 
 def resume_native(stage: int, dtype: str, folder: str, *, from_step: int, steps: int,
-                  config_optimizer: bool = False, model: str = "mlp") -> dict[str, Any]:
+                  config_optimizer: bool = False, model: str = "mlp", frozen_seed: int | None = None) -> dict[str, Any]:
     """Resume through DeepSpeed's own ``engine.load_checkpoint`` (e.g. of a folder ckptkit exported)."""
-    engine = build(stage, dtype, config_optimizer=config_optimizer, model=model)
+    engine = build(stage, dtype, config_optimizer=config_optimizer, model=model, frozen_seed=frozen_seed)
     _, client = engine.load_checkpoint(folder)
     out: dict[str, Any] = {"client": {k: client[k] for k in ("epoch", "note") if k in client},
                            "eval": eval_loss(engine), "lr": engine.get_lr(),

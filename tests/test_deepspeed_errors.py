@@ -164,15 +164,33 @@ def test_a_module_tensor_of_another_shape_is_named(tmp_path):
         import_deepspeed(src, tmp_path / "out")
 
 
-@pytest.mark.parametrize("stage", [1, 2])
-def test_a_weight_no_table_lists_is_refused_naming_it(tmp_path, stage):
+def test_a_weight_no_table_lists_is_refused_naming_it(tmp_path):
     """DeepSpeed's strict ``load_checkpoint`` refuses an unexpected key; the import used to drop it."""
-    src = deepspeed_folder(tmp_path / "src", stage=stage)
+    src = deepspeed_folder(tmp_path / "src", stage=2)
     _edit_model_states(src, lambda d: d["module"].__setitem__("stray.weight", torch.ones(2)))
     with pytest.raises(ManifestError, match=r"mp_rank_00_model_states\.pt: module state holds \['stray.weight'\], "
                                             "which neither param_shapes"):
         import_deepspeed(src, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_zero1_module_tensor_no_table_lists_is_a_frozen_parameter(tmp_path):
+    """ZeRO 1 lists no frozen parameters (DeepSpeed writes frozen_param_shapes from stage 2 on) and keeps
+    every parameter whole in ``module``: an unlisted module tensor is imported as a frozen parameter, its
+    own name and bytes; an unlisted entry that is not a tensor is refused by name."""
+    src = deepspeed_folder(tmp_path / "src", stage=1)
+    stray = torch.arange(6, dtype=torch.float32).reshape(2, 3) / 7
+    _edit_model_states(src, lambda d: d["module"].__setitem__("stray.weight", stray))
+    import_deepspeed(src, tmp_path / "out")
+    view = ckptkit.open(tmp_path / "out")
+    assert "stray.weight" in read_meta(view)["frozen"]
+    got = view["model/stray.weight"].read()
+    assert got.dtype == stray.dtype and torch.equal(got, stray)
+    src2 = deepspeed_folder(tmp_path / "src2", stage=1)
+    _edit_model_states(src2, lambda d: d["module"].__setitem__("stray.count", 3))
+    with pytest.raises(ManifestError, match=r"module state entry 'stray.count' is int; a ZeRO-1 module entry"):
+        import_deepspeed(src2, tmp_path / "out2")
+    assert not (tmp_path / "out2").exists()
 
 
 def test_tied_aliases_buffers_and_moe_experts_are_not_extra(tmp_path):

@@ -52,7 +52,7 @@ Getter = Callable[[RankData], torch.Tensor]
 class NativeZero:
     """What a native ZeRO folder's model-states file and rank 0's optimizer file say: the files, the
     module state, the parameter shapes per param group, rank 0's records, the MoE facts (None: dense),
-    the flat layout they imply, and the training dtype."""
+    the flat layout they imply, the training dtype and the frozen parameters (:func:`check_module`)."""
 
     files: fmt.NativeFiles
     model0: dict[str, Any]
@@ -63,6 +63,7 @@ class NativeZero:
     moe: dsm.NativeMoE | None
     layouts: list[FlatLayout]
     lp_dtype: torch.dtype
+    frozen: list[str]
 
     @property
     def where(self) -> str:
@@ -157,9 +158,9 @@ def read_native(files: fmt.NativeFiles) -> NativeZero:
     moe = dsm.native_moe(files.folder, tag_dir, model0, shapes, optim0, base0["param_groups"], files.dp,
                          files.zero_stage, where)
     lp_dtype = module[first].dtype
-    check_module(files, model0, module, shapes, moe is not None, lp_dtype)
+    frozen = check_module(files, model0, module, shapes, moe is not None, lp_dtype)
     layouts = _native_layouts(files, shapes, moe, _native_cut(zcfg, lp_dtype, where))
-    return NativeZero(files, model0, module, shapes, optim0, base0, moe, layouts, lp_dtype)
+    return NativeZero(files, model0, module, shapes, optim0, base0, moe, layouts, lp_dtype, frozen)
 
 
 def _check_world_size(files: fmt.NativeFiles, model0: dict[str, Any]) -> None:
@@ -180,11 +181,16 @@ def _check_world_size(files: fmt.NativeFiles, model0: dict[str, Any]) -> None:
 
 
 def check_module(files: fmt.NativeFiles, model0: dict[str, Any], module: dict[str, Any],
-                 shapes: list[dict[str, tuple[int, ...]]], moe: bool, lp_dtype: torch.dtype) -> None:
+                 shapes: list[dict[str, tuple[int, ...]]], moe: bool, lp_dtype: torch.dtype) -> list[str]:
     """``module`` must hold exactly what DeepSpeed's strict ``load_checkpoint`` would load: a tensor for
     every parameter ``param_shapes`` lists (routed experts live in their own files), buffer and frozen
     parameter, and nothing else but tied aliases. Checked before anything is written: a missing
-    parameter would otherwise fail mid-write, and an unknown weight be dropped without a word."""
+    parameter would otherwise fail mid-write, and an unknown weight be dropped without a word.
+
+    Returns the frozen parameters' names. ZeRO 1 records none (DeepSpeed writes ``frozen_param_shapes``
+    only when it partitions gradients, stage 2 and up), while its ``module`` holds every parameter whole:
+    there a module tensor no table lists is a frozen parameter, imported as one, under its own name and
+    with its own bytes. At ZeRO 2 and 3 such a tensor is refused."""
     where = files.model[0]
     tables: dict[str, list[str]] = {
         "param_shapes": [n for g in shapes for n in g if not (moe and dsm.split_expert_name(n) is not None)]}
@@ -205,12 +211,17 @@ def check_module(files: fmt.NativeFiles, model0: dict[str, Any], module: dict[st
                                 f"param_shapes and the training dtype give {lp_dtype} {list(_shape_of(shapes, n))}")
     known = {n for names in tables.values() for n in names} | set(shared_params(model0, where))
     extra = [k for k in module if k not in known]
+    if extra and files.zero_stage == 1:
+        odd = [k for k in extra if not isinstance(module[k], torch.Tensor)]
+        if odd:
+            raise ManifestError(f"{where}: module state entry {odd[0]!r} is {type(module[odd[0]]).__name__}; a "
+                                "ZeRO-1 module entry no table lists must be a frozen parameter's tensor")
+        return tables["frozen_param_shapes"] + extra
     if extra:
-        zero1 = " (a frozen parameter of a ZeRO-1 run, which DeepSpeed does not list, is not supported)" \
-            if files.zero_stage == 1 else ""
         raise ManifestError(f"{where}: module state holds {extra[:8]!r}, which neither param_shapes, buffer_names, "
                             f"frozen_param_shapes nor shared_params lists; DeepSpeed's strict load_checkpoint "
-                            f"refuses such a weight, and the import will not drop it{zero1}")
+                            f"refuses such a weight, and the import will not drop it")
+    return tables["frozen_param_shapes"]
 
 
 def _shape_of(shapes: list[dict[str, tuple[int, ...]]], name: str) -> tuple[int, ...]:
@@ -276,7 +287,7 @@ def stored_tensors(native: NativeZero, keys: Sequence[str]) -> StoredTensors:
                     specs[optim_key(key, sp.name)] = StoredTensor("float32", sp.shape)
                 specs[model_key(sp.name)] = StoredTensor(lp, sp.shape)
     buffers = list(native.model0.get("buffer_names") or [])
-    frozen = list(native.model0.get("frozen_param_shapes") or {})
+    frozen = list(native.frozen)
     for n in [*buffers, *frozen]:
         if n not in native.module:
             raise ManifestError(f"{native.where}: module state has no entry for {n!r}")

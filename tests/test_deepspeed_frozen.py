@@ -1,0 +1,130 @@
+"""Frozen parameters (``requires_grad=False``, in no ZeRO optimizer group) through the DeepSpeed adapter.
+
+Fine-tuning runs freeze embeddings or whole blocks; such a parameter has no fp32 master and no
+optimizer state, so the adapter saves it from the module itself (ZeRO 1/2: the whole tensor, the same
+on every rank; ZeRO 3: each rank's padded partition). A save that dropped it, or a load that skipped
+it, would hand back a model whose frozen weights are the fresh engine's. Every resume here builds its
+engine with other frozen values (another seed) than the saving run's, so:
+
+* at the saving DP size and stage the resumed run's losses must equal the saving run's, bit for bit,
+  and its loss before the load must not (the control that the seeds differ in what is computed);
+* at DP 2 and another ZeRO stage the loaded engine, saved again at once, equals the checkpoint in
+  model space bit for bit, and its first loss equals the saving run's at the save (a forward of the
+  whole batch on the same weights; the stages compute it alike, tests/deepspeed_job.py);
+* the stored frozen tensors hold exactly the values they were frozen at (rounded to the training dtype);
+* the consolidated fp32 model equals DeepSpeed's ``zero_to_fp32`` of the same run's native save, key
+  for key; frozen parameters come out as fp32, where zero_to_fp32 keeps their training dtype (equal
+  values: a bf16 value is exact in fp32). At ZeRO 1 zero_to_fp32 leaves them out (DeepSpeed records
+  ``frozen_param_shapes`` only from stage 2 on); ours has them, with the values they were frozen at;
+* the native import takes them at ZeRO 1/2 (at ZeRO 1 from the module tensors no table lists) and
+  refuses them at ZeRO 3 by name; the native export refuses them (docs/deepspeed.md, "Limits").
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+pytest.importorskip("deepspeed")
+
+import torch
+
+import ckptkit
+from ckptkit.adapters.deepspeed import model_key
+from ckptkit.errors import StateMismatchError
+from ckptkit_converters.deepspeed.exporter import export_deepspeed
+from ckptkit_converters.deepspeed.fp32 import consolidated_fp32_state_dict
+from ckptkit_converters.deepspeed.importer import import_deepspeed
+from tests import deepspeed_job as job
+from tests.test_deepspeed import SAVE_STEP, STEPS, assert_same_state, check_same_run
+
+CASES = [(1, "fp32"), (2, "bf16"), (3, "bf16")]
+IDS = [f"z{s}-{d}" for s, d in CASES]
+OTHER_STAGE = {1: 3, 2: 3, 3: 1}
+SAVED_SEED, FRESH_SEED = 7, 99
+
+
+@pytest.fixture(scope="module")
+def saved(worlds, tmp_path_factory):
+    out = {}
+    for stage, dtype in CASES:
+        folder = str(tmp_path_factory.mktemp(f"ds_frozen_z{stage}_{dtype}"))
+        out[(stage, dtype)] = (folder, worlds.run(4, job.train_and_save, stage, dtype, folder, save_step=SAVE_STEP,
+                                                  steps=STEPS, frozen_seed=SAVED_SEED)[0])
+    return out
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_same_dp_resume_restores_the_frozen_parameters(worlds, saved, case):
+    folder, ref = saved[case]
+    assert ref["committed"]
+    got = worlds.run(4, job.resume, case[0], case[1], f"{folder}/ckptkit", from_step=SAVE_STEP, steps=STEPS,
+                     frozen_seed=FRESH_SEED)[0]
+    assert got["eval_before"] != ref["eval"]  # the fresh engine's frozen values are not the saved ones
+    check_same_run(got, ref)
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_resume_at_dp2_and_another_stage_keeps_the_frozen_parameters(worlds, saved, case, tmp_path):
+    folder, ref = saved[case]
+    resaved = str(tmp_path / "resaved")
+    got = worlds.run(2, job.resume, OTHER_STAGE[case[0]], case[1], f"{folder}/ckptkit", from_step=SAVE_STEP,
+                     steps=STEPS, frozen_seed=FRESH_SEED, resave=resaved)[0]
+    assert_same_state(f"{folder}/ckptkit", resaved)
+    assert got["eval"] == ref["eval"] != got["eval_before"]
+    assert all(torch.isfinite(torch.tensor(loss)) for loss in got["losses"].values())
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_stored_frozen_tensors_hold_their_values(saved, case):
+    folder, _ = saved[case]
+    view = ckptkit.open(f"{folder}/ckptkit")
+    lp = torch.bfloat16 if case[1] == "bf16" else torch.float32
+    for name, value in job.frozen_values(SAVED_SEED).items():
+        stored = view[model_key(name)].read()
+        assert stored.dtype == lp and torch.equal(stored, value.to(lp)), name
+
+
+def zero_to_fp32(folder: str) -> dict[str, torch.Tensor]:
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    return get_fp32_state_dict_from_zero_checkpoint(folder)
+
+
+def assert_equals_zero_to_fp32(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor],
+                               lp: torch.dtype) -> None:
+    assert set(job.FROZEN) <= set(ours)
+    for name, value in job.frozen_values(SAVED_SEED).items():
+        assert ours[name].dtype == torch.float32 and torch.equal(ours[name], value.to(lp).float()), name
+    assert sorted(ours) == sorted({*theirs, *job.FROZEN})
+    for k, v in theirs.items():
+        if k in job.FROZEN:  # zero_to_fp32 keeps a frozen parameter's training dtype; ours is fp32, same value
+            assert ours[k].dtype == torch.float32 and torch.equal(ours[k], v.float()), k
+        else:
+            assert ours[k].dtype == v.dtype and torch.equal(ours[k], v), k
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_consolidated_fp32_and_native_import(saved, case, tmp_path):
+    folder, _ = saved[case]
+    lp = torch.bfloat16 if case[1] == "bf16" else torch.float32
+    theirs = zero_to_fp32(f"{folder}/native")
+    assert set(job.FROZEN).isdisjoint(theirs) if case[0] == 1 else set(job.FROZEN) <= set(theirs)
+    assert_equals_zero_to_fp32(consolidated_fp32_state_dict(f"{folder}/ckptkit"), theirs, lp)
+    imported = str(tmp_path / "imported")
+    if case[0] == 3:
+        with pytest.raises(StateMismatchError, match="frozen parameters in a ZeRO-3 checkpoint"):
+            import_deepspeed(f"{folder}/native", imported)
+        assert not os.path.exists(imported)
+        return
+    import_deepspeed(f"{folder}/native", imported)
+    assert_equals_zero_to_fp32(consolidated_fp32_state_dict(imported), theirs, lp)
+    assert_same_state(f"{folder}/ckptkit", imported)
+
+
+def test_native_export_refuses_frozen_parameters(saved, tmp_path):
+    folder, _ = saved[CASES[0]]
+    with pytest.raises(StateMismatchError, match="frozen parameters are not supported by the native export"):
+        export_deepspeed(f"{folder}/ckptkit", tmp_path / "native", dp=2)
+    assert not (tmp_path / "native" / "latest").exists()
