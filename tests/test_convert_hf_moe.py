@@ -333,9 +333,12 @@ def test_a_config_without_what_the_table_needs_names_the_field(tmp_path):
 L, H, NG, QPG, HD, FFN, E, MFFN, SFFN, V, PADDED = 2, 32, 2, 2, 8, 40, 4, 12, 20, 250, 256
 
 
-def megatron_model(tied: bool, moe: bool) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def megatron_model(tied: bool, moe: bool, *, shared: bool = True, qkv_bias: bool = True,
+                   qk_norm: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """(Megatron sharded state, the HF tensors it must export to). The HF side is drawn first; the Megatron
-    tensors are packed from it with loops, in megatron-core's own layouts."""
+    tensors are packed from it with loops, in megatron-core's own layouts. ``shared``: Qwen2-MoE's shared
+    expert and its gate (MoE only); ``qkv_bias``: the QKV biases; ``qk_norm``: Qwen3's per-head-dim q/k
+    layernorms (``self_attention.q_layernorm`` / ``k_layernorm``, stacked over layers)."""
     g = torch.Generator().manual_seed(1)
     r = lambda *s: torch.randn(*s, generator=g)
     hf: dict[str, torch.Tensor] = {"model.embed_tokens.weight": r(V, H), "model.norm.weight": r(H)}
@@ -346,7 +349,7 @@ def megatron_model(tied: bool, moe: bool) -> tuple[dict[str, torch.Tensor], dict
         hf["lm_head.weight"] = r(V, H)
         meg["output_layer.weight"] = torch.cat([hf["lm_head.weight"], r(PADDED - V, H)])
     qkv, qkv_b, proj, ln1, ln2, fc1, fc2 = [], [], [], [], [], [], []
-    router, bias, e_fc1, e_fc2, s_fc1, s_fc2, s_gate = [], [], [], [], [], [], []
+    router, bias, e_fc1, e_fc2, s_fc1, s_fc2, s_gate, q_ln, k_ln = [], [], [], [], [], [], [], [], []
     for layer in range(L):
         p = f"model.layers.{layer}."
         q, k, v = r(NG * QPG * HD, H), r(NG * HD, H), r(NG * HD, H)
@@ -365,6 +368,13 @@ def megatron_model(tied: bool, moe: bool) -> tuple[dict[str, torch.Tensor], dict
             brows += [kb[grp * HD:(grp + 1) * HD], vb[grp * HD:(grp + 1) * HD]]
         qkv.append(torch.cat(rows))
         qkv_b.append(torch.cat(brows))
+        if not qkv_bias:
+            for name in ("q_proj", "k_proj", "v_proj"):
+                del hf[p + f"self_attn.{name}.bias"]
+        if qk_norm:
+            hf[p + "self_attn.q_norm.weight"], hf[p + "self_attn.k_norm.weight"] = r(HD), r(HD)
+            q_ln.append(hf[p + "self_attn.q_norm.weight"])
+            k_ln.append(hf[p + "self_attn.k_norm.weight"])
         proj.append(hf[p + "self_attn.o_proj.weight"])
         ln1.append(hf[p + "input_layernorm.weight"])
         ln2.append(hf[p + "post_attention_layernorm.weight"])
@@ -386,6 +396,8 @@ def megatron_model(tied: bool, moe: bool) -> tuple[dict[str, torch.Tensor], dict
             ef2.append(down)
         e_fc1.append(torch.stack(ef1))
         e_fc2.append(torch.stack(ef2))
+        if not shared:
+            continue
         gate, up, down = r(SFFN, H), r(SFFN, H), r(H, SFFN)
         hf.update({p + "mlp.shared_expert.gate_proj.weight": gate, p + "mlp.shared_expert.up_proj.weight": up,
                    p + "mlp.shared_expert.down_proj.weight": down, p + "mlp.shared_expert_gate.weight": r(1, H)})
@@ -393,19 +405,24 @@ def megatron_model(tied: bool, moe: bool) -> tuple[dict[str, torch.Tensor], dict
         s_fc2.append(down)
         s_gate.append(hf[p + "mlp.shared_expert_gate.weight"])
     d = "decoder.layers."
+    if qkv_bias:
+        meg[d + "self_attention.linear_qkv.bias"] = torch.stack(qkv_b)
+    if qk_norm:
+        meg[d + "self_attention.q_layernorm.weight"] = torch.stack(q_ln)
+        meg[d + "self_attention.k_layernorm.weight"] = torch.stack(k_ln)
     meg.update({d + "self_attention.linear_qkv.weight": torch.stack(qkv),
-                d + "self_attention.linear_qkv.bias": torch.stack(qkv_b),
                 d + "self_attention.linear_proj.weight": torch.stack(proj),
                 d + "self_attention.linear_qkv.layer_norm_weight": torch.stack(ln1),
                 d + "mlp.linear_fc1.layer_norm_weight": torch.stack(ln2)})
     if moe:
         meg.update({d + "mlp.router.weight": torch.stack(router), d + "mlp.router.expert_bias": torch.stack(bias),
                     d + "mlp.experts.experts.linear_fc1.weight": torch.stack(e_fc1),  # [layers, experts, 2*ffn, h]
-                    d + "mlp.experts.experts.linear_fc2.weight": torch.stack(e_fc2),
-                    d + "mlp.shared_experts.linear_fc1.weight": torch.stack(s_fc1),
+                    d + "mlp.experts.experts.linear_fc2.weight": torch.stack(e_fc2)})
+    if moe and shared:
+        meg.update({d + "mlp.shared_experts.linear_fc1.weight": torch.stack(s_fc1),
                     d + "mlp.shared_experts.linear_fc2.weight": torch.stack(s_fc2),
                     d + "mlp.shared_experts.gate_weight": torch.stack(s_gate)})
-    else:
+    if not moe:
         meg.update({d + "mlp.linear_fc1.weight": torch.stack(fc1), d + "mlp.linear_fc2.weight": torch.stack(fc2)})
     return meg, hf
 
@@ -428,6 +445,45 @@ def test_megatron_moe_names_export_with_the_qkv_and_glu_splits_and_import_back(t
     expected = {k: v for k, v in meg.items() if k != "decoder.layers.mlp.router.expert_bias"}
     for key in ("embedding.word_embeddings.weight", "output_layer.weight"):
         expected[key] = meg[key][:V]  # model space holds the true vocabulary
+    assert_same(back, expected)
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["qwen3", "qwen3_moe"])
+def test_megatron_qwen3_qk_norms_export_into_a_transformers_model(tmp_path, moe):
+    """megatron_qwen3 / megatron_qwen3_moe: Megatron's q/k layernorms become HF's ``q_norm`` / ``k_norm``
+    (no QKV bias, no shared expert), bit for bit; transformers' own Qwen3 / Qwen3-MoE model loads the export
+    with no key missing, unexpected or of another shape, its q/k norms holding the Megatron values; and it
+    imports back to Megatron's names."""
+    transformers = pytest.importorskip("transformers")
+    meg, hf = megatron_model(tied=False, moe=moe, shared=False, qkv_bias=False, qk_norm=True)
+    conf = {"model_type": "qwen3_moe" if moe else "qwen3", "num_attention_heads": NG * QPG,
+            "num_key_value_heads": NG, "vocab_size": V, "num_hidden_layers": L, "hidden_size": H, "head_dim": HD,
+            "intermediate_size": FFN, "tie_word_embeddings": False}
+    if moe:
+        conf.update({"num_experts": E, "moe_intermediate_size": MFFN, "num_experts_per_tok": 2,
+                     "decoder_sparse_step": 1, "mlp_only_layers": []})
+    ckptkit.save({"model": meg}, str(tmp_path / "ckpt"))
+    result = export_hf(str(tmp_path / "ckpt"), str(tmp_path / "hf"), HFConfig.from_dict(conf))
+    assert result.family == ("megatron_qwen3_moe" if moe else "megatron_qwen3")
+    exported = load_export(tmp_path / "hf")
+    assert_same(exported, hf)
+    assert any(k.endswith("self_attn.q_norm.weight") for k in exported)
+    model_cls = transformers.Qwen3MoeForCausalLM if moe else transformers.Qwen3ForCausalLM
+    config_cls = transformers.Qwen3MoeConfig if moe else transformers.Qwen3Config
+    write_config(tmp_path / "hf" / "config.json", conf)
+    model, info = model_cls.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32, output_loading_info=True)
+    assert isinstance(model.config, config_cls)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    for i in range(L):
+        attn = model.model.layers[i].self_attn
+        assert torch.equal(attn.q_norm.weight.detach(), hf[f"model.layers.{i}.self_attn.q_norm.weight"])
+        assert torch.equal(attn.k_norm.weight.detach(), hf[f"model.layers.{i}.self_attn.k_norm.weight"])
+    back = read_hf(str(tmp_path / "hf"), HFConfig.from_dict(conf), naming="megatron")
+    expected = dict(meg)
+    for key in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        expected[key] = meg[key][:V]  # model space holds the true vocabulary
+    if moe:
+        del expected["decoder.layers.mlp.router.expert_bias"]  # qwen3_moe has no balancing bias: dropped
     assert_same(back, expected)
 
 
