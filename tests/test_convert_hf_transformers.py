@@ -115,8 +115,49 @@ def mixtral():
     return _finish(cfg), config, transformers.MixtralForCausalLM
 
 
-@pytest.mark.parametrize("build", [llama, lambda: qwen3(False), lambda: qwen3(True), mixtral],
-                         ids=["llama", "qwen3", "qwen3_moe", "mixtral"])
+def deepseek_v3(q_lora_rank: int):
+    """DeepSeek-V3 (MLA with and without the query LoRA, one dense layer then MoE layers with a sigmoid router,
+    its selection bias and a shared expert), every RMSNorm at eps 1e-6 as in DeepSeek's reference code and
+    HF's modeling (HF builds the MLA's ``q_a_layernorm`` / ``kv_a_layernorm`` at 1e-6 whatever the config says;
+    torchtitan's default is 1e-5, which alone moves these logits by 1e-4). The routers' selection biases are
+    drawn at random, so a bias the export lost would route other experts."""
+    from torchtitan.models.common import Embedding, Linear
+    from torchtitan.models.common.nn_modules import RMSNorm
+    from torchtitan.models.common.rope import ComplexRoPE
+    from torchtitan.models.deepseek_v3 import DeepSeekV3Model, _build_dsv3_layers
+
+    layers = _build_dsv3_layers(
+        n_layers=3, n_dense_layers=1, dim=D, n_heads=HEADS, q_lora_rank=q_lora_rank, kv_lora_rank=32,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, mscale=1.0, dense_hidden_dim=96, moe_hidden_dim=24,
+        num_experts=4, num_shared_experts=1, router_top_k=2, router_score_func="sigmoid", router_num_expert_groups=1,
+        router_num_limited_groups=1, router_route_norm=True, router_route_scale=1.0, attn_backend="flex",
+        moe_comm_backend="standard", non_blocking_capacity_factor=None,
+        rope=ComplexRoPE.Config(dim=8, max_seq_len=64, theta=10000.0, scaling="none"))
+    for layer in layers:
+        for norm in (layer.attention_norm, layer.ffn_norm, layer.attention.kv_norm, layer.attention.q_norm):
+            norm.eps = 1e-6
+    cfg = DeepSeekV3Model.Config(vocab_size=V, dim=D, norm=RMSNorm.Config(normalized_shape=D, eps=1e-6),
+                                 tok_embeddings=Embedding.Config(num_embeddings=V, embedding_dim=D),
+                                 lm_head=Linear.Config(in_features=D, out_features=V), layers=layers, mtp_layers=[])
+    model = _finish(cfg)
+    biases = [b for name, b in model.named_buffers() if name.endswith("expert_bias_E")]
+    assert len(biases) == 2
+    with torch.no_grad():
+        for b in biases:
+            b.normal_(0, 0.5)
+    config = {**BASE, "model_type": "deepseek_v3", "num_hidden_layers": 3, "num_key_value_heads": HEADS,
+              "intermediate_size": 96, "moe_intermediate_size": 24, "n_routed_experts": 4, "n_shared_experts": 1,
+              "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
+              "norm_topk_prob": True, "routed_scaling_factor": 1.0, "q_lora_rank": q_lora_rank or None,
+              "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16, "head_dim": 8,
+              "rope_theta": 10000.0, "rope_scaling": None, "rope_interleave": True, "rms_norm_eps": 1e-6,
+              "tie_word_embeddings": False}
+    return model, config, transformers.DeepseekV3ForCausalLM
+
+
+@pytest.mark.parametrize("build", [llama, lambda: qwen3(False), lambda: qwen3(True), mixtral,
+                                   lambda: deepseek_v3(0), lambda: deepseek_v3(16)],
+                         ids=["llama", "qwen3", "qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v3-q_lora"])
 def test_transformers_loads_the_export_and_gives_the_same_logits(tmp_path, build):
     model, config, cls = build()
     sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
