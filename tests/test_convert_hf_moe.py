@@ -440,6 +440,16 @@ def test_megatron_moe_names_export_with_the_qkv_and_glu_splits_and_import_back(t
     assert sorted(result.dropped) == ["decoder.layers.mlp.router.expert_bias",
                                       "embedding.word_embeddings.weight.vocab_padding"]
     assert_same(load_export(tmp_path / "hf"), hf)  # padding rows gone, QKV and [gate; up] split, experts per key
+    transformers = pytest.importorskip("transformers")  # the names and shapes transformers' own Qwen2-MoE has
+    write_config(tmp_path / "hf" / "config.json", {
+        **conf, "hidden_size": H, "head_dim": HD, "intermediate_size": FFN, "moe_intermediate_size": MFFN,
+        "shared_expert_intermediate_size": SFFN, "num_experts_per_tok": 2, "decoder_sparse_step": 1,
+        "mlp_only_layers": [], "tie_word_embeddings": False})
+    model, info = transformers.Qwen2MoeForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32,
+                                                                  output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    gate = model.model.layers[1].mlp.shared_expert_gate.weight.detach()
+    assert torch.equal(gate, hf["model.layers.1.mlp.shared_expert_gate.weight"])
 
     back = read_hf(str(tmp_path / "hf"), HFConfig.from_dict(conf), naming="megatron")
     expected = {k: v for k, v in meg.items() if k != "decoder.layers.mlp.router.expert_bias"}
