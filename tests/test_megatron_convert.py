@@ -332,3 +332,37 @@ def test_facts_recorded_in_args_are_read(worlds, saved, tmp_path):
     ours = worlds.run(4, job.load_and_eval, str(tmp_path / "mlm_tp4"), 4, 1, False)[0]
     theirs = worlds.run(4, job.load_and_eval, f"{folder}/torch_dist", 4, 1, False)[0]
     assert ours == theirs
+
+
+@pytest.mark.parametrize("tied", TIED, ids=["untied", "tied"])
+def test_hf_export_from_tp2pp2_equals_the_tp1_reference_and_loads_in_transformers(saved, tmp_path, tied):
+    """The path a Megatron user takes to Hugging Face: the tp2pp2 torch_dist folder straight to HF
+    (``convert --format hf``; the registry imports it to model space on the fly), against the HF export of
+    Megatron's own tp1pp1 load of the same checkpoint, saved as one whole tensor per key: the same HF
+    tensors bit for bit. transformers' LlamaForCausalLM loads it with no key missing, unexpected or of
+    another shape."""
+    transformers = pytest.importorskip("transformers")
+    from ckptkit_converters.hf.options import HFExportOptions
+    from ckptkit_converters.megatron.options import MegatronImportOptions
+    from ckptkit_converters.registry import convert
+    from tests.test_convert_hf_moe import load_export
+
+    folder, result = saved[tied]
+    config = {"model_type": "llama", "vocab_size": VOCAB, "hidden_size": 64, "num_hidden_layers": 4,
+              "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 8, "intermediate_size": 96,
+              "rms_norm_eps": 1e-5, "tie_word_embeddings": tied}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    target = HFExportOptions(config=str(tmp_path / "config.json"))
+    got = convert(f"{folder}/torch_dist", tmp_path / "hf", to_format="hf",
+                  source_options=MegatronImportOptions(vocab_size=VOCAB), target_options=target)
+    assert got.family == "megatron_llama"
+    ckptkit.save({"model": dict(result["tensors"])}, str(tmp_path / "tp1"))
+    convert(str(tmp_path / "tp1"), tmp_path / "hf_ref", to_format="hf", target_options=target)
+    ours, reference = load_export(tmp_path / "hf"), load_export(tmp_path / "hf_ref")
+    assert sorted(ours) == sorted(reference) and ("lm_head.weight" in ours) == (not tied)
+    for key, want in reference.items():
+        assert ours[key].dtype == want.dtype and torch.equal(ours[key], want), key
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    _, info = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32,
+                                                           output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
