@@ -42,6 +42,7 @@ class Layout:
     ep: int = 1  # expert model parallel
     etp: int | None = None  # expert tensor parallel (None: Megatron's default, = tp)
     shared_expert: bool = False  # a shared expert beside the routed ones
+    shared_gate: bool = False  # the shared expert's sigmoid gate (moe_shared_expert_gate; Qwen2-MoE has one)
     expert_bias: bool = False  # aux-loss-free balancing: moe_router_enable_expert_bias
     moe_layers: tuple[int, ...] | None = None  # 1 = MoE, 0 = dense, per layer (None: MoE on every layer)
 
@@ -141,6 +142,7 @@ def _moe_config(layout: Layout) -> dict[str, Any]:
     )
     if layout.shared_expert:
         out["moe_shared_expert_intermediate_size"] = 32
+        out["moe_shared_expert_gate"] = layout.shared_gate
     if layout.expert_bias:
         out.update(moe_router_enable_expert_bias=True, moe_router_score_function="sigmoid",
                    moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0)
