@@ -14,7 +14,8 @@ step through torch's own DCP and trained on the same batches.
 
 The expert layouts themselves: the rule ckptkit records for every tensor (with the expert axis from
 the ``GroupedExperts`` module) predicts, at another EP / TP / DP degree, exactly the pieces
-torchtitan's parallelize gives each rank there; ``inspect`` and ``reshard --dry-run`` show the
+torchtitan's parallelize gives each rank there (gpt-oss too, whose expert biases are stacked tensors;
+it is saved and loaded across layouts, not trained: its attention does not run on CPU); ``inspect`` and ``reshard --dry-run`` show the
 experts; a checkpoint resharded offline to another EP degree resumes there like the original.
 """
 
@@ -94,15 +95,18 @@ def test_the_reference_comparison_sees_a_perturbed_tensor_and_a_fresh_optimizer(
                          reference=reference_of(folder))
 
 
-@pytest.mark.parametrize("family", ["qwen3", "deepseek_v3"])
+@pytest.mark.parametrize("family", ["qwen3", "deepseek_v3", "gpt_oss"])
 @pytest.mark.parametrize("layout", ["fsdp4_ep2", "fsdp4_ep4", "fsdp4", "fsdp2_tp2_ep2", "fsdp2_tp2"])
 def test_recorded_rules_predict_torchtitans_layout_at_every_degree(worlds, family, layout):
     results = worlds.run(WORLD[layout], job.rules_predict_layout, family, layout)
     for rank, r in enumerate(results):
         assert r["wrong"] == [], (rank, r["wrong"][:3])
     rules, experts = results[0]["rules"], results[0]["expert_keys"]
-    # w1, w2, w3 of 2 MoE blocks each: qwen3's 2 layers; deepseek's MoE layer (layer 0 is dense) + its MTP layer
-    assert len(experts) == 6, experts
+    # w1, w2, w3 of 2 MoE blocks each: qwen3's 2 layers; deepseek's MoE layer (layer 0 is dense) + its MTP layer;
+    # gpt_oss: two weights and two biases (both stack the experts) in each of its 2 layers
+    assert len(experts) == (8 if family == "gpt_oss" else 6), experts
+    if family == "gpt_oss":
+        assert sum(k.endswith(("mlp1_bias_EG", "mlp2_bias_ED")) for k in experts) == 4, experts
     for key, rule in rules.items():
         is_expert = any(key.endswith(e) or f"{e}." in key for e in experts)
         assert (rule.get("expert_axis") == 0) == is_expert, (key, rule)
@@ -171,3 +175,18 @@ def test_a_missing_expert_piece_is_refused_naming_the_expert(worlds, saved, tmp_
         ckptkit.open(str(step))[key][...]
     errors = worlds.run(4, job.load_error, "qwen3", "fsdp4_ep4", str(broken), load_step=RESUME_STEP)
     assert any("w2_EDF" in e and "experts 4, 5 (of 8)" in e for e in errors), errors
+
+
+@pytest.mark.parametrize("source,target", [("fsdp2_tp2_ep2", "fsdp4_ep4"), ("fsdp4_ep2", "fsdp2_tp2")])
+def test_gpt_oss_experts_with_biases_load_at_another_layout(worlds, tmp_path, source, target):
+    """gpt-oss (not trainable on CPU here: its attention needs FlexAttention's log-sum-exp) saved after one
+    optimizer step on random gradients and loaded at another EP / TP / DP layout into a model with other
+    initial weights: every model and optimizer tensor, the expert-stacked biases among them, bit for bit."""
+    folder = str(tmp_path / "checkpoint")
+    saved = worlds.run(WORLD[source], job.save_without_training, "gpt_oss", source, folder)[0]
+    assert any("mlp1_bias_EG" in k and "exp_avg" in k for k in saved)
+    got = worlds.run(WORLD[target], job.load_digests, "gpt_oss", target, folder, load_step=2)[0]
+    tensors = {k: v for k, v in saved.items() if k.startswith("model/") or ".exp_avg" in k}
+    assert {k: got["after"].get(k) for k in tensors} == tensors
+    weights = [k for k in tensors if k.startswith("model/") and "expert_bias" not in k]
+    assert all(got["before"][k] != tensors[k] for k in weights)  # the fresh model's own weights differed

@@ -1,14 +1,17 @@
 """Rank-side functions of tests/test_torchtitan_moe.py: torchtitan MoE models trained with FSDP2 + EP
 (+ TP) in real gloo worlds, checkpointed by ``CkptkitCheckpointManager``.
 
-Two model families, each built from torchtitan 0.3's own layer builders at a size a 2-core machine
-trains in seconds, and parallelized by the family's own parallelize function:
+Three model families, each built from torchtitan 0.3's own layer builders at a size a 2-core machine
+trains in seconds, and parallelized by the family's own parallelize function (gpt_oss is built,
+saved and loaded, not trained: :func:`_gpt_oss_config`):
 
 * ``qwen3``: Qwen3-MoE blocks (``_build_qwen3_moe_layers``: GQA with q/k norms, softmax router,
   ``GroupedExperts`` ``w1_EFD``/``w2_EDF``/``w3_EFD``, the ``expert_bias_E`` buffer of
   auxiliary-loss-free load balancing).
 * ``deepseek_v3``: DeepSeek-V3 blocks (``build_mla_moe_layers``: MLA attention, a dense first layer,
   shared experts, routed experts with ``expert_bias_E``) and one MTP layer.
+* ``gpt_oss``: gpt-oss blocks (attention sinks, ``GptOssGroupedExperts`` whose biases stack the
+  experts too).
 
 Expert parallelism is torchtitan's: experts are DTensors ``(_StridedShard(0), Shard(0))`` on the
 (``efsdp``, ``ep``) mesh; with EP off and TP on, experts are TP-sharded on the dense mesh. The
@@ -100,12 +103,43 @@ def _deepseek_config() -> tuple[Any, Any]:
     return cfg, parallelize_deepseekv3
 
 
-MODELS = {"qwen3": _qwen3_config, "deepseek_v3": _deepseek_config}
+def _gpt_oss_config() -> tuple[Any, Any]:
+    """gpt-oss blocks (``_build_gptoss_layers``: fused QKV with per-head attention sinks, a router with a bias,
+    ``GptOssGroupedExperts`` whose weights *and biases* stack the experts: ``mlp1_weight_EGD``,
+    ``mlp1_bias_EG``, ``mlp2_weight_EDF``, ``mlp2_bias_ED``). Built and parallelized only: its attention
+    needs the log-sum-exp of FlexAttention or varlen attention, neither of which runs on CPU here, so
+    it is not trained (tests/test_torchtitan_moe.py checks its recorded rules at every degree)."""
+    from torchtitan.models.gpt_oss import (
+        _EMBEDDING_INIT,
+        _NORM_INIT,
+        GptOssModel,
+        _build_gptoss_layers,
+        _output_linear_init,
+        parallelize_gptoss,
+    )
+
+    cfg = GptOssModel.Config(
+        vocab_size=VOCAB, dim=DIM,
+        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM, param_init=_EMBEDDING_INIT),
+        norm=RMSNorm.Config(normalized_shape=DIM, param_init=_NORM_INIT),
+        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=_output_linear_init(DIM)),
+        layers=_build_gptoss_layers(
+            fuse_qkv=True, dim=DIM, n_layers=2, hidden_dim=32, num_experts=NUM_EXPERTS, top_k=2,
+            load_balance_coeff=1e-3, attn_backend="flex", moe_comm_backend="standard",
+            rope=CosSinRoPE.Config(dim=64, max_seq_len=4 * SEQ, theta=150000.0)),
+    )
+    return cfg, parallelize_gptoss
+
+
+MODELS = {"qwen3": _qwen3_config, "deepseek_v3": _deepseek_config, "gpt_oss": _gpt_oss_config}
 
 
 def model_config(family: str) -> tuple[Any, Any]:
-    """The tiny model's config and its parallelize function, with causal SDPA as inner attention (shim 2)."""
+    """The tiny model's config and its parallelize function, with causal SDPA as inner attention (shim 2;
+    not for gpt_oss, whose attention is never run: :func:`_gpt_oss_config`)."""
     cfg, parallelize = MODELS[family]()
+    if family == "gpt_oss":
+        return cfg, parallelize
     for layer in list(cfg.layers) + list(getattr(cfg, "mtp_layers", None) or []):
         attention = getattr(layer, "attention", None)
         if attention is not None and hasattr(attention, "inner_attention"):
@@ -218,3 +252,41 @@ def load_error(family: str, layout: str, folder: str, *, load_step: int, **kw: A
     finally:
         job.close()
     raise AssertionError("the load succeeded")
+
+
+def save_without_training(family: str, layout: str, folder: str) -> dict[str, str]:
+    """For a family that cannot train here (gpt_oss): one optimizer step on random gradients (so the Adam
+    moments exist and every tensor holds layout-independent random bytes), saved at step 2 by the
+    manager; the digests of what was saved."""
+    job = MoEJob(family, layout, dense._config(folder))
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for _, p in sorted(job.model.named_parameters()):  # full tensors drawn alike on every rank, then sliced
+            full = torch.randn(tuple(p.shape), generator=gen) * 0.1
+            p.copy_(_like(p, full))
+            p.grad = _like(p, torch.randn(tuple(p.shape), generator=gen))
+    job.optimizers.step()
+    job.train_state.step = 2
+    job.checkpointer.save(2, last_step=False)
+    digests = job.digests()
+    job.close()
+    return digests
+
+
+def _like(p: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """``full`` laid out as ``p`` is (a DTensor with p's mesh and placements, or a plain tensor)."""
+    if hasattr(p, "device_mesh"):
+        from torch.distributed.tensor import distribute_tensor
+
+        return distribute_tensor(full, p.device_mesh, p.placements)
+    return full
+
+
+def load_digests(family: str, layout: str, folder: str, *, load_step: int) -> dict[str, dict[str, str]]:
+    """A fresh job at ``layout`` (other initial weights) loads ``load_step``: its digests before and after."""
+    job = MoEJob(family, layout, dense._config(folder, load_step=load_step, load_only=True), seed=123)
+    before = job.digests()
+    assert job.checkpointer.load(step=load_step) is True
+    digests = job.digests()
+    job.close()
+    return {"before": before, "after": digests}
