@@ -31,7 +31,7 @@ pytest.importorskip("torchtitan")
 from tests import torchtitan_job as job
 from tests.s3_server import CREDENTIALS, s3_server  # noqa: F401 - fixture
 
-WORLD = {layout: dp * tp for layout, (dp, tp) in job.LAYOUTS.items()}
+WORLD = {layout: job.world_size(layout) for layout in job.LAYOUTS}
 RESUME_STEP = 4
 pytestmark = pytest.mark.usefixtures("torchtitan_worlds")  # shares its worlds with the next torchtitan module
 
@@ -366,3 +366,49 @@ def test_contiguous_blocks_are_split_dataset_by_node():
         for w in (1, 2, 3, 5):  # (datasets refuses more shards than rows)
             got = [split_dataset_by_node(ds, rank=r, world_size=w)["i"] for r in range(w)]
             assert got == [list(range(a, b)) for a, b in contiguous_bounds(n, w)], (n, w)
+
+
+@pytest.fixture(scope="module")
+def saved_hsdp(worlds, tmp_path_factory):
+    """One uninterrupted, checkpointing run under HSDP: 2 replicas x FSDP 2 on 4 ranks (torchtitan's
+    ``dp_replicate`` x ``dp_shard``), DP degree 4."""
+    folder = str(tmp_path_factory.mktemp("titan_hsdp") / "checkpoint")
+    return folder, worlds.run(4, job.train, "hsdp2x2", folder, resume_step=RESUME_STEP, async_mode="async",
+                              reference=reference_of(folder))[0]
+
+
+@pytest.mark.parametrize("target", ["hsdp2x2", "fsdp4", "fsdp2"])
+def test_hsdp_checkpoint_resumes_at_hsdp_and_at_plain_fsdp(worlds, saved_hsdp, target):
+    """Each replica group holds the whole model, sharded; every piece is stored once, and the data loader
+    state is per DP rank of the flattened (replicate, shard) ``batch`` mesh. Resumed under HSDP (bit exact,
+    the same DP ranks), at plain FSDP 4 (the same DP degree) and at FSDP 2 (DP 4 -> 2: the sampler
+    positions remapped exactly), each against its DCP reference at the target layout."""
+    folder, ref = saved_hsdp
+    assert ref["committed"] == ["step-4", "step-6"]
+    got = worlds.run(WORLD[target], job.resume, target, folder, load_step=RESUME_STEP,
+                     reference=reference_of(folder))[0]
+    assert_resumed(ref, got, same_layout=target == "hsdp2x2")
+    if target == "fsdp2":
+        remap = got["remap"]
+        assert remap["exact"] and remap["consumed"] == RESUME_STEP * job.GLOBAL_BATCH
+    else:
+        assert got["remap"] is None
+
+
+def folder_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+
+
+def test_hsdp_stores_each_piece_once(saved, saved_hsdp):
+    """The two replica groups hold the same shards: stored once, the step is the size of plain FSDP's
+    (the same model, optimizer and data-loader states), not twice it."""
+    hsdp = folder_bytes(os.path.join(saved_hsdp[0], "step-4"))
+    fsdp = folder_bytes(os.path.join(saved["fsdp4"][0], "step-4"))
+    assert 0.9 < hsdp / fsdp < 1.1, (hsdp, fsdp)
+
+
+def test_an_fsdp_checkpoint_resumes_under_hsdp(worlds, saved):
+    folder, ref = saved["fsdp2_tp2"]  # DP 2 x TP 2 -> HSDP 2 x 2 (DP 4: the sampler positions remapped)
+    got = worlds.run(4, job.resume, "hsdp2x2", folder, load_step=RESUME_STEP, reference=reference_of(folder))[0]
+    assert_resumed(ref, got, same_layout=False)
+    assert got["remap"]["exact"]

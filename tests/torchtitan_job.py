@@ -57,7 +57,16 @@ from ckptkit.errors import SaveError
 
 _parallel_dims.device_type = "cpu"  # shim 1
 
-LAYOUTS = {"fsdp4": (4, 1), "fsdp2_tp2": (2, 2), "fsdp2": (2, 1), "tp2": (1, 2), "single": (1, 1)}
+LAYOUTS = {"fsdp4": (4, 1), "fsdp2_tp2": (2, 2), "fsdp2": (2, 1), "tp2": (1, 2), "single": (1, 1), "hsdp2x2": (2, 1)}
+"""layout name -> (dp_shard, tp); a layout in :data:`REPLICATE` also replicates that many times (HSDP)."""
+REPLICATE = {"hsdp2x2": 2}
+"""HSDP layouts -> dp_replicate: torchtitan's ``fully_shard`` over the (``dp_replicate``, ``fsdp``) mesh, each
+replica group a full FSDP copy; the DP degree (the ``batch`` mesh, the data loader's) is replicate x shard."""
+
+
+def world_size(layout: str) -> int:
+    dp, tp = LAYOUTS[layout]
+    return REPLICATE.get(layout, 1) * dp * tp
 N_LAYERS = 2
 SEQ = 32
 GLOBAL_BATCH = 8
@@ -91,19 +100,22 @@ class Job:
         cfg.layers = cfg.layers[:N_LAYERS]
         for layer in cfg.layers:
             layer.attention.inner_attention = ScaledDotProductAttention.Config()  # shim 2
-        self.build(cfg, spec.parallelize_fn, checkpoint, dp=dp, tp=tp, ep=1, seed=seed)
+        self.build(cfg, spec.parallelize_fn, checkpoint, dp=dp, tp=tp, ep=1, seed=seed,
+                   replicate=REPLICATE.get(layout, 1))
 
     def build(self, cfg: Any, parallelize: Any, checkpoint: CkptkitCheckpointManager.Config, *, dp: int, tp: int,
-              ep: int, seed: int) -> None:
+              ep: int, seed: int, replicate: int = 1) -> None:
         """Parallelize ``cfg``'s model with torchtitan's ``parallelize`` function at FSDP ``dp`` x TP ``tp``
-        (expert parallel ``ep`` carved out of them), then optimizer, LR schedule, data loader, train state
-        and the checkpointer, in the order torchtitan's Trainer builds them."""
-        self.dp, self.tp, self.ep = dp, tp, ep
+        (expert parallel ``ep`` carved out of them; ``replicate`` > 1: HSDP, that many FSDP replicas), then
+        optimizer, LR schedule, data loader, train state and the checkpointer, in the order torchtitan's
+        Trainer builds them. ``self.dp`` is the DP degree (replicate x shard)."""
+        self.dp, self.tp, self.ep = replicate * dp, tp, ep
         world = dist.get_world_size()
         dist_utils.set_spmd_backend("partial_dtensor")
-        parallelism = ParallelismConfig(data_parallel_shard_degree=dp, tensor_parallel_degree=tp,
-                                        expert_parallel_degree=ep, spmd_backend="partial_dtensor")
-        training = TrainingConfig(local_batch_size=GLOBAL_BATCH // dp, seq_len=SEQ, steps=STEPS,
+        parallelism = ParallelismConfig(data_parallel_replicate_degree=replicate, data_parallel_shard_degree=dp,
+                                        tensor_parallel_degree=tp, expert_parallel_degree=ep,
+                                        spmd_backend="partial_dtensor")
+        training = TrainingConfig(local_batch_size=GLOBAL_BATCH // self.dp, seq_len=SEQ, steps=STEPS,
                                   mixed_precision_param="float32")
 
         class _Cfg:  # update_from_config takes any object with these two fields
@@ -112,8 +124,8 @@ class Job:
         holder = _Cfg()
         holder.parallelism, holder.training = parallelism, training  # type: ignore[attr-defined]
         cfg.update_from_config(config=holder)
-        self.parallel_dims = ParallelDims(dp_replicate=1, dp_shard=dp, cp=1, tp=tp, pp=1, ep=ep, world_size=world,
-                                          spmd_backend="partial_dtensor")
+        self.parallel_dims = ParallelDims(dp_replicate=replicate, dp_shard=dp, cp=1, tp=tp, pp=1, ep=ep,
+                                          world_size=world, spmd_backend="partial_dtensor")
         with torch.device("meta"):
             model = cfg.build()
         model = parallelize(model, parallel_dims=self.parallel_dims, training=training, parallelism=parallelism,
@@ -121,6 +133,10 @@ class Job:
         for m in model.modules():
             if isinstance(m, FSDPModule):
                 m.set_force_sum_reduction_for_comms(True)  # shim 3
+        if replicate > 1:  # HSDP indeed: parameters replicated over the first mesh dimension, sharded over the second
+            p = next(model.parameters())
+            assert p.device_mesh.ndim >= 2 and p.placements[0].is_replicate() and p.placements[1].is_shard(), \
+                (p.device_mesh, p.placements)
         model.to_empty(device="cpu")
         torch.manual_seed(seed)
         with torch.no_grad():
@@ -140,9 +156,9 @@ class Job:
         else:
             dp_rank = 0
         data = TokenSamples(N_SAMPLES, SEQ, VOCAB)
-        sampler = StatefulDistributedSampler(data, num_replicas=dp, rank=dp_rank, shuffle=True, seed=7)
-        self.dataloader = ParallelAwareDataloader(data, dp_rank=dp_rank, dp_world_size=dp, sampler=sampler,
-                                                  batch_size=GLOBAL_BATCH // dp)
+        sampler = StatefulDistributedSampler(data, num_replicas=self.dp, rank=dp_rank, shuffle=True, seed=7)
+        self.dataloader = ParallelAwareDataloader(data, dp_rank=dp_rank, dp_world_size=self.dp, sampler=sampler,
+                                                  batch_size=GLOBAL_BATCH // self.dp)
         self.train_state = TrainState()
         self.checkpointer = checkpoint.build(
             dataloader=self.dataloader, model_parts=[self.model], optimizers=self.optimizers,
