@@ -32,11 +32,11 @@ pytest.importorskip("torchtitan")
 from tests import torchtitan_moe_job as job
 from tests.test_torchtitan import RESUME_STEP, assert_controls_fail, assert_resumed, reference_of
 
-WORLD = {layout: dp * tp for layout, (dp, tp, _ep) in job.LAYOUTS.items()}
+WORLD = {layout: job.world_size(layout) for layout in job.LAYOUTS}
 pytestmark = pytest.mark.usefixtures("torchtitan_worlds")  # shares its worlds with the next torchtitan module
 # (family, saved layout) -> async mode of the saving run
 SAVES = {("qwen3", "fsdp4_ep2"): "async", ("deepseek_v3", "fsdp2_tp2_ep2"): "async_process",
-         ("qwen3", "fsdp2_tp2"): "async"}
+         ("qwen3", "fsdp2_tp2"): "async", ("qwen3", "hsdp2x2_ep2"): "async"}
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +73,8 @@ def cli(*args: str) -> CliResult:
     (("qwen3", "fsdp4_ep2"), "fsdp4"),            # EP off: experts FSDP-sharded on the dense mesh
     (("qwen3", "fsdp4_ep2"), "fsdp2_tp2"),        # EP off, TP on: experts TP-sharded
     (("qwen3", "fsdp4_ep2"), "fsdp2_ep2"),        # half the world, DP 4 -> 2 (loader positions remapped)
+    (("qwen3", "fsdp4_ep2"), "hsdp2x2_ep2"),      # into HSDP: 2 replicas of FSDP 2 x EP 2
+    (("qwen3", "hsdp2x2_ep2"), "fsdp4_ep4"),      # from HSDP: each replica group's experts stored once
     (("qwen3", "fsdp2_tp2"), "fsdp4_ep4"),        # from TP-sharded experts (ep 1) to EP 4
     (("deepseek_v3", "fsdp2_tp2_ep2"), "fsdp2_tp2_ep2"),
     (("deepseek_v3", "fsdp2_tp2_ep2"), "fsdp4_ep4"),
@@ -190,3 +192,13 @@ def test_gpt_oss_experts_with_biases_load_at_another_layout(worlds, tmp_path, so
     assert {k: got["after"].get(k) for k in tensors} == tensors
     weights = [k for k in tensors if k.startswith("model/") and "expert_bias" not in k]
     assert all(got["before"][k] != tensors[k] for k in weights)  # the fresh model's own weights differed
+
+
+def test_hsdp_with_experts_stores_each_piece_once(saved):
+    """Under HSDP the two replica groups hold the same dense shards and the same experts: the step is the
+    size of the same model's at FSDP 4 x EP 2, not twice it."""
+    from tests.test_torchtitan import folder_bytes
+
+    hsdp = folder_bytes(os.path.join(saved[("qwen3", "hsdp2x2_ep2")][0], "step-4"))
+    fsdp = folder_bytes(os.path.join(saved[("qwen3", "fsdp4_ep2")][0], "step-4"))
+    assert 0.9 < hsdp / fsdp < 1.1, (hsdp, fsdp)

@@ -47,7 +47,16 @@ LAYOUTS = {
     "fsdp2_tp2_ep2": (2, 2, 2),
     "fsdp2_tp2": (2, 2, 1),
     "single": (1, 1, 1),
+    "hsdp2x2_ep2": (2, 1, 2),
 }
+REPLICATE = {"hsdp2x2_ep2": 2}
+"""HSDP layouts -> dp_replicate (tests/torchtitan_job.py): here 2 replicas of FSDP 2 with EP 2 carved out of
+the shard dimension, so each replica group holds the experts once, over its 2 EP ranks."""
+
+
+def world_size(layout: str) -> int:
+    dp, tp, _ = LAYOUTS[layout]
+    return REPLICATE.get(layout, 1) * dp * tp
 NUM_EXPERTS = 8
 DIM = 64
 
@@ -153,7 +162,7 @@ class MoEJob(dense.Job):
     def __init__(self, family: str, layout: str, checkpoint: Any, *, seed: int = 0) -> None:
         dp, tp, ep = LAYOUTS[layout]
         cfg, parallelize = model_config(family)
-        self.build(cfg, parallelize, checkpoint, dp=dp, tp=tp, ep=ep, seed=seed)
+        self.build(cfg, parallelize, checkpoint, dp=dp, tp=tp, ep=ep, seed=seed, replicate=REPLICATE.get(layout, 1))
 
     def after_optimizers(self) -> None:
         """The MoE families' ``post_optimizer_build_fn``: expert-bias updates before every optimizer step."""
@@ -203,6 +212,7 @@ def parallel_config(layout: str) -> Any:
     from ckptkit.layout.config import ParallelConfig
 
     dp, tp, ep = LAYOUTS[layout]
+    assert layout not in REPLICATE, "a ParallelConfig has no replicate degree: HSDP shards over dp_shard only"
     return ParallelConfig(tp=tp, dp=dp, ep=ep, etp=1 if ep > 1 else tp)
 
 
