@@ -97,3 +97,64 @@ def torchtitan_overlap(folder: str, *, snapshot: str) -> dict[str, Any]:
     j.run(4)
     j.close()
     return {"committed": [r.name for r in j.checkpointer.manager.records() if r.committed], "digests": j.digests()}
+
+
+def torchtitan_moe_overlap(folder: str, *, snapshot: str, gate_first: bool = True) -> dict[str, Any]:
+    """torchtitan's qwen3 MoE at FSDP 2 x EP 2 (tests/torchtitan_moe_job.py), checkpointing every 2 steps
+    through ``CkptkitCheckpointManager(async_mode="async", snapshot=...)``. The step right after the save of
+    step 2 runs at once, without ``maybe_wait_for_staging``: its forward counts the tokens per expert and the
+    optimizers' step pre-hooks update ``expert_bias_E`` (torchtitan's load balancing) before the update.
+    Only the gate, which runs before every other pre-hook, holds those writes until the copy is done.
+    ``gate_first=False`` (a control): the load-balancing hook is moved in front of the gate.
+
+    The background copy of the step-2 save is held back 0.5 s before its first piece, so the next step's
+    forward, backward and pre-hooks certainly run while it is in flight: the race is live on every run,
+    not only when the machine is slow."""
+    import time
+
+    import ckptkit.engine.overlap as overlap
+    from tests import torchtitan_job as tj
+    from tests import torchtitan_moe_job as mj
+
+    j = mj.MoEJob("qwen3", "fsdp2_ep2", tj._config(folder, async_mode="async", snapshot=snapshot))
+    if not gate_first:
+        _load_balancing_first(j.optimizers)
+    assert j.checkpointer.load(step=-1) is False
+    j.run(1)
+    real, held = overlap.piece_pair, []
+
+    def held_back(*args: Any, **kwargs: Any) -> Any:
+        if not held:
+            held.append(time.monotonic())
+            time.sleep(0.5)
+        return real(*args, **kwargs)
+
+    overlap.piece_pair = held_back  # until step 3 is done: the persist thread may start the copy late
+    try:
+        j.run(2)
+        waits = j.checkpointer.maybe_wait_for_staging
+        j.checkpointer.maybe_wait_for_staging = lambda: None  # the trainer's own wait, skipped for this step
+        biases = {k: v.clone() for k, v in j.model.state_dict().items() if k.endswith("expert_bias_E")}  # replicated
+        assert biases and not any(hasattr(v, "full_tensor") for v in biases.values())
+        j.run(3)
+        j.checkpointer.maybe_wait_for_staging = waits
+    finally:
+        overlap.piece_pair = real
+    changed = any(not torch.equal(v, biases[k]) for k, v in j.model.state_dict().items() if k in biases)
+    error = None
+    try:
+        j.run(4)
+        j.close()
+    except Exception as exc:  # noqa: BLE001 - the control's failed save is the result
+        error = f"{type(exc).__name__}: {exc}"
+        j.checkpointer.manager.close()
+    return {"committed": [r.name for r in j.checkpointer.manager.records() if r.committed], "digests": j.digests(),
+            "bias_changed_at_step_3": changed, "copy_held": bool(held) == (snapshot == "overlap"), "error": error}
+
+
+def _load_balancing_first(optimizer: Any) -> None:
+    """Put torchtitan's load-balancing pre-hook (and any other non-ckptkit one) before ckptkit's gate."""
+    hooks = optimizer._optimizer_step_pre_hooks
+    ours = [k for k, h in hooks.items() if "ckptkit" in getattr(h, "__module__", "")]
+    for k in ours:
+        hooks.move_to_end(k)

@@ -37,3 +37,23 @@ def test_torchtitan_overlap_needs_an_async_mode():
 
     with pytest.raises(OptionsError, match="needs async_mode='async' or 'async_process'"):
         CkptkitCheckpointManager.Config(enable=True, folder="x", snapshot="overlap")
+
+
+def test_torchtitan_moe_overlapped_checkpoints_equal_the_blocking_ones(worlds, tmp_path):
+    """qwen3 MoE at FSDP 2 x EP 2: the load-balancing pre-hook writes ``expert_bias_E`` in the step right
+    after the save, while the overlapped copy is held back (tests/overlap_job.py). The gate runs first and
+    waits for the copy, so the overlapped checkpoints equal the blocking ones bit for bit. With the
+    load-balancing hook moved before the gate (the control), the same run's save fails naming
+    ``expert_bias_E`` and commits nothing: a race the order prevents, and the version check catches."""
+    blocking, overlap, control = str(tmp_path / "blocking"), str(tmp_path / "overlap"), str(tmp_path / "control")
+    a = worlds.run(2, job.torchtitan_moe_overlap, blocking, snapshot="blocking")[0]
+    b = worlds.run(2, job.torchtitan_moe_overlap, overlap, snapshot="overlap")[0]
+    assert a["bias_changed_at_step_3"] and b["bias_changed_at_step_3"]  # the race is there to lose
+    assert a["copy_held"] and b["copy_held"] and a["error"] is None and b["error"] is None
+    assert a["digests"] == b["digests"]
+    assert a["committed"] == b["committed"] == ["step-2", "step-4"], (a["committed"], b["committed"])
+    for name in b["committed"]:
+        assert same_checkpoints(os.path.join(blocking, name), os.path.join(overlap, name)) == [], name
+    c = worlds.run(2, job.torchtitan_moe_overlap, control, snapshot="overlap", gate_first=False)[0]
+    assert c["copy_held"] and c["error"] is not None and "expert_bias_E' was changed in place" in c["error"], c["error"]
+    assert "step-2" not in c["committed"] and not os.path.exists(os.path.join(control, "step-2", "manifest.json"))
