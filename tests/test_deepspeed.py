@@ -69,6 +69,17 @@ def reference(worlds, saved):
     return get
 
 
+def saved_runs(worlds, tmp_path_factory, prefix: str, cases, **kwargs) -> dict:
+    """{case: (folder, the saving run's result)}: one saving run (tests/deepspeed_job.train_and_save) at DP 4
+    per (stage, dtype) case, each in its own folder."""
+    out = {}
+    for stage, dtype in cases:
+        folder = str(tmp_path_factory.mktemp(f"{prefix}_z{stage}_{dtype}"))
+        out[(stage, dtype)] = (folder, worlds.run(4, job.train_and_save, stage, dtype, folder, save_step=SAVE_STEP,
+                                                  steps=STEPS, **kwargs)[0])
+    return out
+
+
 def check_same_run(got: dict, want: dict) -> None:
     """A resume at step 2 against a run that does the same arithmetic: equal to the last bit."""
     assert got["lr"] == want["lr"]

@@ -28,19 +28,14 @@ from ckptkit_converters.deepspeed.fp32 import consolidated_fp32_state_dict, expo
 from ckptkit_converters.deepspeed.importer import import_deepspeed
 from ckptkit_converters.deepspeed.files import find_files
 from tests import deepspeed_job as job
-from tests.test_deepspeed import SAVE_STEP, STEPS, assert_same_state, check_same_run
+from tests.test_deepspeed import SAVE_STEP, STEPS, assert_same_state, check_same_run, saved_runs
 
 CASES = [(2, "bf16"), (3, "fp32"), (1, "fp32"), (3, "bf16")]
 
 
 @pytest.fixture(scope="module")
 def saved(worlds, tmp_path_factory):
-    out = {}
-    for stage, dtype in CASES:
-        folder = str(tmp_path_factory.mktemp(f"dsconv_z{stage}_{dtype}"))
-        out[(stage, dtype)] = (folder, worlds.run(4, job.train_and_save, stage, dtype, folder, save_step=SAVE_STEP,
-                                                  steps=STEPS, universal=True)[0])
-    return out
+    return saved_runs(worlds, tmp_path_factory, "dsconv", CASES, universal=True)
 
 
 def universal_reference(worlds, cache: dict, folder: str, case: tuple[int, str], model: str = "mlp") -> dict:

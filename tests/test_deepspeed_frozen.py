@@ -37,7 +37,8 @@ from ckptkit_converters.deepspeed.exporter import export_deepspeed
 from ckptkit_converters.deepspeed.fp32 import consolidated_fp32_state_dict
 from ckptkit_converters.deepspeed.importer import import_deepspeed
 from tests import deepspeed_job as job
-from tests.test_deepspeed import SAVE_STEP, STEPS, assert_same_state, check_same_run
+from tests.test_deepspeed import SAVE_STEP, STEPS, assert_same_state, check_same_run, saved_runs
+from tests.test_deepspeed_convert import zero_to_fp32
 
 CASES = [(1, "fp32"), (2, "bf16"), (3, "bf16")]
 IDS = [f"z{s}-{d}" for s, d in CASES]
@@ -47,12 +48,7 @@ SAVED_SEED, FRESH_SEED = 7, 99
 
 @pytest.fixture(scope="module")
 def saved(worlds, tmp_path_factory):
-    out = {}
-    for stage, dtype in CASES:
-        folder = str(tmp_path_factory.mktemp(f"ds_frozen_z{stage}_{dtype}"))
-        out[(stage, dtype)] = (folder, worlds.run(4, job.train_and_save, stage, dtype, folder, save_step=SAVE_STEP,
-                                                  steps=STEPS, frozen_seed=SAVED_SEED)[0])
-    return out
+    return saved_runs(worlds, tmp_path_factory, "ds_frozen", CASES, frozen_seed=SAVED_SEED)
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
@@ -84,12 +80,6 @@ def test_stored_frozen_tensors_hold_their_values(saved, case):
     for name, value in job.frozen_values(SAVED_SEED).items():
         stored = view[model_key(name)].read()
         assert stored.dtype == lp and torch.equal(stored, value.to(lp)), name
-
-
-def zero_to_fp32(folder: str) -> dict[str, torch.Tensor]:
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-    return get_fp32_state_dict_from_zero_checkpoint(folder)
 
 
 def assert_equals_zero_to_fp32(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor],
