@@ -180,12 +180,23 @@ def test_a_zero1_module_tensor_no_table_lists_is_a_frozen_parameter(tmp_path):
     own name and bytes; an unlisted entry that is not a tensor is refused by name."""
     src = deepspeed_folder(tmp_path / "src", stage=1)
     stray = torch.arange(6, dtype=torch.float32).reshape(2, 3) / 7
-    _edit_model_states(src, lambda d: d["module"].__setitem__("stray.weight", stray))
+    quantized = torch.tensor([[-128, 0, 127]], dtype=torch.int8)  # a frozen int8 weight (QLoRA-style)
+    _edit_model_states(src, lambda d: d["module"].update({"stray.weight": stray, "base.qweight": quantized}))
     import_deepspeed(src, tmp_path / "out")
     view = ckptkit.open(tmp_path / "out")
-    assert "stray.weight" in read_meta(view)["frozen"]
-    got = view["model/stray.weight"].read()
-    assert got.dtype == stray.dtype and torch.equal(got, stray)
+    assert {"stray.weight", "base.qweight"} <= set(read_meta(view)["frozen"])
+    for name, want in (("stray.weight", stray), ("base.qweight", quantized)):
+        got = view[f"model/{name}"].read()
+        assert got.dtype == want.dtype and torch.equal(got, want), name
+    # the consolidation: floating frozen tensors as fp32, integer ones as they are, in the dict and the file
+    from safetensors.torch import load_file
+
+    from ckptkit_converters.deepspeed.fp32 import consolidated_fp32_state_dict, export_fp32
+
+    export_fp32(tmp_path / "out", tmp_path / "model.safetensors")
+    for sd in (consolidated_fp32_state_dict(tmp_path / "out"), load_file(str(tmp_path / "model.safetensors"))):
+        assert sd["base.qweight"].dtype == torch.int8 and torch.equal(sd["base.qweight"], quantized)
+        assert sd["stray.weight"].dtype == torch.float32 and torch.equal(sd["stray.weight"], stray)
     src2 = deepspeed_folder(tmp_path / "src2", stage=1)
     _edit_model_states(src2, lambda d: d["module"].__setitem__("stray.count", 3))
     with pytest.raises(ManifestError, match=r"module state entry 'stray.count' is int; a ZeRO-1 module entry"):

@@ -3,7 +3,7 @@
 DeepSpeed's ``zero_to_fp32`` rebuilds full fp32 weights from a native folder's flat partitions; here
 the same dict is read from a ckptkit checkpoint by model-space views (each tensor whole, no process
 group, no DeepSpeed): floating buffers cast to fp32, trainable parameters from their fp32 masters,
-frozen ones cast, tied aliases sharing one tensor, and DeepSpeed-MoE experts once per global expert.
+floating frozen ones cast (integer ones, a quantized frozen weight, as they are), tied aliases sharing one tensor, and DeepSpeed-MoE experts once per global expert.
 """
 
 from __future__ import annotations
@@ -40,11 +40,9 @@ def consolidated_fp32_state_dict(source: str | os.PathLike[str], *,
     view = ckptkit.open(source, storage_options=storage_options)
     meta = read_meta(view)
     out: dict[str, torch.Tensor] = {}
-    for b in meta["buffers"]:
-        t = view[model_key(b)].read()
-        out[b] = t.float() if t.is_floating_point() else t
-    for n in meta.get("frozen", []):
-        out[n] = view[model_key(n)].read().float()
+    for n in [*meta["buffers"], *meta.get("frozen", [])]:  # floating ones as fp32; integer ones (a quantized
+        t = view[model_key(n)].read()                      # frozen weight) as they are, as export_fp32 writes them
+        out[n] = t.float() if t.is_floating_point() else t
     experts = meta.get("experts") or {}
     for n in meta["param_shapes"]:
         t = view[optim_key(FP32, n)].read()  # a missing expert piece: CoverageError naming the expert
