@@ -248,8 +248,17 @@ def test_the_gate_runs_before_the_optimizers_other_step_pre_hooks(saver, tmp_pat
     job.optim.register_step_pre_hook(balance)
     saver.guard(job.optim)
     state = {**job.state(), "bias": bias}
-    h = saver.save(state, open_store(str(tmp_path / "a")))
-    job.step()
+    release = threading.Event()
+    saver._executor.submit(release.wait)  # the persist thread is busy: the copy starts after the step began
+    timer = threading.Timer(0.3, release.set)
+    timer.start()
+    try:
+        h = saver.save(state, open_store(str(tmp_path / "a")))
+        assert not h.staged.done()
+        job.step()  # its pre-hooks run while the copy has not started: the gate first, then balance
+    finally:
+        release.set()
+        timer.cancel()
     saver.wait()
     assert torch.equal(bias, torch.ones(16))
     target = {"bias": torch.full((16,), -1.0)}
