@@ -24,6 +24,13 @@ class CheckpointNotFoundError(CkptkitError, FileNotFoundError):
     """There is no checkpoint at the given location."""
 
 
+class ForeignCheckpointError(CkptkitError):
+    """A location holds a checkpoint in another format (e.g. torch.distributed.checkpoint) where ckptkit
+    would otherwise go on without it: a run folder whose newest step is a DCP checkpoint, which a resume
+    would skip, going back in time or starting from scratch. Not a ``CheckpointNotFoundError``: code that
+    starts fresh when nothing is found must not start fresh here."""
+
+
 class UncommittedCheckpointError(CheckpointNotFoundError):
     """The location holds checkpoint data but no committed manifest.
 

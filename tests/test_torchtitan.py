@@ -412,3 +412,52 @@ def test_an_fsdp_checkpoint_resumes_under_hsdp(worlds, saved):
     got = worlds.run(4, job.resume, "hsdp2x2", folder, load_step=RESUME_STEP, reference=reference_of(folder))[0]
     assert_resumed(ref, got, same_layout=False)
     assert got["remap"]["exact"]
+
+
+def test_a_dcp_checkpoint_newer_than_ckptkits_is_never_resumed_past(worlds, saved, tmp_path):
+    """A run that switched from torchtitan's own DCP manager (or back) keeps its folder. A DCP step newer
+    than the newest ckptkit one would have been skipped without a word (a resume from an older step, or
+    from scratch): every rank refuses, naming it and the way on; an older DCP step does not matter; the
+    way on (convert, then initial_load_path in a new folder) resumes the DCP step's state exactly."""
+    source, ref = saved["fsdp4"]
+    dcp_step4 = reference_of(source)  # torchtitan's route: dcp.save of the same run at step 4
+    folder = str(tmp_path / "checkpoint")
+    shutil.copytree(source, folder)  # ckptkit steps 4 and 6
+    shutil.copytree(dcp_step4, os.path.join(folder, "step-8"))
+    outs = worlds.run(4, job.load_outcome, "fsdp4", folder)
+    assert all(o["error"] and o["error"].startswith("ForeignCheckpointError") for o in outs), outs
+    assert f"{folder}/step-8: a torch.distributed.checkpoint (DCP) checkpoint, newer than the newest ckptkit " \
+           "checkpoint (step 6)" in outs[0]["error"] and "ckptkit convert" in outs[0]["error"]
+    os.rename(os.path.join(folder, "step-8"), os.path.join(folder, "step-2"))  # older than step 6: no matter
+    got = worlds.run(1, job.load_outcome, "single", folder)[0]
+    assert got["error"] is None and got["loaded"] and got["step"] == job.STEPS
+    only = str(tmp_path / "only_dcp")
+    shutil.copytree(dcp_step4, os.path.join(only, "step-4"))
+    got = worlds.run(1, job.load_outcome, "single", only)[0]
+    assert got["error"].startswith("ForeignCheckpointError") and "newer than any" in got["error"]
+    # the way the message gives: convert it, then start in a new folder from the result
+    converted = str(tmp_path / "converted")
+    from click.testing import CliRunner
+
+    from ckptkit.cli.main import cli
+
+    res = CliRunner().invoke(cli, ["convert", os.path.join(only, "step-4"), converted, "--from", "dcp"])
+    assert res.exit_code == 0, res.output
+    got = worlds.run(1, job.load_outcome, "single", str(tmp_path / "new"), initial_load_path=converted)[0]
+    assert got["error"] is None and got["loaded"] and got["step"] == RESUME_STEP
+    assert got["digests"] == ref["saved"]["digests"]
+
+
+def test_a_hostile_dcp_metadata_is_refused_and_a_crashed_save_is_a_fresh_start(worlds, tmp_path):
+    """A FIFO where DCP keeps ``.metadata`` is named, not opened (no hang); a step folder a save left
+    without committing (no manifest, no ``.metadata``) is a fresh start, as before."""
+    fifo = tmp_path / "fifo" / "step-3"
+    fifo.mkdir(parents=True)
+    os.mkfifo(fifo / ".metadata")
+    got = worlds.run(1, job.load_outcome, "single", str(tmp_path / "fifo"))[0]
+    assert got["error"].startswith("ForeignCheckpointError") and "step-3" in got["error"]
+    crashed = tmp_path / "crashed" / "step-2"
+    crashed.mkdir(parents=True)
+    (crashed / "rank-0.partial").write_bytes(b"x" * 10)
+    got = worlds.run(1, job.load_outcome, "single", str(tmp_path / "crashed"))[0]
+    assert got["error"] is None and got["loaded"] is False and got["step"] == 0

@@ -372,3 +372,16 @@ def mixed_namings(layout: str, folder: str) -> dict[str, Any]:
     out["resumed_again"] = job.train_state.step
     job.close()
     return out
+
+
+def load_outcome(layout: str, folder: str, **kw: Any) -> dict[str, Any]:
+    """A fresh job at ``layout`` resuming from ``folder`` (``load(step=-1)``, as torchtitan's trainer starts):
+    whether it loaded, the step, its digests; or the error it raised."""
+    job = Job(layout, _config(folder, **kw), seed=123)
+    try:
+        loaded = job.checkpointer.load(step=-1)
+        return {"loaded": loaded, "step": job.train_state.step, "digests": job.digests(), "error": None}
+    except Exception as exc:  # noqa: BLE001 - the error is the result
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    finally:
+        job.close()

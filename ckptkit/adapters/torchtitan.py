@@ -76,7 +76,8 @@ from ckptkit.errors import CheckpointNotFoundError, MissingKeysError, OptionsErr
 from ckptkit.layout.values import decode_value
 from ckptkit.options import AsyncOptions, LoadOptions
 from ckptkit.retention import RetentionPolicy
-from ckptkit.run_folder import STEP_PATTERN, StepNaming
+from ckptkit.adapters.torchtitan_folder import refuse_newer_dcp, warn_foreign_folders
+from ckptkit.run_folder import StepNaming
 from ckptkit.storage.url import open_store
 
 log = logging.getLogger("ckptkit")
@@ -360,9 +361,11 @@ class CkptkitCheckpointManager(BaseCheckpointManager):
                                         f"{step} ({NAMING.name(step)} or {StepNaming().name(step)}) under {self.folder}")
             self._restore(step, explicit=True)
             return True
-        if self.manager.latest_common_step() is not None:  # raises if a newer one cannot be read
+        latest = self.manager.latest_common_step()  # raises if a newer one cannot be read
+        refuse_newer_dcp(self.manager.root, self.folder, self._comm, latest)
+        if latest is not None:
             return self._restore(None, explicit=False)
-        self._warn_foreign_folders()
+        warn_foreign_folders(self.manager.root, self.folder)
         path = self.config.initial_load_path
         if not path:
             log.info("no ckptkit checkpoint under %s: a fresh start", self.folder)
@@ -552,11 +555,3 @@ class CkptkitCheckpointManager(BaseCheckpointManager):
                 raise CheckpointNotFoundError(f"{path}: rank {g}'s index holds no data-loader state for dp rank {k}")
             out.append(decode_value(indexes[g].values[DATALOADER], f"{path}: dataloader of rank {g}"))
         return out
-
-    def _warn_foreign_folders(self) -> None:
-        names = [n for n in self.manager.root.list_children() if STEP_PATTERN.match(n)]
-        if names:
-            log.warning(
-                "%s holds step folders %s but no committed ckptkit checkpoint (crashed saves, or checkpoints of "
-                "torchtitan's DCP manager: convert those with `ckptkit convert` or load them by initial_load_path "
-                "after converting)", self.folder, names[:4])
