@@ -416,3 +416,18 @@ def refused_bf16_optimizer(folder: str) -> str:
     except StateMismatchError as exc:
         return str(exc)
     return "saved"
+
+
+def checkpointer_restore(stage: int, dtype: str, root: str) -> dict[str, Any]:
+    """``DeepSpeedCheckpointer(...).restore_latest()`` in a fresh engine on ``root``: the client state and step
+    it resumed, or the error it raised."""
+    from ckptkit.adapters.deepspeed import DeepSpeedCheckpointer
+
+    engine = build(stage, dtype)
+    ckpt = DeepSpeedCheckpointer(engine, root, every_steps=2)
+    try:
+        return {"client": ckpt.restore_latest(), "step": engine.global_steps, "error": None}
+    except Exception as exc:  # noqa: BLE001 - the error is the result
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    finally:
+        ckpt.close()

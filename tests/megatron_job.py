@@ -414,3 +414,23 @@ def load_error(layout: mm.Layout, folder: str) -> str | None:
         return str(exc)
     finally:
         mm.teardown()
+
+
+def checkpointer_restore_error(layout: mm.Layout, root: str) -> str | None:
+    """``MegatronCheckpointer(...).restore_latest()`` in a fresh job on ``root``: the error it raised on this
+    rank, or None when it did not raise."""
+    from ckptkit.adapters.megatron import MegatronCheckpointer
+
+    t = mm.setup(layout, seed=999)
+    try:
+        ckpt = MegatronCheckpointer(t.model, t.optimizer, t.scheduler, root, every_steps=1,
+                                    options=_options(layout.divisible_by))
+        try:
+            ckpt.restore_latest()
+            return None
+        except Exception as exc:  # noqa: BLE001 - the error is the result
+            return f"{type(exc).__name__}: {exc}"
+        finally:
+            ckpt.close()
+    finally:
+        mm.teardown()

@@ -198,3 +198,28 @@ def test_the_reference_comparison_sees_a_lost_state(worlds, saved, reference):
     fresh = got["fresh_optimizer"]
     assert (fresh["eval"], fresh["losses"][SAVE_STEP + 1]) == (want["eval"], want["losses"][SAVE_STEP + 1])
     assert fresh["losses"][STEPS] != want["losses"][STEPS] and fresh["final_eval"] != want["final_eval"]
+
+
+def test_checkpointer_never_resumes_past_a_newer_native_checkpoint(worlds, saved, tmp_path):
+    """A job that saved natively (engine.save_checkpoint) into the folder it later gives DeepSpeedCheckpointer:
+    a native tag newer than ckptkit's newest step is refused on every rank, naming it and the way on (it
+    resumed the older ckptkit step, or started from scratch, before 2026-12-05); an older one changes nothing."""
+    import os
+    import shutil
+
+    folder, _, _ = saved[(2, "fp32")]
+    root = str(tmp_path / "run")
+    worlds.run(2, job.checkpointer_run, 2, "fp32", root, steps=4, resume=False)  # ckptkit steps 2 and 4
+    shutil.copytree(f"{folder}/native/global_step{SAVE_STEP}", os.path.join(root, "global_step6"))
+    outs = worlds.run(2, job.checkpointer_restore, 2, "fp32", root)
+    assert all(o["error"] and o["error"].startswith("ForeignCheckpointError") for o in outs), outs
+    assert f"{root}/global_step6: a DeepSpeed checkpoint" in outs[0]["error"]
+    assert "newest ckptkit checkpoint (step 4)" in outs[0]["error"] and "--from deepspeed --tag global_step6" \
+        in outs[0]["error"]
+    os.rename(os.path.join(root, "global_step6"), os.path.join(root, "global_step3"))
+    got = worlds.run(2, job.checkpointer_restore, 2, "fp32", root)[0]
+    assert got["error"] is None and got["step"] == 4 and got["client"] == {"last": 4}
+    only = str(tmp_path / "native_only")
+    shutil.copytree(f"{folder}/native", only)  # DeepSpeed's own folder: 'latest' and global_step2
+    got = worlds.run(2, job.checkpointer_restore, 2, "fp32", only)[0]
+    assert got["error"].startswith("ForeignCheckpointError") and "newer than any ckptkit checkpoint" in got["error"]

@@ -366,3 +366,25 @@ def test_hf_export_from_tp2pp2_equals_the_tp1_reference_and_loads_in_transformer
     _, info = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32,
                                                            output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+
+
+def test_checkpointer_never_resumes_past_a_newer_megatron_checkpoint(worlds, saved, tmp_path):
+    """MegatronCheckpointer given the folder Megatron-LM saved into (``iter_NNNNNNN`` and its tracker): it held
+    no ckptkit checkpoint, so restore_latest returned None and training started from scratch; now every rank
+    refuses, naming the iteration and the way on (``ckptkit convert --from megatron``)."""
+    import tests.megatron_model as mm
+    from tests import megatron_job
+
+    folder, _ = saved[False]
+    root = str(tmp_path / "mlm")
+    shutil.copytree(f"{folder}/legacy", root)
+    errors = worlds.run(2, megatron_job.checkpointer_restore_error, mm.Layout(), root)
+    it = f"iter_{job.STEPS:07d}"
+    assert all(e is not None and e.startswith("ForeignCheckpointError") for e in errors), errors
+    assert f"{root}/{it}: a Megatron checkpoint, newer than any ckptkit checkpoint" in errors[0]
+    assert f"ckptkit convert {root}/{it} DST --from megatron" in errors[0]
+    # the way on it names takes that folder (Megatron-LM's args record no vocab_size here: the flag it asks for)
+    res = CliRunner().invoke(cli, ["convert", f"{root}/{it}", str(tmp_path / "dst"), "--from", "megatron",
+                                   "--vocab-size", str(VOCAB)])
+    assert res.exit_code == 0, res.output
+    assert ckptkit.diff(f"{folder}/ck_legacy", str(tmp_path / "dst")).identical

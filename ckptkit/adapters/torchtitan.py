@@ -76,7 +76,7 @@ from ckptkit.errors import CheckpointNotFoundError, MissingKeysError, OptionsErr
 from ckptkit.layout.values import decode_value
 from ckptkit.options import AsyncOptions, LoadOptions
 from ckptkit.retention import RetentionPolicy
-from ckptkit.adapters.torchtitan_folder import refuse_newer_dcp, warn_foreign_folders
+from ckptkit.adapters.foreign_steps import DCP, refuse_newer, warn_uncommitted
 from ckptkit.run_folder import StepNaming
 from ckptkit.storage.url import open_store
 
@@ -362,10 +362,10 @@ class CkptkitCheckpointManager(BaseCheckpointManager):
             self._restore(step, explicit=True)
             return True
         latest = self.manager.latest_common_step()  # raises if a newer one cannot be read
-        refuse_newer_dcp(self.manager.root, self.folder, self._comm, latest)
+        refuse_newer(self.manager.root, self.folder, self._comm, latest, DCP)
         if latest is not None:
             return self._restore(None, explicit=False)
-        warn_foreign_folders(self.manager.root, self.folder)
+        warn_uncommitted(self.manager.root, self.folder)
         path = self.config.initial_load_path
         if not path:
             log.info("no ckptkit checkpoint under %s: a fresh start", self.folder)

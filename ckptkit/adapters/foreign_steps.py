@@ -1,0 +1,109 @@
+"""Other frameworks' own checkpoints in a run folder, and why a resume refuses to go past them.
+
+A run that switches to ckptkit often keeps its folder: torchtitan's own manager left ``step-N``
+directories of ``torch.distributed.checkpoint`` (a ``.metadata`` file and ``.distcp`` shards),
+DeepSpeed's ``engine.save_checkpoint`` left ``global_stepN`` tag directories, Megatron-LM left
+``iter_NNNNNNN`` directories. The adapters' checkpointers read ckptkit checkpoints only (those
+formats are pickle-based; converting them is ``ckptkit convert``'s job, in ``converters/``). What
+matters is that a resume never goes past one silently: a foreign step newer than the newest ckptkit
+checkpoint means the run got further than ckptkit can resume, and starting from scratch or from the
+older ckptkit step would throw that training away without a word.
+
+Only names and, for DCP (whose folder name is ckptkit's own ``step-N``), the presence of its
+``.metadata`` are looked at: nothing foreign is opened or read.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from ckptkit.errors import CkptkitError, ForeignCheckpointError
+from ckptkit.run_folder import STEP_PATTERN
+
+log = logging.getLogger("ckptkit")
+
+
+@dataclass(frozen=True)
+class ForeignSteps:
+    """How one framework's own checkpoints sit in a run folder: their directory names (the step as the
+    pattern's first group), a file inside that tells them from ckptkit's (None: the name is enough),
+    and how to resume from one instead."""
+
+    what: str
+    pattern: re.Pattern[str]
+    marker: str | None
+    way_on: str
+
+
+DCP = ForeignSteps(
+    "a torch.distributed.checkpoint (DCP) checkpoint", STEP_PATTERN, ".metadata",
+    "`ckptkit convert {src} DST --from dcp`, then start with initial_load_path=DST in a new checkpoint folder "
+    "(in this one, a ckptkit step would win over initial_load_path)")
+DEEPSPEED = ForeignSteps(
+    "a DeepSpeed checkpoint (engine.save_checkpoint)", re.compile(r"^global_step(\d+)$"), None,
+    "`ckptkit convert {folder} DST --from deepspeed --tag {name}`, then ckptkit.adapters.deepspeed.load(engine, "
+    "DST) before training, with a new folder for this checkpointer")
+MEGATRON = ForeignSteps(
+    "a Megatron checkpoint", re.compile(r"^iter_(\d+)$"), None,
+    "`ckptkit convert {src} DST --from megatron`, then ckptkit.adapters.megatron.load(model, DST, ...) before "
+    "training, with a new folder for this checkpointer")
+
+
+def steps_after(root: Any, kind: ForeignSteps, latest: int | None) -> list[str]:
+    """Names of ``kind``'s checkpoint directories in ``root`` (a Store) after step ``latest`` (all, when
+    None). A marker that cannot be inspected (a FIFO, a device or a link out of the folder in its
+    place) counts as present: it is no ckptkit checkpoint either, and the caller must reach the ranks'
+    agreement rather than raise on its own."""
+    out = []
+    for name in root.list_children():
+        m = kind.pattern.match(name)
+        if m is None or (latest is not None and int(m.group(1)) <= latest):
+            continue
+        if kind.marker is not None:
+            try:
+                if root.size(f"{name}/{kind.marker}") is None:
+                    continue
+            except CkptkitError:
+                pass
+        out.append(name)
+    return sorted(out, key=lambda n: int(kind.pattern.match(n).group(1)))  # type: ignore[union-attr]
+
+
+def refuse_newer(root: Any, folder: str, comm: Any, latest: int | None, kind: ForeignSteps) -> None:
+    """Raise :class:`~ckptkit.errors.ForeignCheckpointError` on every rank if ``folder`` holds a ``kind``
+    checkpoint newer than ``latest``, its newest ckptkit checkpoint (any, when None). Rank 0 looks, all
+    agree; a folder rank 0 cannot list fails the resume too (it cannot tell that nothing is newer)."""
+    newer: list[str] = []
+    unlisted = ""
+    if comm.rank == 0:
+        try:
+            newer = steps_after(root, kind, latest)
+        except CkptkitError as exc:
+            unlisted = str(exc)
+    found, failed = comm.any_flags([bool(newer), bool(unlisted)])
+    if failed:
+        raise ForeignCheckpointError(
+            f"{folder}: could not list the folder to make sure no checkpoint there is newer than "
+            f"{'none' if latest is None else f'step {latest}'} ({unlisted or 'on rank 0'}); retry once it answers")
+    if not found:
+        return
+    newest = newer[-1] if newer else ""
+    where = f"{folder}/{newest}" if newest else f"a folder under {folder} (seen by rank 0)"
+    way = kind.way_on.format(src=f"{folder}/{newest}" if newest else "SRC", folder=folder, name=newest or "TAG")
+    raise ForeignCheckpointError(
+        f"{where}: {kind.what}, newer than "
+        f"{'any ckptkit checkpoint' if latest is None else f'the newest ckptkit checkpoint (step {latest})'} there "
+        f"({len(newer) or 'some'} such); this checkpointer reads ckptkit checkpoints only, and resuming without it "
+        f"would go back in time. To resume from it: {way}. To resume from what ckptkit saved here instead: move "
+        "the newer ones out of the folder")
+
+
+def warn_uncommitted(root: Any, folder: str) -> None:
+    """No committed ckptkit checkpoint, yet step folders: saves that did not commit (a fresh start is right)."""
+    names = [n for n in root.list_children() if STEP_PATTERN.match(n)]
+    if names:
+        log.warning("%s holds step folders %s but no committed ckptkit checkpoint (saves that did not commit); "
+                    "a fresh start", folder, names[:4])
