@@ -25,10 +25,12 @@ class CheckpointNotFoundError(CkptkitError, FileNotFoundError):
 
 
 class ForeignCheckpointError(CkptkitError):
-    """A location holds a checkpoint in another format (e.g. torch.distributed.checkpoint) where ckptkit
-    would otherwise go on without it: a run folder whose newest step is a DCP checkpoint, which a resume
-    would skip, going back in time or starting from scratch. Not a ``CheckpointNotFoundError``: code that
-    starts fresh when nothing is found must not start fresh here."""
+    """A location holds a checkpoint in another format where ckptkit would otherwise go on without it: a
+    run folder whose newest step is the framework's own checkpoint (torch.distributed.checkpoint from
+    torchtitan's manager, DeepSpeed's ``global_stepN``, Megatron's ``iter_NNNNNNN``), which a resume
+    would skip, going back in time or starting from scratch (:mod:`ckptkit.adapters.foreign_steps`).
+    Not a ``CheckpointNotFoundError``: code that starts fresh when nothing is found must not start
+    fresh here."""
 
 
 class UncommittedCheckpointError(CheckpointNotFoundError):
