@@ -182,6 +182,12 @@ def test_s3_folder_async_resume_and_final_model_only_save(worlds, s3_server, tmp
     last = worlds.run(1, job.load_model, "single", folder, storage_options=storage)[0]
     assert last["model"] == ref["final_model"]
     assert last["optimizer_untouched"] and last["train_state"]["step"] == 0
+    # a DCP checkpoint newer than step 6 in the bucket (its .metadata object): refused there too
+    from ckptkit.storage import open_store
+
+    open_store(folder, storage).put_bytes("step-8/.metadata", b"a DCP plan")
+    got = worlds.run(1, job.load_outcome, "single", folder, storage_options=storage)[0]
+    assert got["error"].startswith("ForeignCheckpointError") and f"{folder}/step-8: a torch.distributed" in got["error"]
 
 
 def test_config_is_torchtitans_contract():
