@@ -153,8 +153,9 @@ def _prepare(source: str | os.PathLike[str], dest: str | os.PathLike[str], dp: i
     plan = plan_export(view.url, read_meta(view), dp, zero_stage, ep)
     common = model_states_record(plan, ds_config if ds_config is not None else plan.meta.get("ds_config", {}),
                                  ds.version)
-    if plan.meta.get("frozen"):
-        raise StateMismatchError(f"{view.url}: frozen parameters are not supported by the native export")
+    if plan.meta.get("frozen") and plan.zero_stage == 3:
+        raise StateMismatchError(f"{view.url}: frozen parameters are not supported by the native export at ZeRO 3 "
+                                 "(export at ZeRO 1 or 2, or resume through ckptkit's adapter at any stage)")
     tag = plain_name(tag, f"{dest}: the tag option") if tag is not None else f"global_step{plan.meta['global_steps']}"
     folder = os.path.join(os.fspath(dest), tag)
     if os.path.exists(folder):
@@ -297,7 +298,8 @@ def planned_bytes(plan: ExportPlan, view: Any) -> int:
     buffers = sum(view[model_key(b)].nbytes for b in plan.meta["buffers"])
     if plan.zero_stage == 3:
         return total + plan.dp * buffers
-    return total + buffers + sum(view[model_key(n)].nbytes for g in plan.groups for n, _ in g)
+    frozen = sum(view[model_key(n)].nbytes for n in plan.meta.get("frozen", []))
+    return total + buffers + frozen + sum(view[model_key(n)].nbytes for g in plan.groups for n, _ in g)
 
 
 def tensor_bytes(obj: Any, seen: set[int] | None = None) -> int:
@@ -355,8 +357,10 @@ def _write_rank(plan: ExportPlan, view: Any, folder: str, r: int, flats: list[di
 
 def _write_model_states_12(plan: ExportPlan, view: Any, folder: str, common: dict[str, Any],
                            tick: Callable[[int], None]) -> None:
-    """The ZeRO-1/2 model states: the whole module in its training dtype without routed experts, and
-    one file per global expert (keys by global id), as ``_save_moe_checkpoint`` writes them."""
+    """The ZeRO-1/2 model states: the whole module in its training dtype without routed experts, frozen
+    parameters included (listed in ``frozen_param_shapes`` / ``frozen_param_fragments`` at ZeRO 2, as
+    DeepSpeed lists them), and one file per global expert (keys by global id), as
+    ``_save_moe_checkpoint`` writes them."""
     experts = plan.experts
     module = OrderedDict((n, view[model_key(n)].read()) for g in plan.groups for n, _ in g if n not in experts)
     layers: dict[int, list[str]] = {}
@@ -369,6 +373,11 @@ def _write_model_states_12(plan: ExportPlan, view: Any, folder: str, common: dic
                               for n, t in stacked.items()), dsm.expert_file(folder, layer, e), tick)
     for b in plan.meta["buffers"]:
         module[b] = view[model_key(b)].read()
+    frozen = OrderedDict((n, view[model_key(n)].read()) for n in plan.meta.get("frozen", []))
+    module.update(frozen)  # as DeepSpeed's module state dict holds them: whole, in their own dtype
+    if frozen and plan.zero_stage == 2:  # DeepSpeed lists them from stage 2 on (zero_to_fp32 reads these)
+        common = {**common, "frozen_param_shapes": OrderedDict((n, t.shape) for n, t in frozen.items()),
+                  "frozen_param_fragments": frozen}
     _add_aliases(module, plan.meta)
     _save({"module": module, **common}, os.path.join(folder, fmt.MODEL_STATES_12), tick)
 
