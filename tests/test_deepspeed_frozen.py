@@ -18,8 +18,8 @@ engine with other frozen values (another seed) than the saving run's, so:
   ``frozen_param_shapes`` only from stage 2 on); ours has them, with the values they were frozen at;
 * the native import takes them at ZeRO 1/2 (at ZeRO 1 from the module tensors no table lists) and
   refuses them at ZeRO 3 by name;
-* the native export carries them at ZeRO 1/2 (DeepSpeed's own ``load_checkpoint`` evaluates as the saving
-  run did) and refuses them at ZeRO 3 (docs/deepspeed.md, "Limits").
+* the native export carries them at every stage (DeepSpeed's own ``load_checkpoint`` evaluates as the
+  saving run did).
 """
 
 from __future__ import annotations
@@ -115,28 +115,22 @@ def test_consolidated_fp32_and_native_import(saved, case, tmp_path):
     assert_same_state(f"{folder}/ckptkit", imported)
 
 
-@pytest.mark.parametrize("case,target", [(CASES[0], 1), (CASES[1], 2), (CASES[2], 2)],
-                         ids=["z1-to-z1", "z2-bf16-to-z2", "z3-bf16-to-z2"])
+@pytest.mark.parametrize("case,target", [(CASES[0], 1), (CASES[1], 2), (CASES[2], 2), (CASES[2], 3), (CASES[0], 3)],
+                         ids=["z1-to-z1", "z2-bf16-to-z2", "z3-bf16-to-z2", "z3-bf16-to-z3", "z1-to-z3"])
 def test_native_export_carries_frozen_parameters_and_deepspeed_loads_them(worlds, saved, tmp_path, case, target):
-    """ckptkit -> native DeepSpeed at DP 2: the frozen parameters go in the module (and, at ZeRO 2, in
-    frozen_param_shapes / frozen_param_fragments, as DeepSpeed writes them). DeepSpeed's own load_checkpoint
-    into an engine with other frozen values evaluates as the saving run did (a forward of the whole batch
-    on the same weights); zero_to_fp32 of the export sees them at ZeRO 2."""
+    """ckptkit -> native DeepSpeed at DP 2: the frozen parameters go in the module at ZeRO 1/2 (and at ZeRO
+    2 in frozen_param_shapes / frozen_param_fragments, as DeepSpeed writes them); at ZeRO 3 each rank's
+    file holds its padded partition in frozen_param_fragments. DeepSpeed's own load_checkpoint into an
+    engine with other frozen values evaluates as the saving run did (a forward of the whole batch on the
+    same weights); zero_to_fp32 of the export sees them from ZeRO 2 on."""
     folder, ref = saved[case]
     native = str(tmp_path / "native")
     export_deepspeed(f"{folder}/ckptkit", native, dp=2, zero_stage=target)
     got = worlds.run(2, job.resume_native, target, case[1], native, from_step=SAVE_STEP, steps=STEPS,
                      frozen_seed=FRESH_SEED)[0]
     assert got["eval"] == ref["eval"] and got["global_steps"] == SAVE_STEP
-    if target == 2:
+    if target >= 2:
         lp = torch.bfloat16 if case[1] == "bf16" else torch.float32
         theirs = zero_to_fp32(native)
         for name, value in job.frozen_values(SAVED_SEED).items():
             assert torch.equal(theirs[name].float(), value.to(lp).float()), name
-
-
-def test_native_export_at_zero3_refuses_frozen_parameters(saved, tmp_path):
-    folder, _ = saved[CASES[0]]
-    with pytest.raises(StateMismatchError, match="frozen parameters are not supported by the native export at ZeRO 3"):
-        export_deepspeed(f"{folder}/ckptkit", tmp_path / "native", dp=2, zero_stage=3)
-    assert not (tmp_path / "native" / "latest").exists()

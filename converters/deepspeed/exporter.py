@@ -27,7 +27,7 @@ import ckptkit
 from ckptkit.adapters.deepspeed import FP32, model_key, optim_key
 from ckptkit.adapters.deepspeed_record import scalar_value
 from ckptkit.engine.offline_writer import ConvertResult
-from ckptkit.errors import LayoutError, StateMismatchError
+from ckptkit.errors import LayoutError
 from ckptkit.offline.spread import Dealt, agreed, same_source, spread_comm, write_then_commit
 from ckptkit.options import Progress
 from ckptkit_converters.common.source_paths import plain_name
@@ -153,9 +153,6 @@ def _prepare(source: str | os.PathLike[str], dest: str | os.PathLike[str], dp: i
     plan = plan_export(view.url, read_meta(view), dp, zero_stage, ep)
     common = model_states_record(plan, ds_config if ds_config is not None else plan.meta.get("ds_config", {}),
                                  ds.version)
-    if plan.meta.get("frozen") and plan.zero_stage == 3:
-        raise StateMismatchError(f"{view.url}: frozen parameters are not supported by the native export at ZeRO 3 "
-                                 "(export at ZeRO 1 or 2, or resume through ckptkit's adapter at any stage)")
     tag = plain_name(tag, f"{dest}: the tag option") if tag is not None else f"global_step{plan.meta['global_steps']}"
     folder = os.path.join(os.fspath(dest), tag)
     if os.path.exists(folder):
@@ -296,8 +293,10 @@ def planned_bytes(plan: ExportPlan, view: Any) -> int:
             total += 4 * (fp32 + kinds * numel) + tensor_bytes([scalar_value(rec)
                                                                 for rec in scal[lay.names[0]].values()])
     buffers = sum(view[model_key(b)].nbytes for b in plan.meta["buffers"])
-    if plan.zero_stage == 3:
-        return total + plan.dp * buffers
+    if plan.zero_stage == 3:  # each rank: the buffers, and its padded partition of every frozen parameter
+        frozen3 = sum(-(-tv.numel // plan.dp) * (tv.nbytes // max(tv.numel, 1)) * plan.dp
+                      for tv in (view[model_key(n)] for n in plan.meta.get("frozen", [])))
+        return total + plan.dp * buffers + frozen3
     frozen = sum(view[model_key(n)].nbytes for n in plan.meta.get("frozen", []))
     return total + buffers + frozen + sum(view[model_key(n)].nbytes for g in plan.groups for n, _ in g)
 
@@ -348,11 +347,30 @@ def _write_rank(plan: ExportPlan, view: Any, folder: str, r: int, flats: list[di
         module = OrderedDict((n, torch.empty(0, dtype=plan.lp_dtype)) for g in plan.groups for n, _ in g)
         for b in plan.meta["buffers"]:
             module[b] = view[model_key(b)].read()
+        frozen = _frozen_partitions3(plan, view, r)
+        module.update((n, torch.empty(0, dtype=t.dtype)) for n, t in frozen.items())
+        listed = {"frozen_param_shapes": OrderedDict((n, torch.Size(view[model_key(n)].shape)) for n in frozen),
+                  "frozen_param_fragments": frozen} if frozen else {}
         _add_aliases(module, plan.meta)
-        _save({"module": module, **common}, os.path.join(folder, fmt.model3_file_name(r)), tick)
+        _save({"module": module, **common, **listed}, os.path.join(folder, fmt.model3_file_name(r)), tick)
     prefix = "bf16_" if plan.lp_dtype == torch.bfloat16 else ""
     _save({"optimizer_state_dict": rec, "ds_version": ds.version},
           os.path.join(folder, fmt.optim_file_name(r, prefix)), tick)
+
+
+def _frozen_partitions3(plan: ExportPlan, view: Any, r: int) -> OrderedDict[str, torch.Tensor]:
+    """Rank ``r``'s ZeRO-3 partition of every frozen parameter, as DeepSpeed keeps it in ``ds_tensor``
+    and saves it in ``frozen_param_fragments``: elements ``[r*p, (r+1)*p)`` of the flattened parameter,
+    ``p = ceil(numel / dp)``, zero-padded at the end of the last partitions."""
+    out: OrderedDict[str, torch.Tensor] = OrderedDict()
+    for n in plan.meta.get("frozen", []):
+        flat = view[model_key(n)].read().reshape(-1)
+        p = -(-flat.numel() // plan.dp)
+        part = torch.zeros(p, dtype=flat.dtype)
+        lo, hi = min(r * p, flat.numel()), min((r + 1) * p, flat.numel())
+        part[:hi - lo] = flat[lo:hi]
+        out[n] = part
+    return out
 
 
 def _write_model_states_12(plan: ExportPlan, view: Any, folder: str, common: dict[str, Any],
