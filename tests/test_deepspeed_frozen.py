@@ -16,8 +16,9 @@ engine with other frozen values (another seed) than the saving run's, so:
   for key; frozen parameters come out as fp32, where zero_to_fp32 keeps their training dtype (equal
   values: a bf16 value is exact in fp32). At ZeRO 1 zero_to_fp32 leaves them out (DeepSpeed records
   ``frozen_param_shapes`` only from stage 2 on); ours has them, with the values they were frozen at;
-* the native import takes them at ZeRO 1/2 (at ZeRO 1 from the module tensors no table lists) and
-  refuses them at ZeRO 3 by name;
+* the native import takes them at every stage (at ZeRO 1 from the module tensors no table lists, at
+  ZeRO 3 from every rank's ``frozen_param_fragments``) and gives the adapter's checkpoint bit for bit; a
+  ZeRO-3 fragment of the wrong size or dtype is refused naming the rank's file and the parameter;
 * the native export carries them at every stage (DeepSpeed's own ``load_checkpoint`` evaluates as the
   saving run did).
 """
@@ -105,11 +106,6 @@ def test_consolidated_fp32_and_native_import(saved, case, tmp_path):
     assert set(job.FROZEN).isdisjoint(theirs) if case[0] == 1 else set(job.FROZEN) <= set(theirs)
     assert_equals_zero_to_fp32(consolidated_fp32_state_dict(f"{folder}/ckptkit"), theirs, lp)
     imported = str(tmp_path / "imported")
-    if case[0] == 3:
-        with pytest.raises(StateMismatchError, match="frozen parameters in a ZeRO-3 checkpoint"):
-            import_deepspeed(f"{folder}/native", imported)
-        assert not os.path.exists(imported)
-        return
     import_deepspeed(f"{folder}/native", imported)
     assert_equals_zero_to_fp32(consolidated_fp32_state_dict(imported), theirs, lp)
     assert_same_state(f"{folder}/ckptkit", imported)
@@ -134,3 +130,30 @@ def test_native_export_carries_frozen_parameters_and_deepspeed_loads_them(worlds
         theirs = zero_to_fp32(native)
         for name, value in job.frozen_values(SAVED_SEED).items():
             assert torch.equal(theirs[name].float(), value.to(lp).float()), name
+
+
+@pytest.mark.parametrize("damage", ["short", "dtype", "missing"])
+def test_a_damaged_zero3_frozen_fragment_is_refused_naming_the_file(saved, tmp_path, damage):
+    import shutil
+
+    from ckptkit.errors import ManifestError
+    from ckptkit_converters.deepspeed.files import find_files, load_file
+
+    folder, _ = saved[(3, "bf16")]
+    src = str(tmp_path / "native")
+    shutil.copytree(f"{folder}/native", src)
+    files = find_files(src)
+    path = files.model[1]
+    data = load_file(path)
+    frag = data["frozen_param_fragments"]
+    if damage == "short":
+        frag["fc1.weight"] = frag["fc1.weight"][:-1].clone()
+    elif damage == "dtype":
+        frag["fc1.weight"] = frag["fc1.weight"].float()
+    else:
+        del frag["fc1.weight"]
+    torch.save(data, path)
+    with pytest.raises(ManifestError, match=r"zero_pp_rank_1_mp_rank_00_model_states\.pt: "
+                                            r"frozen_param_fragments\['fc1\.weight'\] is"):
+        import_deepspeed(src, tmp_path / "out")
+    assert not os.path.exists(tmp_path / "out" / "manifest.json")

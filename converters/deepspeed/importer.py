@@ -23,6 +23,7 @@ import json
 import os
 import time
 from collections.abc import Callable, Sequence
+from math import prod
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,8 +33,9 @@ from ckptkit.adapters.deepspeed import FP32, Space, model_key, optim_key
 from ckptkit.adapters.deepspeed_record import RecordSources, SavedLayout
 from ckptkit.engine.offline_writer import ConvertResult, OfflineWriteOptions, StoredTensor, write_offline
 from ckptkit.engine.state import dtype_name
-from ckptkit.errors import CoverageError, LayoutError, ManifestError, StateMismatchError
+from ckptkit.errors import CoverageError, LayoutError, ManifestError
 from ckptkit.layout.box import Box, Region
+from ckptkit.layout.strict_json import MAX_LAYOUT_INT
 from ckptkit.layout.values import encode_value
 from ckptkit.layout.zero_partition import param_alignment
 from ckptkit.options import Progress
@@ -44,7 +46,8 @@ from ckptkit_converters.deepspeed.flat_layout import DEFAULT_SUB_GROUP_SIZE, Fla
 from ckptkit_converters.deepspeed.record import META_KEY, native_count, native_record, shared_params
 
 RankData = dict[str, Any]
-"""One rank's checked optimizer contents: ``fp32`` (flat partition per flat group) and ``state``."""
+"""One rank's checked contents: ``fp32`` (flat partition per flat group) and ``state`` from its optimizer
+file, and at ZeRO 3 ``frozen`` (its partition of each frozen parameter) from its model-states file."""
 Getter = Callable[[RankData], torch.Tensor]
 
 
@@ -147,8 +150,6 @@ def read_native(files: fmt.NativeFiles) -> NativeZero:
     if not isinstance(zcfg, dict) or not isinstance(module, dict):
         raise ManifestError(f"{where}: 'module' must be a state dict and ds_config['zero_optimization'] a dict")
     _check_world_size(files, model0)
-    if files.zero_stage == 3 and model0.get("frozen_param_shapes"):
-        raise StateMismatchError(f"{where}: frozen parameters in a ZeRO-3 checkpoint are not supported by the import")
     first = next((n for g in shapes for n in g), None)
     if first is None or not isinstance(module.get(first), torch.Tensor):
         raise ManifestError(f"{where}: module state has no tensor for the first parameter {first!r} of param_shapes")
@@ -292,7 +293,45 @@ def stored_tensors(native: NativeZero, keys: Sequence[str]) -> StoredTensors:
         if n not in native.module:
             raise ManifestError(f"{native.where}: module state has no entry for {n!r}")
         specs[model_key(n)] = StoredTensor(dtype_name(native.module[n].dtype), tuple(native.module[n].shape))
+    if native.files.zero_stage == 3:  # the module holds empty placeholders: shape and dtype from the lists
+        for n, (shape, dtype) in frozen3_specs(native).items():
+            specs[model_key(n)] = StoredTensor(dtype_name(dtype), shape)
     return StoredTensors(specs, members, buffers, frozen)
+
+
+def frozen3_specs(native: NativeZero) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Each frozen parameter of a ZeRO-3 folder: its whole shape (``frozen_param_shapes``) and dtype (rank
+    0's fragment in ``frozen_param_fragments``), checked: every rank's fragment is that partition's size."""
+    where = native.where
+    shapes = native.model0.get("frozen_param_shapes") or {}
+    fragments = native.model0.get("frozen_param_fragments") or {}
+    out = {}
+    for n in native.frozen:
+        shape, frag = shapes.get(n), fragments.get(n)
+        if not isinstance(shape, (tuple, list)) or not all(type(d) is int and 0 <= d <= MAX_LAYOUT_INT
+                                                              for d in shape):
+            raise ManifestError(f"{where}: frozen_param_shapes[{n!r}] is {shape!r}; expected a shape")
+        if not isinstance(frag, torch.Tensor):
+            raise ManifestError(f"{where}: frozen_param_fragments has no tensor for the frozen parameter {n!r}")
+        out[n] = (tuple(shape), frag.dtype)
+    return out
+
+
+def frozen3_fragments(native: NativeZero, r: int, model: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Rank ``r``'s ZeRO-3 partition of every frozen parameter (from its model-states file ``model``),
+    checked: a tensor of the partition's padded size ``ceil(numel / dp)`` and the parameter's dtype."""
+    where = native.files.model[r]
+    fragments = model.get("frozen_param_fragments") or {}
+    out = {}
+    for n, (shape, dtype) in frozen3_specs(native).items():
+        t = fragments.get(n) if isinstance(fragments, dict) else None
+        want = -(-prod(shape) // native.files.dp)
+        if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.numel() != want:
+            got = f"{t.dtype} with {t.numel()} elements" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ManifestError(f"{where}: frozen_param_fragments[{n!r}] is {got}; the ZeRO-3 partition of "
+                                f"{list(shape)} at DP {native.files.dp} is {dtype} with {want} elements")
+        out[n] = t.reshape(-1)
+    return out
 
 
 def rank_pieces(native: NativeZero, keys: Sequence[str], stored: StoredTensors
@@ -308,9 +347,20 @@ def rank_pieces(native: NativeZero, keys: Sequence[str], stored: StoredTensors
     dense = [] if zero_stage == 3 else [n for lay in native.layouts for n in lay.names
                                         if moe is None or dsm.split_expert_name(n) is None]
     specs, module = stored.specs, native.module
-    for n in dense + stored.buffers + stored.frozen:
+    whole = stored.frozen if zero_stage < 3 else []
+    for n in dense + stored.buffers + whole:
         pieces[0].append((model_key(n), Region(Box.full(specs[model_key(n)].shape))))
         getters[0].append(lambda d, n=n: module[n].reshape(specs[model_key(n)].shape))
+    if zero_stage == 3:  # frozen parameters: each rank its partition, from its own model-states file
+        for n in stored.frozen:
+            shape = specs[model_key(n)].shape
+            numel = prod(shape)
+            p = -(-numel // native.files.dp)
+            for r in range(native.files.dp):
+                lo, hi = min(r * p, numel), min((r + 1) * p, numel)
+                if hi > lo:
+                    pieces[r].append((model_key(n), Region(Box.full(shape), (lo, hi))))
+                    getters[r].append(lambda d, n=n, k=hi - lo: d["frozen"][n][:k])
     if moe is not None:  # routed experts in the training dtype: from the per-expert files, each expert's box
         experts = dsm.ExpertFiles(native.files.folder, native.tag_dir, moe)
         for stacked, box, layer, e, local_key in experts.boxes(native.shapes):
@@ -391,6 +441,10 @@ class _RankSource:
         self.bytes_read = os.path.getsize(path)
         rec = native.optim0 if rank == 0 else fmt.optimizer_record(fmt.load_file(path), path)
         self.data = check_rank(native, keys, rank, rec)
+        if native.files.zero_stage == 3 and native.frozen:
+            model = native.model0 if rank == 0 else fmt.load_file(native.files.model[rank])
+            self.bytes_read += 0 if rank == 0 else os.path.getsize(native.files.model[rank])
+            self.data["frozen"] = frozen3_fragments(native, rank, model)
 
     def __len__(self) -> int:
         return len(self.getters)
