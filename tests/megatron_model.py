@@ -45,6 +45,7 @@ class Layout:
     shared_gate: bool = False  # the shared expert's sigmoid gate (moe_shared_expert_gate; Qwen2-MoE has one)
     expert_bias: bool = False  # aux-loss-free balancing: moe_router_enable_expert_bias
     moe_layers: tuple[int, ...] | None = None  # 1 = MoE, 0 = dense, per layer (None: MoE on every layer)
+    frozen: tuple[str, ...] = ()  # parameter names set requires_grad=False before DDP (Megatron-LM's --freeze-*)
 
 
 def padded_vocab(layout: Layout) -> int:
@@ -108,6 +109,9 @@ def setup(layout: Layout, seed: int = 1234) -> Trainer:
             post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
             share_embeddings_and_output_weights=layout.tied, position_embedding_type="rope", vp_stage=vp,
         )
+        for name, param in model.named_parameters():
+            if any(name == f or name.startswith(f + ".") for f in layout.frozen):
+                param.requires_grad_(False)
         ddp = DistributedDataParallelConfig(use_distributed_optimizer=layout.dist_opt, bucket_size=4096)
         if layout.bf16 or layout.fp16:
             from megatron.core.transformer.module import Float16Module
