@@ -157,3 +157,29 @@ def test_a_damaged_zero3_frozen_fragment_is_refused_naming_the_file(saved, tmp_p
                                             r"frozen_param_fragments\['fc1\.weight'\] is"):
         import_deepspeed(src, tmp_path / "out")
     assert not os.path.exists(tmp_path / "out" / "manifest.json")
+
+
+def test_zero3_frozen_partitions_read_only_their_rows_and_equal_the_whole_cut(tmp_path):
+    """The export's per-rank partition of a frozen parameter (read row range only) equals the cut of the
+    whole flattened tensor, for shapes of 0 to 3 dims, sizes smaller than dp, and every rank."""
+    from types import SimpleNamespace
+
+    from ckptkit_converters.deepspeed.exporter import _frozen_partitions3
+
+    gen = torch.Generator().manual_seed(3)
+    tensors = {"a": torch.randn((), generator=gen), "b": torch.randn(5, generator=gen),
+               "c": torch.randn(7, 3, generator=gen), "d": torch.randn(2, 3, 4, generator=gen).to(torch.bfloat16),
+               "e": torch.randn(1, 11, generator=gen)}
+    ckptkit.save({"model": tensors}, str(tmp_path / "ck"))
+    view = ckptkit.open(str(tmp_path / "ck"))
+    for dp in (1, 2, 3, 4, 8, 13):
+        plan = SimpleNamespace(meta={"frozen": list(tensors)}, dp=dp)
+        for r in range(dp):
+            got = _frozen_partitions3(plan, view, r)
+            for n, t in tensors.items():
+                flat = t.reshape(-1)
+                p = -(-flat.numel() // dp)
+                want = torch.zeros(p, dtype=t.dtype)
+                lo, hi = min(r * p, flat.numel()), min((r + 1) * p, flat.numel())
+                want[:hi - lo] = flat[lo:hi]
+                assert got[n].dtype == t.dtype and torch.equal(got[n], want), (n, dp, r)

@@ -361,14 +361,23 @@ def _write_rank(plan: ExportPlan, view: Any, folder: str, r: int, flats: list[di
 def _frozen_partitions3(plan: ExportPlan, view: Any, r: int) -> OrderedDict[str, torch.Tensor]:
     """Rank ``r``'s ZeRO-3 partition of every frozen parameter, as DeepSpeed keeps it in ``ds_tensor``
     and saves it in ``frozen_param_fragments``: elements ``[r*p, (r+1)*p)`` of the flattened parameter,
-    ``p = ceil(numel / dp)``, zero-padded at the end of the last partitions."""
+    ``p = ceil(numel / dp)``, zero-padded at the end of the last partitions. Only the rows of the
+    leading axis that the range touches are read: a frozen base model is most of a fine-tuning run's
+    weights, and reading each parameter whole for every rank would read it ``dp`` times."""
     out: OrderedDict[str, torch.Tensor] = OrderedDict()
     for n in plan.meta.get("frozen", []):
-        flat = view[model_key(n)].read().reshape(-1)
-        p = -(-flat.numel() // plan.dp)
-        part = torch.zeros(p, dtype=flat.dtype)
-        lo, hi = min(r * p, flat.numel()), min((r + 1) * p, flat.numel())
-        part[:hi - lo] = flat[lo:hi]
+        tv = view[model_key(n)]
+        numel = tv.numel
+        p = -(-numel // plan.dp)
+        part = torch.zeros(p, dtype=tv.dtype)
+        lo, hi = min(r * p, numel), min((r + 1) * p, numel)
+        if hi > lo:
+            if len(tv.shape) == 0:
+                part[:1] = tv.read().reshape(-1)
+            else:
+                row = numel // tv.shape[0]  # elements per index of the leading axis
+                a, b = lo // row, -(-hi // row)
+                part[:hi - lo] = tv[a:b].reshape(-1)[lo - a * row:hi - a * row]
         out[n] = part
     return out
 
