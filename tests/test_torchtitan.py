@@ -467,3 +467,19 @@ def test_a_hostile_dcp_metadata_is_refused_and_a_crashed_save_is_a_fresh_start(w
     (crashed / "rank-0.partial").write_bytes(b"x" * 10)
     got = worlds.run(1, job.load_outcome, "single", str(tmp_path / "crashed"))[0]
     assert got["error"] is None and got["loaded"] is False and got["step"] == 0
+
+
+def test_frozen_parameters_resume_at_another_layout(worlds, tmp_path):
+    """Fine-tuning with frozen parameters (the token embedding and the first block's attention output,
+    requires_grad off before the optimizer is built: no gradient, no Adam state): saved at FSDP 4, resumed
+    from another seed at TP 2 and at the same layout, every tensor bit for bit and training on as the DCP
+    reference at that layout does; the checkpoint holds no optimizer state for them."""
+    frozen = ("tok_embeddings.weight", "layers.0.attention.wo.weight")
+    folder = str(tmp_path / "checkpoint")
+    ref = worlds.run(4, job.train, "fsdp4", folder, resume_step=RESUME_STEP, async_mode="async", frozen=frozen,
+                     reference=reference_of(folder))[0]
+    assert not any(f in k for f in frozen for k in ref["saved"]["digests"] if k.startswith("optimizer/"))
+    for target in ("tp2", "fsdp4"):
+        got = worlds.run(WORLD[target], job.resume, target, folder, load_step=RESUME_STEP, frozen=frozen,
+                         reference=reference_of(folder))[0]
+        assert_resumed(ref, got, same_layout=target == "fsdp4")

@@ -93,7 +93,9 @@ class TrainState(Stateful):
 class Job:
     """Model, optimizer, scheduler, data loader and the ckptkit checkpointer, as torchtitan's Trainer wires them."""
 
-    def __init__(self, layout: str, checkpoint: CkptkitCheckpointManager.Config, *, seed: int = 0) -> None:
+    def __init__(self, layout: str, checkpoint: CkptkitCheckpointManager.Config, *, seed: int = 0,
+                 frozen: tuple[str, ...] = ()) -> None:
+        self.frozen = frozen
         dp, tp = LAYOUTS[layout]
         spec = model_registry("debugmodel")
         cfg = spec.model
@@ -142,6 +144,9 @@ class Job:
         with torch.no_grad():
             model.init_weights(buffer_device=None)
         model.train()
+        for name, param in model.named_parameters():  # frozen (fine-tuning): no gradient, no optimizer state
+            if name in getattr(self, "frozen", ()):
+                param.requires_grad_(False)
         self.model = model
         optimizer = default_adamw(lr=1e-3)
         optimizer.implementation = "foreach"  # "fused" is the CUDA default
@@ -262,10 +267,11 @@ def _config(folder: str, **kw: Any) -> CkptkitCheckpointManager.Config:
     return CkptkitCheckpointManager.Config(enable=True, folder=folder, **{**options, **kw})
 
 
-def train(layout: str, folder: str, *, resume_step: int, reference: str | None = None, **kw: Any) -> dict[str, Any]:
+def train(layout: str, folder: str, *, resume_step: int, reference: str | None = None, frozen: tuple[str, ...] = (),
+          **kw: Any) -> dict[str, Any]:
     """The uninterrupted run (STEPS steps) that also checkpoints every 2 steps: per-step losses and samples,
-    and the state at ``resume_step`` and at the end."""
-    return train_job(Job(layout, _config(folder, **kw)), resume_step=resume_step, reference=reference)
+    and the state at ``resume_step`` and at the end. ``frozen``: parameters trained with requires_grad off."""
+    return train_job(Job(layout, _config(folder, **kw), frozen=frozen), resume_step=resume_step, reference=reference)
 
 
 def train_job(job: Job, *, resume_step: int, reference: str | None) -> dict[str, Any]:
@@ -285,9 +291,9 @@ def train_job(job: Job, *, resume_step: int, reference: str | None) -> dict[str,
 
 
 def resume(layout: str, folder: str, *, load_step: int, reference: str | None = None, control: str | None = None,
-           **kw: Any) -> dict[str, Any]:
+           frozen: tuple[str, ...] = (), **kw: Any) -> dict[str, Any]:
     """Load ``load_step`` at ``layout`` (load_only: this run never saves), then train to STEPS."""
-    return resume_job(lambda config, seed: Job(layout, config, seed=seed), folder, load_step=load_step,
+    return resume_job(lambda config, seed: Job(layout, config, seed=seed, frozen=frozen), folder, load_step=load_step,
                       reference=reference, control=control, **kw)
 
 
