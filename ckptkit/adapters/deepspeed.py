@@ -297,11 +297,10 @@ class DeepSpeedCheckpointer:
     def restore_latest(self) -> dict[str, Any] | None:
         """Load the newest step every rank sees committed; its client state, or None if there is none.
         A native DeepSpeed checkpoint (``global_stepN``) newer than it in the same folder is refused
-        (:func:`ckptkit.adapters.foreign_steps.refuse_newer`): resuming without it would go back in time."""
-        from ckptkit.adapters.foreign_steps import DEEPSPEED, refuse_newer
+        (:func:`ckptkit.adapters.foreign_steps.newest_resumable`): resuming without it would go back in time."""
+        from ckptkit.adapters.foreign_steps import DEEPSPEED, newest_resumable
 
-        step = self.manager.latest_common_step()
-        refuse_newer(self.manager.root, self.manager.root.url, self.manager._comm, step, DEEPSPEED)
+        step = newest_resumable(self.manager, DEEPSPEED)
         if step is None:
             return None
         return load(self.engine, self.manager.step_url(step), storage_options=self.storage_options)

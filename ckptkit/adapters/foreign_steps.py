@@ -101,6 +101,15 @@ def refuse_newer(root: Any, folder: str, comm: Any, latest: int | None, kind: Fo
         "the newer ones out of the folder")
 
 
+def newest_resumable(manager: Any, kind: ForeignSteps) -> int | None:
+    """``manager.latest_common_step()`` (a :class:`ckptkit.CheckpointManager`), once no ``kind``
+    checkpoint newer than it sits in the manager's folder (:func:`refuse_newer`, on the group the
+    manager agrees on): the one resume check every framework checkpointer makes."""
+    latest = manager.latest_common_step()
+    refuse_newer(manager.root, manager.root.url, manager._comm, latest, kind)
+    return latest
+
+
 def warn_uncommitted(root: Any, folder: str) -> None:
     """No committed ckptkit checkpoint, yet step folders: saves that did not commit (a fresh start is right)."""
     names = [n for n in root.list_children() if STEP_PATTERN.match(n)]

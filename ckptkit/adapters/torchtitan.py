@@ -76,7 +76,7 @@ from ckptkit.errors import CheckpointNotFoundError, MissingKeysError, OptionsErr
 from ckptkit.layout.values import decode_value
 from ckptkit.options import AsyncOptions, LoadOptions
 from ckptkit.retention import RetentionPolicy
-from ckptkit.adapters.foreign_steps import DCP, refuse_newer, warn_uncommitted
+from ckptkit.adapters.foreign_steps import DCP, newest_resumable, warn_uncommitted
 from ckptkit.run_folder import StepNaming
 from ckptkit.storage.url import open_store
 
@@ -361,8 +361,7 @@ class CkptkitCheckpointManager(BaseCheckpointManager):
                                         f"{step} ({NAMING.name(step)} or {StepNaming().name(step)}) under {self.folder}")
             self._restore(step, explicit=True)
             return True
-        latest = self.manager.latest_common_step()  # raises if a newer one cannot be read
-        refuse_newer(self.manager.root, self.folder, self._comm, latest, DCP)
+        latest = newest_resumable(self.manager, DCP)  # raises if a newer one cannot be read, or is DCP's
         if latest is not None:
             return self._restore(None, explicit=False)
         warn_uncommitted(self.manager.root, self.folder)

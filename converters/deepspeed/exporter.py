@@ -28,6 +28,7 @@ from ckptkit.adapters.deepspeed import FP32, model_key, optim_key
 from ckptkit.adapters.deepspeed_record import scalar_value
 from ckptkit.engine.offline_writer import ConvertResult
 from ckptkit.errors import LayoutError
+from ckptkit.layout.zero_partition import Zero3SubGroup, zero3_partition_numel
 from ckptkit.offline.spread import Dealt, agreed, same_source, spread_comm, write_then_commit
 from ckptkit.options import Progress
 from ckptkit_converters.common.source_paths import plain_name
@@ -294,7 +295,7 @@ def planned_bytes(plan: ExportPlan, view: Any) -> int:
                                                                 for rec in scal[lay.names[0]].values()])
     buffers = sum(view[model_key(b)].nbytes for b in plan.meta["buffers"])
     if plan.zero_stage == 3:  # each rank: the buffers, and its padded partition of every frozen parameter
-        frozen3 = sum(-(-tv.numel // plan.dp) * (tv.nbytes // max(tv.numel, 1)) * plan.dp
+        frozen3 = sum(zero3_partition_numel(tv.numel, plan.dp) * (tv.nbytes // max(tv.numel, 1)) * plan.dp
                       for tv in (view[model_key(n)] for n in plan.meta.get("frozen", [])))
         return total + plan.dp * buffers + frozen3
     frozen = sum(view[model_key(n)].nbytes for n in plan.meta.get("frozen", []))
@@ -367,17 +368,16 @@ def _frozen_partitions3(plan: ExportPlan, view: Any, r: int) -> OrderedDict[str,
     out: OrderedDict[str, torch.Tensor] = OrderedDict()
     for n in plan.meta.get("frozen", []):
         tv = view[model_key(n)]
-        numel = tv.numel
-        p = -(-numel // plan.dp)
-        part = torch.zeros(p, dtype=tv.dtype)
-        lo, hi = min(r * p, numel), min((r + 1) * p, numel)
-        if hi > lo:
+        sub = Zero3SubGroup((tv.numel,), plan.dp)
+        part = torch.zeros(sub.partition_numel, dtype=tv.dtype)
+        f = sub.param_fragment(0, r)
+        if f is not None:
             if len(tv.shape) == 0:
                 part[:1] = tv.read().reshape(-1)
             else:
-                row = numel // tv.shape[0]  # elements per index of the leading axis
-                a, b = lo // row, -(-hi // row)
-                part[:hi - lo] = tv[a:b].reshape(-1)[lo - a * row:hi - a * row]
+                row = tv.numel // tv.shape[0]  # elements per index of the leading axis
+                a, b = f.start // row, -(-f.stop // row)
+                part[:f.numel] = tv[a:b].reshape(-1)[f.start - a * row:f.stop - a * row]
         out[n] = part
     return out
 

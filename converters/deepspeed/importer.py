@@ -37,7 +37,7 @@ from ckptkit.errors import CoverageError, LayoutError, ManifestError
 from ckptkit.layout.box import Box, Region
 from ckptkit.layout.strict_json import MAX_LAYOUT_INT
 from ckptkit.layout.values import encode_value
-from ckptkit.layout.zero_partition import param_alignment
+from ckptkit.layout.zero_partition import Zero3SubGroup, param_alignment, zero3_partition_numel
 from ckptkit.options import Progress
 from ckptkit.storage.url import open_store
 from ckptkit_converters.deepspeed import files as fmt
@@ -289,13 +289,13 @@ def stored_tensors(native: NativeZero, keys: Sequence[str]) -> StoredTensors:
                 specs[model_key(sp.name)] = StoredTensor(lp, sp.shape)
     buffers = list(native.model0.get("buffer_names") or [])
     frozen = list(native.frozen)
-    for n in [*buffers, *frozen]:
+    zero3 = native.files.zero_stage == 3  # its module holds empty placeholders for frozen parameters
+    for n in buffers if zero3 else [*buffers, *frozen]:
         if n not in native.module:
             raise ManifestError(f"{native.where}: module state has no entry for {n!r}")
         specs[model_key(n)] = StoredTensor(dtype_name(native.module[n].dtype), tuple(native.module[n].shape))
-    if native.files.zero_stage == 3:  # the module holds empty placeholders: shape and dtype from the lists
-        for n, (shape, dtype) in frozen3_specs(native).items():
-            specs[model_key(n)] = StoredTensor(dtype_name(dtype), shape)
+    for n, (shape, dtype) in (frozen3_specs(native) if zero3 else {}).items():  # shape and dtype from the lists
+        specs[model_key(n)] = StoredTensor(dtype_name(dtype), shape)
     return StoredTensors(specs, members, buffers, frozen)
 
 
@@ -325,7 +325,7 @@ def frozen3_fragments(native: NativeZero, r: int, model: dict[str, Any]) -> dict
     out = {}
     for n, (shape, dtype) in frozen3_specs(native).items():
         t = fragments.get(n) if isinstance(fragments, dict) else None
-        want = -(-prod(shape) // native.files.dp)
+        want = zero3_partition_numel(prod(shape), native.files.dp)
         if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.numel() != want:
             got = f"{t.dtype} with {t.numel()} elements" if isinstance(t, torch.Tensor) else type(t).__name__
             raise ManifestError(f"{where}: frozen_param_fragments[{n!r}] is {got}; the ZeRO-3 partition of "
@@ -354,13 +354,12 @@ def rank_pieces(native: NativeZero, keys: Sequence[str], stored: StoredTensors
     if zero_stage == 3:  # frozen parameters: each rank its partition, from its own model-states file
         for n in stored.frozen:
             shape = specs[model_key(n)].shape
-            numel = prod(shape)
-            p = -(-numel // native.files.dp)
+            sub = Zero3SubGroup((prod(shape),), native.files.dp)
             for r in range(native.files.dp):
-                lo, hi = min(r * p, numel), min((r + 1) * p, numel)
-                if hi > lo:
-                    pieces[r].append((model_key(n), Region(Box.full(shape), (lo, hi))))
-                    getters[r].append(lambda d, n=n, k=hi - lo: d["frozen"][n][:k])
+                f = sub.param_fragment(0, r)
+                if f is not None:
+                    pieces[r].append((model_key(n), Region(Box.full(shape), (f.start, f.stop))))
+                    getters[r].append(lambda d, n=n, k=f.numel: d["frozen"][n][:k])
     if moe is not None:  # routed experts in the training dtype: from the per-expert files, each expert's box
         experts = dsm.ExpertFiles(native.files.folder, native.tag_dir, moe)
         for stacked, box, layer, e, local_key in experts.boxes(native.shapes):

@@ -57,12 +57,11 @@ class MegatronCheckpointer:
     def restore_latest(self) -> Any:
         """Load the newest step every rank sees committed; its MegatronLoadInfo, or None if there is none.
         A Megatron checkpoint (``iter_NNNNNNN``) newer than it in the same folder is refused
-        (:func:`ckptkit.adapters.foreign_steps.refuse_newer`): resuming without it would go back in time."""
-        from ckptkit.adapters.foreign_steps import MEGATRON, refuse_newer
+        (:func:`ckptkit.adapters.foreign_steps.newest_resumable`): resuming without it would go back in time."""
+        from ckptkit.adapters.foreign_steps import MEGATRON, newest_resumable
         from ckptkit.adapters.megatron import load
 
-        step = self.manager.latest_common_step()
-        refuse_newer(self.manager.root, self.manager.root.url, self.manager._comm, step, MEGATRON)
+        step = newest_resumable(self.manager, MEGATRON)
         if step is None:
             return None
         return load(self.model, self.manager.step_url(step), optimizer=self.optimizer,
