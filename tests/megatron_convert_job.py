@@ -8,8 +8,9 @@ to ``common.pt``, which is how Megatron-LM's ``save_checkpoint`` stores its ``ar
 so its file naming and dict keys are reproduced: ``iter_XXXXXXX/mp_rank_TT_PPP/
 model_optim_rng.pt`` holding ``args``, ``checkpoint_version``, ``iteration``,
 ``model`` = ``state_dict_for_save_checkpoint()``, ``rng_state``,
-``opt_param_scheduler``; no optimizer, which the distributed optimizer keeps in
-a separate file), and ``dist_checkpointing.load`` for the references.
+``opt_param_scheduler``, ``optimizer`` (the fp32 and distributed optimizers here: not imported, listed as
+skipped; the mixed-precision one is imported: tests/test_megatron_legacy_optimizer.py), the distributed
+optimizer's ``distrib_optim.pt``), and ``dist_checkpointing.load`` for the references.
 """
 
 from __future__ import annotations
@@ -94,15 +95,21 @@ def train_and_save(folder: str, tied: bool) -> dict[str, Any]:
                              "args": mlm_args(layout)}, tdir)
     plain = dist_checkpointing.load_plain_tensors(tdir)  # Megatron's own full-tensor read: the optimizer reference
     optimizer = {k: v for k, v in plain.items() if k.startswith("optimizer.state.")}
-    # legacy: DP rank 0 of every (tp, pp) writes one file (mp_rank_TT_PPP when pp > 1)
+    # legacy: DP rank 0 of every (tp, pp) writes one file (mp_rank_TT_PPP when pp > 1), with the optimizer's
+    # state_dict(): the fp32 optimizer's (untied), the distributed optimizer's non-tensor part (tied), whose
+    # tensors go to distrib_optim.pt beside it (save_parameter_state, collective over the DP group)
+    name = f"mp_rank_{ps.get_tensor_model_parallel_rank():02d}_{ps.get_pipeline_model_parallel_rank():03d}"
+    path = os.path.join(folder, "legacy", f"iter_{it:07d}", name, "model_optim_rng.pt")
+    opt_state = trainer.optimizer.state_dict()
     if ps.get_data_parallel_rank() == 0:
-        name = f"mp_rank_{ps.get_tensor_model_parallel_rank():02d}_{ps.get_pipeline_model_parallel_rank():03d}"
-        path = os.path.join(folder, "legacy", f"iter_{it:07d}", name, "model_optim_rng.pt")
         os.makedirs(os.path.dirname(path), exist_ok=True)
         torch.save({"args": mlm_args(layout), "checkpoint_version": 3.0, "iteration": it,
                     "model": module.state_dict_for_save_checkpoint(), "rng_state": [_rng_state()],
-                    "opt_param_scheduler": trainer.scheduler.state_dict(),
+                    "optimizer": opt_state, "opt_param_scheduler": trainer.scheduler.state_dict(),
                     "num_floating_point_operations_so_far": 0}, path)
+    if layout.dist_opt:
+        dist.barrier()
+        trainer.optimizer.save_parameter_state(os.path.join(os.path.dirname(path), "distrib_optim.pt"))
     if dist.get_rank() == 0:
         with open(os.path.join(folder, "legacy", "latest_checkpointed_iteration.txt"), "w") as f:
             f.write(str(it))

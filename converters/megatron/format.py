@@ -36,7 +36,7 @@ class MegatronFormat(FormatBase, name="megatron", description="a Megatron checkp
             "threads": options.threads, "progress": run.progress, "storage_options": run.storage_options}
         if is_torch_dist(path):
             return import_torch_dist(path, dest, **common)
-        return import_legacy(path, dest, tied=options.tied, **common)
+        return import_legacy(path, dest, tied=options.tied, weights_only=options.weights_only, **common)
 
     def check_export(self, options: MegatronExportOptions) -> None:
         options.target()

@@ -30,6 +30,7 @@ from ckptkit.options import Progress
 from ckptkit_converters.megatron import files as fmt
 from ckptkit_converters.megatron import names, optimizer_record
 from ckptkit_converters.megatron.files import MODEL, MegatronConvertResult
+from ckptkit_converters.megatron.legacy_optimizer import FoundOptimizer, KeyPath, LegacyOptimizer, read_optimizer
 from ckptkit_converters.megatron.import_shared import (
     ImportRun,
     RankPieces,
@@ -47,8 +48,7 @@ Inventory = dict[tuple[int, int], dict[int, dict[str, tuple[tuple[int, ...], str
 
 @dataclass(frozen=True)
 class _LegacyPiece:
-    name: str  # module state-dict name in the file's chunk
-    chunk: str  # "model" or "model<v>"
+    path: KeyPath  # where the tensor lies in the file: ("model<v>", name), or an optimizer state's keys
     rows: tuple[int, int] | None  # slice of axis 0 of the local tensor (fused part / vocab clip), or all
     layered: bool  # prepend the layer axis
 
@@ -71,7 +71,9 @@ class _LegacySource:
             if self._state is None:
                 self._state = fmt.load_pt(self._path, mmap=True)
         p = self._refs[ref]
-        t = self._state[p.chunk][p.name]
+        t: Any = self._state
+        for k in p.path:
+            t = t[k]
         if p.rows is not None:
             t = t[p.rows[0]:p.rows[1]]
         if p.layered:
@@ -120,23 +122,31 @@ def _model_chunks(state: Mapping[str, Any], where: str) -> dict[int, dict[str, t
     return chunks
 
 
-def _inventory(files: Sequence[fmt.LegacyFile]) -> tuple[Inventory, dict[str, Any]]:
-    """Names, shapes and dtypes of every rank's chunks (memory-mapped: no tensor is read), and the first
-    file's state (its ``args`` and ``iteration`` speak for the checkpoint)."""
+def _inventory(files: Sequence[fmt.LegacyFile], *, with_optimizer: bool
+               ) -> tuple[Inventory, dict[str, Any], dict[tuple[int, int], FoundOptimizer]]:
+    """Names, shapes and dtypes of every rank's chunks (memory-mapped: no tensor is read but, with
+    ``with_optimizer``, the weights and main copies the optimizer's placing checks), the first file's state
+    (its ``args`` and ``iteration`` speak for the checkpoint), and each file's optimizer."""
     inventory: Inventory = {}
     first: dict[str, Any] = {}
+    optimizers: dict[tuple[int, int], FoundOptimizer] = {}
     for f in files:
         state = fmt.load_pt(f.path, mmap=True)
         if not isinstance(state, dict):
             raise ManifestError(f"{f.path}: expected a dict, got {type(state).__name__}")
         if not first:
             first = state
+        chunks = _model_chunks(state, f.path)
         inventory[(f.tp, f.pp)] = {
             v: {n: (tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in sd.items()
                 if isinstance(t, torch.Tensor)}
-            for v, sd in _model_chunks(state, f.path).items()}
-        del state
-    return inventory, first
+            for v, sd in chunks.items()}
+        if with_optimizer:
+            optimizers[(f.tp, f.pp)] = read_optimizer(state, chunks, f.path)
+        elif state.get("optimizer") is not None:
+            optimizers[(f.tp, f.pp)] = FoundOptimizer(skipped="optimizer: not imported (weights_only)")
+        del state, chunks
+    return inventory, first, optimizers
 
 
 def _layer_offsets(inventory: Inventory, pp: int, vpp: int, folder: str) -> tuple[dict[tuple[int, int], int], int]:
@@ -179,17 +189,17 @@ def _local_tp_axis(key: str, name: str, layered: bool, model: _LegacyModel, wher
     return None if rule.tp_axis is None else rule.tp_axis - (1 if layered else 0)
 
 
-def _record_spec(specs: dict[str, StoredTensor], key: str, name: str, shape: tuple[int, ...], dtype: str,
+def _record_spec(specs: dict[str, StoredTensor], prefix: str, key: str, name: str, shape: tuple[int, ...], dtype: str,
                  axis: int | None, layered: bool, model: _LegacyModel, where: str) -> None:
     """The model-space spec of ``key`` as this rank's tensor implies it; every rank must imply the same."""
     global_shape = list(shape)
     if axis is not None:
         global_shape[axis] *= model.tp
-    wanted = {MODEL + key: global_shape}
+    wanted = {prefix + key: global_shape}
     if key in names.VOCAB_TENSORS:
         check_vocab_rows(key, global_shape[0], model.vocab_size, model.make_vocab_size_divisible_by, model.tp, where)
         if global_shape[0] > model.vocab_size:  # the padding rows, kept beside the true vocabulary
-            wanted[MODEL + key + names.VOCAB_PADDING_SUFFIX] = [global_shape[0] - model.vocab_size, *global_shape[1:]]
+            wanted[prefix + key + names.VOCAB_PADDING_SUFFIX] = [global_shape[0] - model.vocab_size, *global_shape[1:]]
         global_shape[0] = model.vocab_size
     for out_key, out_shape in wanted.items():
         spec = StoredTensor(dtype, tuple([model.num_layers, *out_shape] if layered else out_shape))
@@ -238,10 +248,13 @@ def _part_box(key: str, shape: tuple[int, ...], axis: int | None, part: tuple[in
 
 
 def _place_tensor(model: _LegacyModel, f: fmt.LegacyFile, v: int, name: str, shape: tuple[int, ...], dtype: str,
-                  specs: dict[str, StoredTensor]) -> list[tuple[str, Region, _LegacyPiece]]:
+                  specs: dict[str, StoredTensor], prefix: str = MODEL,
+                  path: KeyPath | None = None) -> list[tuple[str, Region, _LegacyPiece]]:
     """The pieces one rank's tensor stores (ckptkit key, model-space region, how to read it), its spec
     recorded. Not stored: non-tensors (``_extra_state``), a tied output layer, and TP ranks' copies of
-    a replicated tensor (TP rank 0's is the one stored)."""
+    a replicated tensor (TP rank 0's is the one stored). ``prefix`` and ``path``: an optimizer state of the
+    weight ``name`` (stored as ``optimizer/<state>/<key>``, placed as the weight is), and where it lies in
+    the file."""
     mapped = names.legacy_key(name)
     if mapped is None:
         return []
@@ -251,7 +264,7 @@ def _place_tensor(model: _LegacyModel, f: fmt.LegacyFile, v: int, name: str, sha
     axis = _local_tp_axis(key, name, layer is not None, model, f.path)
     if axis is None and f.tp != 0:
         return []
-    _record_spec(specs, key, name, shape, dtype, axis, layer is not None, model, f.path)
+    _record_spec(specs, prefix, key, name, shape, dtype, axis, layer is not None, model, f.path)
     parts = _tp_parts(key, shape, axis, f.tp, model)
     out = []
     for part in parts:
@@ -260,25 +273,54 @@ def _place_tensor(model: _LegacyModel, f: fmt.LegacyFile, v: int, name: str, sha
                 offsets, sizes = [model.layer_offset[(v, f.pp)] + layer, *offsets], [1, *sizes]
             if 0 in sizes:
                 continue
-            out.append((MODEL + key + suffix, Region(Box(tuple(offsets), tuple(sizes))),
-                        _LegacyPiece(name, model.chunk_name(v), clip, layer is not None)))
+            out.append((prefix + key + suffix, Region(Box(tuple(offsets), tuple(sizes))),
+                        _LegacyPiece(path or (model.chunk_name(v), name), clip, layer is not None)))
     return out
 
 
-def _place_all(files: Sequence[fmt.LegacyFile], inventory: Inventory,
-               model: _LegacyModel) -> tuple[dict[str, StoredTensor], RankPieces, dict[int, list[_LegacyPiece]]]:
-    """Every rank's pieces (writer rank ``pp * tp + tp rank``: one per file) and how to read each."""
+def _place_all(files: Sequence[fmt.LegacyFile], inventory: Inventory, model: _LegacyModel,
+               optimizers: Mapping[tuple[int, int], LegacyOptimizer]
+               ) -> tuple[dict[str, StoredTensor], RankPieces, dict[int, list[_LegacyPiece]]]:
+    """Every rank's pieces (writer rank ``pp * tp + tp rank``: one per file) and how to read each: its
+    weights, and the optimizer states of each weight placed as the weight is."""
     specs: dict[str, StoredTensor] = {}
     pieces: RankPieces = {}
     refs: dict[int, list[_LegacyPiece]] = {}
     for f in files:
         rank = f.pp * model.tp + f.tp
-        for v, tensors in inventory[(f.tp, f.pp)].items():
-            for name, (shape, dtype) in sorted(tensors.items()):
-                for key, region, ref in _place_tensor(model, f, v, name, shape, dtype, specs):
-                    pieces.setdefault(rank, []).append((key, region))
-                    refs.setdefault(rank, []).append(ref)
+        chunks = inventory[(f.tp, f.pp)]
+        placed = [_place_tensor(model, f, v, name, shape, dtype, specs)
+                  for v, tensors in chunks.items() for name, (shape, dtype) in sorted(tensors.items())]
+        opt = optimizers.get((f.tp, f.pp))
+        for (v, name), states in sorted(opt.tensors.items()) if opt is not None else ():
+            shape = chunks[v][name][0]
+            placed.extend(_place_tensor(model, f, v, name, shape, "float32", specs, f"optimizer/{state}/", path)
+                          for state, path in sorted(states.items()))
+        for key, region, ref in (item for items in placed for item in items):
+            pieces.setdefault(rank, []).append((key, region))
+            refs.setdefault(rank, []).append(ref)
     return specs, pieces, refs
+
+
+def _optimizer(found: Mapping[tuple[int, int], FoundOptimizer], folder: str, *, weights_only: bool
+               ) -> tuple[dict[tuple[int, int], LegacyOptimizer], Mapping[str, Any] | None, tuple[str, ...]]:
+    """Every rank file's placed optimizer, the non-tensor state the record is read from (one step in every
+    file), and why a saved optimizer is not imported. All files or none: a checkpoint whose files disagree
+    is refused, naming two (with ``weights_only`` nothing of the optimizer is read, so nothing is refused)."""
+    placed = {tp_pp: f.optimizer for tp_pp, f in found.items() if f.optimizer is not None}
+    skipped = tuple(sorted({f.skipped for f in found.values() if f.skipped is not None}))
+    if weights_only:
+        return {}, None, skipped
+    kinds = {tp_pp: "placed" if f.optimizer else "skipped" if f.skipped else "none" for tp_pp, f in found.items()}
+    if len(set(kinds.values())) > 1:
+        (a, ka), (b, kb) = sorted({k: tp_pp for tp_pp, k in sorted(kinds.items())}.items())[:2]
+        raise ManifestError(f"{folder}: the rank files disagree on the optimizer: mp_rank_{ka[0]:02d}_{ka[1]:03d} "
+                            f"({a}), mp_rank_{kb[0]:02d}_{kb[1]:03d} ({b})")
+    steps = sorted({o.step for o in placed.values()})
+    if len(steps) > 1:
+        raise ManifestError(f"{folder}: the rank files' optimizers hold different steps {steps[:4]}")
+    first = placed[min(placed)].saved if placed else None
+    return placed, first, skipped
 
 
 # ---------------------------------------------------------------- the import
@@ -287,10 +329,13 @@ def _place_all(files: Sequence[fmt.LegacyFile], inventory: Inventory,
 @divisible_by_renamed
 def import_legacy(source: str | os.PathLike[str], dest: str | os.PathLike[str], *, vocab_size: int | None = None,
                   make_vocab_size_divisible_by: int | None = None, tied: bool | None = None, threads: int = 2,
-                  progress: Progress | None = None,
+                  weights_only: bool = False, progress: Progress | None = None,
                   storage_options: dict[str, Any] | None = None) -> MegatronConvertResult:
-    """Write a legacy Megatron checkpoint as a ckptkit checkpoint (model weights, the vocabulary's padding
-    rows beside them, and the ``opt_param_scheduler`` state; the optimizer, kept in other files, is not).
+    """Write a legacy Megatron checkpoint as a ckptkit checkpoint: model weights, the vocabulary's padding
+    rows beside them, the ``opt_param_scheduler`` state, and the mixed-precision optimizer's moments, main
+    copies and step (:mod:`.legacy_optimizer`), so the live adapter resumes it at any layout. Listed as
+    skipped, not imported: other optimizers' state (the distributed optimizer's ``distrib_optim.pt``, the
+    fp32 one), and with ``weights_only`` any optimizer.
 
     ``source``: an ``iter_XXXXXXX`` (or ``release``) directory, or the save root
     (its ``latest_checkpointed_iteration.txt`` picks the iteration). The rank files'
@@ -305,7 +350,8 @@ def import_legacy(source: str | os.PathLike[str], dest: str | os.PathLike[str], 
     files = fmt.legacy_files(folder, os.fspath(source))
     tp = max(f.tp for f in files) + 1
     pp = max(f.pp for f in files) + 1
-    inventory, first = _inventory(files)
+    inventory, first, found = _inventory(files, with_optimizer=not weights_only)
+    optimizers, saved_optimizer, skipped = _optimizer(found, folder, weights_only=weights_only)
     args = fmt.SavedArgs.of(first.get("args"))
     emb = inventory[(0, 0)].get(0, {}).get(names.EMBEDDING)  # stage 0, first chunk: TP-split rows
     if emb is None:
@@ -316,13 +362,15 @@ def import_legacy(source: str | os.PathLike[str], dest: str | os.PathLike[str], 
     offset, total = _layer_offsets(inventory, pp, vpp, folder)
     model = _LegacyModel(tp, pp, vpp, offset, total, vocab_size, divisible, is_tied, _local_ffn(inventory),
                          single_chunk=vpp == 1 and "model" in first)
-    specs, pieces, refs = _place_all(files, inventory, model)
+    specs, pieces, refs = _place_all(files, inventory, model, optimizers)
     check_layer_count(total, args, folder)
     dp = args.world_size // (tp * pp) if args.world_size else None
     meta = import_meta("legacy", fmt.iteration_of(first), total, vocab_size, divisible, tp, pp, dp,
                        vpp if vpp > 1 else None, is_tied,
+                       optimizer=None if saved_optimizer is None else
+                       optimizer_record.optimizer_record(specs, saved_optimizer, folder),
                        scheduler=optimizer_record.scheduler_record(first, files[0].path))
     paths = {f.pp * tp + f.tp: f.path for f in files}
     run = ImportRun(os.fspath(dest), folder, threads, progress, storage_options, t0)
     return write_import(run, tp * pp, specs, pieces, lambda r, _: _LegacySource(paths[r], refs.get(r, [])),
-                        meta, ())
+                        meta, skipped)

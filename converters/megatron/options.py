@@ -24,13 +24,16 @@ class MegatronImportOptions:
     ``vocab_size`` / ``make_vocab_size_divisible_by``: the true vocabulary and its padding multiple,
     needed only when the saved ``args`` do not record them (given and recorded must agree; the
     error names what is missing). ``tied``: whether a legacy checkpoint without ``args`` ties the
-    output layer to the embedding. ``threads``: source ranks written at once.
+    output layer to the embedding. ``threads``: source ranks written at once. ``weights_only``: leave a
+    legacy checkpoint's optimizer out (by default its mixed-precision optimizer is imported; CLI:
+    ``--opt weights_only=true``).
     """
 
     vocab_size: int | None = None
     make_vocab_size_divisible_by: int | None = None
     tied: bool | None = None
     threads: int = 2
+    weights_only: bool = False
 
     def __post_init__(self) -> None:
         _positive("vocab_size", self.vocab_size)
