@@ -5,7 +5,8 @@
 ``iter_XXXXXXX/mp_rank_TT[_PPP]/model_optim_rng.pt`` holding ``args``, ``checkpoint_version``, ``iteration``,
 ``model`` (``model0``, ``model1`` ... with virtual pipeline chunks) = each chunk's
 ``state_dict_for_save_checkpoint()``, ``optimizer`` = megatron-core's own ``optimizer.state_dict()``,
-``opt_param_scheduler``, ``rng_state``. The same trained state is saved by ckptkit's live adapter: the
+``opt_param_scheduler``, ``rng_state``; with the distributed optimizer also ``distrib_optim.pt`` beside it
+(``save_parameter_state``, megatron-core's own). The same trained state is saved by ckptkit's live adapter: the
 reference for what the import must hold.
 """
 
@@ -43,6 +44,11 @@ def legacy_save(t: mm.Trainer, layout: mm.Layout, folder: str) -> None:
             for i, chunk in enumerate(t.model):
                 state[f"model{i}"] = chunk.state_dict_for_save_checkpoint()
         torch.save(state, path)
+    if layout.dist_opt:  # Megatron-LM: every rank calls it; DP rank 0 of each (tp, pp) gathers and writes
+        tp, pp = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+        name = f"mp_rank_{tp:02d}" + (f"_{pp:03d}" if layout.pp > 1 else "")
+        dist.barrier()
+        t.optimizer.save_parameter_state(os.path.join(folder, f"iter_{t.iteration:07d}", name, "distrib_optim.pt"))
     if dist.get_rank() == 0:
         with open(os.path.join(folder, "latest_checkpointed_iteration.txt"), "w") as f:
             f.write(str(t.iteration))

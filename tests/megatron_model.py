@@ -46,6 +46,7 @@ class Layout:
     expert_bias: bool = False  # aux-loss-free balancing: moe_router_enable_expert_bias
     moe_layers: tuple[int, ...] | None = None  # 1 = MoE, 0 = dense, per layer (None: MoE on every layer)
     frozen: tuple[str, ...] = ()  # parameter names set requires_grad=False before DDP (Megatron-LM's --freeze-*)
+    bias: bool = False  # biases on the linear layers (add_bias_linear): qkv's 96 rows are no multiple of 64
 
 
 def padded_vocab(layout: Layout) -> int:
@@ -94,7 +95,7 @@ def setup(layout: Layout, seed: int = 1234) -> Trainer:
     config = TransformerConfig(
         num_layers=LAYERS, hidden_size=64, num_attention_heads=8, num_query_groups=2, ffn_hidden_size=96,
         gated_linear_unit=True, activation_func=torch.nn.functional.silu, bias_activation_fusion=False,
-        add_bias_linear=False, normalization="RMSNorm", use_cpu_initialization=True,
+        add_bias_linear=layout.bias, normalization="RMSNorm", use_cpu_initialization=True,
         tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.vpp, pipeline_dtype=_dtype(layout), bf16=layout.bf16, fp16=layout.fp16,
         params_dtype=_dtype(layout),

@@ -71,8 +71,8 @@ def saved(worlds, tmp_path_factory):
         result = worlds.run(4, job.train_and_save, folder, tied)[0]
         import_torch_dist(f"{folder}/torch_dist", f"{folder}/ck_td", vocab_size=VOCAB)
         skipped = import_legacy(f"{folder}/legacy", f"{folder}/ck_legacy", vocab_size=VOCAB).skipped
-        assert skipped == (("optimizer: the distributed optimizer's state (distrib_optim.pt beside each rank file) "
-                            "is not imported; the weights are",) if tied else
+        # tied: the distributed optimizer's distrib_optim.pt is imported; untied: the fp32 optimizer is not
+        assert skipped == (() if tied else
                            ("optimizer: the fp32 optimizer's state (no main copies to check which parameter each "
                             "moment belongs to) is not imported; the weights are",))
         out[tied] = (folder, result)
@@ -116,8 +116,9 @@ def test_import_equals_megatron_load(saved, tied, kind):
         assert (len(result["optimizer"]) == 2 * len(result["tensors"])) == (not tied)
         assert tied or result["optimizer"]["optimizer.state.exp_avg.output_layer.weight"].abs().sum() > 0
     view = ckptkit.open(f"{folder}/{kind}")
-    if kind == "ck_td" and tied:  # the distributed optimizer, in Megatron-LM's default dp_reshardable buckets
-        _check_bucket_state(view, expected)
+    if tied:  # the distributed optimizer: Megatron-LM's default dp_reshardable buckets (torch_dist) and its
+        # legacy distrib_optim.pt, placed by two independent walks, hold the same state bit for bit
+        _check_bucket_state(view if kind == "ck_td" else ckptkit.open(f"{folder}/ck_td"), expected)
     assert sorted(view.keys()) == sorted(expected)
     assert ("model/output_layer.weight" in expected) == (not tied)
     for key, want in expected.items():
@@ -135,9 +136,9 @@ def test_import_equals_megatron_load(saved, tied, kind):
                     "layout": {"tp": 2, "pp": 2, "dp": 1, "vpp": None},
                     "source": "torch_dist" if kind == "ck_td" else "legacy"}
     # the plain optimizer's state resumes (its step from common.pt's common_step), and so does the tied run's
-    # distributed optimizer (dp_reshardable buckets, its step from each group's param groups, main copies too);
-    # these legacy files' optimizers (fp32, distributed) are not imported: no record, no resume
-    if kind == "ck_td":
+    # distributed optimizer (dp_reshardable buckets or distrib_optim.pt, its step from each group's param
+    # groups, main copies too); the untied legacy files' fp32 optimizer is not imported: no record, no resume
+    if kind == "ck_td" or tied:
         assert optimizer == {"tensor_states": ["exp_avg", "exp_avg_sq"], "main": tied,
                              "scalars": {"step": {"dtype": "float32", "value": float(job.STEPS)}},
                              "hyper_parameters": optimizer["hyper_parameters"], "grad_scalers": []}

@@ -1,19 +1,26 @@
 """A legacy Megatron checkpoint's optimizer, imported and resumed, against real Megatron-core on gloo.
 
 Megatron-LM's legacy save (tests/megatron_legacy_job.py) keeps megatron-core's own ``optimizer.state_dict()``
-in every rank file: torch's Adam state numbered by parameter, the main copies by param group. The same
-trained state is saved by ckptkit's live adapter, which names every tensor. Checked:
+in every rank file: for the mixed-precision optimizer torch's Adam state numbered by parameter and the main
+copies by param group; for the distributed one the param groups, with its state in ``distrib_optim.pt``
+(``save_parameter_state``: flat grad buffers, gathered over DP). The same trained state is saved by ckptkit's
+live adapter, which names every tensor. Checked:
 
 * the import holds every weight, moment and main copy the adapter saved, bit for bit, with the same
-  optimizer record (step, loss scaler): bf16 at tp2pp2 with virtual chunks, fp16 at tp2 x dp2;
+  optimizer record (step, loss scaler): bf16 at tp2pp2 with virtual chunks, fp16 at tp2 x dp2, and the
+  distributed optimizer in bf16 at pp2 x dp2 with virtual chunks and biases (whose sizes leave padding
+  between parameters in the buffers; tests/test_megatron_convert.py adds fp32 at tp2pp2, equal to the
+  torch_dist ``dp_reshardable`` import of the same state);
 * resuming the import at another layout trains exactly as resuming the adapter's checkpoint there, and at
   the saving layout exactly as the uninterrupted run;
 * what is not imported is listed as skipped (the fp32 and distributed optimizers: tests/test_megatron_convert.py;
   ``weights_only``), and a resume of such an import refuses to start a fresh optimizer silently;
-* hostile and damaged optimizer dicts (main copies in another order, a parameter missing from its group,
-  wrong shapes, dtypes and steps, rank files that disagree, and a seeded fuzz of random damage) are
-  refused naming the rank file, or import exactly what the undamaged file does: never another
-  parameter's state, never a crash of another kind.
+* hostile and damaged optimizer dicts and ``distrib_optim.pt`` files (main copies in another order or one
+  element off, a parameter missing from its group, padding that is not zero, elements past the last
+  parameter, wrong shapes, dtypes and steps, rank files that disagree, a missing or linked-out file, a
+  pickle that would run code, and a seeded fuzz of random damage to either file) are refused naming the
+  file, or import exactly what the undamaged file does: never another parameter's state, never a crash of
+  another kind.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import torch
 
 import ckptkit
 from ckptkit.errors import CkptkitError, ManifestError
+from ckptkit_converters.common.safe_unpickle import UnsafeCheckpointError
 from ckptkit_converters.megatron.files import META_KEY
 from ckptkit_converters.megatron.importer import import_legacy
 from tests import megatron_job as mjob
@@ -45,6 +53,8 @@ CASES = {
                         mm.Layout(tp=1, pp=2, dist_opt=False, bf16=True)),
     "fp16_tp2dp2": (mm.Layout(tp=2, pp=1, dist_opt=False, fp16=True),
                     mm.Layout(tp=1, pp=1, dist_opt=True, fp16=True)),
+    "bf16_distributed_pp2vpp2dp2": (mm.Layout(tp=1, pp=2, vpp=2, dist_opt=True, bf16=True, bias=True),
+                                    mm.Layout(tp=2, pp=1, dist_opt=False, bf16=True, bias=True)),
 }
 """name -> (the saving layout, another layout the import is resumed at)."""
 STEPS = 4
@@ -117,6 +127,7 @@ def test_weights_only_leaves_the_optimizer_out_and_says_so(worlds, saved, tmp_pa
 # ---------------------------------------------------------------- damaged and hostile rank files
 
 RANK0 = os.path.join("iter_0000002", "mp_rank_00_000", "model_optim_rng.pt")
+DISTRIB0 = os.path.join("iter_0000002", "mp_rank_00_000", "distrib_optim.pt")
 
 
 def _rewrite(src: str, dest: str, change: Callable[[dict[str, Any]], None], rank_file: str = RANK0) -> str:
@@ -208,6 +219,86 @@ def test_a_damaged_optimizer_is_refused_naming_the_file(saved, tmp_path, damage)
     assert sorted(got) == sorted(model) and all(torch.equal(got[k], model[k]) for k in model)
 
 
+def _padding_index(flat: dict[str, Any]) -> int:
+    """An element of a grad buffer that is padding: zero in all three states (no trained element is)."""
+    zero = (flat["param"] == 0) & (flat["exp_avg"] == 0) & (flat["exp_avg_sq"] == 0)
+    return int(zero.nonzero()[0])
+
+
+def _buffer(s: dict[str, Any], i: int = 0) -> dict[str, Any]:
+    return next(iter(s[i].values()))
+
+
+def _longer_buffer(s: dict[str, Any]) -> None:
+    flat = _buffer(s)
+    for k in ("param", "exp_avg", "exp_avg_sq"):
+        flat[k] = torch.cat([flat[k], torch.zeros(64)])
+    flat["numel_unpadded"] += 64
+
+
+def _two_steps(s: dict[str, Any]) -> None:
+    groups = s["optimizer"]["optimizer"]["param_groups"]
+    groups[-1]["step"] = 7
+
+
+DISTRIB_DAMAGE = {
+    "main copies one element off": (DISTRIB0, lambda s: _buffer(s).update(param=_buffer(s)["param"].roll(1)),
+                                    "is not where Megatron's layout puts it"),
+    "padding that is not zero": (DISTRIB0, lambda s: _buffer(s)["exp_avg"].__setitem__(_padding_index(_buffer(s)), 1e-3),
+                                 "is not where Megatron's layout puts it"),
+    "a state one element short": (DISTRIB0, lambda s: _buffer(s).update(exp_avg=_buffer(s)["exp_avg"][:-1]),
+                                  "state 'exp_avg' is torch.float32"),
+    "elements after the last parameter": (DISTRIB0, _longer_buffer, "64 element(s) after its last parameter"),
+    "the older per-bucket form": (DISTRIB0, lambda s: s.pop("buckets_coalesced"), "not a coalesced"),
+    "a grad buffer too many": (DISTRIB0, lambda s: s.update({2: s[0]}), "grad buffers"),
+    "param groups with two steps": (RANK0, _two_steps, "steps"),
+}
+
+
+@pytest.mark.parametrize("damage", list(DISTRIB_DAMAGE))
+def test_a_damaged_distrib_optim_is_refused_naming_the_file(saved, tmp_path, damage):
+    folder, _ = saved["bf16_distributed_pp2vpp2dp2"]
+    rank_file, change, words = DISTRIB_DAMAGE[damage]
+    src = _rewrite(f"{folder}/legacy", str(tmp_path / "src"), change, rank_file)
+    with pytest.raises(ManifestError) as exc:
+        import_legacy(src, tmp_path / "out", vocab_size=mm.VOCAB)
+    assert words in str(exc.value) and os.path.join("mp_rank_00_000", os.path.basename(rank_file)) in str(exc.value)
+    with pytest.raises(CkptkitError):
+        ckptkit.open(tmp_path / "out")
+    import_legacy(src, tmp_path / "w", vocab_size=mm.VOCAB, weights_only=True)  # the way on
+
+
+def test_a_missing_or_linked_distrib_optim_is_refused(saved, tmp_path):
+    folder, _ = saved["bf16_distributed_pp2vpp2dp2"]
+    src = str(tmp_path / "src")
+    shutil.copytree(f"{folder}/legacy", src)
+    os.remove(os.path.join(src, DISTRIB0))
+    with pytest.raises(ManifestError, match="without the distrib_optim.pt beside it"):
+        import_legacy(src, tmp_path / "out", vocab_size=mm.VOCAB)
+    outside = tmp_path / "elsewhere.pt"  # a link out of the checkpoint: never opened
+    shutil.copy(os.path.join(folder, "legacy", DISTRIB0), outside)
+    os.symlink(outside, os.path.join(src, DISTRIB0))
+    with pytest.raises(CkptkitError, match="distrib_optim.pt"):
+        import_legacy(src, tmp_path / "out", vocab_size=mm.VOCAB)
+
+
+class _Evil:
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):  # what a malicious file would hold: a call to run on load
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_malicious_distrib_optim_runs_nothing(saved, tmp_path):
+    folder, _ = saved["bf16_distributed_pp2vpp2dp2"]
+    marker = str(tmp_path / "pwned")
+    src = _rewrite(f"{folder}/legacy", str(tmp_path / "src"), lambda s: s.update(extra=_Evil(marker)), DISTRIB0)
+    with pytest.raises(UnsafeCheckpointError, match=r"mp_rank_00_000/distrib_optim\.pt.*system"):
+        import_legacy(src, tmp_path / "out", vocab_size=mm.VOCAB)
+    assert not os.path.exists(marker)
+
+
 def test_steps_that_differ_between_rank_files_are_refused(saved, tmp_path):
     folder, _ = saved["bf16_tp2pp2vpp2"]
 
@@ -246,7 +337,7 @@ def _junk(rng: random.Random, old: Any, path: tuple[Any, ...]) -> Any:
     choices: list[Any] = [None, "x", 3, -1, 2.5, [], {}, True]
     if isinstance(old, torch.Tensor) and old.dim() > 0:
         choices += [old.double(), old.bfloat16(), old.reshape(-1)[:-1].clone(), old.unsqueeze(0).clone()]
-        if "fp32_from_fp16_params" in path:
+        if "fp32_from_fp16_params" in path or "param" in path:  # the main copies
             choices.append(old + 0.25)
     if isinstance(old, list) and old:  # shorter, longer; not reordered (an index list is the file's claim)
         choices += [old[:-1], old + old[-1:]]
@@ -255,13 +346,21 @@ def _junk(rng: random.Random, old: Any, path: tuple[Any, ...]) -> Any:
     return rng.choice(choices)
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_random_damage_is_refused_or_harmless(saved, tmp_path, seed):
-    folder, _ = saved["bf16_tp2pp2vpp2"]
+FUZZED = {"optimizer": ("bf16_tp2pp2vpp2", RANK0, "optimizer"),
+          "distrib_optim": ("bf16_distributed_pp2vpp2dp2", DISTRIB0, None)}
+"""What the fuzz damages: (case, file, the item of it damaged: None, the whole file)."""
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("target", list(FUZZED))
+def test_random_damage_is_refused_or_harmless(saved, tmp_path, target, seed):
+    case, rank_file, item = FUZZED[target]
+    folder, _ = saved[case]
     clean = _tensors(f"{folder}/imported")
     rng = random.Random(seed)
     src_root = f"{folder}/legacy"
-    original = torch.load(os.path.join(src_root, RANK0), weights_only=False)["optimizer"]
+    original = torch.load(os.path.join(src_root, rank_file), weights_only=False)
+    original = original[item] if item else original
     outcomes = {"refused": 0, "harmless": 0}
     for trial in range(6):
         paths = [p for p in _nodes(original) if p]
@@ -270,7 +369,7 @@ def test_random_damage_is_refused_or_harmless(saved, tmp_path, seed):
 
         def damage(s: dict[str, Any]) -> None:
             for p in picks:
-                node = s["optimizer"]
+                node = s[item] if item else s
                 try:
                     for k in p[:-1]:
                         node = node[k]
@@ -280,7 +379,7 @@ def test_random_damage_is_refused_or_harmless(saved, tmp_path, seed):
                         node[p[-1]] = _junk(rng, node[p[-1]], p)
                 except (KeyError, IndexError, TypeError):
                     pass  # an earlier pick replaced a container on this path
-        src = _rewrite(src_root, str(tmp_path / f"src{trial}"), damage)
+        src = _rewrite(src_root, str(tmp_path / f"src{trial}"), damage, rank_file)
         try:
             import_legacy(src, tmp_path / f"out{trial}", vocab_size=mm.VOCAB)
         except CkptkitError:

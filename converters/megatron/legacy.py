@@ -5,15 +5,18 @@ model space: local layer numbers made global, SwiGLU ``[gate_r; up_r]`` split in
 parts, vocab padding rows kept apart (``<key>.vocab_padding``). Nothing is stitched in memory: a
 few files are open at a time, memory-mapped. The algorithm:
 
-1. read every rank file's inventory (names, shapes, dtypes; nothing else is read);
+1. read every rank file's inventory (names, shapes, dtypes), and place its optimizer's state by parameter
+   (:mod:`.legacy_optimizer`, :mod:`.legacy_distrib`: the weights and main copies are read to check it);
 2. resolve the vocabulary and tying from the ``args`` and the embedding;
 3. number the layers globally: each (virtual chunk, stage) holds a run of layers, chunk-major;
-4. place every tensor of every rank as pieces of its model-space tensor;
-5. write them, each rank's pieces read from its own file.
+4. place every tensor of every rank, and every optimizer state as its weight, as pieces of its
+   model-space tensor;
+5. write them, each rank's pieces read from its own files.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -30,7 +33,9 @@ from ckptkit.options import Progress
 from ckptkit_converters.megatron import files as fmt
 from ckptkit_converters.megatron import names, optimizer_record
 from ckptkit_converters.megatron.files import MODEL, MegatronConvertResult
-from ckptkit_converters.megatron.legacy_optimizer import FoundOptimizer, KeyPath, LegacyOptimizer, read_optimizer
+from ckptkit_converters.common.source_paths import regular_file
+from ckptkit_converters.megatron.legacy_optimizer import read_optimizer
+from ckptkit_converters.megatron.legacy_state import DISTRIB_FILE, RANK_FILE, FoundOptimizer, LegacyOptimizer, StateRef
 from ckptkit_converters.megatron.import_shared import (
     ImportRun,
     RankPieces,
@@ -48,18 +53,20 @@ Inventory = dict[tuple[int, int], dict[int, dict[str, tuple[tuple[int, ...], str
 
 @dataclass(frozen=True)
 class _LegacyPiece:
-    path: KeyPath  # where the tensor lies in the file: ("model<v>", name), or an optimizer state's keys
+    ref: StateRef  # where the tensor lies: a weight at ("model<v>", name) of the rank file, or an optimizer state
+    shape: tuple[int, ...]  # the TP-local tensor's (a flat optimizer state is cut and shaped so)
     rows: tuple[int, int] | None  # slice of axis 0 of the local tensor (fused part / vocab clip), or all
     layered: bool  # prepend the layer axis
 
 
 class _LegacySource:
-    """One legacy rank file's pieces, read from the file (memory-mapped) when first asked for."""
+    """One legacy rank folder's pieces, read from its files (memory-mapped) when first asked for:
+    ``model_optim_rng.pt`` and, for the distributed optimizer's state, ``distrib_optim.pt``."""
 
     def __init__(self, path: str, refs: Sequence[_LegacyPiece]) -> None:
-        self._path = path
+        self._paths = {RANK_FILE: path, DISTRIB_FILE: os.path.join(os.path.dirname(path), DISTRIB_FILE)}
         self._refs = refs
-        self._state: dict[str, Any] | None = None
+        self._files: dict[str, Any] = {}
         self._lock = threading.Lock()
         self.bytes_read = 0
 
@@ -67,13 +74,16 @@ class _LegacySource:
         return len(self._refs)
 
     def __getitem__(self, ref: int) -> torch.Tensor:
-        with self._lock:
-            if self._state is None:
-                self._state = fmt.load_pt(self._path, mmap=True)
         p = self._refs[ref]
-        t: Any = self._state
-        for k in p.path:
+        with self._lock:
+            if p.ref.file not in self._files:
+                self._files[p.ref.file] = fmt.load_pt(self._paths[p.ref.file], mmap=True)
+        t: Any = self._files[p.ref.file]
+        for k in p.ref.path:
             t = t[k]
+        if p.ref.start is not None:  # a parameter's elements of a flat distributed-optimizer state
+            numel = math.prod(p.shape)
+            t = t[p.ref.start:p.ref.start + numel].view(p.shape)
         if p.rows is not None:
             t = t[p.rows[0]:p.rows[1]]
         if p.layered:
@@ -122,7 +132,13 @@ def _model_chunks(state: Mapping[str, Any], where: str) -> dict[int, dict[str, t
     return chunks
 
 
-def _inventory(files: Sequence[fmt.LegacyFile], *, with_optimizer: bool
+def _distrib_file(f: fmt.LegacyFile, root: str) -> str | None:
+    """The ``distrib_optim.pt`` beside a rank file (a regular file inside ``root``), None if there is none."""
+    path = os.path.join(os.path.dirname(f.path), DISTRIB_FILE)
+    return regular_file(root, path) if os.path.lexists(path) else None
+
+
+def _inventory(files: Sequence[fmt.LegacyFile], root: str, *, with_optimizer: bool
                ) -> tuple[Inventory, dict[str, Any], dict[tuple[int, int], FoundOptimizer]]:
     """Names, shapes and dtypes of every rank's chunks (memory-mapped: no tensor is read but, with
     ``with_optimizer``, the weights and main copies the optimizer's placing checks), the first file's state
@@ -142,7 +158,7 @@ def _inventory(files: Sequence[fmt.LegacyFile], *, with_optimizer: bool
                 if isinstance(t, torch.Tensor)}
             for v, sd in chunks.items()}
         if with_optimizer:
-            optimizers[(f.tp, f.pp)] = read_optimizer(state, chunks, f.path)
+            optimizers[(f.tp, f.pp)] = read_optimizer(state, chunks, f.path, _distrib_file(f, root))
         elif state.get("optimizer") is not None:
             optimizers[(f.tp, f.pp)] = FoundOptimizer(skipped="optimizer: not imported (weights_only)")
         del state, chunks
@@ -249,12 +265,11 @@ def _part_box(key: str, shape: tuple[int, ...], axis: int | None, part: tuple[in
 
 def _place_tensor(model: _LegacyModel, f: fmt.LegacyFile, v: int, name: str, shape: tuple[int, ...], dtype: str,
                   specs: dict[str, StoredTensor], prefix: str = MODEL,
-                  path: KeyPath | None = None) -> list[tuple[str, Region, _LegacyPiece]]:
+                  ref: StateRef | None = None) -> list[tuple[str, Region, _LegacyPiece]]:
     """The pieces one rank's tensor stores (ckptkit key, model-space region, how to read it), its spec
     recorded. Not stored: non-tensors (``_extra_state``), a tied output layer, and TP ranks' copies of
-    a replicated tensor (TP rank 0's is the one stored). ``prefix`` and ``path``: an optimizer state of the
-    weight ``name`` (stored as ``optimizer/<state>/<key>``, placed as the weight is), and where it lies in
-    the file."""
+    a replicated tensor (TP rank 0's is the one stored). ``prefix`` and ``ref``: an optimizer state of the
+    weight ``name`` (stored as ``optimizer/<state>/<key>``, placed as the weight is), and where it lies."""
     mapped = names.legacy_key(name)
     if mapped is None:
         return []
@@ -274,7 +289,8 @@ def _place_tensor(model: _LegacyModel, f: fmt.LegacyFile, v: int, name: str, sha
             if 0 in sizes:
                 continue
             out.append((prefix + key + suffix, Region(Box(tuple(offsets), tuple(sizes))),
-                        _LegacyPiece(path or (model.chunk_name(v), name), clip, layer is not None)))
+                        _LegacyPiece(ref or StateRef(RANK_FILE, (model.chunk_name(v), name)), shape, clip,
+                                     layer is not None)))
     return out
 
 
@@ -294,8 +310,8 @@ def _place_all(files: Sequence[fmt.LegacyFile], inventory: Inventory, model: _Le
         opt = optimizers.get((f.tp, f.pp))
         for (v, name), states in sorted(opt.tensors.items()) if opt is not None else ():
             shape = chunks[v][name][0]
-            placed.extend(_place_tensor(model, f, v, name, shape, "float32", specs, f"optimizer/{state}/", path)
-                          for state, path in sorted(states.items()))
+            placed.extend(_place_tensor(model, f, v, name, shape, "float32", specs, f"optimizer/{state}/", ref)
+                          for state, ref in sorted(states.items()))
         for key, region, ref in (item for items in placed for item in items):
             pieces.setdefault(rank, []).append((key, region))
             refs.setdefault(rank, []).append(ref)
@@ -332,10 +348,11 @@ def import_legacy(source: str | os.PathLike[str], dest: str | os.PathLike[str], 
                   weights_only: bool = False, progress: Progress | None = None,
                   storage_options: dict[str, Any] | None = None) -> MegatronConvertResult:
     """Write a legacy Megatron checkpoint as a ckptkit checkpoint: model weights, the vocabulary's padding
-    rows beside them, the ``opt_param_scheduler`` state, and the mixed-precision optimizer's moments, main
-    copies and step (:mod:`.legacy_optimizer`), so the live adapter resumes it at any layout. Listed as
-    skipped, not imported: other optimizers' state (the distributed optimizer's ``distrib_optim.pt``, the
-    fp32 one), and with ``weights_only`` any optimizer.
+    rows beside them, the ``opt_param_scheduler`` state, and the optimizer's moments, main copies and step
+    (the mixed-precision optimizer's, :mod:`.legacy_optimizer`; the distributed optimizer's
+    ``distrib_optim.pt``, :mod:`.legacy_distrib`), so the live adapter resumes it at any layout. Listed as
+    skipped, not imported: the fp32 optimizer's state (no main copies to check it by), and with
+    ``weights_only`` any optimizer.
 
     ``source``: an ``iter_XXXXXXX`` (or ``release``) directory, or the save root
     (its ``latest_checkpointed_iteration.txt`` picks the iteration). The rank files'
@@ -350,7 +367,7 @@ def import_legacy(source: str | os.PathLike[str], dest: str | os.PathLike[str], 
     files = fmt.legacy_files(folder, os.fspath(source))
     tp = max(f.tp for f in files) + 1
     pp = max(f.pp for f in files) + 1
-    inventory, first, found = _inventory(files, with_optimizer=not weights_only)
+    inventory, first, found = _inventory(files, os.fspath(source), with_optimizer=not weights_only)
     optimizers, saved_optimizer, skipped = _optimizer(found, folder, weights_only=weights_only)
     args = fmt.SavedArgs.of(first.get("args"))
     emb = inventory[(0, 0)].get(0, {}).get(names.EMBEDDING)  # stage 0, first chunk: TP-split rows

@@ -23,9 +23,9 @@ A prediction the data contradicts is refused, naming the rank file, the group an
 are never handed to another parameter. (Weights of one shape and one value in one group, such as untrained
 norms, are told apart by the order alone, as Megatron's own load tells them apart.)
 
-Not imported, and listed as skipped by the import: the fp32 optimizer (``FP32Optimizer``: no main copies,
-so nothing to check the order against), the distributed optimizer (its state is in ``distrib_optim.pt``)
-and a chained optimizer of several (MoE expert groups). Param groups other than Megatron's standard
+The distributed optimizer's ``distrib_optim.pt`` is read by :mod:`.legacy_distrib`. Not imported, and listed
+as skipped by the import: the fp32 optimizer (``FP32Optimizer``: no main copies, so nothing to check the order
+against) and a chained optimizer of several (MoE expert groups). Param groups other than Megatron's standard
 weight-decay split (``lr_mult``, decoupled learning rates, expert groups) are refused: pass
 ``weights_only=True`` to import the weights alone.
 """
@@ -33,54 +33,27 @@ weight-decay split (``lr_mult``, decoupled learning rates, expert groups) are re
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ckptkit.errors import ManifestError
 from ckptkit_converters.common.safe_unpickle import namespace_fields
-from ckptkit_converters.megatron import names
+from ckptkit_converters.megatron import legacy_distrib
+from ckptkit_converters.megatron.legacy_state import (
+    RANK_FILE,
+    WEIGHTS_ONLY_HINT,
+    FoundOptimizer,
+    LegacyOptimizer,
+    StateRef,
+    number,
+    parameters,
+    same_bits,
+)
 from ckptkit_converters.megatron.optimizer_record import MAIN
 
-KeyPath = tuple[Any, ...]
-"""Where a tensor lies in the rank file's dict: the keys (and list positions) to follow from the top."""
-
-WEIGHTS_ONLY_HINT = "pass weights_only=True (CLI: --opt weights_only=true) to import the weights alone"
-
-
-@dataclass(frozen=True)
-class LegacyOptimizer:
-    """One rank file's optimizer, placed: every state tensor by its parameter, and the non-tensor state."""
-
-    tensors: Mapping[tuple[int, str], Mapping[str, KeyPath]]
-    """(virtual chunk, module state-dict name) -> the adapter's state name (``exp_avg``, ``exp_avg_sq``,
-    ``main``) -> where that state tensor lies in the rank file."""
-    saved: Mapping[str, Any]
-    """The non-tensor state as :func:`~.optimizer_record.optimizer_record` reads it: the param groups'
-    hyper-parameters, the one step (``state.common_step``) and fp16's ``grad_scaler``."""
-    step: float
-
-
-@dataclass(frozen=True)
-class FoundOptimizer:
-    """What a rank file says of its optimizer: placed, not saved (both None), or saved in a form that is
-    not imported (``skipped``: why, for the import's skipped list)."""
-
-    optimizer: LegacyOptimizer | None = None
-    skipped: str | None = None
-
-
-def _parameters(chunks: Mapping[int, Mapping[str, Any]]) -> list[tuple[int, str, torch.Tensor]]:
-    """The model chunks' parameters in Megatron's order: chunk by chunk, each in module order (buffers,
-    ``_extra_state`` and non-tensors left out)."""
-    out = []
-    for v in sorted(chunks):
-        for name, t in chunks[v].items():
-            if (isinstance(t, torch.Tensor) and names.legacy_key(name) is not None
-                    and not name.endswith(names.BUFFERS)):
-                out.append((v, name, t))
-    return out
+DISTRIBUTED = "distributed"
+MIXED = "mixed"
 
 
 def _no_weight_decay(name: str, t: torch.Tensor, wd_on_qk_norms: bool) -> bool:
@@ -91,20 +64,19 @@ def _no_weight_decay(name: str, t: torch.Tensor, wd_on_qk_norms: bool) -> bool:
     return skip
 
 
-def _form(saved: Any, where: str) -> str | None:
-    """Why a saved optimizer is not imported, the same words for every rank file (None: it is Megatron's
-    mixed-precision optimizer); refused when it is not an optimizer state dict at all."""
+def _form(saved: Any, where: str) -> str:
+    """:data:`MIXED` or :data:`DISTRIBUTED` (the forms imported), or why a saved optimizer is not imported,
+    the same words for every rank file; refused when it is not an optimizer state dict at all."""
     if isinstance(saved, list):
         return f"optimizer: a chained optimizer of {len(saved)} (MoE expert groups) is not imported; the weights are"
     if not isinstance(saved, Mapping):
         raise ManifestError(f"{where}: 'optimizer' is a {type(saved).__name__}, expected Megatron's optimizer "
                             "state dict")
     if "fp32_from_fp16_params" in saved:
-        return None
+        return MIXED
     inner = saved.get("optimizer")
     if isinstance(inner, Mapping) and "param_groups" in inner and "state" not in inner:
-        return ("optimizer: the distributed optimizer's state (distrib_optim.pt beside each rank file) is not "
-                "imported; the weights are")
+        return DISTRIBUTED
     if "state" in saved and "param_groups" in saved:
         return ("optimizer: the fp32 optimizer's state (no main copies to check which parameter each moment "
                 "belongs to) is not imported; the weights are")
@@ -137,30 +109,18 @@ def _groups(inner: Any, mains: Any, where: str) -> list[Mapping[str, Any]]:
     return groups
 
 
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
-
-
 def _state_tensor(t: Any, weight: torch.Tensor, what: str) -> None:
     if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or tuple(t.shape) != tuple(weight.shape):
         got = f"{t.dtype} {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
         raise ManifestError(f"{what} is {got}, expected float32 {list(weight.shape)} (its parameter's shape)")
 
 
-def _number(v: Any) -> float | None:
-    if isinstance(v, torch.Tensor) and v.numel() == 1 and not v.dtype.is_complex:
-        return float(v.item())
-    if isinstance(v, (int, float)) and not isinstance(v, bool):
-        return float(v)
-    return None
-
-
 def _place(groups: Sequence[Mapping[str, Any]], state: Mapping[Any, Any], mains: Sequence[Any],
            params: Sequence[tuple[int, str, torch.Tensor]], wd_on_qk_norms: bool,
-           where: str) -> tuple[dict[tuple[int, str], dict[str, KeyPath]], set[float]]:
+           where: str) -> tuple[dict[tuple[int, str], dict[str, StateRef]], set[float]]:
     """Every parameter's state tensors, checked; and the steps found (Adam's per-parameter ``step``, or a
     param group's for fused Adams that keep it there)."""
-    out: dict[tuple[int, str], dict[str, KeyPath]] = {}
+    out: dict[tuple[int, str], dict[str, StateRef]] = {}
     steps: set[float] = set()
     seen: set[int] = set()
     placed = 0
@@ -172,8 +132,8 @@ def _place(groups: Sequence[Mapping[str, Any]], state: Mapping[Any, Any], mains:
                 f"{where}: optimizer param group {g} (wd_mult {group.get('wd_mult')}) holds {len(group['params'])} "
                 f"parameter(s), the rank's modules {len(members)} of that kind (frozen parameters or custom "
                 f"param groups?); {WEIGHTS_ONLY_HINT}")
-        if _number(group.get("step")) is not None:
-            steps.add(_number(group["step"]))  # type: ignore[arg-type]
+        if number(group.get("step")) is not None:
+            steps.add(number(group["step"]))  # type: ignore[arg-type]
         for j, (v, name, weight) in enumerate(members):
             idx = group["params"][j]
             what = f"{where}: optimizer state of {name!r} (param group {g}, index {idx})"
@@ -190,16 +150,16 @@ def _place(groups: Sequence[Mapping[str, Any]], state: Mapping[Any, Any], mains:
             if weight.dtype not in (torch.bfloat16, torch.float16):
                 raise ManifestError(f"{what}: the weight is {weight.dtype}; the mixed-precision optimizer keeps "
                                     "main copies of bf16/fp16 weights only")
-            if not _same_bits(main.to(weight.dtype), weight):
+            if not same_bits(main.to(weight.dtype), weight):
                 raise ManifestError(f"{what}: its main copy is not the weight (cast to {weight.dtype}): the "
                                     "optimizer's parameter order is not this module's; " + WEIGHTS_ONLY_HINT)
             if "step" in st:
-                if _number(st["step"]) is None:
+                if number(st["step"]) is None:
                     raise ManifestError(f"{what}: step is a {type(st['step']).__name__}, expected a number")
-                steps.add(_number(st["step"]))  # type: ignore[arg-type]
-            out[(v, name)] = {"exp_avg": ("optimizer", "optimizer", "state", idx, "exp_avg"),
-                              "exp_avg_sq": ("optimizer", "optimizer", "state", idx, "exp_avg_sq"),
-                              MAIN: ("optimizer", "fp32_from_fp16_params", g, j)}
+                steps.add(number(st["step"]))  # type: ignore[arg-type]
+            out[(v, name)] = {m: StateRef(RANK_FILE, ("optimizer", "optimizer", "state", idx, m))
+                              for m in ("exp_avg", "exp_avg_sq")}
+            out[(v, name)][MAIN] = StateRef(RANK_FILE, ("optimizer", "fp32_from_fp16_params", g, j))
         placed += len(members)
     if placed != len(params):
         left = [p[1] for p in params if (p[0], p[1]) not in out]
@@ -208,19 +168,26 @@ def _place(groups: Sequence[Mapping[str, Any]], state: Mapping[Any, Any], mains:
     return out, steps
 
 
-def read_optimizer(state: Mapping[str, Any], chunks: Mapping[int, Mapping[str, Any]], where: str) -> FoundOptimizer:
+def read_optimizer(state: Mapping[str, Any], chunks: Mapping[int, Mapping[str, Any]], where: str,
+                   distrib: str | None) -> FoundOptimizer:
     """The optimizer a legacy rank file holds (``state``: the whole file, ``chunks``: its module state dicts
-    by virtual chunk), placed and checked as the module docstring says; refused naming ``where``."""
+    by virtual chunk; ``distrib``: the ``distrib_optim.pt`` beside it, None if there is none), placed and
+    checked as this module's docstring (or :mod:`.legacy_distrib`'s) says; refused naming ``where``."""
     saved = state.get("optimizer")
     if saved is None:
         return FoundOptimizer()
-    skipped = _form(saved, where)
-    if skipped is not None:
-        return FoundOptimizer(skipped=skipped)
+    form = _form(saved, where)
+    if form == DISTRIBUTED:
+        if distrib is None:
+            raise ManifestError(f"{where}: a distributed optimizer's rank file without the {legacy_distrib.DISTRIB_FILE} "
+                                f"beside it, which holds its state; {WEIGHTS_ONLY_HINT}")
+        return FoundOptimizer(legacy_distrib.read_distributed(saved, chunks, distrib, where))
+    if form != MIXED:
+        return FoundOptimizer(skipped=form)
     inner, mains = saved.get("optimizer"), saved["fp32_from_fp16_params"]
     groups = _groups(inner, mains, where)
     wd_on_qk_norms = namespace_fields(state.get("args")).get("apply_wd_to_qk_layernorm") is True
-    tensors, steps = _place(groups, inner["state"], mains, _parameters(chunks), wd_on_qk_norms, where)
+    tensors, steps = _place(groups, inner["state"], mains, parameters(chunks), wd_on_qk_norms, where)
     if len(steps) != 1:
         raise ManifestError(f"{where}: the optimizer holds {'no step' if not steps else f'steps {sorted(steps)[:4]}'}; "
                             "Megatron keeps one step for all parameters")
