@@ -7,7 +7,9 @@ copies by param group; for the distributed one the param groups, with its state 
 live adapter, which names every tensor. Checked:
 
 * the import holds every weight, moment and main copy the adapter saved, bit for bit, with the same
-  optimizer record (step, loss scaler): bf16 at tp2pp2 with virtual chunks, fp16 at tp2 x dp2, and the
+  optimizer record (step, loss scaler): bf16 at tp2pp2 with virtual chunks and a tied embedding (the last
+  stage's copy has its own optimizer state, not stored), fp16 at tp2 x dp2 (with a fused Adam's step
+  kept in the param groups too), and the
   distributed optimizer in bf16 at pp2 x dp2 with virtual chunks and biases (whose sizes leave padding
   between parameters in the buffers; tests/test_megatron_convert.py adds fp32 at tp2pp2, equal to the
   torch_dist ``dp_reshardable`` import of the same state);
@@ -49,8 +51,8 @@ from tests import megatron_model as mm
 pytestmark = pytest.mark.usefixtures("retire_megatron_world")
 
 CASES = {
-    "bf16_tp2pp2vpp2": (mm.Layout(tp=2, pp=2, vpp=2, dist_opt=False, bf16=True),
-                        mm.Layout(tp=1, pp=2, dist_opt=False, bf16=True)),
+    "bf16_tp2pp2vpp2": (mm.Layout(tp=2, pp=2, vpp=2, dist_opt=False, bf16=True, tied=True),
+                        mm.Layout(tp=1, pp=2, dist_opt=False, bf16=True, tied=True)),
     "fp16_tp2dp2": (mm.Layout(tp=2, pp=1, dist_opt=False, fp16=True),
                     mm.Layout(tp=1, pp=1, dist_opt=True, fp16=True)),
     "bf16_distributed_pp2vpp2dp2": (mm.Layout(tp=1, pp=2, vpp=2, dist_opt=True, bf16=True, bias=True),
@@ -111,6 +113,28 @@ def test_the_import_resumes_as_the_adapters_checkpoint_and_as_the_run(worlds, sa
     assert same["losses"] == run["losses"] and same["loss_scale"] == run["loss_scale"]
     fresh = worlds.run(4, mjob.resume, layout, f"{folder}/imported", steps=STEPS, load_optimizer=False)[0]
     assert fresh["losses"] != run["losses"]  # the control: the moments matter to these losses
+
+
+def test_a_fused_adams_step_in_the_param_groups_imports_alike(saved, tmp_path):
+    """Apex's and Transformer Engine's FusedAdam keep the step in each param group, not per parameter."""
+    folder, _ = saved["fp16_tp2dp2"]
+
+    def fused(s: dict[str, Any]) -> None:
+        inner = s["optimizer"]["optimizer"]
+        steps = {float(st.pop("step")) for st in inner["state"].values()}
+        assert len(steps) == 1
+        for group in inner["param_groups"]:
+            group["step"] = next(iter(steps))
+    src = str(tmp_path / "src")
+    shutil.copytree(f"{folder}/legacy", src)
+    for rank in ("mp_rank_00", "mp_rank_01"):
+        path = os.path.join(src, "iter_0000002", rank, "model_optim_rng.pt")
+        state = torch.load(path, weights_only=False)
+        fused(state)
+        torch.save(state, path)
+    import_legacy(src, tmp_path / "out", vocab_size=mm.VOCAB)
+    assert ckptkit.diff(f"{folder}/imported", str(tmp_path / "out")).identical
+    assert _meta(str(tmp_path / "out"))["optimizer"]["scalars"] == _meta(f"{folder}/imported")["optimizer"]["scalars"]
 
 
 def test_weights_only_leaves_the_optimizer_out_and_says_so(worlds, saved, tmp_path):
