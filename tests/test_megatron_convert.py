@@ -151,6 +151,29 @@ def test_import_equals_megatron_load(saved, tied, kind):
     assert rule.fused == (96, 96) and rule.tp_axis == 1 and rule.layer_axis == 0
 
 
+@pytest.mark.parametrize("tied", TIED, ids=["untied", "tied"])
+def test_weights_only_imports_leave_the_optimizer_out_and_list_it(saved, tmp_path, tied):
+    """Both forms, both imports: the model exactly as the full import holds it, no optimizer record, and what
+    was left out listed (the plain optimizer's model-space state, the distributed optimizer's buckets)."""
+    folder, _ = saved[tied]
+    runner = CliRunner()
+    for src, full in ((f"{folder}/torch_dist", f"{folder}/ck_td"), (f"{folder}/legacy", f"{folder}/ck_legacy")):
+        out = str(tmp_path / os.path.basename(full))
+        res = runner.invoke(cli, ["convert", src, out, "--vocab-size", str(VOCAB), "--opt", "weights_only=true",
+                                  "--json"])
+        assert res.exit_code == 0, res.output
+        result = json.loads(res.output)
+        assert result["meta"]["optimizer"] is None
+        got, want = ckptkit.open(out), ckptkit.open(full)
+        assert sorted(got.keys()) == sorted(k for k in want.keys() if not k.startswith("optimizer/"))
+        assert all(torch.equal(got[k].read(), want[k].read()) for k in got.keys())
+        if full.endswith("ck_td"):
+            left = [k for k in result["skipped"] if k.startswith("optimizer.")]
+            assert left and all(".distributed." in k for k in left) == tied, left
+        else:
+            assert result["skipped"] == ["optimizer: not imported (weights_only)"]
+
+
 @pytest.mark.parametrize("target", [(1, 4), (4, 1)], ids=["tp1pp4", "tp4pp1"])
 @pytest.mark.parametrize("tied", TIED, ids=["untied", "tied"])
 def test_export_loads_in_megatron(worlds, saved, tmp_path, tied, target):

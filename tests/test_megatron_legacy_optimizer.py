@@ -217,6 +217,8 @@ DAMAGE = {
     "a step that is a string": (lambda s: _state_of(s).update(step="2"), "step is a str"),
     "an lr_mult group": (_set(("optimizer", "optimizer", "param_groups", 0, "lr_mult"), 2.0),
                          "not one of Megatron's standard weight-decay groups"),
+    "two weight-decay groups": (_set(("optimizer", "optimizer", "param_groups", 1, "wd_mult"), 1.0),
+                                "param groups with wd_mult [1.0, 1.0]"),
     "main copies of another group count": (lambda s: s["optimizer"]["fp32_from_fp16_params"].pop(),
                                            "fp32_from_fp16_params holds 1 group(s), the optimizer 2"),
     "a string for the optimizer": (_set(("optimizer",), "adam"), "'optimizer' is a str"),

@@ -33,10 +33,11 @@ class MegatronFormat(FormatBase, name="megatron", description="a Megatron checkp
         path = local_path(source)
         common: dict[str, Any] = {
             "vocab_size": options.vocab_size, "make_vocab_size_divisible_by": options.make_vocab_size_divisible_by,
-            "threads": options.threads, "progress": run.progress, "storage_options": run.storage_options}
+            "threads": options.threads, "weights_only": options.weights_only, "progress": run.progress,
+            "storage_options": run.storage_options}
         if is_torch_dist(path):
             return import_torch_dist(path, dest, **common)
-        return import_legacy(path, dest, tied=options.tied, weights_only=options.weights_only, **common)
+        return import_legacy(path, dest, tied=options.tied, **common)
 
     def check_export(self, options: MegatronExportOptions) -> None:
         options.target()

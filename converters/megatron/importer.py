@@ -183,7 +183,7 @@ def _check_model(model: Mapping[str, Any], vocab_size: int, make_vocab_size_divi
 @divisible_by_renamed
 def import_torch_dist(source: str | os.PathLike[str], dest: str | os.PathLike[str], *, vocab_size: int | None = None,
                       make_vocab_size_divisible_by: int | None = None, threads: int = 2,
-                      progress: Progress | None = None,
+                      weights_only: bool = False, progress: Progress | None = None,
                       storage_options: dict[str, Any] | None = None) -> MegatronConvertResult:
     """Write the Megatron torch_dist checkpoint ``source`` (a local directory) as a ckptkit checkpoint.
 
@@ -196,7 +196,8 @@ def import_torch_dist(source: str | os.PathLike[str], dest: str | os.PathLike[st
     one more release, with a DeprecationWarning. Model tensors (vocab padding rows kept apart) and
     the optimizer state, in model space or in ``dp_reshardable`` buckets (see the module docstring);
     Transformer Engine FP8 ``_extra_state`` payloads (:mod:`.extra_states`); other non-tensor items
-    (RNG, extra state in another form) are listed in ``skipped``.
+    (RNG, extra state in another form) are listed in ``skipped``. ``weights_only``: the optimizer's tensors
+    are not read (listed in ``skipped``), and no optimizer record is written.
     """
     t0 = time.perf_counter()
     folder = os.fspath(source)
@@ -218,7 +219,7 @@ def import_torch_dist(source: str | os.PathLike[str], dest: str | os.PathLike[st
     pp = args.pp
     dp = args.world_size // (tp * pp) if args.world_size and pp else None
     with ThreadPoolExecutor(max_workers=threads * 3, thread_name_prefix="ckptkit-megatron-read") as pool:
-        stored, optimizer, skipped = _stored(folder, ckpt, common, model, src, ranks, pool)
+        stored, optimizer, skipped = _stored(folder, ckpt, common, model, src, ranks, pool, weights_only)
         placed = _place_chunks(stored, ranks, vocab_size)
         payloads = extra_states.read_payloads(src, ckpt, ranks)
         placed.specs.update(payloads.specs())
@@ -253,13 +254,15 @@ def _is_optimizer_key(key: str) -> bool:
 
 
 def _stored(folder: str, ckpt: DcpCheckpoint, common: Mapping[str, Any], model: Mapping[str, Any], src: Any,
-            ranks: Mapping[str, int],
-            pool: ThreadPoolExecutor) -> tuple[dict[str, tuple[str, Any]], Any, tuple[str, ...]]:
-    """What the import stores (ckptkit key -> (Megatron model key, tensor)): the model, and the optimizer state
-    from model space or from the distributed optimizer's ``dp_reshardable`` buckets
-    (:mod:`.optimizer_buckets`); the saved optimizer's non-tensor state the record is read from; and what is
-    left out."""
+            ranks: Mapping[str, int], pool: ThreadPoolExecutor,
+            weights_only: bool) -> tuple[dict[str, tuple[str, Any]], Any, tuple[str, ...]]:
+    """What the import stores (ckptkit key -> (Megatron model key, tensor)): the model, and (unless
+    ``weights_only``) the optimizer state from model space or from the distributed optimizer's
+    ``dp_reshardable`` buckets (:mod:`.optimizer_buckets`); the saved optimizer's non-tensor state the record
+    is read from; and what is left out."""
     stored: dict[str, tuple[str, Any]] = {MODEL + k: (k, t) for k, t in model.items()}
+    if weights_only:
+        return stored, None, _skipped(ckpt, stored)
     stored.update(_optimizer_tensors(ckpt, model))
     buckets = optimizer_buckets.read_buckets(ckpt, model, src, ranks, pool, f"{folder}/{METADATA_NAME}")
     optimizer = common.get("optimizer")

@@ -106,6 +106,10 @@ def _groups(inner: Any, mains: Any, where: str) -> list[Mapping[str, Any]]:
         if not isinstance(mains[g], list) or len(mains[g]) != len(group["params"]):
             raise ManifestError(f"{where}: optimizer param group {g} has {len(group['params'])} parameter(s), "
                                 "its main copies do not match")
+    wd = [g.get("wd_mult") for g in groups]
+    if len(set(wd)) != len(wd):  # two groups of one kind: which parameter is in which is not Megatron's split
+        raise ManifestError(f"{where}: optimizer param groups with wd_mult {wd}: not Megatron's standard "
+                            "weight-decay groups; " + WEIGHTS_ONLY_HINT)
     return groups
 
 

@@ -24,8 +24,8 @@ class MegatronImportOptions:
     ``vocab_size`` / ``make_vocab_size_divisible_by``: the true vocabulary and its padding multiple,
     needed only when the saved ``args`` do not record them (given and recorded must agree; the
     error names what is missing). ``tied``: whether a legacy checkpoint without ``args`` ties the
-    output layer to the embedding. ``threads``: source ranks written at once. ``weights_only``: leave a
-    legacy checkpoint's optimizer out (by default its mixed-precision optimizer is imported; CLI:
+    output layer to the embedding. ``threads``: source ranks written at once. ``weights_only``: leave the
+    optimizer out, listed as skipped (by default it is imported wherever its form is one ckptkit reads; CLI:
     ``--opt weights_only=true``).
     """
 
