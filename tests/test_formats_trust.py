@@ -32,6 +32,7 @@ from ckptkit_converters.dcp.files import load_blob
 from ckptkit_converters.megatron.importer import resolve_vocab
 from ckptkit_converters.megatron.files import SavedArgs
 from ckptkit_converters.common.safe_unpickle import NamespaceRecord, UnsafeCheckpointError
+from tests.malicious_pickle import RunsOnLoad
 
 
 class Registered:
@@ -39,14 +40,6 @@ class Registered:
 
     def __init__(self) -> None:
         self.ran = True
-
-
-class _Evil:
-    def __init__(self, marker: str) -> None:
-        self.marker = marker
-
-    def __reduce__(self):
-        return (os.system, (f"touch {self.marker}",))
 
 
 @pytest.fixture
@@ -83,7 +76,7 @@ def test_namespace_becomes_an_inert_record_with_its_attributes(tmp_path: Path):
 def test_code_inside_args_is_refused_before_it_runs(tmp_path: Path):
     marker = str(tmp_path / "pwned")
     path = tmp_path / "common.pt"
-    torch.save({"args": _args(exit_signal_handler=_Evil(marker))}, path)
+    torch.save({"args": _args(exit_signal_handler=RunsOnLoad(marker))}, path)
     with pytest.raises(UnsafeCheckpointError, match=r"common\.pt.*system"):
         megatron_format.load_pt(str(path))
     assert not os.path.exists(marker)

@@ -50,6 +50,7 @@ from ckptkit_converters.megatron.exporter import export_torch_dist
 from ckptkit_converters.megatron.files import META_KEY
 from ckptkit_converters.common.safe_unpickle import UnsafeCheckpointError
 from tests import megatron_convert_job as job
+from tests.malicious_pickle import RunsOnLoad
 
 VOCAB = 250
 
@@ -202,20 +203,12 @@ def test_export_refuses_bad_layouts(saved, tmp_path):
 # ---------------------------------------------------------------- trust
 
 
-class _Evil:
-    def __init__(self, marker: str) -> None:
-        self.marker = marker
-
-    def __reduce__(self):  # what a malicious checkpoint would hold: a call to run on load
-        return (os.system, (f"touch {self.marker}",))
-
-
 def test_malicious_common_pt_refused(saved, tmp_path):
     folder, _ = saved[False]
     src = str(tmp_path / "evil_td")
     shutil.copytree(f"{folder}/torch_dist", src)
     marker = str(tmp_path / "pwned")
-    torch.save({"iteration": 2, "args": _Evil(marker)}, f"{src}/common.pt")
+    torch.save({"iteration": 2, "args": RunsOnLoad(marker)}, f"{src}/common.pt")
     with pytest.raises(UnsafeCheckpointError, match=r"common\.pt.*system"):
         import_torch_dist(src, str(tmp_path / "out"), vocab_size=VOCAB)
     assert not os.path.exists(marker) and not os.path.exists(tmp_path / "out" / "manifest.json")
@@ -228,7 +221,7 @@ def test_malicious_legacy_file_refused(saved, tmp_path):
     marker = str(tmp_path / "pwned")
     path = f"{src}/iter_{job.STEPS:07d}/mp_rank_01_001/model_optim_rng.pt"
     state = torch.load(path, weights_only=False)
-    state["rng_state"] = [_Evil(marker)]
+    state["rng_state"] = [RunsOnLoad(marker)]
     torch.save(state, path)
     with pytest.raises(UnsafeCheckpointError, match=r"mp_rank_01_001/model_optim_rng\.pt.*system"):
         import_legacy(src, str(tmp_path / "out"), vocab_size=VOCAB)
@@ -243,7 +236,7 @@ def test_malicious_metadata_refused(saved, tmp_path):
     shutil.copytree(f"{folder}/torch_dist", src)
     marker = str(tmp_path / "pwned")
     with open(f"{src}/.metadata", "wb") as f:
-        pickle.dump(_Evil(marker), f)
+        pickle.dump(RunsOnLoad(marker), f)
     with pytest.raises(UnsafeCheckpointError, match="system"):
         import_torch_dist(src, str(tmp_path / "out"), vocab_size=VOCAB)
     assert not os.path.exists(marker)
@@ -416,3 +409,11 @@ def test_checkpointer_never_resumes_past_a_newer_megatron_checkpoint(worlds, sav
                                    "--vocab-size", str(VOCAB)])
     assert res.exit_code == 0, res.output
     assert ckptkit.diff(f"{folder}/ck_legacy", str(tmp_path / "dst")).identical
+    # Megatron-LM's released checkpoint (tracker "release", loaded as iteration 0) alone: refused too, not a
+    # silent start from scratch (beside a ckptkit step it is older: tests/test_foreign_steps.py)
+    release = str(tmp_path / "released")
+    os.makedirs(release)
+    shutil.copytree(f"{root}/{it}", f"{release}/release")
+    errors = worlds.run(2, megatron_job.checkpointer_restore_error, mm.Layout(), release)
+    assert all(e is not None and e.startswith("ForeignCheckpointError") for e in errors), errors
+    assert f"{release}/release: a Megatron checkpoint, newer than any ckptkit checkpoint" in errors[0]

@@ -47,6 +47,7 @@ from ckptkit_converters.megatron.importer import import_legacy
 from tests import megatron_job as mjob
 from tests import megatron_legacy_job as job
 from tests import megatron_model as mm
+from tests.malicious_pickle import RunsOnLoad
 
 pytestmark = pytest.mark.usefixtures("retire_megatron_world")
 
@@ -308,18 +309,10 @@ def test_a_missing_or_linked_distrib_optim_is_refused(saved, tmp_path):
         import_legacy(src, tmp_path / "out", vocab_size=mm.VOCAB)
 
 
-class _Evil:
-    def __init__(self, marker: str) -> None:
-        self.marker = marker
-
-    def __reduce__(self):  # what a malicious file would hold: a call to run on load
-        return (os.system, (f"touch {self.marker}",))
-
-
 def test_a_malicious_distrib_optim_runs_nothing(saved, tmp_path):
     folder, _ = saved["bf16_distributed_pp2vpp2dp2"]
     marker = str(tmp_path / "pwned")
-    src = _rewrite(f"{folder}/legacy", str(tmp_path / "src"), lambda s: s.update(extra=_Evil(marker)), DISTRIB0)
+    src = _rewrite(f"{folder}/legacy", str(tmp_path / "src"), lambda s: s.update(extra=RunsOnLoad(marker)), DISTRIB0)
     with pytest.raises(UnsafeCheckpointError, match=r"mp_rank_00_000/distrib_optim\.pt.*system"):
         import_legacy(src, tmp_path / "out", vocab_size=mm.VOCAB)
     assert not os.path.exists(marker)

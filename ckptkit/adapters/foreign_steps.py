@@ -29,8 +29,8 @@ log = logging.getLogger("ckptkit")
 @dataclass(frozen=True)
 class ForeignSteps:
     """How one framework's own checkpoints sit in a run folder: their directory names (the step as the
-    pattern's first group), a file inside that tells them from ckptkit's (None: the name is enough),
-    and how to resume from one instead."""
+    pattern's first group; a name without one is step 0), a file inside that tells them from ckptkit's
+    (None: the name is enough), and how to resume from one instead."""
 
     what: str
     pattern: re.Pattern[str]
@@ -46,8 +46,8 @@ DEEPSPEED = ForeignSteps(
     "a DeepSpeed checkpoint (engine.save_checkpoint)", re.compile(r"^global_step(\d+)$"), None,
     "`ckptkit convert {folder} DST --from deepspeed --tag {name}`, then ckptkit.adapters.deepspeed.load(engine, "
     "DST) before training, with a new folder for this checkpointer")
-MEGATRON = ForeignSteps(
-    "a Megatron checkpoint", re.compile(r"^iter_(\d+)$"), None,
+MEGATRON = ForeignSteps(  # release: Megatron-LM's released (converted) checkpoint, loaded as iteration 0
+    "a Megatron checkpoint", re.compile(r"^(?:iter_(\d+)|release)$"), None,
     "`ckptkit convert {src} DST --from megatron`, then ckptkit.adapters.megatron.load(model, DST, ...) before "
     "training, with a new folder for this checkpointer")
 
@@ -60,7 +60,7 @@ def steps_after(root: Any, kind: ForeignSteps, latest: int | None) -> list[str]:
     out = []
     for name in root.list_children():
         m = kind.pattern.match(name)
-        if m is None or (latest is not None and int(m.group(1)) <= latest):
+        if m is None or (latest is not None and _step(m) <= latest):
             continue
         if kind.marker is not None:
             try:
@@ -69,7 +69,11 @@ def steps_after(root: Any, kind: ForeignSteps, latest: int | None) -> list[str]:
             except CkptkitError:
                 pass
         out.append(name)
-    return sorted(out, key=lambda n: int(kind.pattern.match(n).group(1)))  # type: ignore[union-attr]
+    return sorted(out, key=lambda n: _step(kind.pattern.match(n)))  # type: ignore[arg-type]
+
+
+def _step(m: re.Match[str]) -> int:
+    return int(m.group(1) or 0)
 
 
 def refuse_newer(root: Any, folder: str, comm: Any, latest: int | None, kind: ForeignSteps) -> None:

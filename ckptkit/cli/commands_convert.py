@@ -274,6 +274,7 @@ def render(out: Output, result: ConvertResult) -> None:
     skipped = getattr(result, "skipped", ())
     if skipped:
         what = ("per-rank values DCP cannot hold" if result.format == "dcp" else
-                "items not converted (optimizer state, _extra_state, non-model tensors)" if hasattr(result, "meta")
+                "items not converted (e.g. an optimizer form not read, _extra_state, non-model tensors)"
+                if hasattr(result, "meta")
                 else "non-tensor items that do not decode safely")
         out.text(f"skipped {len(skipped)} {what}: {', '.join(skipped)}")
