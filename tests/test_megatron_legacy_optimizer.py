@@ -276,7 +276,7 @@ DISTRIB_DAMAGE = {
     "a state one element short": (DISTRIB0, lambda s: _buffer(s).update(exp_avg=_buffer(s)["exp_avg"][:-1]),
                                   "state 'exp_avg' is torch.float32"),
     "elements after the last parameter": (DISTRIB0, _longer_buffer, "64 element(s) after its last parameter"),
-    "the older per-bucket form": (DISTRIB0, lambda s: s.pop("buckets_coalesced"), "not a coalesced"),
+    "the form before February 2024": (DISTRIB0, lambda s: s.pop("buckets_coalesced"), "not a coalesced"),
     "a grad buffer too many": (DISTRIB0, lambda s: s.update({2: s[0]}), "grad buffers"),
     "param groups with two steps": (RANK0, _two_steps, "steps"),
 }

@@ -21,7 +21,7 @@ The buffer must end where the last parameter does. Anything else is refused, nam
 the parameter: moments are never handed to another parameter. Weights of one value (untrained norms) are
 told apart by the order alone, as Megatron's own load tells them apart.
 
-Refused, with ``weights_only=True`` as the way on: the older per-bucket file form (no ``buckets_coalesced``),
+Refused, with ``weights_only=True`` as the way on: the form written before February 2024 (no ``buckets_coalesced``),
 several grad buffers per chunk (mixed parameter dtypes, MoE experts) and param groups without one step.
 """
 
@@ -73,8 +73,9 @@ def _buffers(state: Any, chunks: int, path: str) -> dict[int, tuple[Any, dict[st
     """Each model chunk's grad buffer: (its dtype key, its three flat states), checked to be the form the
     module docstring gives."""
     if not isinstance(state, Mapping) or state.get("buckets_coalesced") is not True:
-        raise ManifestError(f"{path}: not a coalesced distributed-optimizer state (no buckets_coalesced: an older "
-                            f"per-bucket form, not imported); {WEIGHTS_ONLY_HINT}")
+        raise ManifestError(f"{path}: not a coalesced distributed-optimizer state (no buckets_coalesced: the form "
+                            "Megatron wrote before February 2024, not imported; Megatron-LM's "
+                            "--ckpt-convert-update-legacy-dist-opt-format rewrites it); " + WEIGHTS_ONLY_HINT)
     keys = [k for k in state if k != "buckets_coalesced"]
     if sorted(keys, key=repr) != list(range(chunks)):
         raise ManifestError(f"{path}: grad buffers {sorted(map(repr, keys))[:6]} for {chunks} model chunk(s): one "
