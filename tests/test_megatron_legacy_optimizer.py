@@ -11,7 +11,7 @@ live adapter, which names every tensor. Checked:
   stage's copy has its own optimizer state, not stored), fp16 at tp2 x dp2 (with a fused Adam's step
   kept in the param groups too), and the
   distributed optimizer in bf16 at pp2 x dp2 with virtual chunks and biases (whose sizes leave padding
-  between parameters in the buffers; tests/test_megatron_convert.py adds fp32 at tp2pp2, equal to the
+  between parameters in the buffers) and in fp16 at tp2 x dp2 (its loss scaler in the rank file; tests/test_megatron_convert.py adds fp32 at tp2pp2, equal to the
   torch_dist ``dp_reshardable`` import of the same state);
 * resuming the import at another layout trains exactly as resuming the adapter's checkpoint there, and at
   the saving layout exactly as the uninterrupted run;
@@ -58,6 +58,8 @@ CASES = {
                     mm.Layout(tp=1, pp=1, dist_opt=True, fp16=True)),
     "bf16_distributed_pp2vpp2dp2": (mm.Layout(tp=1, pp=2, vpp=2, dist_opt=True, bf16=True, bias=True),
                                     mm.Layout(tp=2, pp=1, dist_opt=False, bf16=True, bias=True)),
+    "fp16_distributed_tp2dp2": (mm.Layout(tp=2, pp=1, dist_opt=True, fp16=True),
+                                mm.Layout(tp=1, pp=2, dist_opt=True, fp16=True)),
 }
 """name -> (the saving layout, another layout the import is resumed at)."""
 STEPS = 4
