@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -168,7 +169,7 @@ def optimizers(draw: Any) -> tuple[list[str], Any, list[float]]:
 
     def one() -> dict[str, Any]:
         kind = draw(st.sampled_from(["groups", "common_step", "none", "wrapped"]))
-        value = draw(st.sampled_from([1.0, 2.0, 5]))
+        value = draw(st.sampled_from([1.0, 2.0, 5, 0, 2.5, -1.0, float("nan"), float("inf")]))
         if kind == "groups":
             steps.append(float(value))
             return {"param_groups": [{"lr": 0.1, "step": value}]}
@@ -185,6 +186,16 @@ def optimizers(draw: Any) -> tuple[list[str], Any, list[float]]:
     return keys, optimizer, steps
 
 
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), 0.0, -8.0])
+def test_a_loss_scale_that_is_not_finite_and_positive_is_refused(scale):
+    optimizer = {"optimizer": {"state": {"common_step": 2.0}}, "grad_scaler": {"scale": torch.tensor([scale]),
+                                                                               "growth_tracker": 0}}
+    with pytest.raises(ManifestError, match="loss scale"):
+        optimizer_record(["optimizer/exp_avg/a"], optimizer, "common.pt")
+    optimizer["grad_scaler"]["scale"] = torch.tensor([4096.0])
+    assert optimizer_record(["optimizer/exp_avg/a"], optimizer, "common.pt")["grad_scalers"][0]["scale"] == 4096.0
+
+
 @settings(max_examples=trials(200, 2000), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(optimizers())
 def test_the_record_is_its_definition(case):
@@ -197,6 +208,8 @@ def test_the_record_is_its_definition(case):
         expect: Any = None
     elif any(p != every for p in present.values()):
         expect = "missing for"
+    elif any(not math.isfinite(s) or s < 0 or s != int(s) for s in steps):
+        expect = "is not a count of steps"
     elif len(set(steps)) > 1:
         expect = "different steps"
     elif moments and not steps:

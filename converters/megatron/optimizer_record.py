@@ -22,6 +22,7 @@ Each place found must agree: Megatron itself supports only one step for all para
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -94,6 +95,9 @@ def _grad_scalers(optimizer: Any, where: str) -> Iterator[dict[str, Any]]:
                 raise ManifestError(f"{where}: a loss scaler field {k!r}; Megatron's DynamicGradScaler has scale, "
                                     "growth_tracker and hysteresis_tracker")
             out[k] = _number(v, where) if k == "scale" else int(_number(v, where))
+        if "scale" in out and not (math.isfinite(out["scale"]) and out["scale"] > 0):
+            raise ManifestError(f"{where}: a loss scale of {out['scale']}; Megatron's DynamicGradScaler keeps a "
+                                "finite positive scale")
         yield out
 
 
@@ -131,6 +135,10 @@ def optimizer_record(keys: Iterable[str], optimizer: Any, where: str) -> dict[st
             raise ManifestError(f"{where}: optimizer state {name!r} is missing for {len(lacking)} parameter(s) the "
                                 f"others have, e.g. {lacking[0]!r}: not a whole optimizer")
     steps = sorted(set(_steps(optimizer, where)))
+    bad = [s for s in steps if not math.isfinite(s) or s < 0 or s != int(s)]
+    if bad:  # Adam's step counts updates: another value would resume its bias correction wrong (NaN: every step)
+        raise ManifestError(f"{where}: the saved optimizer's step {bad[0]} is not a count of steps (a finite "
+                            "whole number >= 0): a damaged optimizer state")
     if len(steps) > 1:
         raise ManifestError(f"{where}: the saved optimizer holds different steps {steps[:4]}; Megatron keeps one "
                             "step for all parameters")
