@@ -217,3 +217,20 @@ def test_tied_aliases_buffers_and_moe_experts_are_not_extra(tmp_path):
     import_deepspeed(src, tmp_path / "out")
     assert read_meta(ckptkit.open(tmp_path / "out"))["shared"] == {"head.weight": "fc.weight"}
     import_deepspeed(deepspeed_folder(tmp_path / "moe", moe=True), tmp_path / "moe_out")
+
+
+@pytest.mark.parametrize("step", [float("nan"), float("inf"), -1.0, 2.5])
+def test_an_optimizer_step_that_is_not_a_count_is_refused(tmp_path, step):
+    """A NaN, infinite, negative or fractional Adam step would resume its bias correction on it (NaN losses
+    from the first step): the import refuses it, naming rank 0's optimizer file, and writes nothing."""
+    src = deepspeed_folder(tmp_path / "src", dp=2)
+    path = src / TAG / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    saved = torch.load(path, weights_only=False)
+    for st in saved["optimizer_state_dict"]["base_optimizer_state"]["state"].values():
+        st["step"] = torch.tensor(step)
+    torch.save(saved, path)
+    with pytest.raises(ManifestError, match=r"zero_pp_rank_0_mp_rank_00_optim_states\.pt: optimizer step .* is not "
+                                            r"a count of steps"):
+        import_deepspeed(src, tmp_path / "out")
+    assert not (tmp_path / "out" / "manifest.json").exists()
+    import_deepspeed(deepspeed_folder(tmp_path / "ok", dp=2), tmp_path / "fine")  # the undamaged folder imports
