@@ -57,7 +57,7 @@ SCRATCH_PREFIXES = ("bench_io-scratch-", "bench_async-scratch-", "bench_s3-scrat
                     "bench_deepspeed-scratch-", "bench_reshard-scratch-", "bench_hf_export-scratch-",
                     "bench_memory_tier-scratch-", "bench_parity_memory-scratch-", "bench_tier_cpu-scratch-", "bench_read_once-scratch-", "bench_reshard_spread-scratch-",
                     "bench_fp32_consolidate-scratch-", "bench_megatron_import-scratch-",
-                    "bench_megatron_dp_import-scratch-")
+                    "bench_megatron_dp_import-scratch-", "bench_megatron_legacy_import-scratch-")
 
 
 def other_benchmarks() -> list[str]:

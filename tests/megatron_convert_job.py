@@ -36,7 +36,7 @@ def mlm_args(layout: mm.Layout) -> argparse.Namespace:
     from megatron.core.transformer.enums import AttnBackend
 
     return argparse.Namespace(vocab_size=None,
-        num_layers=mm.LAYERS, hidden_size=64, num_attention_heads=8, tensor_model_parallel_size=layout.tp,
+        num_layers=mm.LAYERS, hidden_size=layout.hidden, num_attention_heads=8, tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp, virtual_pipeline_model_parallel_size=layout.vpp,
         make_vocab_size_divisible_by=layout.divisible_by, padded_vocab_size=mm.padded_vocab(layout),
         untie_embeddings_and_output_weights=not layout.tied, world_size=dist.get_world_size(),

@@ -47,6 +47,8 @@ class Layout:
     moe_layers: tuple[int, ...] | None = None  # 1 = MoE, 0 = dense, per layer (None: MoE on every layer)
     frozen: tuple[str, ...] = ()  # parameter names set requires_grad=False before DDP (Megatron-LM's --freeze-*)
     bias: bool = False  # biases on the linear layers (add_bias_linear): qkv's 96 rows are no multiple of 64
+    hidden: int = 64  # larger sizes for benchmarks (benchmarks/bench_megatron_legacy_import.py)
+    ffn: int = 96
 
 
 def padded_vocab(layout: Layout) -> int:
@@ -93,7 +95,8 @@ def setup(layout: Layout, seed: int = 1234) -> Trainer:
     # interleaved schedule's messages out of order (training-mode losses then differ from a forward-only
     # pass on the same weights); Megatron's unbatched p2p path pairs them in order
     config = TransformerConfig(
-        num_layers=LAYERS, hidden_size=64, num_attention_heads=8, num_query_groups=2, ffn_hidden_size=96,
+        num_layers=LAYERS, hidden_size=layout.hidden, num_attention_heads=8, num_query_groups=2,
+        ffn_hidden_size=layout.ffn,
         gated_linear_unit=True, activation_func=torch.nn.functional.silu, bias_activation_fusion=False,
         add_bias_linear=layout.bias, normalization="RMSNorm", use_cpu_initialization=True,
         tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
