@@ -433,3 +433,17 @@ def test_cli_convert_imports_the_optimizer_or_leaves_it_out(saved, tmp_path):
     assert res.exit_code == 0, res.output
     out = json.loads(res.output)
     assert out["meta"]["optimizer"] is None and out["skipped"] == ["optimizer: not imported (weights_only)"]
+
+
+def test_a_legacy_moe_checkpoint_is_refused_before_anything_is_written(worlds, tmp_path):
+    """Routed experts in a legacy save (here EP 1, SequentialMLP) have no legacy rule: the import names the first
+    expert tensor and writes nothing, rather than importing the dense part and dropping the experts."""
+    from ckptkit.errors import LayoutError
+
+    layout = mm.Layout(tp=1, pp=1, ep=1, experts=8, shared_expert=True, expert_bias=True)
+    worlds.run(4, job.train_and_save, layout, str(tmp_path), steps=job.STEPS)
+    with pytest.raises(LayoutError, match=r"mp_rank_00/model_optim_rng\.pt: tensor 'decoder\.layers\.0\.mlp\.experts\."
+                                          r"local_experts\.0\.linear_fc1\.weight'"):
+        import_legacy(f"{tmp_path}/legacy", tmp_path / "out", vocab_size=mm.VOCAB)
+    with pytest.raises(CkptkitError):
+        ckptkit.open(tmp_path / "out")
