@@ -14,7 +14,7 @@ from ckptkit_converters.deepspeed.importer import import_deepspeed
 from ckptkit_converters.deepspeed.files import find_files, is_deepspeed_checkpoint, load_file
 from ckptkit_converters.deepspeed.record import read_meta
 from ckptkit_converters.common.safe_unpickle import UnsafeCheckpointError
-from tests.test_import_trust_folders import deepspeed_folder
+from tests.test_import_trust_folders import deepspeed_folder, expp_folder
 
 TAG = "global_step3"
 
@@ -229,8 +229,24 @@ def test_an_optimizer_step_that_is_not_a_count_is_refused(tmp_path, step):
     for st in saved["optimizer_state_dict"]["base_optimizer_state"]["state"].values():
         st["step"] = torch.tensor(step)
     torch.save(saved, path)
-    with pytest.raises(ManifestError, match=r"zero_pp_rank_0_mp_rank_00_optim_states\.pt: optimizer step .* is not "
-                                            r"a count of steps"):
+    with pytest.raises(ManifestError, match=r"zero_pp_rank_0_mp_rank_00_optim_states\.pt: flat group 0: optimizer "
+                                            r"step .* is not a count of steps"):
         import_deepspeed(src, tmp_path / "out")
     assert not (tmp_path / "out" / "manifest.json").exists()
     import_deepspeed(deepspeed_folder(tmp_path / "ok", dp=2), tmp_path / "fine")  # the undamaged folder imports
+
+
+@pytest.mark.parametrize("step", [float("nan"), -3.0])
+def test_an_expert_parallel_optimizer_step_that_is_not_a_count_is_refused(tmp_path, step):
+    """The same for a DeepSpeed-MoE folder saved without ZeRO (``expp_rank_*`` optimizer files)."""
+    src = expp_folder(tmp_path / "src")
+    path = src / TAG / "expp_rank_1_mp_rank_00_optim_states.pt"
+    saved = torch.load(path, weights_only=False)
+    for st in saved["optimizer"]["state"].values():
+        st["step"] = torch.tensor(step)
+    torch.save(saved, path)
+    with pytest.raises(ManifestError, match=r"expp_rank_1_mp_rank_00_optim_states\.pt: .*optimizer step .* is not a "
+                                            r"count of steps"):
+        import_deepspeed(src, tmp_path / "out")
+    assert not (tmp_path / "out" / "manifest.json").exists()
+    import_deepspeed(expp_folder(tmp_path / "ok"), tmp_path / "fine")

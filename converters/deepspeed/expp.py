@@ -278,6 +278,7 @@ def state_kinds(ck: ExppCheckpoint, params_of: Mapping[int, list[_Param]]
                                     f"parameter {list(pshape)}")
             sc = {k: fmt.scalar(v, f"{ck.files[r]}: optimizer state {k!r} of {sp.name}") for k, v in st.items()
                   if k not in tensors}
+            fmt.check_step(sc, f"{ck.files[r]}: {sp.name}")
             g = group_of[idx]
             if scalars[g] and scalars[g] != sc:
                 raise StateMismatchError(f"{ck.files[r]}: optimizer scalars of {sp.name} ({sc}) differ from the rest "

@@ -47,6 +47,7 @@ Any other global makes ``torch.load`` refuse the file, reported as
 from __future__ import annotations
 
 import enum
+import math
 import os
 import re
 import warnings
@@ -315,6 +316,17 @@ def scalar(value: Any, where: str) -> dict[str, Any]:
     (:func:`ckptkit.adapters.deepspeed_record.scalar_record`): a one-element tensor by dtype and value,
     or a plain number; anything else refused, naming ``where``."""
     return scalar_record(value, where)
+
+
+def check_step(scalars: Mapping[str, Any], where: str) -> None:
+    """Refuse a recorded Adam ``step`` (:func:`scalar`'s record) that is not a count of steps: a NaN, infinite,
+    negative or fractional one is a damaged optimizer state, and the adapter's resume would run Adam's bias
+    correction on it (NaN losses from the first step)."""
+    step = scalars.get("step", {}).get("value") if isinstance(scalars.get("step"), Mapping) else None
+    if step is not None and not (isinstance(step, (int, float)) and not isinstance(step, bool)
+                                 and math.isfinite(step) and step >= 0 and step == int(step)):
+        raise ManifestError(f"{where}: optimizer step {step!r} is not a count of steps (a finite whole number "
+                            ">= 0): a damaged optimizer state")
 
 
 def group_name(param_group: Mapping[str, Any], where: str) -> str:

@@ -20,7 +20,6 @@ uses. DeepSpeed-MoE folders go through the same steps with the experts stacked i
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -267,12 +266,7 @@ def optimizer_state_kinds(native: NativeZero) -> tuple[list[str], list[dict[str,
         state_keys.append(sorted(flat))
         scalars.append({key: fmt.scalar(v, f"{path}: optimizer state {key!r} of flat group {k}")
                         for key, v in st.items() if key not in flat})
-        step = scalars[-1].get("step", {}).get("value")
-        if step is not None and not (isinstance(step, (int, float)) and math.isfinite(step) and step >= 0
-                                     and step == int(step)):
-            raise ManifestError(f"{path}: optimizer step {step!r} of flat group {k} is not a count of steps (a "
-                                "finite whole number >= 0): a damaged optimizer state (Adam would resume its bias "
-                                "correction on it)")
+        fmt.check_step(scalars[-1], f"{path}: flat group {k}")
     keys = sorted(set(state_keys[0]))
     if any(sorted(set(s)) != keys for s in state_keys):
         raise ManifestError(f"{path}: flat groups hold different optimizer state keys {state_keys}")
