@@ -9,14 +9,15 @@ live adapter, which names every tensor. Checked:
 * the import holds every weight, moment and main copy the adapter saved, bit for bit, with the same
   optimizer record (step, loss scaler): bf16 at tp2pp2 with virtual chunks and a tied embedding (the last
   stage's copy has its own optimizer state, not stored), fp16 at tp2 x dp2 (with a fused Adam's step
-  kept in the param groups too), and the
-  distributed optimizer in bf16 at pp2 x dp2 with virtual chunks and biases (whose sizes leave padding
-  between parameters in the buffers) and in fp16 at tp2 x dp2 (its loss scaler in the rank file; tests/test_megatron_convert.py adds fp32 at tp2pp2, equal to the
-  torch_dist ``dp_reshardable`` import of the same state);
+  kept in the param groups too), and the distributed optimizer in bf16 at pp2 x dp2 with virtual chunks
+  and biases (whose sizes leave padding between parameters in the buffers) and in fp16 at tp2 x dp2 (its
+  loss scaler in the rank file). tests/test_megatron_convert.py adds fp32 at tp2pp2, equal to the
+  torch_dist ``dp_reshardable`` import of the same state;
 * resuming the import at another layout trains exactly as resuming the adapter's checkpoint there, and at
   the saving layout exactly as the uninterrupted run;
-* what is not imported is listed as skipped (the fp32 and distributed optimizers: tests/test_megatron_convert.py;
-  ``weights_only``), and a resume of such an import refuses to start a fresh optimizer silently;
+* what is not imported is listed as skipped (the fp32 optimizer: tests/test_megatron_convert.py;
+  ``weights_only``), and a resume of such an import refuses to start a fresh optimizer silently; a legacy
+  MoE save is refused before anything is written, naming its first expert tensor;
 * hostile and damaged optimizer dicts and ``distrib_optim.pt`` files (main copies in another order or one
   element off, a parameter missing from its group, padding that is not zero, elements past the last
   parameter, wrong shapes, dtypes and steps, rank files that disagree, a missing or linked-out file, a

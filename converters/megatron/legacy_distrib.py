@@ -2,7 +2,7 @@
 
 With ``--use-distributed-optimizer`` Megatron-LM's legacy save keeps only the optimizer's param groups (with
 the step) in ``model_optim_rng.pt``; every (tp, pp) rank folder also gets ``distrib_optim.pt``, written by
-``DistributedOptimizer.save_parameter_state`` (megatron-core 0.14-0.16, ``get_parameter_state_dp_zero``:
+``DistributedOptimizer.save_parameter_state`` (megatron-core 0.16, ``get_parameter_state_dp_zero``:
 data-parallel rank 0 gathers every DP rank's shard)::
 
     {"buckets_coalesced": True,

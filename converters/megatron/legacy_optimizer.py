@@ -2,7 +2,7 @@
 
 Megatron-LM's legacy save (``--ckpt-format torch``) keeps ``optimizer.state_dict()`` beside each (tp, pp)
 rank's module state dicts. For the mixed-precision optimizer (``Float16OptimizerWithFloat16Params``: bf16 or
-fp16 training without ``--use-distributed-optimizer``; megatron-core 0.14-0.16) that is::
+fp16 training without ``--use-distributed-optimizer``; megatron-core 0.16, which wrote the tested files) that is::
 
     {"optimizer": torch Adam's state dict, "fp32_from_fp16_params": the main copies, by param group,
      "grad_scaler": fp16's loss scaler (absent for bf16)}
