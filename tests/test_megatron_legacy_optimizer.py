@@ -14,7 +14,8 @@ live adapter, which names every tensor. Checked:
   loss scaler in the rank file). tests/test_megatron_convert.py adds fp32 at tp2pp2, equal to the
   torch_dist ``dp_reshardable`` import of the same state;
 * resuming the import at another layout trains exactly as resuming the adapter's checkpoint there, and at
-  the saving layout exactly as the uninterrupted run;
+  the saving layout exactly as the uninterrupted run; ``ckptkit reshard LEGACY OUT --format megatron`` goes on
+  to torch_dist, where Megatron's own load resumes exactly as the adapter does;
 * what is not imported is listed as skipped (the fp32 optimizer: tests/test_megatron_convert.py;
   ``weights_only``), and a resume of such an import refuses to start a fresh optimizer silently; a legacy
   MoE save is refused before anything is written, naming its first expert tensor;
@@ -448,3 +449,27 @@ def test_a_legacy_moe_checkpoint_is_refused_before_anything_is_written(worlds, t
         import_legacy(f"{tmp_path}/legacy", tmp_path / "out", vocab_size=mm.VOCAB)
     with pytest.raises(CkptkitError):
         ckptkit.open(tmp_path / "out")
+
+
+@pytest.mark.parametrize("case, target", [("bf16_tp2pp2vpp2", "tp2pp1"), ("bf16_distributed_pp2vpp2dp2", "tp1pp2")])
+def test_a_legacy_checkpoint_goes_on_to_megatrons_torch_dist_with_its_optimizer(worlds, saved, tmp_path, case,
+                                                                                 target):
+    """The migration a Megatron-LM team makes: ``ckptkit reshard LEGACY OUT --to ... --format megatron``, one
+    command from the legacy save to a torch_dist directory at another layout. Megatron's own load of model,
+    distributed optimizer, scheduler and iteration there resumes exactly as ckptkit's adapter resumes the same
+    training state (its own save) at that layout: the moments, main copies and step came through."""
+    from click.testing import CliRunner
+
+    from ckptkit.cli.main import cli
+
+    folder, _ = saved[case]
+    layout = CASES[case][0]
+    at = mm.Layout(tp=int(target[2]), pp=int(target[5]), bf16=True, tied=layout.tied, bias=layout.bias)
+    out = str(tmp_path / "torch_dist")
+    res = CliRunner().invoke(cli, ["reshard", f"{folder}/legacy", out, "--to", target, "--format", "megatron",
+                                   "--vocab-size", str(mm.VOCAB)])
+    assert res.exit_code == 0, res.output
+    megatron = worlds.run(4, mjob.megatron_reference, at, out, steps=STEPS)[0]
+    ckptkit_resume = worlds.run(4, mjob.resume, at, f"{folder}/adapter", steps=STEPS)[0]
+    for field in ("iteration", "lr", "eval", "losses", "final_eval"):
+        assert megatron[field] == ckptkit_resume[field], field
