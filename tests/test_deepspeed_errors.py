@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -219,34 +220,34 @@ def test_tied_aliases_buffers_and_moe_experts_are_not_extra(tmp_path):
     import_deepspeed(deepspeed_folder(tmp_path / "moe", moe=True), tmp_path / "moe_out")
 
 
+def _zero_states(saved: dict) -> dict:
+    return saved["optimizer_state_dict"]["base_optimizer_state"]["state"]
+
+
+def _expp_states(saved: dict) -> dict:
+    return saved["optimizer"]["state"]
+
+
+FOLDERS = {"zero2": (lambda root: deepspeed_folder(root, dp=2), "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                     _zero_states, "flat group 0"),
+           "expp": (expp_folder, "expp_rank_1_mp_rank_00_optim_states.pt", _expp_states, "")}
+"""The ZeRO import and the expert-parallel (``expp_rank_*``, no ZeRO) one: the folder, the optimizer file damaged,
+where its per-parameter states are, and what the refusal names besides the file."""
+
+
 @pytest.mark.parametrize("step", [float("nan"), float("inf"), -1.0, 2.5])
-def test_an_optimizer_step_that_is_not_a_count_is_refused(tmp_path, step):
+@pytest.mark.parametrize("kind", list(FOLDERS))
+def test_an_optimizer_step_that_is_not_a_count_is_refused(tmp_path, kind, step):
     """A NaN, infinite, negative or fractional Adam step would resume its bias correction on it (NaN losses
-    from the first step): the import refuses it, naming rank 0's optimizer file, and writes nothing."""
-    src = deepspeed_folder(tmp_path / "src", dp=2)
-    path = src / TAG / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    from the first step): the import refuses it, naming the optimizer file, and writes nothing."""
+    build, name, states, what = FOLDERS[kind]
+    src = build(tmp_path / "src")
+    path = src / TAG / name
     saved = torch.load(path, weights_only=False)
-    for st in saved["optimizer_state_dict"]["base_optimizer_state"]["state"].values():
+    for st in states(saved).values():
         st["step"] = torch.tensor(step)
     torch.save(saved, path)
-    with pytest.raises(ManifestError, match=r"zero_pp_rank_0_mp_rank_00_optim_states\.pt: flat group 0: optimizer "
-                                            r"step .* is not a count of steps"):
+    with pytest.raises(ManifestError, match=rf"{re.escape(name)}: {what}.*optimizer step .* is not a count of steps"):
         import_deepspeed(src, tmp_path / "out")
     assert not (tmp_path / "out" / "manifest.json").exists()
-    import_deepspeed(deepspeed_folder(tmp_path / "ok", dp=2), tmp_path / "fine")  # the undamaged folder imports
-
-
-@pytest.mark.parametrize("step", [float("nan"), -3.0])
-def test_an_expert_parallel_optimizer_step_that_is_not_a_count_is_refused(tmp_path, step):
-    """The same for a DeepSpeed-MoE folder saved without ZeRO (``expp_rank_*`` optimizer files)."""
-    src = expp_folder(tmp_path / "src")
-    path = src / TAG / "expp_rank_1_mp_rank_00_optim_states.pt"
-    saved = torch.load(path, weights_only=False)
-    for st in saved["optimizer"]["state"].values():
-        st["step"] = torch.tensor(step)
-    torch.save(saved, path)
-    with pytest.raises(ManifestError, match=r"expp_rank_1_mp_rank_00_optim_states\.pt: .*optimizer step .* is not a "
-                                            r"count of steps"):
-        import_deepspeed(src, tmp_path / "out")
-    assert not (tmp_path / "out" / "manifest.json").exists()
-    import_deepspeed(expp_folder(tmp_path / "ok"), tmp_path / "fine")
+    import_deepspeed(build(tmp_path / "ok"), tmp_path / "fine")  # the undamaged folder imports
