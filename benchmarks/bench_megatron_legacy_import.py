@@ -7,7 +7,7 @@ megatron-core saves.
 
 Setup (not timed): benchmarks/megatron_legacy_worker.py on 4 gloo processes builds a bf16 GPT at tp2pp2 with
 megatron-core 0.16 (tests/megatron_model.py at benchmark sizes), trains one step and saves it as Megatron-LM's
-legacy layout does (tests/megatron_legacy_job.py): once with the mixed-precision optimizer (its state in the
+legacy layout does (tests/megatron_convert_job.py ``legacy_save``): once with the mixed-precision optimizer (its state in the
 rank files) and once with the distributed optimizer (its state in ``distrib_optim.pt``). ~0.6 GiB each by
 default (``--quick``: ~0.05 GiB).
 

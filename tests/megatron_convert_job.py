@@ -68,12 +68,41 @@ def _global_tensors(modules: list[Any]) -> dict[str, torch.Tensor]:
     return out
 
 
+def legacy_save(t: mm.Trainer, layout: mm.Layout, folder: str) -> None:
+    """Megatron-LM's legacy checkpoint of the trainer's state at ``folder`` (the save root): DP rank 0 of every
+    (tp, pp) writes ``iter_XXXXXXX/mp_rank_TT[_PPP]/model_optim_rng.pt`` with ``optimizer.state_dict()``; with the
+    distributed optimizer every rank calls ``save_parameter_state`` (DP rank 0 gathers and writes
+    ``distrib_optim.pt`` beside it); rank 0 writes the tracker."""
+    from megatron.core import parallel_state as ps
+
+    tp, pp = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+    rank_dir = os.path.join(folder, f"iter_{t.iteration:07d}", f"mp_rank_{tp:02d}" + (f"_{pp:03d}" if layout.pp > 1 else ""))
+    optimizer = t.optimizer.state_dict()
+    if ps.get_data_parallel_rank() == 0:
+        os.makedirs(rank_dir, exist_ok=True)
+        state: dict[str, Any] = {"args": mlm_args(layout), "checkpoint_version": 3.0, "iteration": t.iteration,
+                                 "optimizer": optimizer, "opt_param_scheduler": t.scheduler.state_dict(),
+                                 "rng_state": [_rng_state()], "num_floating_point_operations_so_far": 0}
+        if len(t.model) == 1:
+            state["model"] = t.model[0].state_dict_for_save_checkpoint()
+        else:
+            for i, chunk in enumerate(t.model):
+                state[f"model{i}"] = chunk.state_dict_for_save_checkpoint()
+        torch.save(state, os.path.join(rank_dir, "model_optim_rng.pt"))
+    if layout.dist_opt:
+        dist.barrier()
+        t.optimizer.save_parameter_state(os.path.join(rank_dir, "distrib_optim.pt"))
+    if dist.get_rank() == 0:
+        with open(os.path.join(folder, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write(str(t.iteration))
+    dist.barrier()
+
+
 def train_and_save(folder: str, tied: bool) -> dict[str, Any]:
     """Train at tp2pp2, save torch_dist and legacy; then load torch_dist at tp1pp1 as the reference. Also
     Megatron's load of torch_dist back at tp2pp2: its eval is the trained model's (the same weights, the same
     arithmetic), which is what makes the tp1pp1 load the trained model."""
     from megatron.core import dist_checkpointing
-    from megatron.core import parallel_state as ps
 
     # untied: Megatron's plain optimizer (model-space state, imported); tied: the distributed one
     # (flat dp_reshardable buckets, Megatron-LM's default form, placed in model space by the import)
@@ -95,25 +124,8 @@ def train_and_save(folder: str, tied: bool) -> dict[str, Any]:
                              "args": mlm_args(layout)}, tdir)
     plain = dist_checkpointing.load_plain_tensors(tdir)  # Megatron's own full-tensor read: the optimizer reference
     optimizer = {k: v for k, v in plain.items() if k.startswith("optimizer.state.")}
-    # legacy: DP rank 0 of every (tp, pp) writes one file (mp_rank_TT_PPP when pp > 1), with the optimizer's
-    # state_dict(): the fp32 optimizer's (untied), the distributed optimizer's non-tensor part (tied), whose
-    # tensors go to distrib_optim.pt beside it (save_parameter_state, collective over the DP group)
-    name = f"mp_rank_{ps.get_tensor_model_parallel_rank():02d}_{ps.get_pipeline_model_parallel_rank():03d}"
-    path = os.path.join(folder, "legacy", f"iter_{it:07d}", name, "model_optim_rng.pt")
-    opt_state = trainer.optimizer.state_dict()
-    if ps.get_data_parallel_rank() == 0:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        torch.save({"args": mlm_args(layout), "checkpoint_version": 3.0, "iteration": it,
-                    "model": module.state_dict_for_save_checkpoint(), "rng_state": [_rng_state()],
-                    "optimizer": opt_state, "opt_param_scheduler": trainer.scheduler.state_dict(),
-                    "num_floating_point_operations_so_far": 0}, path)
-    if layout.dist_opt:
-        dist.barrier()
-        trainer.optimizer.save_parameter_state(os.path.join(os.path.dirname(path), "distrib_optim.pt"))
-    if dist.get_rank() == 0:
-        with open(os.path.join(folder, "legacy", "latest_checkpointed_iteration.txt"), "w") as f:
-            f.write(str(it))
-    dist.barrier()
+    # legacy, with the optimizer: the fp32 optimizer's state (untied), the distributed optimizer's (tied)
+    legacy_save(trainer, layout, os.path.join(folder, "legacy"))
     reload_loss = load_and_eval(tdir, layout.tp, layout.pp, tied)
     ref_trainer = mm.setup(mm.Layout(tp=1, pp=1, tied=tied))
     ref = ref_trainer.model[0].module

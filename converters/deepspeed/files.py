@@ -47,7 +47,6 @@ Any other global makes ``torch.load`` refuse the file, reported as
 from __future__ import annotations
 
 import enum
-import math
 import os
 import re
 import warnings
@@ -61,6 +60,7 @@ from ckptkit.adapters.deepspeed_record import scalar_record
 from ckptkit.errors import CheckpointNotFoundError, CkptkitError, ManifestError
 from ckptkit.layout.strict_json import MAX_LAYOUT_INT
 from ckptkit_converters.common import safe_unpickle as safe_unpickle
+from ckptkit_converters.common.optimizer_steps import is_step_count
 from ckptkit_converters.common.safe_unpickle import UnsafeCheckpointError  # noqa: F401 - what load_file raises
 from ckptkit_converters.common.source_paths import inside, plain_name, read_pointer, regular_file
 
@@ -323,8 +323,7 @@ def check_step(scalars: Mapping[str, Any], where: str) -> None:
     negative or fractional one is a damaged optimizer state, and the adapter's resume would run Adam's bias
     correction on it (NaN losses from the first step)."""
     step = scalars.get("step", {}).get("value") if isinstance(scalars.get("step"), Mapping) else None
-    if step is not None and not (isinstance(step, (int, float)) and not isinstance(step, bool)
-                                 and math.isfinite(step) and step >= 0 and step == int(step)):
+    if step is not None and not is_step_count(step):
         raise ManifestError(f"{where}: optimizer step {step!r} is not a count of steps (a finite whole number "
                             ">= 0): a damaged optimizer state")
 

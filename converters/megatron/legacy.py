@@ -327,9 +327,11 @@ def _optimizer(found: Mapping[tuple[int, int], FoundOptimizer], folder: str, *, 
     skipped = tuple(sorted({f.skipped for f in found.values() if f.skipped is not None}))
     if weights_only:
         return {}, None, skipped
-    kinds = {tp_pp: "placed" if f.optimizer else "skipped" if f.skipped else "none" for tp_pp, f in found.items()}
-    if len(set(kinds.values())) > 1:
-        (a, ka), (b, kb) = sorted({k: tp_pp for tp_pp, k in sorted(kinds.items())}.items())[:2]
+    first_of: dict[str, tuple[int, int]] = {}  # each kind of file -> the first rank folder of that kind
+    for tp_pp, f in sorted(found.items()):
+        first_of.setdefault("placed" if f.optimizer else "skipped" if f.skipped else "none", tp_pp)
+    if len(first_of) > 1:
+        (a, ka), (b, kb) = sorted(first_of.items())[:2]
         raise ManifestError(f"{folder}: the rank files disagree on the optimizer: mp_rank_{ka[0]:02d}_{ka[1]:03d} "
                             f"({a}), mp_rank_{kb[0]:02d}_{kb[1]:03d} ({b})")
     steps = sorted({o.step for o in placed.values()})

@@ -43,16 +43,15 @@ from ckptkit_converters.megatron.legacy_state import (
     parameters,
     same_bits,
 )
-from ckptkit_converters.megatron.optimizer_record import MAIN
+from ckptkit_converters.megatron.bucket_walk import MAX_GAP
+from ckptkit_converters.megatron.optimizer_buckets import STATES
 
 __all__ = ["DISTRIB_FILE", "read_distributed"]
 
-ALIGN = 64
+ALIGN = MAX_GAP
 """Megatron pads every parameter's start in a distributed-optimizer buffer to a multiple of 64 elements
-(``_pad_start_of_param_if_needed``), so the padding before a parameter is shorter."""
-
-STATES = {"param": MAIN, "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
-"""The flat states ``get_parameter_state_dp_zero`` saves -> the adapter's names."""
+(the torch_dist buckets' rule, :data:`.bucket_walk.MAX_GAP`), so the padding before a parameter is shorter.
+The flat states are the ones the torch_dist buckets hold (:data:`.optimizer_buckets.STATES`)."""
 
 
 def _step(saved: Mapping[str, Any], where: str) -> float:

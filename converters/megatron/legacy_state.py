@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from ckptkit_converters.megatron import names
+from ckptkit.errors import ManifestError
+from ckptkit_converters.megatron import names, optimizer_record
 
 KeyPath = tuple[Any, ...]
 """Where a tensor lies in a loaded ``.pt`` dict: the keys (and list positions) to follow from the top."""
@@ -74,10 +75,9 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def number(v: Any) -> float | None:
-    """A step or scale as a float (torch's Adam keeps its step as a 0-dim tensor); None if not a number."""
-    if isinstance(v, torch.Tensor) and v.numel() == 1 and (v.dtype.is_floating_point or v.dtype in (
-            torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)):
-        return float(v.item())
-    if isinstance(v, (int, float)) and not isinstance(v, bool):
-        return float(v)
-    return None
+    """A step as :func:`~.optimizer_record.number` reads it (torch's Adam keeps its step as a 0-dim tensor);
+    None if it is not a number."""
+    try:
+        return optimizer_record.number(v, "")
+    except ManifestError:
+        return None

@@ -30,6 +30,7 @@ import torch
 
 from ckptkit.adapters.megatron.optimizer_state import MAIN  # the adapter's name for the main copies
 from ckptkit.errors import ManifestError
+from ckptkit_converters.common.optimizer_steps import is_step_count
 from ckptkit.layout.values import json_ready
 
 
@@ -39,13 +40,15 @@ main copies (``optimizer.state.fp32_param.<key>``); ``param``: the distributed o
 ``fully_reshardable`` form (``optimizer.state.param.<key>``, the unflattened main-parameter buffer)."""
 
 
-def _number(value: Any, where: str) -> float:
-    number = value
+def number(value: Any, where: str) -> float:
+    """A step or loss scale as Megatron saves it (a plain number, or torch's one-element tensor) as a float;
+    refused naming ``where`` when it is anything else."""
+    plain = value
     if isinstance(value, torch.Tensor):  # torch Adam keeps its step as a 0-dim tensor
-        number = value.item() if value.numel() == 1 else value
-    if isinstance(number, bool) or not isinstance(number, (int, float)):
+        plain = value.item() if value.numel() == 1 else value
+    if isinstance(plain, bool) or not isinstance(plain, (int, float)):
         raise ManifestError(f"{where}: an optimizer step or loss scale of type {type(value).__name__}, expected a number")
-    return float(number)
+    return float(plain)
 
 
 MAX_NESTING = 8
@@ -76,10 +79,10 @@ def _steps(optimizer: Any, where: str) -> Iterator[float]:
     for node in _optimizer_dicts(optimizer, where):
         for group in node.get("param_groups") or ():
             if isinstance(group, Mapping) and group.get("step") is not None:
-                yield _number(group["step"], where)
+                yield number(group["step"], where)
         state = node.get("state")
         if isinstance(state, Mapping) and state.get("common_step") is not None:
-            yield _number(state["common_step"], where)
+            yield number(state["common_step"], where)
 
 
 def _grad_scalers(optimizer: Any, where: str) -> Iterator[dict[str, Any]]:
@@ -94,7 +97,7 @@ def _grad_scalers(optimizer: Any, where: str) -> Iterator[dict[str, Any]]:
             if k not in ("scale", "growth_tracker", "hysteresis_tracker"):
                 raise ManifestError(f"{where}: a loss scaler field {k!r}; Megatron's DynamicGradScaler has scale, "
                                     "growth_tracker and hysteresis_tracker")
-            out[k] = _number(v, where) if k == "scale" else int(_number(v, where))
+            out[k] = number(v, where) if k == "scale" else int(number(v, where))
         if "scale" in out and not (math.isfinite(out["scale"]) and out["scale"] > 0):
             raise ManifestError(f"{where}: a loss scale of {out['scale']}; Megatron's DynamicGradScaler keeps a "
                                 "finite positive scale")
@@ -135,7 +138,7 @@ def optimizer_record(keys: Iterable[str], optimizer: Any, where: str) -> dict[st
             raise ManifestError(f"{where}: optimizer state {name!r} is missing for {len(lacking)} parameter(s) the "
                                 f"others have, e.g. {lacking[0]!r}: not a whole optimizer")
     steps = sorted(set(_steps(optimizer, where)))
-    bad = [s for s in steps if not math.isfinite(s) or s < 0 or s != int(s)]
+    bad = [s for s in steps if not is_step_count(s)]
     if bad:  # Adam's step counts updates: another value would resume its bias correction wrong (NaN: every step)
         raise ManifestError(f"{where}: the saved optimizer's step {bad[0]} is not a count of steps (a finite "
                             "whole number >= 0): a damaged optimizer state")
