@@ -31,13 +31,10 @@ ROOT = os.path.dirname(HERE)
 
 
 def torchrun(nproc: int, *args: str, restarts: int = 0) -> None:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    # --standalone: torchrun's store binds a port the system picks at that moment, so no other process can
+    # take it first (a port picked here and bound by torchrun a moment later could be).
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--max-restarts={restarts}",
-           "--master-addr=127.0.0.1", f"--master-port={port}", os.path.join(HERE, "tiny_gpt.py"), *args]
+           "--standalone", os.path.join(HERE, "tiny_gpt.py"), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "LOGLEVEL": "ERROR"}
     proc = subprocess.run(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     for line in proc.stdout.splitlines():  # our own lines; torchrun's restart chatter summarised below

@@ -16,15 +16,17 @@ import ckptkit
 from ckptkit.resilience.incidents import IncidentLog
 from ckptkit.storage import open_store
 from tests import resilience_model as rm
-from tests.worlds import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHM = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
 
 
 def launch(run: str, *extra: str, restarts: int = 0, nproc: int = 2) -> subprocess.Popen:
+    """Start the job under torchrun. ``--standalone``: torchrun's store binds a port the system picks when it
+    binds, so no other process on a busy machine can take it between picking and binding (a port picked here
+    first could be taken meanwhile, and the job then failed before any worker ran)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--max-restarts={restarts}",
-           "--master-addr=127.0.0.1", f"--master-port={free_port()}", "-m", "tests.resilience_job", run, *extra]
+           "--standalone", "-m", "tests.resilience_job", run, *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
