@@ -45,6 +45,7 @@ from ckptkit.layout.index import Index
 from ckptkit.layout.manifest import MANIFEST_NAME, IndexRef, Manifest, sha256_hex
 from ckptkit.layout.rules import PartitionRule, rule_from_grid
 from ckptkit.layout.values import encode_value
+from ckptkit.layout.strict_json import gc_paused
 from ckptkit.plan.merge import RankReport, merge_reports, merge_values
 from ckptkit.plan.mesh_replicas import MeshReport, PlainDesc, combine_replica_meshes, plain_group_mesh, plain_replica_groups
 from ckptkit.plan.save_plan import ExplicitDecl, GridDecl, SavePlan, index_object_key, mesh_fingerprint, plan_save
@@ -378,7 +379,8 @@ def commit(
             _raise_failures([g[0] for g in gathered], 0, store.url, "planning or persist")
             if deadline is not None and time.monotonic() > deadline:
                 raise SaveError(f"{store.url}: abandoned: the save could not be committed before its deadline")
-            manifest, total = merge_gathered(gathered, digests, store.url, metadata, attempt)
+            with gc_paused():  # every rank's report becomes the manifest's objects (Index.to_json_bytes)
+                manifest, total = merge_gathered(gathered, digests, store.url, metadata, attempt)
             publish(store, manifest.to_json_bytes())
             outcome = Outcome(True, total)
         except (CkptkitError, OSError) as exc:

@@ -30,6 +30,45 @@ TensorFor = Callable[[WriteItem], torch.Tensor]
 Release = Callable[[WriteItem], None]
 
 
+# Checksum tasks take consecutive pieces together up to this many bytes (a piece this size or more
+# is a task of its own): a rank of thousands of small tensors then queues tens of tasks, not
+# thousands (see write_staged_spans). Not when pieces are released as they are done: a source that
+# hands out its next piece only once an earlier one is released would wait for a batch that waits
+# for it.
+CRC_BATCH_BYTES = 8 << 20
+
+
+class _CrcBatches:
+    """Pieces' bytes handed to the checksum thread a batch at a time, in order; each piece's CRCs
+    and release once its batch is checksummed."""
+
+    def __init__(self, pool: ThreadPoolExecutor, block: int, release: Release | None) -> None:
+        self.pool, self.block, self.release = pool, block, release
+        self.limit = 0 if release is not None else CRC_BATCH_BYTES
+        self.done: list[tuple[WriteItem, Future[list[tuple[int, ...]]], int]] = []
+        self._items: list[WriteItem] = []
+        self._data: list[memoryview] = []
+        self._bytes = 0
+
+    def add(self, item: WriteItem, data: memoryview) -> None:
+        self._items.append(item)
+        self._data.append(data)
+        self._bytes += len(data)
+        if self._bytes >= self.limit:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self._items:
+            return
+        items, data = self._items, self._data
+        future = self.pool.submit(lambda: [block_crcs(d, self.block) for d in data])
+        self.done += [(item, future, k) for k, item in enumerate(items)]
+        if self.release is not None:
+            release = self.release
+            future.add_done_callback(lambda _f: [release(item) for item in items])
+        self._items, self._data, self._bytes = [], [], 0
+
+
 def write_pieces(
     store: ByteStore,
     plan: SavePlan,
@@ -41,20 +80,23 @@ def write_pieces(
     """Write every object of ``plan`` and return the index entries of its pieces.
 
     Checksums run on a helper thread while the same bytes are being written
-    (crc32c releases the GIL), so they cost almost nothing on top of the write.
+    (crc32c releases the GIL), so they cost almost nothing on top of the write;
+    consecutive small pieces are checksummed as one task (:data:`CRC_BATCH_BYTES`) unless
+    released as they are done.
     ``release(item)``, when given, is called once the item's bytes are both
-    written and checksummed (from the checksum thread or this one): as soon as
-    the store has asked for the next chunk if it :attr:`~ByteStore.streams_writes`,
-    else once the whole object is written.
+    written and checksummed (from the checksum thread or this one): once its
+    batch is checksummed and the store has asked for the chunk after it, if it
+    :attr:`~ByteStore.streams_writes` (each piece a batch of its own then), else once the whole
+    object is written.
     """
     entries: list[IndexEntry] = []
     streaming = store.streams_writes
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptkit-crc") as crc_pool:
         for obj in plan.objects:
             items = sorted((i for i in plan.items if i.object == obj), key=lambda i: i.offset)
-            pending: list[tuple[WriteItem, Future[tuple[int, ...]]]] = []
+            batches = _CrcBatches(crc_pool, block, release if streaming else None)
 
-            def chunks(items: list[WriteItem] = items, pending: list = pending) -> Iterator[memoryview | bytes]:
+            def chunks(items: list[WriteItem] = items, batches: _CrcBatches = batches) -> Iterator[memoryview | bytes]:
                 pos = 0
                 for item in items:
                     while pos < item.offset:
@@ -64,22 +106,23 @@ def write_pieces(
                     data = as_bytes(piece_tensor(tensor_for(item), item.region, item.local))
                     if len(data) != item.nbytes:
                         raise AssertionError(f"tensor {item.tensor!r}: piece has {len(data)} bytes, plan says {item.nbytes}")
-                    crc = crc_pool.submit(block_crcs, data, block)
-                    pending.append((item, crc))
                     yield data
-                    if release is not None and streaming:  # written (the store asked for the next chunk)
-                        crc.add_done_callback(lambda _f, item=item: release(item))
+                    batches.add(item, data)  # written (the store asked for the next chunk)
                     pos += item.nbytes
                     if progress is not None:
                         progress(item.nbytes)
+                batches.flush()
                 while pos < plan.objects[obj]:
                     pad = min(len(_ZEROS), plan.objects[obj] - pos)
                     yield _ZEROS[:pad]
                     pos += pad
 
-            store.write_object(obj, chunks())
-            for item, crcs in pending:
-                entries.append(IndexEntry(item.tensor, item.region, item.object, item.offset, item.nbytes, crcs.result()))
+            try:
+                store.write_object(obj, chunks())
+            finally:
+                batches.flush()  # a failed write still releases what it handed over, once checksummed
+            for item, crcs, k in batches.done:
+                entries.append(IndexEntry(item.tensor, item.region, item.object, item.offset, item.nbytes, crcs.result()[k]))
                 if release is not None and not streaming:  # the store may have held every chunk until now
                     release(item)
     return entries
@@ -91,12 +134,26 @@ def write_staged(store: ByteStore, plan: SavePlan, staging: torch.Tensor, block:
     Only valid for plans with a single data object (what :func:`plan_save` produces).
     """
     (obj,) = plan.objects
-    data = as_bytes(staging)
+    spans = [(i.offset, i.nbytes) for i in plan.items]
+    crcs = write_staged_spans(store, obj, as_bytes(staging), spans, block)
+    return [IndexEntry(i.tensor, i.region, i.object, i.offset, i.nbytes, c) for i, c in zip(plan.items, crcs)]
+
+
+def write_staged_spans(store: ByteStore, obj: str, data: memoryview, spans: list[tuple[int, int]],
+                       block: int) -> list[tuple[int, ...]]:
+    """Write ``data`` as the object ``obj``; return the block CRCs of each ``(offset, nbytes)`` span.
+
+    The checksums of every span are one task of the checksum thread, not one each: a rank with
+    thousands of tensors otherwise queued thousands of futures, whose allocations set off the
+    garbage collector's full collections and whose hand-offs passed the GIL back and forth between
+    the two threads, while the training thread waited for it (``benchmarks/bench_launch_stall.py``).
+    """
     chunk = 64 << 20
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptkit-crc") as crc_pool:
-        crcs = [
-            (item, crc_pool.submit(block_crcs, data[item.offset:item.offset + item.nbytes], block))
-            for item in plan.items
-        ]
+        crcs = crc_pool.submit(_span_crcs, data, spans, block)
         store.write_object(obj, (data[i:i + chunk] for i in range(0, len(data), chunk)))
-        return [IndexEntry(i.tensor, i.region, i.object, i.offset, i.nbytes, f.result()) for i, f in crcs]
+        return crcs.result()
+
+
+def _span_crcs(data: memoryview, spans: list[tuple[int, int]], block: int) -> list[tuple[int, ...]]:
+    return [block_crcs(data[offset:offset + nbytes], block) for offset, nbytes in spans]

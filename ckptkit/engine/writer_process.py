@@ -2,8 +2,11 @@
 
 The option ``AsyncOptions(executor="process")``. The staging buffer lives in
 shared memory and is handed to the process once (torch shares the storage,
-not the bytes); each save then sends only the plan. The process writes the
-data object and computes the checksums, and returns them; the trainer's
+not the bytes); each save then sends only where each piece lies in it, as
+packed integers (a rank's thousands of plan items, pickled on the trainer's
+side and unpickled from the answer, held the trainer's GIL for tens of ms a
+save). The process writes the data object and computes the checksums, and
+returns them, packed as well; the trainer's
 background thread writes the index and coordinates the commit as with the
 thread executor. The process is started once and reused by every save.
 
@@ -15,8 +18,10 @@ starts (multiprocessing semaphores are shared only by inheritance).
 
 from __future__ import annotations
 
+import itertools
 import queue
 import traceback
+from array import array
 from typing import Any
 
 import torch
@@ -33,7 +38,7 @@ READY_TIMEOUT = 120.0
 
 
 def _serve(requests: Any, responses: Any, channel: WaveChannel) -> None:
-    from ckptkit.engine.writer import write_staged
+    from ckptkit.engine.writer import write_staged_spans
 
     torch.set_num_threads(1)
     responses.put(("ready", None))
@@ -42,17 +47,46 @@ def _serve(requests: Any, responses: Any, channel: WaveChannel) -> None:
         msg = requests.get()
         if msg is None:
             return
-        buffer_id, buffer, store, plan, block, waves = msg
+        buffer_id, buffer, store, job, block = msg
         if buffer is not None:
             buffers = {buffer_id: buffer}  # one staging buffer at a time, like the pool
         try:
-            if waves is not None:
-                entries = write_waves(store, plan, buffers[buffer_id], block, waves, channel)
+            if job[0] == "waves":
+                _, plan, waves = job
+                crcs = [e.crcs for e in write_waves(store, plan, buffers[buffer_id], block, waves, channel)]
             else:
-                entries = write_staged(store, plan, buffers[buffer_id], block)
-            responses.put(("ok", [e.crcs for e in entries]))
+                _, obj, packed = job
+                flat = array("q")
+                flat.frombytes(packed)
+                spans = list(zip(flat[0::2], flat[1::2]))
+                crcs = write_staged_spans(store, obj, _bytes_of(buffers[buffer_id]), spans, block)
+            responses.put(("ok", _pack_crcs(crcs)))
         except BaseException as exc:  # noqa: BLE001 - reported to the trainer
             responses.put(("err", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+
+
+def _bytes_of(buffer: torch.Tensor) -> memoryview:
+    from ckptkit.engine.tensor_bytes import as_bytes
+
+    return as_bytes(buffer)
+
+
+def _pack_crcs(crcs: list[tuple[int, ...]]) -> tuple[bytes, bytes]:
+    """Every piece's block CRCs as two packed arrays: how many each piece has, and all of them."""
+    return array("I", map(len, crcs)).tobytes(), array("I", itertools.chain.from_iterable(crcs)).tobytes()
+
+
+def _unpack_crcs(packed: tuple[bytes, bytes], pieces: int) -> list[tuple[int, ...]]:
+    counts, flat = array("I"), array("I")
+    counts.frombytes(packed[0])
+    flat.frombytes(packed[1])
+    if len(counts) != pieces or sum(counts) != len(flat):
+        raise SaveError(f"the ckptkit writer process answered {len(counts)} pieces' checksums for {pieces}")
+    out, at = [], 0
+    for n in counts:
+        out.append(tuple(flat[at:at + n]))
+        at += n
+    return out
 
 
 class WriterProcess:
@@ -99,7 +133,12 @@ class WriterProcess:
             self._wait_ready()
         buffer_id = id(buffer.untyped_storage())
         send = buffer if self._sent != buffer_id else None
-        self._requests.put((buffer_id, send, store, plan, block, waves))
+        if waves is not None:
+            job: tuple[Any, ...] = ("waves", plan, waves)
+        else:
+            (obj,) = plan.objects
+            job = ("spans", obj, array("q", itertools.chain.from_iterable((i.offset, i.nbytes) for i in plan.items)).tobytes())
+        self._requests.put((buffer_id, send, store, job, block))
         self._sent = buffer_id
         while True:
             try:
@@ -110,8 +149,9 @@ class WriterProcess:
                     raise SaveError(f"the ckptkit writer process died (exit code {self._proc.exitcode})") from None
         if reply[0] != "ok":
             raise SaveError(f"the ckptkit writer process failed: {reply[1]}")
-        # write_staged answers in plan.items order
-        return [IndexEntry(i.tensor, i.region, i.object, i.offset, i.nbytes, tuple(c)) for i, c in zip(plan.items, reply[1])]
+        # answered in plan.items order
+        crcs = _unpack_crcs(reply[1], len(plan.items))
+        return [IndexEntry(i.tensor, i.region, i.object, i.offset, i.nbytes, c) for i, c in zip(plan.items, crcs)]
 
     def close(self) -> None:
         if self._proc.is_alive():

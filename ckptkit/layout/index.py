@@ -126,6 +126,13 @@ class Index:
     # ------------------------------------------------------------ JSON
 
     def to_json_bytes(self) -> bytes:
+        """The stored form. Built with the collector paused (:func:`gc_paused`): a rank's thousands of
+        entries become as many short-lived lists, whose allocations set off collections (full ones
+        included) that find nothing to free, in the background of a save while training runs."""
+        with gc_paused():
+            return self._encode()
+
+    def _encode(self) -> bytes:
         doc = {
             "format": INDEX_FORMAT,
             "version": self.version,

@@ -305,8 +305,11 @@ class Manifest:
         return doc
 
     def to_json_bytes(self) -> bytes:
-        """The stored form: compact JSON, sealed by the SHA-256 of its body."""
-        return seal(json.dumps(self.to_doc(), separators=(",", ":"), allow_nan=False).encode())
+        """The stored form: compact JSON, sealed by the SHA-256 of its body. Built with the collector
+        paused, as an index is (:meth:`~ckptkit.layout.index.Index.to_json_bytes`): on rank 0 it is
+        a document of every tensor's layout, made in the background of a save while training runs."""
+        with gc_paused():
+            return seal(json.dumps(self.to_doc(), separators=(",", ":"), allow_nan=False).encode())
 
     @staticmethod
     def from_json_bytes(data: bytes, where: str) -> Manifest:

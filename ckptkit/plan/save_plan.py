@@ -27,6 +27,7 @@ from ckptkit.layout.grid import GridLayout, Mesh, On
 from ckptkit.layout.manifest import TensorMeta
 from ckptkit.layout.pieces import LocalBox, LocalPlace, Piece
 from ckptkit.layout.rules import PartitionRule
+from ckptkit.layout.strict_json import gc_paused
 
 SMALL_PIECE = 64 << 10
 GATHER_SMALL_REPLICAS = 64  # from this many replicas on, a group's small tensors share one writer
@@ -102,7 +103,8 @@ class SavePlan:
         if attempt is None:
             return self
         names = {obj: _with_attempt(obj, attempt) for obj in self.objects}
-        items = tuple(replace(i, object=names[i.object]) for i in self.items)
+        with gc_paused():  # one item per local piece, rebuilt in the background of every save (Index.to_json_bytes)
+            items = tuple(replace(i, object=names[i.object]) for i in self.items)
         return replace(self, items=items, objects={names[o]: n for o, n in self.objects.items()})
 
 
