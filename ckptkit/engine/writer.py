@@ -39,8 +39,9 @@ CRC_BATCH_BYTES = 8 << 20
 
 
 class _CrcBatches:
-    """Pieces' bytes handed to the checksum thread a batch at a time, in order; each piece's CRCs
-    and release once its batch is checksummed."""
+    """Pieces' bytes handed to the checksum thread a batch at a time, in order, as they are handed to
+    the store (a batch is checksummed while its last piece is written); each piece's CRCs, and its
+    release once the store has taken it and it is checksummed."""
 
     def __init__(self, pool: ThreadPoolExecutor, block: int, release: Release | None) -> None:
         self.pool, self.block, self.release = pool, block, release
@@ -63,10 +64,15 @@ class _CrcBatches:
         items, data = self._items, self._data
         future = self.pool.submit(lambda: [block_crcs(d, self.block) for d in data])
         self.done += [(item, future, k) for k, item in enumerate(items)]
-        if self.release is not None:
-            release = self.release
-            future.add_done_callback(lambda _f: [release(item) for item in items])
         self._items, self._data, self._bytes = [], [], 0
+
+    def written(self, item: WriteItem) -> None:
+        """The store has taken ``item``'s bytes (it asked for the next chunk): released once checksummed.
+        With a release every piece is a batch of its own, submitted when it was added."""
+        if self.release is not None:
+            release, (last, future, _) = self.release, self.done[-1]
+            assert last is item
+            future.add_done_callback(lambda _f: release(item))
 
 
 def write_pieces(
@@ -106,8 +112,9 @@ def write_pieces(
                     data = as_bytes(piece_tensor(tensor_for(item), item.region, item.local))
                     if len(data) != item.nbytes:
                         raise AssertionError(f"tensor {item.tensor!r}: piece has {len(data)} bytes, plan says {item.nbytes}")
+                    batches.add(item, data)
                     yield data
-                    batches.add(item, data)  # written (the store asked for the next chunk)
+                    batches.written(item)
                     pos += item.nbytes
                     if progress is not None:
                         progress(item.nbytes)
@@ -117,10 +124,7 @@ def write_pieces(
                     yield _ZEROS[:pad]
                     pos += pad
 
-            try:
-                store.write_object(obj, chunks())
-            finally:
-                batches.flush()  # a failed write still releases what it handed over, once checksummed
+            store.write_object(obj, chunks())
             for item, crcs, k in batches.done:
                 entries.append(IndexEntry(item.tensor, item.region, item.object, item.offset, item.nbytes, crcs.result()[k]))
                 if release is not None and not streaming:  # the store may have held every chunk until now
