@@ -29,7 +29,6 @@ same bytes to one file, nothing else), ``thread`` (``AsyncOptions()``, the defau
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import shutil
 import sys
@@ -45,7 +44,7 @@ sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import ckptkit  # noqa: E402
-from common import MiB, median, run_main, table, write_results  # noqa: E402
+from common import GcPauses, MiB, median, run_main, table, write_results  # noqa: E402
 
 VARIANTS = ("raw-write", "thread", "process")
 GAP = 1e-3  # a gap between two iterations longer than this is a stall
@@ -105,28 +104,6 @@ def _children() -> list[int]:
     return found
 
 
-class Collections:
-    """Full collections of the garbage collector and their pause, process-wide, while counting."""
-
-    def __init__(self) -> None:
-        self.full = 0
-        self.pause = 0.0
-        self._started = 0.0
-        gc.callbacks.append(self._callback)
-
-    def _callback(self, phase: str, info: dict[str, Any]) -> None:
-        if info.get("generation") != 2:
-            return
-        if phase == "start":
-            self._started = time.perf_counter()
-        else:
-            self.full += 1
-            self.pause += time.perf_counter() - self._started
-
-    def reset(self) -> None:
-        self.full, self.pause = 0, 0.0
-
-
 def launch_loop(until: Callable[[], bool], seconds: float | None = None) -> tuple[int, float, float, float]:
     """Tiny in-place ops until ``until()`` (or for ``seconds``): (iterations, elapsed, stalled, longest gap)."""
     a, b = torch.ones(1), torch.ones(1)
@@ -163,7 +140,7 @@ def raw_write(state: dict[str, torch.Tensor], path: str) -> threading.Thread:
 
 
 def one_save(variant: str, state: dict[str, torch.Tensor], root: str, tag: str, cores: Cores,
-             gcs: Collections) -> dict[str, float]:
+             gcs: GcPauses) -> dict[str, float]:
     gcs.reset()
     path = os.path.join(root, f"{variant}-{tag}")
     if variant == "raw-write":
@@ -181,10 +158,10 @@ def one_save(variant: str, state: dict[str, torch.Tensor], root: str, tag: str, 
         handle.wait()
         shutil.rmtree(path, ignore_errors=True)
     return {"iterations": n, "seconds": elapsed, "stalled": stalled, "longest": longest,
-            "full_gcs": gcs.full, "gc_pause": gcs.pause}
+            "full_gcs": gcs.full, "gc_pause": gcs.full_pause}
 
 
-def measure(count: int, args: argparse.Namespace, root: str, cores: Cores, gcs: Collections) -> dict[str, Any]:
+def measure(count: int, args: argparse.Namespace, root: str, cores: Cores, gcs: GcPauses) -> dict[str, Any]:
     numel = args.mib * MiB // 4 // count
     state = {f"layers.{i}.weight": torch.randn(numel) for i in range(count)}
     for variant in VARIANTS:  # warm-up: the process executor's writer, page faults of the files
@@ -211,7 +188,7 @@ def measure(count: int, args: argparse.Namespace, root: str, cores: Cores, gcs: 
 
 def run(args: argparse.Namespace) -> int:
     cores = Cores()
-    gcs = Collections()
+    gcs = GcPauses()
     parent = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else args.out
     os.makedirs(parent, exist_ok=True)
     root = tempfile.mkdtemp(prefix="ckptkit-launch-stall-", dir=parent)

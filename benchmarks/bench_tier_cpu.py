@@ -1,7 +1,9 @@
 """The host CPU one memory snapshot's protection costs, with nothing else running.
 
-``torchrun --nproc_per_node=4 benchmarks/bench_tier_cpu.py [--quick] [--mib N] [--out DIR]``
-(also run by ``benchmarks/run_all.py``).
+``torchrun --nproc_per_node=4 benchmarks/bench_tier_cpu.py [--quick] [--mib N] [--tensors N] [--out DIR]``
+(also run by ``benchmarks/run_all.py``). ``--tensors``: how many tensors hold the state (default: 1 MiB
+each); a MoE rank holds thousands, and the garbage collector's work then shows (printed: the full
+collections and the collector's pauses per snapshot, all ranks).
 
 Why apart from bench_memory_tier: there the tier's cost is the step time it adds while 4 training
 ranks fill 2 cores, a figure that moves by several points between runs of the same code. The CPU
@@ -23,7 +25,7 @@ Variants, a round each in rotated order:
 
 The floors printed beside them: a bare ``copy_`` of the same tensors into preallocated buffers, the
 CPU the snapshot itself cannot avoid; and the same bytes sent by every rank to its r1 replica
-holder over gloo while it receives its source's (4 MiB messages, preallocated tensors, no files),
+holder over gloo while it receives its source's (4 MiB messages from one preallocated buffer of the whole state, no files),
 the CPU the replica's trip over TCP cannot avoid (on one machine: loopback, both ends on the same
 2 cores).
 """
@@ -49,7 +51,7 @@ import torch.distributed as dist  # noqa: E402
 import ckptkit  # noqa: E402
 from ckptkit.memory import digest  # noqa: E402
 from async_training import gather_floats  # noqa: E402
-from common import CopyFloor, MiB, memory_tier_world_ok, run_gloo_main, table, write_results  # noqa: E402
+from common import CopyFloor, GcPauses, MiB, memory_tier_world_ok, run_gloo_main, table, write_results  # noqa: E402
 
 VARIANTS = ("p4-sha256", "r1-new-files", "r1", "p4-new-files", "p4")
 BASELINE = "p4-sha256"
@@ -75,9 +77,12 @@ def sha256_digests(expected: str | None = None) -> Any:
     return hashlib.sha256()
 
 
-def measure(mgr: ckptkit.CheckpointManager, state: dict[str, torch.Tensor], first: int, n: int) -> tuple[float, float]:
-    """(CPU seconds of all ranks, slowest rank's wall seconds) per snapshot, over ``n`` snapshots."""
+def measure(mgr: ckptkit.CheckpointManager, state: dict[str, torch.Tensor], first: int, n: int,
+            gcs: GcPauses) -> tuple[float, float, float, float]:
+    """(CPU seconds of all ranks, slowest rank's wall seconds, full collections of all ranks, seconds of all
+    ranks' collections) per snapshot, over ``n`` snapshots."""
     cpu, wall = 0.0, []
+    gcs.reset()
     for step in range(first, first + n):
         with torch.no_grad():
             for t in state.values():
@@ -89,7 +94,8 @@ def measure(mgr: ckptkit.CheckpointManager, state: dict[str, torch.Tensor], firs
         w = time.perf_counter() - t0
         cpu += time.process_time() - c0
         wall.append(max(gather(w)))
-    return sum(gather(cpu)) / n, statistics.median(wall)
+    full, pause = gcs.full, gcs.pause  # before the gathers below allocate
+    return sum(gather(cpu)) / n, statistics.median(wall), sum(gather(full)) / n, sum(gather(pause)) / n
 
 
 def copy_floor(state: dict[str, torch.Tensor], reps: int = 20) -> float:
@@ -110,7 +116,9 @@ def transfer_floor(state: dict[str, torch.Tensor], reps: int = 10) -> float:
     rank, world = dist.get_rank(), dist.get_world_size()
     to, frm = (rank + world // 2) % world, (rank - world // 2) % world
     group = dist.new_group(backend="gloo")
-    src = [t.reshape(-1).view(torch.uint8) for t in state.values()]
+    # the whole state as one buffer (joined outside the timing): a state of thousands of small tensors sent
+    # tensor by tensor costs more per message than the tier's transfer of its files, so would be no floor
+    src = [torch.cat([t.reshape(-1).view(torch.uint8) for t in state.values()])]
     dst = [torch.empty_like(s) for s in src]
     msg = 4 << 20
 
@@ -138,9 +146,10 @@ def run(args: argparse.Namespace) -> int:
     if not memory_tier_world_ok("bench_tier_cpu"):
         return 2
     torch.manual_seed(rank)
-    rows_per = 1024
-    n_tensors = max(1, int(args.mib * MiB) // (rows_per * 256 * 4))
-    state = {f"t{i}": torch.randn(rows_per, 256) for i in range(n_tensors)}  # 1 MiB tensors, fp32
+    n_tensors = args.tensors or max(1, int(args.mib * MiB) // MiB)  # default: 1 MiB tensors, fp32
+    numel = max(1, int(args.mib * MiB) // 4 // n_tensors)
+    state = {f"t{i}": torch.randn(numel) for i in range(n_tensors)}
+    gcs = GcPauses()
     rounds, per_round = (2, 5) if args.quick else (args.rounds, args.snapshots)
     os.makedirs(args.out, exist_ok=True)
     names = [tempfile.mkdtemp(prefix="bench_tier_cpu-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None),
@@ -148,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
     dist.broadcast_object_list(names, 0)
     shm, scratch = names
     factory = digest.new
-    results: dict[str, dict[str, list[float]]] = {v: {"cpu": [], "wall": []} for v in VARIANTS}
+    results: dict[str, dict[str, list[float]]] = {v: {"cpu": [], "wall": [], "full_gcs": [], "gc_s": []} for v in VARIANTS}
     try:
         managers = {v: ckptkit.CheckpointManager(os.path.join(scratch, v), save=ckptkit.SavePolicy(),
                                                  memory=tier_for(v, os.path.join(shm, v), rank, world))
@@ -159,13 +168,15 @@ def run(args: argparse.Namespace) -> int:
             for v in order:
                 digest.new = sha256_digests if v == BASELINE else factory
                 try:
-                    cpu, wall = measure(managers[v], state, step, per_round if rnd >= 0 else 2)
+                    cpu, wall, full, gc_s = measure(managers[v], state, step, per_round if rnd >= 0 else 2, gcs)
                 finally:
                     digest.new = factory
                 step += per_round
                 if rnd >= 0:
                     results[v]["cpu"].append(cpu)
                     results[v]["wall"].append(wall)
+                    results[v]["full_gcs"].append(full)
+                    results[v]["gc_s"].append(gc_s)
         for mgr in managers.values():
             mgr.close()
         floor = copy_floor(state)
@@ -178,16 +189,20 @@ def run(args: argparse.Namespace) -> int:
     if rank == 0:
         state_mib = sum(t.nbytes for t in state.values()) / MiB
         base = statistics.median(results[BASELINE]["cpu"])
-        print(f"== the CPU of one memory snapshot's protection: {world} ranks x {state_mib:.1f} MiB, nothing else "
+        print(f"== the CPU of one memory snapshot's protection: {world} ranks x {state_mib:.1f} MiB in {len(state)} "
+              f"tensors, nothing else "
               f"running; {rounds} rounds x {per_round} snapshots per variant, medians of the rounds ==")
-        rows = [["bare copy_ of the state (floor)", f"{floor * 1e3:.1f}", f"{floor / base:.2f}x", "-"],
-                ["gloo transfer of the state to its r1 holder (floor)", f"{wire * 1e3:.1f}", f"{wire / base:.2f}x", "-"]]
+        rows = [["bare copy_ of the state (floor)", f"{floor * 1e3:.1f}", f"{floor / base:.2f}x", "-", "-", "-"],
+                ["gloo transfer of the state to its r1 holder (floor)", f"{wire * 1e3:.1f}", f"{wire / base:.2f}x", "-", "-",
+                 "-"]]
         for v in VARIANTS:
             cpu = statistics.median(results[v]["cpu"])
             rows.append([v + (" [baseline]" if v == BASELINE else ""), f"{cpu * 1e3:.1f}", f"{cpu / base:.2f}x",
-                         f"{statistics.median(results[v]['wall']) * 1e3:.1f}"])
-        print(table(["variant", "CPU per snapshot, all ranks (ms)", "vs baseline", "maybe_save + wait, slowest rank (ms)"],
-                    rows))
+                         f"{statistics.median(results[v]['wall']) * 1e3:.1f}",
+                         f"{statistics.median(results[v]['full_gcs']):.2f}",
+                         f"{statistics.median(results[v]['gc_s']) * 1e3:.1f}"])
+        print(table(["variant", "CPU per snapshot, all ranks (ms)", "vs baseline", "maybe_save + wait, slowest rank (ms)",
+                     "full GCs, all ranks", "GC pauses, all ranks (ms)"], rows))
         med = {v: statistics.median(results[v]["cpu"]) for v in VARIANTS}
         print(f"r1 takes {med['r1'] / (floor + wire):.2f}x the CPU of its two floors together (the copy and the transfer: "
               f"{(floor + wire) * 1e3:.1f} ms); the transfer alone is {wire / med['r1']:.0%} of r1's CPU")
@@ -198,7 +213,9 @@ def run(args: argparse.Namespace) -> int:
         write_results(args.out, "bench_tier_cpu", {
             "quick": bool(args.quick), "world_size": world, "state_mib_per_rank": state_mib, "rounds": rounds,
             "snapshots_per_round": per_round, "copy_floor_cpu_s": floor, "transfer_floor_cpu_s": wire, "baseline": BASELINE,
-            "variants": {v: {"cpu_per_snapshot_s": r["cpu"], "wall_per_snapshot_s": r["wall"]} for v, r in results.items()},
+            "tensors_per_rank": len(state),
+            "variants": {v: {"cpu_per_snapshot_s": r["cpu"], "wall_per_snapshot_s": r["wall"], "full_gcs_per_snapshot": r["full_gcs"],
+                             "gc_pause_per_snapshot_s": r["gc_s"]} for v, r in results.items()},
         })
     return 0
 
@@ -207,6 +224,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="2 rounds of 5 snapshots (a smoke test)")
     ap.add_argument("--mib", type=float, default=8.0, help="MiB of fp32 state per rank (default 8)")
+    ap.add_argument("--tensors", type=int, default=0, help="tensors the state is held in (default: 1 MiB each)")
     ap.add_argument("--rounds", type=int, default=5, help="rounds per variant (default 5)")
     ap.add_argument("--snapshots", type=int, default=20, help="snapshots per round (default 20)")
     ap.add_argument("--reps", type=int, default=1, help="accepted for run_all; rounds set the repetitions")

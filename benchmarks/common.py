@@ -171,6 +171,33 @@ class CopyFloor:
         return clock() - t0
 
 
+class GcPauses:
+    """The garbage collector's collections and their pauses, process-wide, since the last :meth:`reset`:
+    ``full`` (generation 2) and ``full_pause``; ``young`` (generations 0 and 1) and ``pause`` (all)."""
+
+    def __init__(self) -> None:
+        import gc
+
+        self.reset()
+        self._started = 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+            return
+        took = time.perf_counter() - self._started
+        self.pause += took
+        if info.get("generation") == 2:
+            self.full += 1
+            self.full_pause += took
+        else:
+            self.young += 1
+
+    def reset(self) -> None:
+        self.full, self.young, self.full_pause, self.pause = 0, 0, 0.0, 0.0
+
+
 def write_results(out_dir: str, name: str, fields: dict) -> str:
     """Write ``out_dir/<name>.json`` with the benchmark's figures plus when/where it ran; returns the path."""
     import datetime

@@ -19,6 +19,7 @@ import torch
 from ckptkit.engine.dtensor_grid import grid_of, is_dtensor, local_of
 from ckptkit.engine.state import FlatState, Leaf, flatten_state
 from ckptkit.engine.structure import structure_signature
+from ckptkit.layout.strict_json import gc_paused
 
 
 def _put(view: dict[str, Any], leaf: Leaf, value: Any) -> None:
@@ -69,6 +70,14 @@ class FingerprintMemo:
 
 
 def local_view(state: dict[str, Any], world_size: int, rank: int, memo: FingerprintMemo | None = None) -> LocalView:
+    """The rank's own tensors and values of ``state``, and what they may be restored to. Built with
+    the collector paused: a leaf, a view entry and a signature entry per tensor, on the training
+    thread at every snapshot (docs/design-notes.md, "The training thread's GIL and collector")."""
+    with gc_paused():
+        return _local_view(state, world_size, rank, memo)
+
+
+def _local_view(state: dict[str, Any], world_size: int, rank: int, memo: FingerprintMemo | None) -> LocalView:
     flat = flatten_state(state)
     view: dict[str, Any] = {}
     for leaf in flat.tensors:
