@@ -81,7 +81,8 @@ def _unpack_crcs(packed: tuple[bytes, bytes], pieces: int) -> list[tuple[int, ..
     counts.frombytes(packed[0])
     flat.frombytes(packed[1])
     if len(counts) != pieces or sum(counts) != len(flat):
-        raise SaveError(f"the ckptkit writer process answered {len(counts)} pieces' checksums for {pieces}")
+        raise SaveError(f"the ckptkit writer process answered {len(counts)} pieces' checksums for {pieces}, "
+                        f"{len(flat)} checksums where it counted {sum(counts)}")
     out, at = [], 0
     for n in counts:
         out.append(tuple(flat[at:at + n]))
