@@ -297,7 +297,8 @@ def plan_collective(cls: Classified | None, failure: Outcome, comm: Comm, where:
     try:
         groups = agree_plain_replicas(cls.plain, [o.payload[1] for o in outcomes], comm)
         combined = combine_replica_meshes([o.payload[0] for o in outcomes])
-        return plan_agreed(cls, groups, combined, comm.rank, comm.world_size), Outcome(True)
+        with gc_paused():  # an item per piece (Index.to_json_bytes); after the gathers, so no wait is paused
+            return plan_agreed(cls, groups, combined, comm.rank, comm.world_size), Outcome(True)
     except CkptkitError as exc:
         return None, _fail(exc)
 
@@ -486,7 +487,8 @@ def save_state(
     t0 = time.perf_counter()
     cls, failure = None, Outcome(True)
     try:
-        cls = classify_state(flat, comm.rank)
+        with gc_paused():  # a declaration per tensor (Index.to_json_bytes)
+            cls = classify_state(flat, comm.rank)
     except (CkptkitError, OSError) as exc:
         failure = _fail(exc)
     plan, report = plan_collective(cls, failure, comm, store.url)
