@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import glob
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -54,12 +53,6 @@ import sys
 from ckptkit_converters.deepspeed import export_fp32
 export_fp32(sys.argv[1], sys.argv[2], max_memory=int(sys.argv[3]))
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def save_phase(args: argparse.Namespace) -> None:
@@ -122,8 +115,7 @@ def run(args: argparse.Namespace) -> int:
     budget = parse_size(args.max_memory)
     try:
         native, ours = os.path.join(scratch, "native"), os.path.join(scratch, "ckptkit")
-        cmd = [*torchrun_command(), "--nproc_per_node=2", "--master-addr=127.0.0.1", f"--master-port={free_port()}",
-               os.path.abspath(__file__), "--phase", "save", "--native", native, *(["--quick"] if args.quick else [])]
+        cmd = [*torchrun_command(), "--nproc_per_node=2", "--standalone", os.path.abspath(__file__), "--phase", "save", "--native", native, *(["--quick"] if args.quick else [])]
         subprocess.run(cmd, check=True, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
         stored = sum(os.path.getsize(p) for p in glob.glob(os.path.join(native, TAG, "*")))
         import_deepspeed(native, ours)

@@ -51,8 +51,8 @@ def build(folder: str, form: str, quick: bool) -> None:
     """A real Megatron legacy save of ``form`` at ``folder`` (4 gloo processes through torch.distributed.run)."""
     hidden, ffn = (256, 704) if quick else (1024, 2816)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4",
-           f"--master-port={29400 + os.getpid() % 500}", os.path.join(HERE, "megatron_legacy_worker.py"),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4", "--standalone",
+           os.path.join(HERE, "megatron_legacy_worker.py"),
            folder, form, str(hidden), str(ffn)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if done.returncode:

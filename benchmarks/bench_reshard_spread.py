@@ -35,7 +35,6 @@ import hashlib
 import json
 import os
 import re
-import socket
 import sys
 import tempfile
 
@@ -49,12 +48,6 @@ from common import (GiB, MiB, drop_page_cache, run_main, median, remove_tree, ta
 from ckptkit.layout.config import ParallelConfig  # noqa: E402
 
 ATTEMPT = re.compile(r"-[0-9a-f]{12}(?=\.bin$)")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def data_digests(path: str) -> dict[str, str]:
@@ -72,8 +65,7 @@ def reshard_command(processes: int, src: str, dst: str, target: str, max_memory:
             else ["convert", src, dst, "--format", "dcp", "--json"])
     if processes == 1:
         return [sys.executable, "-m", "ckptkit", *tail]
-    return [*torchrun_command(), f"--nproc_per_node={processes}", "--master-addr=127.0.0.1",
-            f"--master-port={free_port()}", "-m", "ckptkit", *tail]
+    return [*torchrun_command(), f"--nproc_per_node={processes}", "--standalone", "-m", "ckptkit", *tail]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -15,7 +15,6 @@ from ckptkit.engine.collective import resolve_comm
 from ckptkit.engine.loader import LoadResult, load_state
 from ckptkit.engine.saver import SaveResult, save_state
 from ckptkit.engine.state import flatten_state
-from ckptkit.layout.strict_json import gc_paused
 from ckptkit.options import AsyncOptions, LoadOptions, SaveOptions
 from ckptkit.storage.url import open_store
 
@@ -40,9 +39,7 @@ def save(
     """
     comm = resolve_comm(process_group)
     store = open_store(path, storage_options)
-    with gc_paused():  # a leaf per tensor (docs/design-notes.md, "The training thread's GIL and collector")
-        flat = flatten_state(state)
-    return save_state(flat, store, comm, block=options.block_size, metadata=metadata)
+    return save_state(flatten_state(state), store, comm, block=options.block_size, metadata=metadata)
 
 
 def load(

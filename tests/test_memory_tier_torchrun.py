@@ -12,7 +12,6 @@ import sys
 import torch
 
 from tests import models
-from tests.worlds import free_port, run_torchrun
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -27,9 +26,9 @@ def reference() -> dict:
 def test_killed_node_resumes_from_memory_under_torchrun(worlds, tmp_path):
     run = str(tmp_path)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4", "--max-restarts=1",
-           "--master-addr=127.0.0.1", f"--master-port={free_port()}", "-m", "tests.memory_job", run]
+           "--standalone", "-m", "tests.memory_job", run]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    job = run_torchrun(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    job = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                        timeout=400)
     assert job.returncode == 0, job.stdout[-4000:]
     with open(os.path.join(run, "restore.json")) as f:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,6 @@ from ckptkit.plan.reshard_plan import ReshardPlanOptions
 from tests.ckpt_files import manifest_doc
 from tests.reshard_fixtures import gpt_tensors, write_at
 from tests.test_import_trust_folders import torch_dist_folder
-from tests.worlds import free_port, run_torchrun
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ATTEMPT = re.compile(r"-[0-9a-f]{12}(?=\.(?:bin|json))")
@@ -173,11 +173,11 @@ def test_a_missing_source_fails_every_process_naming_it(worlds, tmp_path: Path):
 
 def test_torchrun_spreads_the_cli_reshard(src: Path, tmp_path: Path):
     reshard(src, tmp_path / "one", ParallelConfig.parse("tp4pp2"))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master-addr=127.0.0.1",
-           f"--master-port={free_port()}", "-m", "ckptkit", "reshard", str(src), str(tmp_path / "spread"),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
+           "-m", "ckptkit", "reshard", str(src), str(tmp_path / "spread"),
            "--to", "tp4pp2", "--json"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    job = run_torchrun(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    job = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
     doc = json.loads(job.stdout)  # one JSON document: only the first process prints
     assert doc["destination"].endswith("spread") and not doc["dry_run"]
@@ -187,7 +187,7 @@ def test_torchrun_spreads_the_cli_reshard(src: Path, tmp_path: Path):
 
     convert(src, tmp_path / "dcp-one", to_format="dcp")
     cmd[cmd.index("reshard"):] = ["convert", str(src), str(tmp_path / "dcp"), "--format", "dcp", "--json"]
-    job = run_torchrun(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    job = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
     assert json.loads(job.stdout)["destination"].endswith("dcp")
     assert folder_bytes(tmp_path / "dcp-one") == folder_bytes(tmp_path / "dcp")
@@ -199,14 +199,14 @@ def test_torchrun_spreads_the_cli_reshard(src: Path, tmp_path: Path):
     convert(golden, tmp_path / "mlm-one", to_format="megatron",
             target_options=MegatronExportOptions(layout=ParallelConfig.parse("tp2pp2")))
     cmd[cmd.index("convert"):] = ["reshard", golden, str(tmp_path / "mlm"), "--to", "tp2pp2", "--format", "megatron"]
-    job = run_torchrun(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    job = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
     assert folder_bytes(tmp_path / "mlm-one") == folder_bytes(tmp_path / "mlm")
     # a conversion that is not spread (an import) refuses under torchrun (every process would write DEST)
     from tests.test_import_trust_folders import dcp_folder
 
     cmd[cmd.index("reshard"):] = ["convert", str(dcp_folder(tmp_path / "dcp-src")), str(tmp_path / "imp")]
-    job = run_torchrun(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    job = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert job.returncode != 0 and "a conversion to ckptkit runs in one process" in job.stderr
     assert not (tmp_path / "imp").exists()
 

@@ -28,7 +28,6 @@ import os
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -61,21 +60,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def run_torchrun(cmd: list[str], attempts: int = 3, **kwargs: Any) -> subprocess.CompletedProcess:
-    """``subprocess.run(cmd, **kwargs)`` of a ``torch.distributed.run`` command, its ``--master-port=`` a fresh
-    :func:`free_port` each try. The port is free when picked, but torchrun binds it a moment later, and on a
-    busy machine (the other test worker's ranks open sockets all the time) another process can take it first:
-    torchrun then fails before any worker starts (``EADDRINUSE``), and only then is the command run again."""
-    at = next(i for i, c in enumerate(cmd) if c.startswith("--master-port="))
-    for attempt in range(attempts):
-        cmd[at] = f"--master-port={free_port()}"
-        job = subprocess.run(cmd, **kwargs)
-        output = f"{job.stdout or ''}{job.stderr or ''}"
-        if job.returncode == 0 or "EADDRINUSE" not in output or attempt == attempts - 1:
-            return job
-    raise AssertionError("unreachable")
 
 
 # One thread per rank, set before torch is imported (in the fork server, and again in each rank): the ranks of a

@@ -62,7 +62,6 @@ from ckptkit.engine.state import flatten_state
 from ckptkit.engine.structure import ClassifyMemo
 from ckptkit.engine.writer import write_staged
 from ckptkit.errors import CkptkitError, OptionsError, SaveError, SnapshotRaceError
-from ckptkit.layout.strict_json import gc_paused
 from ckptkit.options import AsyncOptions
 from ckptkit.plan.save_plan import SavePlan
 from ckptkit.storage.base import ByteStore
@@ -212,8 +211,7 @@ class AsyncSaver:
         cls: Classified | None = None
         failure = Outcome(True)
         try:
-            with gc_paused():  # a leaf and a signature entry per tensor, dropped at once (Index.to_json_bytes)
-                cls = self._classified.classify(flatten_state(state), self.rank)
+            cls = self._classified.classify(flatten_state(state), self.rank)
         except (CkptkitError, OSError) as exc:
             failure = _fail(exc)
         prev = self._inflight

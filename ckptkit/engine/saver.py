@@ -264,8 +264,11 @@ def check_target(store: ByteStore) -> Target:
 
 
 def classify_state(flat: FlatState, rank: int) -> Classified:
-    grid, plain, explicit, tensors = classify(flat, rank)
-    values, per_rank_values, per_rank_keys = encode_values(flat)
+    """Every leaf's declaration; made with the collector paused (a declaration per tensor, at every
+    synchronous save: :meth:`~ckptkit.layout.index.Index.to_json_bytes`)."""
+    with gc_paused():
+        grid, plain, explicit, tensors = classify(flat, rank)
+        values, per_rank_values, per_rank_keys = encode_values(flat)
     return Classified(grid, plain, explicit, tensors, values, per_rank_values, per_rank_keys,
                       structure_fingerprint(grid + plain, explicit))
 
@@ -487,8 +490,7 @@ def save_state(
     t0 = time.perf_counter()
     cls, failure = None, Outcome(True)
     try:
-        with gc_paused():  # a declaration per tensor (Index.to_json_bytes)
-            cls = classify_state(flat, comm.rank)
+        cls = classify_state(flat, comm.rank)
     except (CkptkitError, OSError) as exc:
         failure = _fail(exc)
     plan, report = plan_collective(cls, failure, comm, store.url)

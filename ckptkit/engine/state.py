@@ -18,6 +18,7 @@ import torch
 from ckptkit.errors import LayoutError
 from ckptkit.layout.pieces import Piece
 from ckptkit.layout.rules import PartitionRule
+from ckptkit.layout.strict_json import gc_paused
 
 
 @dataclass(frozen=True)
@@ -120,10 +121,13 @@ def _has_state(obj: Any) -> bool:
 
 
 def flatten_state(state: Any) -> FlatState:
+    """``state``'s leaves. Walked with the collector paused: a leaf per tensor, at every save and snapshot
+    (docs/design-notes.md, "The training thread's GIL and collector")."""
     if not isinstance(state, dict):
         raise LayoutError(f"state must be a dict, got {type(state).__name__}")
     out = FlatState()
-    _walk(state, "", (), None, None, out)
+    with gc_paused():
+        _walk(state, "", (), None, None, out)
     return out
 
 

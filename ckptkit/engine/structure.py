@@ -24,6 +24,7 @@ from typing import Any
 from ckptkit.engine.dtensor_grid import grid_of, is_dtensor, local_of
 from ckptkit.engine.saver import Classified, classify_state, encode_values
 from ckptkit.engine.state import FlatState
+from ckptkit.layout.strict_json import gc_paused
 
 
 def structure_signature(flat: FlatState) -> tuple[Any, ...]:
@@ -52,7 +53,12 @@ class ClassifyMemo:
 
     def classify(self, flat: FlatState, rank: int) -> Classified:
         """:func:`~ckptkit.engine.saver.classify_state` of ``flat``: the last declarations and
-        fingerprint again when the structure is the same, with this save's tensors and values."""
+        fingerprint again when the structure is the same, with this save's tensors and values. With the
+        collector paused: a signature entry per tensor, at every snapshot (:func:`classify_state`)."""
+        with gc_paused():
+            return self._classify(flat, rank)
+
+    def _classify(self, flat: FlatState, rank: int) -> Classified:
         sig = structure_signature(flat)
         last = self.last
         if last is not None and self.rank == rank and self.signature == sig:

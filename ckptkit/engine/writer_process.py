@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
+from ckptkit.engine.tensor_bytes import as_bytes
 from ckptkit.engine.waves import WaveChannel, WaveSchedule, write_waves
 from ckptkit.errors import SaveError
 from ckptkit.layout.index import IndexEntry
@@ -59,16 +60,10 @@ def _serve(requests: Any, responses: Any, channel: WaveChannel) -> None:
                 flat = array("q")
                 flat.frombytes(packed)
                 spans = list(zip(flat[0::2], flat[1::2]))
-                crcs = write_staged_spans(store, obj, _bytes_of(buffers[buffer_id]), spans, block)
+                crcs = write_staged_spans(store, obj, as_bytes(buffers[buffer_id]), spans, block)
             responses.put(("ok", _pack_crcs(crcs)))
         except BaseException as exc:  # noqa: BLE001 - reported to the trainer
             responses.put(("err", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
-
-
-def _bytes_of(buffer: torch.Tensor) -> memoryview:
-    from ckptkit.engine.tensor_bytes import as_bytes
-
-    return as_bytes(buffer)
 
 
 def _pack_crcs(crcs: list[tuple[int, ...]]) -> tuple[bytes, bytes]:
