@@ -12,6 +12,7 @@ writer's plan and answers packed. Each of those must still give every piece its 
 from __future__ import annotations
 
 import gc
+import random
 import threading
 
 import pytest
@@ -179,3 +180,22 @@ def test_a_save_of_thousands_of_tensors_allocates_little_in_the_collectors_sight
         saver.close()
     limit = {"async": 50, "sync": 90}[how]
     assert counts[0] + counts[1] < limit, f"collections (young, middle, full) during the last save: {counts}"
+
+
+def test_the_process_writer_never_persists_an_earlier_staging_buffer(tmp_path):
+    """The writer process is handed the staging buffer once and keeps it; a new buffer (the state's structure
+    changed, so the plan and its buffer did) must be handed over again. It was recognised by ``id()`` of a
+    temporary storage wrapper, which Python reuses at once: a new buffer passed for the old one, and the
+    writer persisted the previous save's bytes (with their own, matching checksums when the new buffer was
+    smaller) under the new step. Here every save has another structure, so another buffer, and new values."""
+    saver = AsyncSaver(options=ckptkit.AsyncOptions(executor="process"))
+    rng = random.Random(0)
+    try:
+        for rep in range(40):
+            sizes = [4 * rng.randint(1, 2048) for _ in range(rng.randint(1, 12))]  # another structure, another buffer
+            state = many_tensors(sizes, seed=100 + rep)
+            saver.save(state, open_store(str(tmp_path / f"c{rep}")))
+            saver.wait()
+            loads_back(state, tmp_path / f"c{rep}")
+    finally:
+        saver.close()

@@ -99,7 +99,11 @@ class WriterProcess:
             raise SaveError(
                 f"cannot start the ckptkit writer process ({exc}); use AsyncOptions(executor='thread') here"
             ) from None
-        self._sent: int | None = None
+        # The buffer the process holds, and its number there. Held here (not an ``id()``, which Python
+        # gives to a new object as soon as the old one is gone) so a new buffer is always handed over:
+        # the process would otherwise persist the previous save's bytes under the new step.
+        self._sent: torch.Tensor | None = None
+        self._sent_number = 0
         self._ready = False
 
     def _wait_ready(self) -> None:
@@ -127,15 +131,17 @@ class WriterProcess:
         the trainer stages it (``waves``); return its index entries."""
         if not self._ready:
             self._wait_ready()
-        buffer_id = id(buffer.untyped_storage())
-        send = buffer if self._sent != buffer_id else None
+        send = None
+        if buffer is not self._sent:
+            send, self._sent_number = buffer, self._sent_number + 1
+        buffer_id = self._sent_number
         if waves is not None:
             job: tuple[Any, ...] = ("waves", plan, waves)
         else:
             (obj,) = plan.objects
             job = ("spans", obj, array("q", itertools.chain.from_iterable((i.offset, i.nbytes) for i in plan.items)).tobytes())
         self._requests.put((buffer_id, send, store, job, block))
-        self._sent = buffer_id
+        self._sent = buffer
         while True:
             try:
                 reply = self._responses.get(timeout=_POLL)
