@@ -39,7 +39,7 @@ def save(
     """
     comm = resolve_comm(process_group)
     store = open_store(path, storage_options)
-    return save_state(flatten_state(state), store, comm, block=options.block_size, metadata=metadata)
+    return save_state(state, store, comm, block=options.block_size, metadata=metadata)
 
 
 def load(

@@ -247,7 +247,7 @@ class CheckpointManager:
         store = self.root.child(name)
         metadata = {"step": step, "metrics": dict(metrics or {}), "retention": self.retention.to_json()}
         if self._saver is None:
-            result = save_state(flatten_state(state), store, self._comm, block=self.options.block_size,
+            result = save_state(state, store, self._comm, block=self.options.block_size,
                                 metadata=metadata, deadline=deadline)
             self._after_commit(name, step, result)
             self._started = max(self._started, step)

@@ -146,7 +146,7 @@ def _entries(plan: SavePlan, block: int) -> list[IndexEntry]:
 def classified(state: dict[str, Any], rank: int) -> tuple[Classified, float]:
     """``ckptkit.save``'s first step on a rank's state, and its CPU seconds (building the state is not counted)."""
     t0 = clock()
-    cls = classify_state(flatten_state(state), rank)
+    cls = classify_state(flatten_state(state), rank, shapes_only=True)  # meta tensors: planned, never written
     return cls, clock() - t0
 
 

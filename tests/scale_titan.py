@@ -126,7 +126,7 @@ def classified(job: TitanJob, rank: int) -> Any:
     from ckptkit.engine.saver import classify_state
     from ckptkit.engine.state import flatten_state
 
-    return classify_state(flatten_state(rank_state(job, rank)), rank)
+    return classify_state(flatten_state(rank_state(job, rank)), rank, shapes_only=True)  # meta tensors: planned only
 
 
 def at_rank(base: Any, rank: int) -> Any:

@@ -27,7 +27,6 @@ from tests.ckpt_files import data_object, edit_manifest, index_file, object_key
 from ckptkit import offline as catalog
 from ckptkit.engine import read_session
 from ckptkit.engine.saver import save_state
-from ckptkit.engine.state import flatten_state
 from ckptkit.errors import CheckpointNotFoundError
 from ckptkit.layout.manifest import DTYPES, IndexRef, Manifest, sha256_hex
 from ckptkit.storage import LocalStore, open_store
@@ -73,7 +72,7 @@ def save_world(states: list[dict[str, Any]], path: Path, metadata: dict[str, Any
 
     def run(rank: int) -> None:
         try:
-            save_state(flatten_state(states[rank]), open_store(path), ThreadComm(rank, shared), block=BLOCK,
+            save_state(states[rank], open_store(path), ThreadComm(rank, shared), block=BLOCK,
                        metadata=metadata)
         except BaseException as exc:  # noqa: BLE001 - re-raised in the test thread
             errors.append(exc)

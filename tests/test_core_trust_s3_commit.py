@@ -25,7 +25,6 @@ import ckptkit
 from ckptkit.engine.checkpoint_dir import attempt_of
 from ckptkit.engine.collective import LocalComm
 from ckptkit.engine.saver import save_state
-from ckptkit.engine.state import flatten_state
 from ckptkit.errors import SaveError
 from ckptkit.storage.s3 import S3Store
 from tests.conftest import trials
@@ -51,7 +50,7 @@ def conflicts(k: int | None, meet: threading.Barrier | None = None) -> Faults:
 
 def save_through(proxy: FaultProxy, url: str, seed: int, **bounds) -> None:
     store = S3Store(url, {"endpoint_url": proxy.endpoint}, **bounds)
-    save_state(flatten_state(state_of(seed)), store, LocalComm(), block=ckptkit.SaveOptions().block_size)
+    save_state(state_of(seed), store, LocalComm(), block=ckptkit.SaveOptions().block_size)
 
 
 def objects(s3_server, bucket: str, prefix: str) -> list[str]:  # noqa: F811

@@ -24,7 +24,6 @@ import torch
 import ckptkit
 from ckptkit.engine.collective import LocalComm
 from ckptkit.engine.saver import save_state
-from ckptkit.engine.state import flatten_state
 from ckptkit.errors import CkptkitError, SaveError, StorageError
 from ckptkit.layout.index import Index
 from ckptkit.layout.manifest import Manifest
@@ -74,7 +73,7 @@ def assert_same(got: dict, want: dict) -> None:
 def multipart_save(state: dict, url: str, storage_options: dict, concurrency: int = 2):
     """``ckptkit.save`` with 5 MiB parts (``save`` itself would use 64 MiB parts)."""
     store = S3Store(url, storage_options, part_size=PART, max_concurrency=concurrency)
-    return save_state(flatten_state(state), store, LocalComm(), block=ckptkit.SaveOptions().block_size)
+    return save_state(state, store, LocalComm(), block=ckptkit.SaveOptions().block_size)
 
 
 def committed(s3_server, bucket: str, prefix: str = "") -> list[str]:  # noqa: F811

@@ -49,6 +49,7 @@ from ckptkit.engine.saver import (
     Prepared,
     SaveResult,
     _fail,
+    _raise_failures,
     bind,
     check_target_collective,
     commit,
@@ -233,8 +234,8 @@ class AsyncSaver:
             if prev is not None and prev.committed.exception() is not None:
                 # every rank's commit outcome is the same broadcast, so every rank raises here
                 self._raise_previous(prev)
-        if any_failed:
-            raise SaveError(f"saving {store.url} failed during preparation: " + (failure.error or "failed on another rank"))
+        if any_failed:  # every rank is here: one more gather tells each which rank failed, and why
+            _raise_failures(self.plan_comm.all_gather(failure), self.rank, store.url, "preparation")
         assert cls is not None
         plan, planned = self._plan(cls, failure, store.url) if any_changed else (self._plans[cls.fingerprint], Outcome(True))
         prep = bind(plan, cls) if plan is not None else None

@@ -78,10 +78,27 @@ class _Dest:
                 self.user.copy_(self.work)
 
 
+def _check_dest(t: torch.Tensor, key: str, where: str) -> None:
+    """Refuse, naming it, a tensor of the state that cannot take a checkpoint's values (before anything
+    is read, and before its shape is asked: a nested tensor has none)."""
+    why = None
+    if t.is_nested or t.layout != torch.strided or t.is_quantized:
+        why = "not a dense tensor (nested, sparse or quantized)"
+    elif t.device.type == "meta":
+        why = "a meta tensor, which has no memory to load into (materialise it first, e.g. to_empty())"
+    elif any(stride == 0 and size > 1 for size, stride in zip(t.shape, t.stride())):
+        why = "an expanded view whose elements share memory (load into a tensor of its own, then expand it)"
+    if why is not None:
+        raise StateMismatchError(f"{where}: tensor {key!r} of the state cannot be loaded into: it is {why}")
+
+
 def _dest(t: torch.Tensor) -> _Dest:
-    if t.device.type == "cpu" and t.is_contiguous():
+    """Where ``t``'s bytes are read to: ``t`` itself when its memory holds its elements as they are,
+    else a contiguous CPU stand-in that :meth:`_Dest.finish` copies back (a GPU tensor, a strided
+    view, a conjugate or negative view, whose memory holds other values than it shows)."""
+    if t.device.type == "cpu" and t.is_contiguous() and not (t.is_conj() or t.is_neg()):
         return _Dest(t, t.detach())
-    return _Dest(t, t.detach().to("cpu", copy=True).contiguous())
+    return _Dest(t, t.detach().to("cpu", copy=True).resolve_conj().resolve_neg().contiguous())
 
 
 def _check_meta(manifest: Manifest, key: str, dtype: torch.dtype, shape: tuple[int, ...], where: str) -> None:
@@ -110,6 +127,7 @@ def _targets(flat: FlatState, manifest: Manifest, strict: bool, where: str) -> _
         if leaf.key not in manifest.tensors:
             plan.missing.append(leaf.key)
             continue
+        _check_dest(local_of(t) if is_dtensor(t) else t, leaf.key, where)
         _check_meta(manifest, leaf.key, t.dtype, tuple(t.shape), where)
         if is_dtensor(t):
             layout, coord = grid_of(t, leaf.key)
@@ -129,6 +147,7 @@ def _targets(flat: FlatState, manifest: Manifest, strict: bool, where: str) -> _
                 plan.targets.append(Target(ref, leaf.key, Region(Box.full(tuple(t.shape))), tuple(t.shape), LocalBox(tuple(0 for _ in t.shape))))
     for leaf in flat.sharded:
         s = leaf.obj
+        _check_dest(s.local, leaf.key, where)
         plan.dests.append(_dest(s.local))
         ref = len(plan.dests) - 1
         for p in s.pieces:

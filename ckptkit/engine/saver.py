@@ -36,7 +36,7 @@ import torch
 from ckptkit.engine.dtensor_grid import grid_of, is_dtensor, local_of
 from ckptkit.engine.checkpoint_dir import foreign_keys, new_attempt, remove_attempt, remove_other_attempts
 from ckptkit.engine.collective import Comm, Outcome
-from ckptkit.engine.state import FlatState, dtype_name
+from ckptkit.engine.state import FlatState, check_savable, check_state_root, dtype_name, flatten_state
 from ckptkit.engine.writer import write_pieces
 from ckptkit.errors import CkptkitError, SaveError
 from ckptkit.version import __version__
@@ -44,7 +44,7 @@ from ckptkit.layout.grid import GridLayout, Mesh, Replicate
 from ckptkit.layout.index import Index
 from ckptkit.layout.manifest import MANIFEST_NAME, IndexRef, Manifest, sha256_hex
 from ckptkit.layout.rules import PartitionRule, rule_from_grid
-from ckptkit.layout.values import encode_value
+from ckptkit.layout.values import check_key, encode_value
 from ckptkit.layout.strict_json import gc_paused
 from ckptkit.plan.merge import RankReport, merge_reports, merge_values
 from ckptkit.plan.mesh_replicas import MeshReport, PlainDesc, combine_replica_meshes, plain_group_mesh, plain_replica_groups
@@ -110,7 +110,8 @@ def _raise_failures(outcomes: list[Outcome], rank: int, where: str, phase: str) 
     raise SaveError(f"saving {where} failed during {phase}: {lines}{more}")
 
 
-def classify(flat: FlatState, rank: int) -> tuple[list[GridDecl], list[GridDecl], list[ExplicitDecl], list[torch.Tensor]]:
+def classify(flat: FlatState, rank: int, *,
+             shapes_only: bool = False) -> tuple[list[GridDecl], list[GridDecl], list[ExplicitDecl], list[torch.Tensor]]:
     """DTensors -> grid decls on their mesh (replica meshes found by :func:`combine_replica_meshes`);
     plain tensors -> grid decls on a one-rank mesh (replicas found per key by
     :func:`plain_replica_groups`); Sharded -> explicit decls."""
@@ -120,6 +121,7 @@ def classify(flat: FlatState, rank: int) -> tuple[list[GridDecl], list[GridDecl]
     own = Mesh(("rank",), (1,), (rank,))
     for leaf in flat.tensors:
         t = leaf.obj
+        check_savable(leaf.key, t, shapes_only)
         if is_dtensor(t):
             layout, coord = grid_of(t, leaf.key)
             local = local_of(t)
@@ -136,6 +138,7 @@ def classify(flat: FlatState, rank: int) -> tuple[list[GridDecl], list[GridDecl]
     explicit: list[ExplicitDecl] = []
     for leaf in flat.sharded:
         s = leaf.obj
+        check_savable(leaf.key, s.local, shapes_only)
         tensors.append(s.local)
         explicit.append(
             ExplicitDecl(len(tensors) - 1, dtype_name(s.local.dtype), s.local.dtype.itemsize, tuple(s.local.shape), s.pieces,
@@ -223,6 +226,7 @@ def encode_values(flat: FlatState) -> tuple[dict[str, Any], dict[str, Any], tupl
     values = {leaf.key: encode_value(leaf.obj, leaf.key) for leaf in flat.values}
     per_rank: dict[str, Any] = {}
     for leaf in flat.generators:
+        check_key(leaf.key)
         state = leaf.obj.get_state()
         per_rank[leaf.key] = {"__generator__": base64.b64encode(state.numpy().tobytes()).decode("ascii")}
     for leaf in flat.per_rank:
@@ -263,11 +267,13 @@ def check_target(store: ByteStore) -> Target:
     return Target(new_attempt(), leftovers)
 
 
-def classify_state(flat: FlatState, rank: int) -> Classified:
+def classify_state(flat: FlatState, rank: int, *, shapes_only: bool = False) -> Classified:
     """Every leaf's declaration; made with the collector paused (a declaration per tensor, at every
-    synchronous save: :meth:`~ckptkit.layout.index.Index.to_json_bytes`)."""
+    synchronous save: :meth:`~ckptkit.layout.index.Index.to_json_bytes`). ``shapes_only``: meta tensors
+    are planned too (a plan needs shapes only: the scale simulations plan thousands of ranks' states
+    without their memory); a save refuses them."""
     with gc_paused():
-        grid, plain, explicit, tensors = classify(flat, rank)
+        grid, plain, explicit, tensors = classify(flat, rank, shapes_only=shapes_only)
         values, per_rank_values, per_rank_keys = encode_values(flat)
     return Classified(grid, plain, explicit, tensors, values, per_rank_values, per_rank_keys,
                       structure_fingerprint(grid + plain, explicit))
@@ -479,7 +485,7 @@ def _remove_other_attempts(store: ByteStore, attempt: str) -> None:
 
 
 def save_state(
-    flat: FlatState,
+    state: Any,
     store: ByteStore,
     comm: Comm,
     *,
@@ -487,10 +493,13 @@ def save_state(
     metadata: dict[str, Any] | None = None,
     deadline: float | None = None,
 ) -> SaveResult:
+    """Save the nested ``state`` (a synchronous save). Collective; a state one rank cannot save (a
+    tensor it cannot store, two keys that collide) fails every rank, naming that rank."""
     t0 = time.perf_counter()
+    check_state_root(state)
     cls, failure = None, Outcome(True)
     try:
-        cls = classify_state(flat, comm.rank)
+        cls = classify_state(flatten_state(state), comm.rank)
     except (CkptkitError, OSError) as exc:
         failure = _fail(exc)
     plan, report = plan_collective(cls, failure, comm, store.url)

@@ -15,7 +15,9 @@ from typing import Any
 
 import torch
 
-from ckptkit.errors import LayoutError
+from ckptkit.errors import LayoutError, SaveError
+from ckptkit.layout.manifest import DTYPES
+from ckptkit.layout.values import check_key
 from ckptkit.layout.pieces import Piece
 from ckptkit.layout.rules import PartitionRule
 from ckptkit.layout.strict_json import gc_paused
@@ -120,21 +122,35 @@ def _has_state(obj: Any) -> bool:
     return False
 
 
+def check_state_root(state: Any) -> None:
+    """LayoutError unless ``state`` is a dict (a mistake in the calling code, the same on every rank:
+    raised at once, before any collective)."""
+    if not isinstance(state, dict):
+        raise LayoutError(f"state must be a dict, got {type(state).__name__}")
+
+
 def flatten_state(state: Any) -> FlatState:
     """``state``'s leaves. Walked with the collector paused: a leaf per tensor, at every save and snapshot
     (docs/design-notes.md, "The training thread's GIL and collector")."""
-    if not isinstance(state, dict):
-        raise LayoutError(f"state must be a dict, got {type(state).__name__}")
+    check_state_root(state)
     out = FlatState()
     with gc_paused():
         _walk(state, "", (), None, None, out)
     return out
 
 
-def _key_part(part: Any) -> str:
-    """One part of a key as :func:`~ckptkit.layout.values.join_key` escapes it."""
-    text = str(part)
-    return text.replace("%", "%25").replace("/", "%2F") if "%" in text or "/" in text else text
+def _check_distinct_keys(obj: dict, key: str) -> None:
+    """Refuse a dict two of whose keys are one key in a checkpoint (``1`` and ``"1"``: keys are stored as
+    text), naming both: saved, one of the two values would be lost without a word. Only a dict with a
+    key that is not a string can have such a pair (string keys are escaped, so they never collide)."""
+    seen: dict[str, Any] = {}
+    for k in obj:
+        text = str(k)
+        if text in seen:
+            where = f"the dict at {key!r}" if key else "the state"
+            raise LayoutError(f"{where} has the keys {seen[text]!r} and {k!r}, which are both {text!r} in a "
+                              "checkpoint (keys are stored as text): one of their values would be lost; rename one")
+        seen[text] = k
 
 
 def _walk(obj: Any, key: str, path: tuple[str, ...], parent: Any, slot: Any, out: FlatState) -> None:
@@ -151,9 +167,17 @@ def _walk(obj: Any, key: str, path: tuple[str, ...], parent: Any, slot: Any, out
     elif isinstance(obj, PerRank):
         out.per_rank.append(Leaf(key, obj, parent, slot, None, path))
     elif isinstance(obj, dict) and obj:
+        odd = False  # a key that is not a string: only then can two keys be one text (_check_distinct_keys)
         for k, v in obj.items():
-            part = _key_part(k)
-            _walk(v, f"{key}/{part}" if path else part, (*path, str(k)), obj, k, out)
+            if type(k) is str:
+                text = k
+            else:
+                text, odd = str(k), True
+            # the part as join_key escapes it (inline: a snapshot walks thousands of keys)
+            part = text.replace("%", "%25").replace("/", "%2F") if "%" in text or "/" in text else text
+            _walk(v, f"{key}/{part}" if path else part, (*path, text), obj, k, out)
+        if odd and len(obj) > 1:
+            _check_distinct_keys(obj, key)
     elif isinstance(obj, (list, tuple)) and obj and _has_state(obj):
         for i, v in enumerate(obj):
             _walk(v, f"{key}/{i}" if path else str(i), (*path, str(i)), obj, i, out)
@@ -165,6 +189,33 @@ def _walk(obj: Any, key: str, path: tuple[str, ...], parent: Any, slot: Any, out
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def check_savable(key: str, t: torch.Tensor, shapes_only: bool = False) -> None:
+    """Refuse, naming ``key``, a tensor whose elements are not plain bytes in memory that a load can
+    put back exactly as they were: before anything is written, so a committed checkpoint never holds
+    a tensor its reader cannot load (a save used to commit ``uint16`` tensors that every load then
+    refused as an unknown dtype) or bytes that are not the tensor's values (a quantized tensor's
+    integers without its scales).
+
+    A conjugate or negative view (``x.conj()``) is savable: its values are materialised when its
+    bytes are taken (:func:`ckptkit.engine.tensor_bytes.piece_tensor`). ``shapes_only``: a meta tensor
+    passes (only planned, never written)."""
+    check_key(key)
+    why = None
+    if t.is_nested:
+        why = "a nested (ragged) tensor; save its components as a list of tensors"
+    elif t.layout != torch.strided:
+        why = f"a {str(t.layout).removeprefix('torch.')} tensor; save it dense (.to_dense()) or its index and value tensors"
+    elif t.is_quantized:
+        why = (f"a quantized tensor ({dtype_name(t.dtype)}), whose integers mean nothing without its scales; "
+               "save .int_repr() with its q_scale()/q_zero_point(), or .dequantize()")
+    elif t.device.type == "meta" and not shapes_only:
+        why = "a meta tensor, which has a shape but no values (materialise it first, e.g. to_empty() and init)"
+    elif dtype_name(t.dtype) not in DTYPES:
+        why = f"of dtype {dtype_name(t.dtype)}, which the checkpoint format does not name (it names {', '.join(DTYPES)})"
+    if why is not None:
+        raise SaveError(f"tensor {key!r} cannot be saved: it is {why}")
 
 
 def torch_dtype(name: str) -> torch.dtype:

@@ -59,7 +59,11 @@ class ClassifyMemo:
             return self._classify(flat, rank)
 
     def _classify(self, flat: FlatState, rank: int) -> Classified:
-        sig = structure_signature(flat)
+        try:
+            sig = structure_signature(flat)
+        except RuntimeError:  # a tensor without sizes (a nested one): refused by name, not by torch's words
+            classify_state(flat, rank)
+            raise
         last = self.last
         if last is not None and self.rank == rank and self.signature == sig:
             tensors = [local_of(leaf.obj) if is_dtensor(leaf.obj) else leaf.obj for leaf in flat.tensors]

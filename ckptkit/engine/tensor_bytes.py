@@ -40,7 +40,9 @@ def piece_tensor(local: torch.Tensor, region: Region, place: LocalPlace) -> torc
         view = flat[place.start:place.start + region.numel]
     if view.device.type != "cpu":
         view = view.cpu()
-    return view.contiguous()
+    # a conjugate or negative view (x.conj()) holds other values in memory than it shows: materialised
+    # here (a copy only when the bit is set), as a copy into staging materialises it
+    return view.resolve_conj().resolve_neg().contiguous()
 
 
 def strided(base: torch.Tensor, start: int, shape: tuple[int, ...], strides: tuple[int, ...]) -> torch.Tensor:

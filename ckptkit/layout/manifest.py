@@ -68,10 +68,15 @@ MAX_NDIM = 64  # dimensions of a tensor (torch supports fewer)
 _SEAL = re.compile(rb',"' + SEAL_FIELD.encode() + rb'":"([0-9a-f]{64})"\}$')
 
 # Every dtype a manifest may name, with its bytes per element (so metadata-only
-# tools never need torch to size a tensor).
+# tools never need torch to size a tensor). The names are torch's. A save refuses a tensor whose
+# dtype is not here (ckptkit.engine.state.check_savable) before anything is written: a committed
+# checkpoint always names only dtypes its reader knows.
 DTYPES: dict[str, int] = {
-    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
-    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1, "complex64": 8, "complex128": 16,
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
+    "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1, "float8_e8m0fnu": 1,
+    "float4_e2m1fn_x2": 1,  # two 4-bit values per byte, as torch packs them
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint64": 8, "uint32": 4, "uint16": 2, "uint8": 1, "bool": 1,
+    "complex32": 4, "complex64": 8, "complex128": 16,
 }
 _SAFE_KEY = re.compile(r"^[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*$")
 

@@ -105,6 +105,8 @@ def encode_value(value: Any, key: str, depth: int = 0) -> Any:
     Refused here, at save time, is also whatever a reader would refuse (strict_json): nesting
     deeper than :data:`MAX_VALUE_DEPTH`, integers past Python's 4300-digit conversion limit,
     strings that are not valid Unicode — so every committed checkpoint can be loaded."""
+    if depth == 0:
+        check_key(key)
     if depth > MAX_VALUE_DEPTH:
         raise StateMismatchError(f"state key {key!r}: the value nests deeper than {MAX_VALUE_DEPTH} levels")
     if value is None or isinstance(value, bool):
@@ -136,6 +138,17 @@ def encode_value(value: Any, key: str, depth: int = 0) -> Any:
         "(supported: tensors, DTensors, ckptkit.Sharded, torch.Generator, and JSON-like values: "
         "None, bool, int, float, str, bytes, list, tuple, dict)"
     )
+
+
+def check_key(key: str) -> str:
+    """``key`` if it can be stored (UTF-8 text); StateMismatchError naming it otherwise. A key with a lone
+    surrogate used to be committed into a manifest every reader then refused."""
+    try:
+        key.encode("utf-8")
+    except UnicodeEncodeError:
+        raise StateMismatchError(f"state key {key!a} is not valid Unicode (a lone surrogate, e.g. from a file name "
+                                 "decoded with surrogateescape): keys are stored as UTF-8 text; rename it") from None
+    return key
 
 
 def _text(s: str, key: str) -> str:

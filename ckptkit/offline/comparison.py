@@ -187,6 +187,9 @@ def diff_tensor(
         rel = norm_d / norm_a
     else:
         rel = 0.0 if norm_d == 0 else (math.nan if math.isnan(norm_d) else math.inf)
+    if not acc.numeric:
+        return TensorDiff(key, status, ma.dtype, mb.dtype, ma.shape, mb.shape, numel,
+                          acc.differing if acc.same_dtype else None)
     return TensorDiff(key, status, ma.dtype, mb.dtype, ma.shape, mb.shape, numel, acc.differing,
                       acc.max_abs, mean, norm_a, norm_b, rel)
 
@@ -239,6 +242,7 @@ class _Accumulator:
 
     def __init__(self, same_dtype: bool) -> None:
         self.same_dtype = same_dtype
+        self.numeric = True  # False once a side has no arithmetic (packed float4): bits compared only
         self.differing = 0
         self.max_abs = 0.0
         self.sum_abs = 0.0
@@ -249,6 +253,9 @@ class _Accumulator:
             return
         if self.same_dtype:
             self.differing += int(_bits_differ(a, b).sum())
+        if a.dtype in _NO_ARITHMETIC or b.dtype in _NO_ARITHMETIC:
+            self.numeric = False
+            return
         wide = torch.complex128 if (a.is_complex() or b.is_complex()) else torch.float64
         a64, b64 = a.to(wide), b.to(wide)
         if not self.same_dtype:
@@ -259,6 +266,11 @@ class _Accumulator:
         self.sq_d += float((d * d).sum())
         self.sq_a += float(a64.abs().square().sum())
         self.sq_b += float(b64.abs().square().sum())
+
+
+_NO_ARITHMETIC = tuple(d for d in (getattr(torch, "float4_e2m1fn_x2", None),) if d is not None)  # torch >= 2.8
+"""dtypes torch converts to no other (two 4-bit floats per byte): their differences are counted in bits, with
+no numeric statistics."""
 
 
 def _nanmax(x: float, y: float) -> float:

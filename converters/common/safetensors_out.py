@@ -14,11 +14,16 @@ from typing import Any
 
 import torch
 
+from ckptkit.errors import CkptkitError
+
 SAFETENSORS_DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
     torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+    torch.float8_e4m3fnuz: "F8_E4M3FNUZ", torch.float8_e5m2fnuz: "F8_E5M2FNUZ", torch.complex64: "C64",
+    torch.uint64: "U64", torch.uint32: "U32", torch.uint16: "U16",
 }
+"""torch dtypes and the safetensors codes the ``safetensors`` package (0.8) maps them to and from."""
 
 
 def safetensors_header(tensors: Iterable[tuple[str, torch.dtype, tuple[int, ...]]]) -> bytes:
@@ -28,6 +33,8 @@ def safetensors_header(tensors: Iterable[tuple[str, torch.dtype, tuple[int, ...]
     offset = 0
     for name, dtype, shape in tensors:
         end = offset + math.prod(shape) * dtype.itemsize
+        if dtype not in SAFETENSORS_DTYPES:
+            raise CkptkitError(f"safetensors cannot store {str(dtype).removeprefix('torch.')} (tensor {name!r})")
         doc[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, end]}
         offset = end
     body = json.dumps(doc, separators=(",", ":")).encode()

@@ -103,7 +103,7 @@ OVERRIDES: dict[str, dict[str, tuple[str, tuple[str, ...]]]] = {"deepseek_v3": {
 # sizes that are sums of config fields (a symbol of its own when the config lacks a part)
 DERIVED = {"qk_head_dim": ("qk_nope_head_dim", "qk_rope_head_dim"), "kv_a_rows": ("kv_lora_rank", "qk_rope_head_dim"),
            "kv_b_head_dim": ("qk_nope_head_dim", "v_head_dim")}
-FLOATING = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
+FLOATING = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2", "F8_E4M3FNUZ", "F8_E5M2FNUZ")
 _DTYPE_NAMES = {"float32": "F32", "float": "F32", "bfloat16": "BF16", "float16": "F16", "half": "F16",
                 "float64": "F64", "double": "F64"}
 # tensors transformers keeps in float32 whatever the model's dtype (_keep_in_fp32_modules_strict)

@@ -35,6 +35,7 @@ import torch
 from ckptkit.engine.state import torch_dtype
 from ckptkit.errors import (
     CheckpointNotFoundError,
+    LayoutError,
     ManifestError,
     UnsafePathError,
     UnsupportedVersionError,
@@ -52,7 +53,10 @@ ATTRIBUTE = "ckptkit"
 GROUP_METADATA = "zarr.json"
 PER_RANK_GROUP = "ckptkit-per-rank"  # a child group whose attributes hold the per-rank values
 # Not readable by numpy / zarr-python; ``portable`` stores them as float32.
-_NARROW_FLOATS = ("bfloat16", "float8_e4m3fn", "float8_e5m2")
+_NARROW_FLOATS = ("bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
+# Named by the checkpoint format but by no zarr v3 data type (tensorstore has neither): an export
+# refuses them by name before it writes anything.
+NOT_STORABLE = ("complex32", "float4_e2m1fn_x2")
 
 # ---------------------------------------------------------------- chunking (pure)
 
@@ -163,6 +167,10 @@ def node_path(key: str) -> str:
 
 
 def stored_dtype(dtype: str, portable: bool) -> str:
+    """The zarr data type a tensor of ``dtype`` is stored as. LayoutError for :data:`NOT_STORABLE`."""
+    if dtype in NOT_STORABLE:
+        raise LayoutError(f"zarr has no data type for {dtype}: convert the tensor (e.g. complex32 to complex64) "
+                          "before exporting")
     return "float32" if portable and dtype in _NARROW_FLOATS else dtype
 
 
