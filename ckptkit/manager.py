@@ -448,7 +448,8 @@ class CheckpointManager:
             if any_other:
                 if other is not None:
                     raise other
-                raise PeerFailureError(f"restoring {name} failed on another rank")
+                said = f" ({damaged})" if isinstance(damaged, PeerFailureError) else ""  # the load named the rank
+                raise PeerFailureError(f"restoring {name} failed on another rank{said}") from damaged
             if not any_damaged:
                 if overwritten and any_missing:  # strict=False: tensors this step lacks hold a failed attempt's bytes
                     raise self._overwritten_error(name)

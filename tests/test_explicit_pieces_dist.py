@@ -173,3 +173,4 @@ def test_a_load_failure_on_one_rank_does_not_hang_the_others(worlds, tmp_path):
     results = worlds.run(2, mismatched_load, path, timeout=60)
     assert results[1].startswith("DTypeMismatchError") and "float32 in the checkpoint" in results[1]
     assert results[0].startswith("PeerFailureError") and "failed on another rank" in results[0]
+    assert "rank 1: DTypeMismatchError" in results[0] and "float32 in the checkpoint" in results[0]  # named

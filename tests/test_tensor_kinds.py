@@ -265,7 +265,23 @@ def _save_with_colliding_keys_on_one_rank(path: str) -> list[str]:
     return out
 
 
+def _load_into_an_expanded_view_on_one_rank(path: str) -> str:
+    import torch.distributed as dist
+
+    ckptkit.save({"w": torch.arange(6.0).reshape(2, 3)}, path)
+    target = torch.zeros(1, 3).expand(2, 3) if dist.get_rank() == 1 else torch.zeros(2, 3)
+    try:
+        ckptkit.load({"w": target}, path)
+        return "loaded"
+    except ckptkit.CkptkitError as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
 def test_a_bad_tensor_on_one_rank_fails_every_rank_naming_it(worlds, tmp_path):
+    out = worlds.run(3, _load_into_an_expanded_view_on_one_rank, str(tmp_path / "l"))
+    assert out[1].startswith("StateMismatchError") and "tensor 'w' of the state cannot be loaded into" in out[1], out
+    for o in (out[0], out[2]):
+        assert o.startswith("PeerFailureError") and "rank 1: StateMismatchError" in o and "tensor 'w'" in o, out
     out = worlds.run(3, _save_with_one_bad_rank, str(tmp_path / "c"))
     for o in out:
         sync_msg, async_msg, reloaded = o.split(" | ")

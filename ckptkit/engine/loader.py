@@ -226,9 +226,10 @@ def _load(flat: FlatState, store: ByteStore, comm: Comm, strict: bool, options: 
         error = exc
     # Every rank enters the same collectives whatever happened, so no rank waits forever.
     if comm.any_flags([error is not None])[0]:
+        said = comm.all_gather_json(_said(error))  # only when one failed: every rank learns which, and why
         if error is not None:
             raise error
-        raise PeerFailureError(f"loading {where} failed on another rank; see that rank's error")
+        raise PeerFailureError(f"loading {where} failed on another rank: {_failed_ranks(said)}")
     assert manifest is not None and session is not None
     keys = _all_keys(manifest)
     requested = comm.any_flags([k in plan.requested for k in keys])
@@ -323,16 +324,30 @@ def _agree(comm: Comm, error: BaseException | None, seconds: float, nbytes: int,
     collective). The times come along because the skew between ranks is what trips a job's
     collective timeouts at scale, so every load states it."""
     try:
-        outcomes = comm.all_gather_json((error is not None, seconds, nbytes))
+        outcomes = comm.all_gather_json((_said(error), seconds, nbytes))
     except RuntimeError as exc:  # a rank died mid-load: its connections are gone
         raise PeerFailureError(f"loading {where}: another rank stopped answering ({exc}); the state may be "
                                "partially overwritten") from (error or exc)
-    if any(failed for failed, _, _ in outcomes):
+    if any(said is not None for said, _, _ in outcomes):
         if error is not None:
             raise error
         raise PeerFailureError(f"loading {where} failed on another rank (the state may be partially "
-                               "overwritten; load another checkpoint); see that rank's error")
+                               f"overwritten; load another checkpoint): {_failed_ranks([o[0] for o in outcomes])}")
     return outcomes
+
+
+def _said(error: BaseException | None) -> str | None:
+    """What a rank's error says, for the other ranks' messages: JSON-safe text, at most 400 characters."""
+    if error is None:
+        return None
+    text = f"{type(error).__name__}: {error}".encode("utf-8", "backslashreplace").decode("utf-8")
+    return text if len(text) <= 400 else text[:397] + "..."
+
+
+def _failed_ranks(said: list[str | None]) -> str:
+    failed = [(r, text) for r, text in enumerate(said) if text is not None]
+    more = f" (and {len(failed) - 3} more ranks)" if len(failed) > 3 else ""
+    return "; ".join(f"rank {r}: {text}" for r, text in failed[:3]) + more
 
 
 def _log_skew(where: str, outcomes: list[Any]) -> None:
