@@ -314,3 +314,42 @@ def test_memory_snapshots_are_ckptkit_checkpoints(worlds, tmp_path):
         assert ckptkit.verify(os.path.join(step, r)).ok
     # only the newest complete step is kept
     assert os.listdir(os.path.join(base, "node1")) == [f"step-{STEPS:010d}"]
+
+
+def train_with_one_rank_refused(run: str, base: str, rpn: int, refused_at: int, steps: int, **kw) -> dict:
+    """Train as :func:`train`, but at ``refused_at`` rank 1's state holds a tensor no save takes (its
+    snapshot is refused on its training thread); every rank goes on past the errors, as a job that
+    logs a failed checkpoint and keeps training does."""
+    model, optim = models.build("fsdp", torch.float32, seed=0)
+    mgr = ckptkit.CheckpointManager(run, save=ckptkit.SavePolicy(every_steps=PERSIST_EVERY),
+                                    memory=_tier(base, rpn, **kw))
+    errors = {}
+    for step in range(1, steps + 1):
+        models.train(model, optim, 1, start=step)
+        state = models.sharded_state(model, optim)
+        if step == refused_at and dist.get_rank() == 1:
+            state["extra"] = torch.ones(3).to_sparse()
+        try:
+            mgr.maybe_save(step, state)
+        except ckptkit.SaveError as exc:
+            errors[step] = str(exc)
+    mgr.close()
+    return errors
+
+
+def test_a_snapshot_one_rank_cannot_take_fails_that_step_on_every_rank_and_the_next_ones_work(worlds, tmp_path):
+    """Rank 1 never gets to protect its refused snapshot: its background still joins that step's agreement
+    (with the failure), so the ranks' agreements stay paired step with step, the step fails on every rank
+    at the next snapshot, and the snapshot after that is whole. Before, the other ranks' backgrounds
+    waited on an agreement rank 1 never entered, and paired it with rank 1's next step's."""
+    run, base = str(tmp_path / "run"), str(tmp_path / "mem")
+    res = worlds.run(4, train_with_one_rank_refused, run, base, 2, 5, 7, replicas=1, timeout=240)
+    assert "tensor 'extra' cannot be saved" in res[1][5], res[1]
+    for rank, errors in enumerate(res):
+        assert "the previous memory snapshot failed" in errors[6] and "step 5" in errors[6], (rank, errors)
+        assert set(errors) == ({5, 6} if rank == 1 else {6}), (rank, errors)
+    want = worlds.run(4, reference, 7)[0]
+    got = worlds.run(4, restore, run, base, 2, replicas=1)
+    for r in got:
+        assert (r["step"], r["source"]) == (7, "memory"), r
+        _equal(r["full"], want)

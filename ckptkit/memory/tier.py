@@ -144,6 +144,17 @@ class MemorySnapshots:
             if exc is not None:
                 self._inflight = None
                 raise SaveError(f"the previous memory snapshot failed: {exc}") from exc
+        try:
+            return self._take(step, state, lend, base, started)
+        except Exception as exc:
+            # this rank has no snapshot of `step`, but every other rank's background waits to agree on
+            # it: this rank's joins with its failure, so every rank fails the step together and the
+            # ranks' agreements stay in step (one left out would pair the next step's with this one's)
+            self._inflight = self._executor.submit(self._refuse, step, exc)
+            raise
+
+    def _take(self, step: int, state: dict[str, Any], lend: bool, base: int,
+              started: int) -> tuple[SaveHandle, dict[str, Any] | None]:
         view = local_view(state, self.world_size, self.rank, self._view_memo)
         if not self._budget_checked:
             self._check_budget(view.nbytes)
@@ -157,8 +168,9 @@ class MemorySnapshots:
                 "started": started}
         handle = self._saver.save(view.state, self.folder.rank_store(step, self.rank), step=step, metadata=meta)
         assert handle is not None  # a rank-local saver with on_busy="wait" never skips
-        self._inflight = self._executor.submit(self._protect, step, handle)
-        return handle, (mirror_state(state, view, handle.staged_tensors) if lend else None)
+        lent = mirror_state(state, view, handle.staged_tensors) if lend else None
+        self._inflight = self._executor.submit(self._protect, step, handle)  # last: nothing after it can fail
+        return handle, lent
 
     def lent_to(self, done: Future[Any]) -> None:
         """The staged snapshot is being persisted from until ``done`` resolves: the next snapshot
@@ -235,6 +247,11 @@ class MemorySnapshots:
             return self.link.all_ok(error is None)
         except Exception as exc:  # noqa: BLE001 - raised as the snapshot's failure
             raise self._failed(step, error or exc, doing + " (agreeing on it with every rank)") from exc
+
+    def _refuse(self, step: int, error: BaseException) -> None:
+        """The background of a snapshot this rank could not take (:meth:`snapshot`): its failure, agreed."""
+        self._agree(step, error, "being taken")
+        raise self._failed(step, error, "being taken")
 
     def _failed(self, step: int, error: BaseException | None, doing: str) -> SaveError:
         where = f"on rank {self.rank}: {type(error).__name__}: {error}" if error is not None else "on another rank"
