@@ -362,3 +362,32 @@ def test_zarr_exports_keep_every_dtype_zarr_names_and_refuse_the_rest_before_wri
         with pytest.raises(ckptkit.CkptkitError, match=f"zarr has no data type for {odd}"):
             export_zarr(tmp_path / f"c-{odd}", tmp_path / f"z-{odd}")
         assert not (tmp_path / f"z-{odd}").exists() or not any((tmp_path / f"z-{odd}").iterdir())
+
+
+# ---------------------------------------------------------------- one tensor under two keys (tied weights)
+
+
+def test_tied_weights_load_when_the_checkpoint_agrees_and_are_refused_when_it_does_not(tmp_path):
+    """A model with tied embeddings holds one Parameter under two keys. Loading a checkpoint whose two
+    entries differ (saved from an untied model) used to leave whichever was read last, without a word."""
+    emb = torch.randn(4, 3)
+    ckptkit.save({"emb": emb, "head": emb.clone(), "n": torch.ones(2)}, tmp_path / "tied")
+    ckptkit.save({"emb": emb, "head": emb + 1, "n": torch.ones(2)}, tmp_path / "untied")
+    w = torch.nn.Parameter(torch.zeros(4, 3))
+    state = {"emb": w, "head": w, "n": torch.zeros(2)}
+    ckptkit.load(state, tmp_path / "tied")
+    assert torch.equal(w.detach(), emb) and torch.equal(state["n"], torch.ones(2))
+    for order in (("emb", "head"), ("head", "emb")):
+        w2 = torch.nn.Parameter(torch.zeros(4, 3))
+        state = {order[0]: w2, order[1]: w2, "n": torch.zeros(2)}
+        with pytest.raises(ckptkit.StateMismatchError,
+                           match=f"tensors '{order[0]}' and '{order[1]}' are one tensor in the state"):
+            ckptkit.load(state, tmp_path / "untied")
+    w3 = torch.nn.Parameter(torch.zeros(4, 3))
+    ckptkit.load({"emb": w3, "n": torch.zeros(2)}, tmp_path / "untied", strict=False)  # the way the error names
+    assert torch.equal(w3.detach(), emb)
+    # views of one buffer at different offsets are different tensors: never taken for tied ones
+    flat = torch.zeros(24)
+    ckptkit.load({"emb": flat[:12].view(4, 3), "head": flat[12:].view(4, 3), "n": torch.zeros(2)},
+                 tmp_path / "untied")
+    assert torch.equal(flat[:12].view(4, 3), emb) and torch.equal(flat[12:].view(4, 3), emb + 1)

@@ -71,11 +71,33 @@ class _Dest:
 
     user: torch.Tensor
     work: torch.Tensor
+    twin: tuple[_Dest, str, str] | None = None  # (the dest of an earlier key that is this same tensor, its key, ours)
 
     def finish(self) -> None:
+        if self.twin is not None:
+            first, first_key, key = self.twin
+            if not torch.equal(_bytes_of(first.work), _bytes_of(self.work)):
+                raise StateMismatchError(
+                    f"tensors {first_key!r} and {key!r} are one tensor in the state (tied weights), but the "
+                    f"checkpoint holds different values for them: one would silently replace the other. Load "
+                    f"the state with one of the two keys left out (strict=False), or untie them")
+            return
         if self.work is not self.user:
             with torch.no_grad():
                 self.user.copy_(self.work)
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _alias(t: torch.Tensor) -> tuple[Any, ...] | None:
+    """What makes two tensors of a state the same memory, seen the same way (tied weights: one
+    Parameter under two keys), or None for an empty one (they share no element)."""
+    if not t.numel():
+        return None
+    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype,
+            t.is_conj(), t.is_neg())
 
 
 def _check_dest(t: torch.Tensor, key: str, where: str) -> None:
@@ -117,6 +139,22 @@ class _Plan:
     dests: list[_Dest] = field(default_factory=list)
     requested: set[str] = field(default_factory=set)
     missing: list[str] = field(default_factory=list)
+    seen: dict[tuple[Any, ...], tuple[int, str]] = field(default_factory=dict)
+
+    def add(self, t: torch.Tensor, key: str) -> int:
+        """A dest for tensor ``t`` of ``key``; its index. A tensor an earlier key already named (tied
+        weights) is read into memory of its own, and :meth:`_Dest.finish` checks that the checkpoint
+        gave both keys the same bytes."""
+        alias = _alias(t)
+        earlier = self.seen.get(alias) if alias is not None else None
+        if earlier is None:
+            self.dests.append(_dest(t))
+            if alias is not None:
+                self.seen[alias] = (len(self.dests) - 1, key)
+        else:
+            first, first_key = earlier
+            self.dests.append(_Dest(t, torch.empty(tuple(t.shape), dtype=t.dtype), (self.dests[first], first_key, key)))
+        return len(self.dests) - 1
 
 
 def _targets(flat: FlatState, manifest: Manifest, strict: bool, where: str) -> _Plan:
@@ -135,14 +173,12 @@ def _targets(flat: FlatState, manifest: Manifest, strict: bool, where: str) -> _
             local = local_of(t)
             if held is None:
                 continue
-            plan.dests.append(_dest(local))
-            ref = len(plan.dests) - 1
+            ref = plan.add(local, leaf.key)
             for lo, box in held[1]:
                 if not box.is_empty():
                     plan.targets.append(Target(ref, leaf.key, Region(box), tuple(local.shape), LocalBox(lo)))
         else:
-            plan.dests.append(_dest(t))
-            ref = len(plan.dests) - 1
+            ref = plan.add(t, leaf.key)
             if t.numel():
                 plan.targets.append(Target(ref, leaf.key, Region(Box.full(tuple(t.shape))), tuple(t.shape), LocalBox(tuple(0 for _ in t.shape))))
     for leaf in flat.sharded:
