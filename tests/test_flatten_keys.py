@@ -45,11 +45,11 @@ def _reference(obj, path=(), out=None):
     return out
 
 
-def _colliding(obj):
+def colliding_keys(obj):
     """The first pair of keys of one dict, in the walk's order, that are the same text (5 and "5")."""
     if isinstance(obj, dict):
         for v in obj.values():
-            inner = _colliding(v)
+            inner = colliding_keys(v)
             if inner is not None:
                 return inner
         seen = {}
@@ -59,7 +59,7 @@ def _colliding(obj):
             seen[str(k)] = k
     elif isinstance(obj, (list, tuple)) and _has_state(obj):
         for v in obj:
-            inner = _colliding(v)
+            inner = colliding_keys(v)
             if inner is not None:
                 return inner
     return None
@@ -73,7 +73,7 @@ _shapes = st.recursive(_leaves, lambda inner: st.one_of(st.dictionaries(_keys, i
 @given(st.dictionaries(_keys, _shapes, max_size=5))
 def test_every_key_is_the_join_of_its_path_and_splits_back(shape):
     state = _build(shape)
-    pair = _colliding(state)
+    pair = colliding_keys(state)
     if pair is not None:  # 5 and "5" in one dict: one key in a checkpoint, so refused (test_state_keys.py)
         with pytest.raises(LayoutError, match=re.escape(f"has the keys {pair[0]!r} and {pair[1]!r}")):
             flatten_state(state)

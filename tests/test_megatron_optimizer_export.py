@@ -307,6 +307,15 @@ def test_a_mutated_record_is_written_whole_or_refused_cleanly(data: st.DataObjec
         assert len(steps) == 1 and all(isinstance(s, float) for s in steps)
 
 
+def test_a_step_beyond_float32_is_refused_not_written_as_inf() -> None:
+    """Found by the test above (a step of 3.4028235677973366e+38): the plain optimizers' step is a float32
+    tensor, and a step past float32's range became inf in the export."""
+    record = copy.deepcopy(GOLDEN_META["optimizer"])
+    record["scalars"]["step"]["value"] = 3.4028235677973366e+38
+    with pytest.raises(ManifestError, match="does not fit the float32 step tensor"):
+        optimizer_export.optimizer_common(record, "ckpt", "plain")
+
+
 def test_a_hostile_record_never_escapes_as_another_error(tmp_path: Path) -> None:
     """End to end for the fuzz's outcomes: a record of the wrong type everywhere still ends in a CkptkitError."""
     for i, value in enumerate([None, 7, "x", [], {"tensor_states": None}]):

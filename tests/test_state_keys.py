@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 import ckptkit
 from tests.conftest import trials
+from tests.test_flatten_keys import colliding_keys as _pair  # the first pair of keys of one dict that are one text
 
 KEYS = [1, "1", None, "None", True, "True", (1, 2), "(1, 2)", 2.5, "2.5", "a", 0, "0", "s\ud800", "a/b", "%2F"]
 
@@ -41,22 +42,6 @@ def states(draw):
                 out[k] = _leaf(draw(st.integers(0, 2)), draw(st.integers(0, 1000)))
         return out
     return {"root": level(0) or {"only": 1}}
-
-
-def _pair(obj):
-    """The first pair of keys of one dict (children first, as the walk finds them) that are one text."""
-    if not isinstance(obj, dict):
-        return None
-    for v in obj.values():
-        inner = _pair(v)
-        if inner is not None:
-            return inner
-    seen = {}
-    for k in obj:
-        if str(k) in seen:
-            return seen[str(k)], k
-        seen[str(k)] = k
-    return None
 
 
 def _has_surrogate(obj) -> bool:

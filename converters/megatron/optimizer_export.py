@@ -188,6 +188,10 @@ def _plain_common(record: Mapping[str, Any], optimizers: list[Any], step: float,
     position, as ``ChainedOptimizer.load_state_dict`` reads them."""
     import torch
 
+    common_step = torch.tensor(step)  # float32, as torch's Adam keeps its step
+    if not bool(torch.isfinite(common_step)):
+        raise ManifestError(f"{where}: the optimizer step {step!r} does not fit the float32 step tensor Megatron's "
+                            "plain optimizers keep")
     entries = []
     for i, optimizer_groups in enumerate(optimizers):
         groups = []
@@ -195,7 +199,7 @@ def _plain_common(record: Mapping[str, Any], optimizers: list[Any], step: float,
             entry = _group(group, step, where)
             del entry["step"]  # the plain optimizers keep it in state.common_step
             groups.append(entry)
-        inner = {"param_groups": groups, "state": {"common_step": torch.tensor(step)}}
+        inner = {"param_groups": groups, "state": {"common_step": common_step.clone()}}
         scaler = _grad_scaler(scalers[i], where) if i < len(scalers) and scalers[i] else None
         if not record["main"]:
             if scaler is not None:  # only the mixed-precision wrapper has a place for it
