@@ -107,6 +107,7 @@ def test_a_refused_tensor_leaves_the_managers_last_checkpoint_and_later_saves_al
             with pytest.raises(ckptkit.SaveError, match="tensor 'extra' cannot be saved"):
                 mgr.save(2, {**state, "extra": bad})
             mgr.wait()
+        assert ckptkit.verify(mgr.step_url(1)).ok and mgr.latest_common_step() == 1  # nothing of step 2
         mgr.save(3, {**state, "step": 3})
         mgr.wait()
     with ckptkit.CheckpointManager(tmp_path / "run") as mgr:
