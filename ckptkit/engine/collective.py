@@ -52,6 +52,14 @@ class Outcome:
     error_type: str = ""
 
 
+def failed_ranks(said: list[str | None], shown: int = 4) -> str:
+    """``"rank r: what it said; ..."`` for the ranks whose entry is not None (the first ``shown``), as a
+    failure on some ranks is reported on every rank: a save's preparation, a load's agreements."""
+    failed = [(r, text) for r, text in enumerate(said) if text is not None]
+    more = f" (and {len(failed) - shown} more ranks)" if len(failed) > shown else ""
+    return "; ".join(f"rank {r}: {text}" for r, text in failed[:shown]) + more
+
+
 class LocalComm:
     """A world of one process (no torch.distributed, or a single-rank job)."""
 

@@ -27,11 +27,11 @@ from typing import Any
 import torch
 
 from ckptkit.engine.dtensor_grid import grid_of, is_dtensor, local_of
-from ckptkit.engine.collective import Comm
+from ckptkit.engine.collective import Comm, failed_ranks
 from ckptkit.engine.load_progress import LoadProgress, ProgressRecord, WatchedComm
 from ckptkit.engine.read_once import read_once
 from ckptkit.engine.read_session import ReadSession
-from ckptkit.engine.state import FlatState, dtype_name
+from ckptkit.engine.state import FlatState, dtype_name, not_dense_memory
 from ckptkit.engine.watchdog import supervise
 from ckptkit.errors import (
     CorruptCheckpointError,
@@ -103,12 +103,8 @@ def _alias(t: torch.Tensor) -> tuple[Any, ...] | None:
 def _check_dest(t: torch.Tensor, key: str, where: str) -> None:
     """Refuse, naming it, a tensor of the state that cannot take a checkpoint's values (before anything
     is read, and before its shape is asked: a nested tensor has none)."""
-    why = None
-    if t.is_nested or t.layout != torch.strided or t.is_quantized:
-        why = "not a dense tensor (nested, sparse or quantized)"
-    elif t.device.type == "meta":
-        why = "a meta tensor, which has no memory to load into (materialise it first, e.g. to_empty())"
-    elif any(stride == 0 and size > 1 for size, stride in zip(t.shape, t.stride())):
+    why = not_dense_memory(t)
+    if why is None and any(stride == 0 and size > 1 for size, stride in zip(t.shape, t.stride())):
         why = "an expanded view whose elements share memory (load into a tensor of its own, then expand it)"
     if why is not None:
         raise StateMismatchError(f"{where}: tensor {key!r} of the state cannot be loaded into: it is {why}")
@@ -265,7 +261,7 @@ def _load(flat: FlatState, store: ByteStore, comm: Comm, strict: bool, options: 
         said = comm.all_gather_json(_said(error))  # only when one failed: every rank learns which, and why
         if error is not None:
             raise error
-        raise PeerFailureError(f"loading {where} failed on another rank: {_failed_ranks(said)}")
+        raise PeerFailureError(f"loading {where} failed on another rank: {failed_ranks(said)}")
     assert manifest is not None and session is not None
     keys = _all_keys(manifest)
     requested = comm.any_flags([k in plan.requested for k in keys])
@@ -368,7 +364,7 @@ def _agree(comm: Comm, error: BaseException | None, seconds: float, nbytes: int,
         if error is not None:
             raise error
         raise PeerFailureError(f"loading {where} failed on another rank (the state may be partially "
-                               f"overwritten; load another checkpoint): {_failed_ranks([o[0] for o in outcomes])}")
+                               f"overwritten; load another checkpoint): {failed_ranks([o[0] for o in outcomes])}")
     return outcomes
 
 
@@ -378,12 +374,6 @@ def _said(error: BaseException | None) -> str | None:
         return None
     text = f"{type(error).__name__}: {error}".encode("utf-8", "backslashreplace").decode("utf-8")
     return text if len(text) <= 400 else text[:397] + "..."
-
-
-def _failed_ranks(said: list[str | None]) -> str:
-    failed = [(r, text) for r, text in enumerate(said) if text is not None]
-    more = f" (and {len(failed) - 3} more ranks)" if len(failed) > 3 else ""
-    return "; ".join(f"rank {r}: {text}" for r, text in failed[:3]) + more
 
 
 def _log_skew(where: str, outcomes: list[Any]) -> None:

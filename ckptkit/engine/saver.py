@@ -35,7 +35,7 @@ import torch
 
 from ckptkit.engine.dtensor_grid import grid_of, is_dtensor, local_of
 from ckptkit.engine.checkpoint_dir import foreign_keys, new_attempt, remove_attempt, remove_other_attempts
-from ckptkit.engine.collective import Comm, Outcome
+from ckptkit.engine.collective import Comm, Outcome, failed_ranks
 from ckptkit.engine.state import FlatState, check_savable, check_state_root, dtype_name, flatten_state
 from ckptkit.engine.writer import write_pieces
 from ckptkit.errors import CkptkitError, SaveError
@@ -102,12 +102,10 @@ def _fail(exc: BaseException) -> Outcome:
 
 
 def _raise_failures(outcomes: list[Outcome], rank: int, where: str, phase: str) -> None:
-    failed = [(r, o) for r, o in enumerate(outcomes) if not o.ok]
-    if not failed:
+    if all(o.ok for o in outcomes):
         return
-    lines = "; ".join(f"rank {r}: {o.error}" for r, o in failed[:4])
-    more = f" (and {len(failed) - 4} more ranks)" if len(failed) > 4 else ""
-    raise SaveError(f"saving {where} failed during {phase}: {lines}{more}")
+    raise SaveError(f"saving {where} failed during {phase}: "
+                    + failed_ranks([None if o.ok else o.error for o in outcomes]))
 
 
 def classify(flat: FlatState, rank: int, *,

@@ -202,20 +202,26 @@ def check_savable(key: str, t: torch.Tensor, shapes_only: bool = False) -> None:
     bytes are taken (:func:`ckptkit.engine.tensor_bytes.piece_tensor`). ``shapes_only``: a meta tensor
     passes (only planned, never written)."""
     check_key(key)
-    why = None
-    if t.is_nested:
-        why = "a nested (ragged) tensor; save its components as a list of tensors"
-    elif t.layout != torch.strided:
-        why = f"a {str(t.layout).removeprefix('torch.')} tensor; save it dense (.to_dense()) or its index and value tensors"
-    elif t.is_quantized:
-        why = (f"a quantized tensor ({dtype_name(t.dtype)}), whose integers mean nothing without its scales; "
-               "save .int_repr() with its q_scale()/q_zero_point(), or .dequantize()")
-    elif t.device.type == "meta" and not shapes_only:
-        why = "a meta tensor, which has a shape but no values (materialise it first, e.g. to_empty() and init)"
-    elif dtype_name(t.dtype) not in DTYPES:
+    why = not_dense_memory(t, meta_ok=shapes_only)
+    if why is None and dtype_name(t.dtype) not in DTYPES:
         why = f"of dtype {dtype_name(t.dtype)}, which the checkpoint format does not name (it names {', '.join(DTYPES)})"
     if why is not None:
         raise SaveError(f"tensor {key!r} cannot be saved: it is {why}")
+
+
+def not_dense_memory(t: torch.Tensor, *, meta_ok: bool = False) -> str | None:
+    """Why ``t``'s elements are not plain values in memory, one after another at its strides (what a
+    save reads and a load writes), or None. Asked before the tensor's shape: a nested one has none."""
+    if t.is_nested:
+        return "a nested (ragged) tensor; save its components as a list of tensors"
+    if t.layout != torch.strided:
+        return f"a {str(t.layout).removeprefix('torch.')} tensor; save it dense (.to_dense()) or its index and value tensors"
+    if t.is_quantized:
+        return (f"a quantized tensor ({dtype_name(t.dtype)}), whose integers mean nothing without its scales; "
+                "save .int_repr() with its q_scale()/q_zero_point(), or .dequantize()")
+    if t.device.type == "meta" and not meta_ok:
+        return "a meta tensor, which has a shape but no values (materialise it first, e.g. to_empty() and init)"
+    return None
 
 
 def torch_dtype(name: str) -> torch.dtype:

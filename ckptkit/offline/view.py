@@ -396,7 +396,7 @@ def select(index: Any, shape: tuple[int, ...], name: str) -> Selection:
 def to_numpy(t: torch.Tensor) -> np.ndarray:
     """A CPU tensor as numpy; dtypes numpy lacks (bfloat16, float8) become ``ml_dtypes`` arrays (bit-exact)."""
     name = str(t.dtype).removeprefix("torch.")
-    if name in ("complex32", "float4_e2m1fn_x2"):
+    if name in NO_NUMPY_DTYPES:
         raise CkptkitError(f"numpy has no {name}; use the torch tensor")
     if name not in _ML_DTYPES:
         return t.numpy()
@@ -410,4 +410,6 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
     return t.view(as_int).numpy().view(getattr(ml_dtypes, name))
 
 
+NO_NUMPY_DTYPES = ("complex32", "float4_e2m1fn_x2")
+"""Checkpoint dtypes with no numpy (nor ``ml_dtypes``, nor zarr) type: read as torch tensors only."""
 _ML_DTYPES = ("bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")

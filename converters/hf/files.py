@@ -50,6 +50,7 @@ from ckptkit.layout.strict_json import load_json
 from ckptkit.storage.base import ByteStore
 from ckptkit.storage.local import LocalStore
 from ckptkit.storage.url import open_store
+from ckptkit_converters.common.safetensors_out import SAFETENSORS_DTYPES
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"  # a model saved in one file, without an index
@@ -58,11 +59,7 @@ MAX_HEADER = 100_000_000  # safetensors' MAX_HEADER_SIZE: a longer header is ref
 MAX_INDEX_BYTES = 64 << 20  # a 100k-tensor index is a few MiB
 _USIZE = 2**64 - 1  # the package reads shapes and offsets as 64-bit usize
 _MAX_DIM = 2**63 - 1  # torch's largest dimension (a zero-size tensor may declare more; refused)
-DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-          "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-          "F8_E4M3FNUZ": torch.float8_e4m3fnuz, "F8_E5M2FNUZ": torch.float8_e5m2fnuz, "C64": torch.complex64,
-          "U64": torch.uint64, "U32": torch.uint32, "U16": torch.uint16}  # as the safetensors package (0.8) maps them
+DTYPES = {code: dtype for dtype, code in SAFETENSORS_DTYPES.items()}  # what the export writes, the import reads
 ITEMSIZE = {code: torch.empty((), dtype=d).element_size() for code, d in DTYPES.items()}
 # dtypes the package knows that ckptkit does not import (named in the refusal, never misread)
 _OTHER_DTYPES = ("F4", "F6_E2M3", "F6_E3M2", "F8_E8M0")
