@@ -191,6 +191,16 @@ def test_loads_into_views_put_the_values_where_the_view_shows_them(tmp_path_fact
         assert torch.equal(bits(t), bits(state[k])), (k, specs[int(k[1:])])
 
 
+def test_a_zero_size_tensor_with_stride_0_is_no_expanded_view(tmp_path):
+    """torch makes some zero-size tensors with stride 0 (``torch.randn(2, 0, 1) * 100``: strides (0, 1, 0)); they
+    share no element, so they load (found by tests/test_heterogeneous_states.py: the expanded-view refusal took them)."""
+    empty = torch.empty_strided((2, 0, 1), (0, 1, 0))
+    ckptkit.save({"e": empty, "w": torch.ones(2)}, tmp_path / "c")
+    got = {"e": torch.zeros_like(empty), "w": torch.zeros(2)}
+    ckptkit.load(got, tmp_path / "c")
+    assert got["e"].shape == (2, 0, 1) and torch.equal(got["w"], torch.ones(2))
+
+
 @pytest.mark.parametrize("bad", ["expand", "meta", "sparse", "nested", "quantized"])
 def test_loading_into_a_tensor_that_cannot_hold_the_values_is_refused_naming_it(tmp_path, bad):
     ckptkit.save({"a": torch.arange(6.0).reshape(2, 3), "b": torch.ones(2, 3)}, tmp_path / "c")

@@ -104,7 +104,8 @@ def _check_dest(t: torch.Tensor, key: str, where: str) -> None:
     """Refuse, naming it, a tensor of the state that cannot take a checkpoint's values (before anything
     is read, and before its shape is asked: a nested tensor has none)."""
     why = not_dense_memory(t)
-    if why is None and any(stride == 0 and size > 1 for size, stride in zip(t.shape, t.stride())):
+    # a zero-size tensor shares no element whatever its strides (torch gives some of them stride 0)
+    if why is None and t.numel() and any(stride == 0 and size > 1 for size, stride in zip(t.shape, t.stride())):
         why = "an expanded view whose elements share memory (load into a tensor of its own, then expand it)"
     if why is not None:
         raise StateMismatchError(f"{where}: tensor {key!r} of the state cannot be loaded into: it is {why}")
