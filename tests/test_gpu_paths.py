@@ -97,6 +97,31 @@ def test_sync_save_of_mixed_cuda_state_loads_on_gpu_and_on_cpu(tmp_path):
     _assert_equal(expected, on_cpu["model"])
 
 
+def test_keys_sharing_cuda_memory_load_every_tensor(tmp_path):
+    """Sharded declarations over one CUDA local (the Megatron adapter's flat optimizer shard), tied CUDA
+    weights and a CUDA view of another key: every CUDA destination is staged through host memory, and
+    each declaration used to be copied back whole, its stale elements over the others' loaded values."""
+    from ckptkit import Sharded
+    from ckptkit.layout.box import Box
+    from ckptkit.layout.pieces import flat_piece
+
+    sizes = (1000, 4096, 17, 300000)
+
+    def state(flat: torch.Tensor, emb: torch.Tensor) -> dict:
+        decls, at = {}, 0
+        for i, n in enumerate(sizes):
+            decls[f"p{i}"] = Sharded(flat, [flat_piece(f"P{i}", (n,), Box.full((n,)), 0, n, local_start=at)])
+            at += n
+        return {"shard": decls, "emb": emb, "head": emb, "emb_rows": emb[:3]}
+
+    flat = torch.randn(sum(sizes), device="cuda")
+    emb = torch.randn(50, 64, device="cuda")
+    ckptkit.save(state(flat, emb), tmp_path / "c")
+    got_flat, got_emb = torch.zeros_like(flat), torch.zeros_like(emb)
+    ckptkit.load(state(got_flat, got_emb), tmp_path / "c")
+    assert torch.equal(got_flat, flat) and torch.equal(got_emb, emb)
+
+
 def test_a_cpu_checkpoint_loads_into_cuda_tensors(tmp_path):
     expected = _host(_state(seed=3))
     ckptkit.save(expected, tmp_path / "c")

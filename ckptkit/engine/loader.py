@@ -31,6 +31,7 @@ from ckptkit.engine.collective import Comm, failed_ranks
 from ckptkit.engine.load_progress import LoadProgress, ProgressRecord, WatchedComm
 from ckptkit.engine.read_once import read_once
 from ckptkit.engine.read_session import ReadSession
+from ckptkit.engine.shared_targets import SharedTargets, share_targets
 from ckptkit.engine.state import FlatState, dtype_name, not_dense_memory
 from ckptkit.engine.watchdog import supervise
 from ckptkit.errors import (
@@ -71,29 +72,17 @@ class _Dest:
 
     user: torch.Tensor
     work: torch.Tensor
-    twin: tuple[_Dest, str, str] | None = None  # (the dest of an earlier key that is this same tensor, its key, ours)
 
     def finish(self) -> None:
-        if self.twin is not None:
-            first, first_key, key = self.twin
-            if not torch.equal(_bytes_of(first.work), _bytes_of(self.work)):
-                raise StateMismatchError(
-                    f"tensors {first_key!r} and {key!r} are one tensor in the state (tied weights), but the "
-                    f"checkpoint holds different values for them: one would silently replace the other. Load "
-                    f"the state with one of the two keys left out (strict=False), or untie them")
-            return
         if self.work is not self.user:
             with torch.no_grad():
                 self.user.copy_(self.work)
 
 
-def _bytes_of(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1).view(torch.uint8)
-
-
 def _alias(t: torch.Tensor) -> tuple[Any, ...] | None:
     """What makes two tensors of a state the same memory, seen the same way (tied weights: one
-    Parameter under two keys), or None for an empty one (they share no element)."""
+    Parameter under two keys; Sharded declarations over one local tensor), or None for an empty one
+    (they share no element)."""
     if not t.numel():
         return None
     return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype,
@@ -136,21 +125,19 @@ class _Plan:
     dests: list[_Dest] = field(default_factory=list)
     requested: set[str] = field(default_factory=set)
     missing: list[str] = field(default_factory=list)
-    seen: dict[tuple[Any, ...], tuple[int, str]] = field(default_factory=dict)
+    seen: dict[tuple[Any, ...], int] = field(default_factory=dict)
+    shared: SharedTargets | None = None
 
-    def add(self, t: torch.Tensor, key: str) -> int:
-        """A dest for tensor ``t`` of ``key``; its index. A tensor an earlier key already named (tied
-        weights) is read into memory of its own, and :meth:`_Dest.finish` checks that the checkpoint
-        gave both keys the same bytes."""
+    def add(self, t: torch.Tensor) -> int:
+        """The destination for tensor ``t``; its index. A tensor an earlier key already named (tied
+        weights, Sharded declarations over one local tensor) is one destination, filled once and
+        copied back once; :mod:`ckptkit.engine.shared_targets` checks the pieces that meet."""
         alias = _alias(t)
-        earlier = self.seen.get(alias) if alias is not None else None
-        if earlier is None:
-            self.dests.append(_dest(t))
-            if alias is not None:
-                self.seen[alias] = (len(self.dests) - 1, key)
-        else:
-            first, first_key = earlier
-            self.dests.append(_Dest(t, torch.empty(tuple(t.shape), dtype=t.dtype), (self.dests[first], first_key, key)))
+        if alias is not None and alias in self.seen:
+            return self.seen[alias]
+        self.dests.append(_dest(t))
+        if alias is not None:
+            self.seen[alias] = len(self.dests) - 1
         return len(self.dests) - 1
 
 
@@ -170,19 +157,18 @@ def _targets(flat: FlatState, manifest: Manifest, strict: bool, where: str) -> _
             local = local_of(t)
             if held is None:
                 continue
-            ref = plan.add(local, leaf.key)
+            ref = plan.add(local)
             for lo, box in held[1]:
                 if not box.is_empty():
                     plan.targets.append(Target(ref, leaf.key, Region(box), tuple(local.shape), LocalBox(lo)))
         else:
-            ref = plan.add(t, leaf.key)
+            ref = plan.add(t)
             if t.numel():
                 plan.targets.append(Target(ref, leaf.key, Region(Box.full(tuple(t.shape))), tuple(t.shape), LocalBox(tuple(0 for _ in t.shape))))
     for leaf in flat.sharded:
         s = leaf.obj
         _check_dest(s.local, leaf.key, where)
-        plan.dests.append(_dest(s.local))
-        ref = len(plan.dests) - 1
+        ref = plan.add(s.local)
         for p in s.pieces:
             plan.requested.add(p.tensor)
             if p.tensor not in manifest.tensors:
@@ -202,6 +188,7 @@ def _targets(flat: FlatState, manifest: Manifest, strict: bool, where: str) -> _
             f"{where}: {len(plan.missing)} key(s) of the state are not in the checkpoint: {shown}"
             f"{' ...' if len(plan.missing) > 8 else ''} (pass strict=False to load the rest)"
         )
+    plan.shared = share_targets([d.user for d in plan.dests], [d.work for d in plan.dests], plan.targets)
     return plan
 
 
@@ -254,7 +241,8 @@ def _load(flat: FlatState, store: ByteStore, comm: Comm, strict: bool, options: 
         plan = _targets(flat, manifest, strict, where)
         if manifest.world_size == comm.world_size:
             _check_own_split_values(flat, manifest, comm.rank, where)
-        ops = session.match(plan.targets)
+        assert plan.shared is not None
+        ops = session.match(plan.shared.targets)
     except Exception as exc:  # carried through the collective below, then re-raised
         error = exc
     # Every rank enters the same collectives whatever happened, so no rank waits forever.
@@ -312,7 +300,10 @@ def _read_into_state(session: ReadSession, ops: list[CopyOp], own: set[int], pla
     overwritten). Collective when reading once: every rank enters it whatever failed before."""
     where = session.url
     manifest = session.manifest
-    targets = [d.work for d in plan.dests]
+    shared = plan.shared
+    assert shared is not None
+    works = [d.work for d in plan.dests]
+    targets = works + shared.buffers
     nbytes = 0
     reading = False
     read_plan = None
@@ -337,8 +328,14 @@ def _read_into_state(session: ReadSession, ops: list[CopyOp], own: set[int], pla
             raise error
         session.progress.phase("values")
         indexes = session.indexes(own)
-        for d in plan.dests:
-            d.finish()
+        shared.place(works)
+        filled = {t.ref for t in shared.original}
+        for ref, d in enumerate(plan.dests):
+            if ref in shared.piecewise:
+                shared.copy_back(ref, d.user, d.work)
+            elif ref in filled:  # a destination nothing was read into keeps its memory as it is
+                d.finish()
+        shared.check([d.user for d in plan.dests], works, where)
         _assign_values(flat, manifest, indexes.get(comm.rank) if not resized else None, where,
                        None if resized else comm.rank)
     except CorruptCheckpointError as exc:

@@ -1,0 +1,189 @@
+"""Load targets that share memory: tied weights, views of one buffer, declarations over one local tensor.
+
+A state may name one memory more than once: one Parameter under two keys (tied embeddings), a flat
+buffer and views into it, several :class:`~ckptkit.Sharded` declarations over one local tensor (the
+Megatron adapter declares one per global tensor of a flat optimizer shard). Reading straight into
+such memory from several keys goes wrong in three ways, each seen before this module existed:
+
+* two reads of overlapping memory race, and the checksum of one is taken over bytes the other
+  wrote: a good checkpoint reported corrupt, so a resuming job would fall back to an older one;
+* two keys that the checkpoint gives different values silently leave whichever landed last;
+* a staged destination (a GPU tensor, a strided view) copied back whole writes its stale elements
+  over what another key just loaded there: a silent restore of the values from before the load.
+
+So the load finds every piece it would write whose memory may overlap another's (exactly within one
+tensor, by memory span across views of one storage), reads those pieces into memory of their own,
+places them in order, and then checks that every one of them reads back as the checkpoint gave it:
+agreeing keys load, disagreeing ones fail naming both. A staged destination that shares its storage
+with another destination is copied back piece by piece, never whole. Memory that is not shared
+costs nothing: no private buffer, no extra copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from math import prod
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ckptkit.errors import StateMismatchError
+from ckptkit.layout.box import Box, Region
+from ckptkit.layout.pieces import LocalBox, LocalFlat
+from ckptkit.plan.load_plan import Target
+
+
+Run = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes) of a box: plain tuples, this runs per piece
+
+
+def boxes_of(t: torch.Tensor, target: Target) -> list[Run]:
+    """The boxes of ``t`` (a destination's memory, laid out as ``target.local_shape``) that ``target``
+    fills, in the order of its elements: its box, or the runs of its flat range."""
+    if isinstance(target.local, LocalBox):
+        return [(target.local.offsets, target.region.box.sizes)]
+    start, n = target.local.start, target.region.numel
+    if t.dim() == 1:
+        return [((start,), (n,))]
+    return [(b.offsets, b.sizes) for b in Region(Box.full(tuple(t.shape)), (start, start + n)).boxes()]
+
+
+def _view(t: torch.Tensor, box: Run) -> torch.Tensor:
+    return t[tuple(slice(o, o + s) for o, s in zip(*box))]
+
+
+def put(t: torch.Tensor, target: Target, values: torch.Tensor) -> None:
+    """Write ``values`` (the piece's elements, any contiguous shape) where ``target`` lies in ``t``."""
+    flat = values.reshape(-1)
+    at = 0
+    with torch.no_grad():
+        for box in boxes_of(t, target):
+            n = prod(box[1])
+            _view(t, box).copy_(flat[at:at + n].view(box[1]))
+            at += n
+
+
+def take(t: torch.Tensor, target: Target) -> torch.Tensor:
+    """The bytes of ``t`` where ``target`` lies, in its elements' order."""
+    parts = [_bytes(_view(t, box)) for box in boxes_of(t, target)]
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach().resolve_conj().resolve_neg()
+    out = torch.empty(t.numel(), dtype=t.dtype)  # not .contiguous(): a one-element view keeps its stride
+    out.copy_(t.reshape(-1))
+    return out.view(torch.uint8)
+
+
+def _storage(t: torch.Tensor) -> tuple[Any, int]:
+    return t.device, t.untyped_storage().data_ptr()
+
+
+def _target_span(t: torch.Tensor, boxes: list[Run]) -> tuple[int, int]:
+    """Bytes ``[lo, hi)`` of ``t``'s storage that hold ``boxes`` of ``t`` (every element they hold lies
+    inside; strides are never negative in torch)."""
+    base, strides, size = t.storage_offset(), t.stride(), t.element_size()
+    lo = hi = None
+    for offsets, sizes in boxes:
+        first = base + sum(o * s for o, s in zip(offsets, strides))
+        last = first + sum((n - 1) * s for n, s in zip(sizes, strides))
+        lo = first if lo is None else min(lo, first)
+        hi = last if hi is None else max(hi, last)
+    assert lo is not None and hi is not None  # a target is never empty
+    return lo * size, (hi + 1) * size
+
+
+def _apart(a: list[Run], b: list[Run]) -> bool:
+    """Whether two pieces of one destination hold no element in common (exact)."""
+    return all(any(min(o1 + s1, o2 + s2) <= max(o1, o2) for o1, s1, o2, s2 in zip(x[0], x[1], y[0], y[1]))
+               for x in a for y in b)
+
+
+@dataclass
+class SharedTargets:
+    """The load's targets with every piece whose memory another piece may also write redirected
+    into a private buffer (``buffers``, destination refs from the last destination's on), and how
+    to put those back and check them."""
+
+    targets: list[Target]
+    original: list[Target]
+    buffers: list[torch.Tensor] = field(default_factory=list)
+    private: list[tuple[Target, int, str]] = field(default_factory=list)  # (original target, buffer, a key it meets)
+    piecewise: set[int] = field(default_factory=set)  # destinations copied back piece by piece
+
+    def place(self, works: Sequence[torch.Tensor]) -> None:
+        """Privately read pieces into their destinations' working memory, in the state's order."""
+        with torch.no_grad():
+            for target, buffer, _ in self.private:
+                put(works[target.ref], target, self.buffers[buffer])
+
+    def copy_back(self, ref: int, user: torch.Tensor, work: torch.Tensor) -> None:
+        """A staged destination sharing storage with another: only the pieces it loaded go back."""
+        for target in self.original:
+            if target.ref == ref:
+                put(user, target, take(work, target).view(work.dtype))
+
+    def check(self, users: Sequence[torch.Tensor], works: Sequence[torch.Tensor], where: str) -> None:
+        """Every privately read piece must now read back as the checkpoint gave it; a piece that does
+        not was overwritten by another key's different values."""
+        for target, buffer, other in self.private:
+            ref = target.ref
+            memory = users[ref] if ref in self.piecewise else works[ref]
+            if not torch.equal(take(memory, target), _bytes(self.buffers[buffer])):
+                first, second = sorted((target.tensor, other))
+                raise StateMismatchError(
+                    f"{where}: tensors {first!r} and {second!r} share memory in the state (tied weights, or views "
+                    f"of one buffer), but the checkpoint holds different values for them where they meet: one "
+                    f"would silently replace the other. Load the state with one of the two keys left out "
+                    f"(strict=False), or give them memory of their own")
+
+
+def share_targets(users: Sequence[torch.Tensor], works: Sequence[torch.Tensor], targets: list[Target]) -> SharedTargets:
+    """Find the pieces of ``targets`` (into destinations ``users``, read into ``works``) whose memory
+    may overlap another piece's, and redirect them. Costs one sort per storage when nothing is shared."""
+    by_storage: dict[tuple[Any, int], list[int]] = {}
+    storages: dict[int, tuple[Any, int]] = {}
+    for i, target in enumerate(targets):
+        storage = storages.get(target.ref)
+        if storage is None:
+            storage = storages[target.ref] = _storage(users[target.ref])
+        by_storage.setdefault(storage, []).append(i)
+    boxes: dict[int, list[Run]] = {}
+    meets: dict[int, str] = {}
+    piecewise: set[int] = set()
+    for members in by_storage.values():
+        if len(members) < 2:  # the usual case: a tensor of its own, one piece
+            continue
+        spans = []
+        for i in members:
+            boxes[i] = boxes_of(users[targets[i].ref], targets[i])
+            spans.append((*_target_span(users[targets[i].ref], boxes[i]), i))
+        refs = {targets[i].ref for i in members}
+        if len(refs) > 1:  # views of one storage: a staged one must not be copied back whole
+            piecewise.update(ref for ref in refs if works[ref].data_ptr() != users[ref].data_ptr())
+        spans.sort()
+        active: list[tuple[int, int]] = []  # (hi, index) of the spans that may still meet the next one
+        for lo, hi, i in spans:
+            active = [(h, j) for h, j in active if h > lo]
+            for _, j in active:
+                a, b = targets[i], targets[j]
+                if a.ref == b.ref and _apart(boxes[i], boxes[j]):
+                    continue
+                meets.setdefault(i, b.tensor)
+                meets.setdefault(j, a.tensor)
+            active.append((hi, i))
+    shared = SharedTargets(list(targets), list(targets), piecewise=piecewise)
+    for i in sorted(meets):
+        target = targets[i]
+        work = works[target.ref]
+        if isinstance(target.local, LocalFlat):
+            buffer, place = torch.empty(target.region.numel, dtype=work.dtype), LocalFlat(0)
+        else:
+            sizes = target.region.box.sizes
+            buffer, place = torch.empty(sizes, dtype=work.dtype), LocalBox(tuple(0 for _ in sizes))
+        shared.private.append((target, len(shared.buffers), meets[i]))
+        shared.targets[i] = Target(len(users) + len(shared.buffers), target.tensor, target.region,
+                                   tuple(buffer.shape), place)
+        shared.buffers.append(buffer)
+    return shared
