@@ -399,11 +399,11 @@ def _assign_values(flat: FlatState, manifest: Manifest, own_index: Index | None,
     resize, where ``per_rank_on_resize`` already refused or chose to keep the state's own)."""
     for leaf in flat.values:
         if leaf.key in manifest.values:
-            leaf.assign(decode_value(manifest.values[leaf.key], f"{where}: value {leaf.key!r}"))
+            flat.assign(leaf, decode_value(manifest.values[leaf.key], f"{where}: value {leaf.key!r}"))
         elif leaf.key in manifest.rank_values and rank is not None:
             for encoded, ranks in manifest.rank_values[leaf.key]:
                 if rank in ranks:
-                    leaf.assign(decode_value(encoded, f"{where}: value {leaf.key!r} of rank {rank}"))
+                    flat.assign(leaf, decode_value(encoded, f"{where}: value {leaf.key!r} of rank {rank}"))
                     break
             else:
                 raise MissingKeysError(f"{where}: value {leaf.key!r} was saved per rank (the saving ranks held "

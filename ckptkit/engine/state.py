@@ -17,7 +17,7 @@ import torch
 
 from ckptkit.errors import LayoutError, SaveError
 from ckptkit.layout.manifest import DTYPES
-from ckptkit.layout.values import check_key
+from ckptkit.layout.values import check_key, shaped_like
 from ckptkit.layout.pieces import Piece
 from ckptkit.layout.rules import PartitionRule
 from ckptkit.layout.strict_json import gc_paused
@@ -97,11 +97,6 @@ class Leaf:
     #: the key's parts as strings (``split_key(key)``, without parsing it again)
     path: tuple[str, ...] = ()
 
-    def assign(self, value: Any) -> None:
-        if isinstance(self.parent, tuple):
-            raise LayoutError(f"state key {self.key!r}: cannot load a value into a tuple; use a list")
-        self.parent[self.slot] = value
-
 
 @dataclass
 class FlatState:
@@ -110,6 +105,31 @@ class FlatState:
     generators: list[Leaf] = field(default_factory=list)
     per_rank: list[Leaf] = field(default_factory=list)
     values: list[Leaf] = field(default_factory=list)
+    root: Any = None  # the state walked: a value inside a tuple is put back through it
+
+    def assign(self, leaf: Leaf, value: Any) -> None:
+        """Put a loaded value where ``leaf`` was, with the container and scalar types the state holds
+        there (:func:`~ckptkit.layout.values.shaped_like`: a namedtuple stays one). Inside a tuple (``(weight, 3)``), which cannot change,
+        the tuples between the value and the nearest dict or list above it are rebuilt with the new
+        value (a namedtuple as its own type), as a value in a dict is replaced: a save of such a state
+        used to commit, and every load of it then failed after reading the tensors."""
+        value = shaped_like(value, leaf.obj)
+        if not isinstance(leaf.parent, tuple):
+            leaf.parent[leaf.slot] = value
+            return
+        chain: list[tuple[Any, Any]] = []  # (container, slot) from the root down to the value
+        node = self.root
+        for part in leaf.path:
+            slot = int(part) if isinstance(node, (list, tuple)) else next(k for k in node if str(k) == part)
+            chain.append((node, slot))
+            node = node[slot]
+        while isinstance(chain[-1][0], tuple):
+            container, slot = chain.pop()
+            items = list(container)
+            items[slot] = value
+            value = type(container)._make(items) if hasattr(container, "_fields") else type(container)(items)
+        container, slot = chain[-1]
+        container[slot] = value
 
 
 def _has_state(obj: Any) -> bool:
@@ -133,7 +153,7 @@ def flatten_state(state: Any) -> FlatState:
     """``state``'s leaves. Walked with the collector paused: a leaf per tensor, at every save and snapshot
     (docs/design-notes.md, "The training thread's GIL and collector")."""
     check_state_root(state)
-    out = FlatState()
+    out = FlatState(root=state)
     with gc_paused():
         _walk(state, "", (), None, None, out)
     return out

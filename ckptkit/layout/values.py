@@ -13,6 +13,7 @@ save time with the key named, rather than silently stringified.
 from __future__ import annotations
 
 import base64
+import copy
 import math
 from typing import Any
 
@@ -195,4 +196,50 @@ def decode_value(value: Any, where: str) -> Any:
 def _list(value: Any, where: str) -> list:
     if not isinstance(value, list):
         raise ManifestError(f"{where}: expected a list, got {type(value).__name__}")
+    return value
+
+
+def shaped_like(value: Any, like: Any) -> Any:
+    """``value`` as decoded (JSON's list, tuple, dict, int, float, str, bytes) with the types the state
+    being loaded into holds at the same place, where the shapes agree: a namedtuple, ``torch.Size``,
+    ``OrderedDict``, ``defaultdict``, an ``IntEnum`` member, a ``numpy.float64``, a ``bytearray``.
+    The checkpoint cannot name a Python type without running code at load, so the state's own types
+    are the ones used, as a tensor's dtype is the state's; where they do not fit (another length,
+    other keys, a constructor that refuses the value) the decoded value stays as it is."""
+    if isinstance(value, (list, tuple, dict)):
+        return _shaped_container(value, like)
+    if isinstance(like, bool) or type(like) is type(value):
+        return value
+    if isinstance(like, bytearray) and isinstance(value, bytes):
+        return bytearray(value)
+    if isinstance(value, (int, float, str, bytes)) and not isinstance(value, bool) and isinstance(like, type(value)):
+        try:
+            return type(like)(value)
+        except Exception:  # noqa: BLE001 - the state's type refuses the saved value: keep the value
+            return value
+    return value
+
+
+def _shaped_container(value: Any, like: Any) -> Any:
+    if isinstance(value, tuple) and isinstance(like, tuple) and len(value) == len(like):
+        items = [shaped_like(v, x) for v, x in zip(value, like)]
+        if hasattr(like, "_fields"):
+            return type(like)._make(items)
+        try:
+            return type(like)(items)
+        except Exception:  # noqa: BLE001 - a tuple subclass that cannot be built from its items
+            return tuple(items)
+    if isinstance(value, list) and isinstance(like, list) and len(value) == len(like):
+        return [shaped_like(v, x) for v, x in zip(value, like)]
+    if isinstance(value, dict) and isinstance(like, dict) and value.keys() == like.keys():
+        items = {k: shaped_like(v, like[k]) for k, v in value.items()}
+        if type(like) is dict:
+            return items
+        try:
+            out = copy.copy(like)  # keeps a defaultdict's factory, an OrderedDict's type
+            out.clear()
+            out.update(items)
+            return out
+        except Exception:  # noqa: BLE001 - a dict subclass that cannot be copied: a plain dict
+            return items
     return value

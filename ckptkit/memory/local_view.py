@@ -55,7 +55,7 @@ class LocalView:
         """After a load into :attr:`state`: values and per-rank values back into the user's state
         (tensors and generators were loaded in place)."""
         for leaf in self.flat.values:
-            leaf.assign(_get(self.state, leaf))
+            self.flat.assign(leaf, _get(self.state, leaf))
         for leaf in self.flat.per_rank:
             leaf.obj.value = _get(self.state, leaf)
 
