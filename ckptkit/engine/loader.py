@@ -47,7 +47,7 @@ from ckptkit.layout.box import Box, Region
 from ckptkit.layout.index import Index
 from ckptkit.layout.manifest import Manifest
 from ckptkit.layout.pieces import LocalBox
-from ckptkit.layout.values import decode_value
+from ckptkit.layout.values import decode_value, shaped_like
 from ckptkit.options import LoadOptions
 from ckptkit.plan.load_plan import CopyOp, Target
 from ckptkit.storage.base import ByteStore
@@ -179,17 +179,49 @@ def _targets(flat: FlatState, manifest: Manifest, strict: bool, where: str) -> _
                 plan.targets.append(Target(ref, p.tensor, p.region, tuple(s.local.shape), p.local))
     for leaf in (*flat.values, *flat.generators, *flat.per_rank):
         plan.requested.add(leaf.key)
+        _check_value_kind(manifest, leaf.key, leaf in flat.values, where)
         if leaf.key not in manifest.values and leaf.key not in manifest.per_rank_keys \
                 and leaf.key not in manifest.rank_values:
             plan.missing.append(leaf.key)
     if plan.missing and strict:
-        shown = ", ".join(repr(k) for k in sorted(plan.missing)[:8])
+        shown = ", ".join(_held_as(manifest, k) for k in sorted(plan.missing)[:8])
         raise MissingKeysError(
             f"{where}: {len(plan.missing)} key(s) of the state are not in the checkpoint: {shown}"
             f"{' ...' if len(plan.missing) > 8 else ''} (pass strict=False to load the rest)"
         )
     plan.shared = share_targets([d.user for d in plan.dests], [d.work for d in plan.dests], plan.targets)
     return plan
+
+
+def _check_value_kind(manifest: Manifest, key: str, plain: bool, where: str) -> None:
+    """A plain value of the state must be a value the saving ranks held (agreed or not), a ``PerRank``
+    or generator must be one stored per rank: loading one kind into the other used to succeed, strict,
+    and leave the state's value as it was, without a word."""
+    if plain and key in manifest.per_rank_keys and key not in manifest.values and key not in manifest.rank_values:
+        raise StateMismatchError(f"{where}: {key!r} is a per-rank value in the checkpoint (ckptkit.PerRank or a "
+                                 f"torch.Generator), the state holds a plain value there: wrap it in ckptkit.PerRank, "
+                                 f"or pass a torch.Generator")
+    if not plain and key not in manifest.per_rank_keys and (key in manifest.values or key in manifest.rank_values):
+        raise StateMismatchError(f"{where}: {key!r} is a plain value in the checkpoint, the state holds a per-rank "
+                                 f"value there (ckptkit.PerRank or a torch.Generator): pass the plain value")
+
+
+def _held_as(manifest: Manifest, key: str) -> str:
+    """A missing key, and what the checkpoint holds under that name instead, if anything (a tensor
+    where the state has a value, a dict where it has a leaf), so the error says what differs."""
+    if key in manifest.tensors:
+        return f"{key!r} (a tensor in the checkpoint)"
+    if key in manifest.values or key in manifest.rank_values or key in manifest.per_rank_keys:
+        return f"{key!r} (a value in the checkpoint)"
+    prefix = key + "/"
+    if any(k.startswith(prefix) for k in (*manifest.tensors, *manifest.values, *manifest.per_rank_keys)):
+        return f"{key!r} (a dict or list in the checkpoint, keys {prefix}...)"
+    parts = key.split("/")
+    for n in range(len(parts) - 1, 0, -1):
+        above = "/".join(parts[:n])
+        if above in manifest.tensors or above in manifest.values or above in manifest.rank_values:
+            return f"{key!r} (the checkpoint holds one {'tensor' if above in manifest.tensors else 'value'} at {above!r})"
+    return repr(key)
 
 
 def _all_keys(manifest: Manifest) -> list[str]:
@@ -415,15 +447,26 @@ def _assign_values(flat: FlatState, manifest: Manifest, own_index: Index | None,
             leaf.obj.set_state(_generator_state(own_index.values[leaf.key], leaf.key, where, rank))
     for leaf in flat.per_rank:
         if leaf.key in own_index.values:
-            leaf.obj.value = decode_value(own_index.values[leaf.key], f"{where}: value {leaf.key!r}")
+            encoded = own_index.values[leaf.key]
+            if _is_generator(encoded):
+                raise StateMismatchError(f"{where}: {leaf.key!r} is a torch.Generator's state in the checkpoint, "
+                                         f"the state holds a ckptkit.PerRank there: pass a torch.Generator")
+            leaf.obj.value = shaped_like(decode_value(encoded, f"{where}: value {leaf.key!r}"), leaf.obj.value)
+
+
+def _is_generator(encoded: Any) -> bool:
+    """Whether a per-rank entry is a generator's state: no PerRank value encodes to this form
+    (``__generator__`` is one of the value tags, so a dict with that key is stored tagged)."""
+    return isinstance(encoded, dict) and set(encoded) == {"__generator__"} and isinstance(encoded["__generator__"], str)
 
 
 def _generator_state(encoded: Any, key: str, where: str, rank: int | None) -> torch.Tensor:
     """A saved ``torch.Generator`` state, checked before torch sees it (torch raises a bare
     RuntimeError, or worse, on a malformed state)."""
     what = f"{where}: per-rank value {key!r} of rank {rank}"
-    if not isinstance(encoded, dict) or set(encoded) != {"__generator__"} or not isinstance(encoded["__generator__"], str):
-        raise CorruptCheckpointError(f"{what} is not a generator state")
+    if not _is_generator(encoded):
+        raise StateMismatchError(f"{what} is a ckptkit.PerRank value in the checkpoint, not a generator's state; "
+                                 f"the state holds a torch.Generator there: pass a ckptkit.PerRank")
     try:
         raw = base64.b64decode(encoded["__generator__"], validate=True)
     except ValueError:

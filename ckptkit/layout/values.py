@@ -97,7 +97,7 @@ def split_key(key: str) -> tuple[str, ...]:
     return tuple(p.replace("%2F", "/").replace("%25", "%") for p in key.split("/"))
 
 
-_TAGS = ("__tuple__", "__bytes__", "__dict__", "__float__")
+_TAGS = ("__tuple__", "__bytes__", "__dict__", "__float__", "__generator__")  # the last: a generator's per-rank state
 
 
 def encode_value(value: Any, key: str, depth: int = 0) -> Any:
