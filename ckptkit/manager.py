@@ -22,6 +22,7 @@ checkpoint's status, retention, gc, read leases — is :mod:`ckptkit.run_folder`
 from __future__ import annotations
 
 import logging
+import operator
 import threading
 import time
 from concurrent.futures import Future
@@ -48,7 +49,7 @@ from ckptkit.memory.options import MemoryTier
 from ckptkit.options import AsyncOptions, LoadOptions
 from ckptkit import run_identity
 from ckptkit.retention import Record, RetentionPolicy
-from ckptkit.run_folder import LEASES, STEP_PATTERN, RunFolder, StepNaming, step_dir
+from ckptkit.run_folder import LEASES, MAX_STEP, STEP_PATTERN, RunFolder, StepNaming, step_dir
 from ckptkit.storage.tiered import TieredStore
 from ckptkit.storage.url import open_store
 
@@ -202,6 +203,7 @@ class CheckpointManager:
 
         With a memory tier, also snapshot into node memory at its own interval (the snapshot
         blocks the step like a persistent save's does; its protection runs in the background)."""
+        step = self._step(step)
         snapshot = self._memory is not None and step % self._memory.options.every_steps == 0
         due = self.should_save(step)
         mirror = None
@@ -219,6 +221,21 @@ class CheckpointManager:
         if handle is not None:
             self._memory.lent_to(handle.committed)
         return handle
+
+    def _step(self, step: Any) -> int:
+        """``step`` as a plain int, or OptionsError naming it: a restore looks only at steps in
+        [0, 2**62] (the bound of every integer in a checkpoint), so a save of any other step used to
+        commit a checkpoint that no restore would ever return, and resume from an older one, or from
+        scratch, without a word. numpy integers are steps; bools, floats and strings are not."""
+        if not isinstance(step, bool):
+            try:
+                value = operator.index(step)
+            except TypeError:
+                value = None
+            if value is not None and 0 <= value <= MAX_STEP:
+                return value
+        raise OptionsError(f"{self.root.url}: step {step!r} ({type(step).__name__}) is not a step: a step is an "
+                           f"integer from 0 to 2**62")
 
     def _lineage_base(self) -> int:
         """The newest persistent step committed on this trajectory (-1: none)."""
@@ -241,6 +258,7 @@ class CheckpointManager:
         committed (what :meth:`maybe_save` passes with the memory tier's snapshot of the same step),
         so they are persisted from without a second copy.
         """
+        step = self._step(step)
         self._save_requested.clear()
         self._last_save = time.monotonic()
         name = self.folder.naming.name(step)
@@ -342,7 +360,7 @@ class CheckpointManager:
         """:meth:`latest_common_step`; the newest step folder holding a manifest (committed, or one
         that fails its checks; at any step) on any rank, -1 if none; and the steps of those this rank
         sees. What a memory snapshot's lineage is checked against (:func:`ckptkit.memory.restore._foreign`)."""
-        bound = 2**62 if at_most is None else at_most
+        bound = MAX_STEP if at_most is None else at_most
         everything = self.records()
         steps = tuple(r.step for r in everything if r.status != "uncommitted")
         present = max(steps, default=-1)
@@ -384,7 +402,7 @@ class CheckpointManager:
         """
         t0 = time.perf_counter()
         self.wait()
-        bound = 2**62 if at_most is None else at_most
+        bound = MAX_STEP if at_most is None else at_most
         self.skipped = []
         overwritten = False  # whether a failed memory attempt wrote into `state`
         if self._memory is not None:

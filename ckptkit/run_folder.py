@@ -23,12 +23,14 @@ from ckptkit.engine.checkpoint_dir import remove_uncommitted
 from ckptkit.engine.metadata_io import read_manifest
 from ckptkit.errors import CkptkitError, OptionsError, StorageError, UncommittedCheckpointError
 from ckptkit.layout.manifest import MANIFEST_NAME
+from ckptkit.layout.strict_json import MAX_LAYOUT_INT
 from ckptkit.retention import Record, RetentionPolicy, decide, unknown
 from ckptkit.storage.base import ByteStore
 
 log = logging.getLogger("ckptkit")
 
-STEP_PATTERN = re.compile(r"^step-(\d+)$")
+MAX_STEP = MAX_LAYOUT_INT  # the newest step a restore looks at; a save of a later one is refused
+STEP_PATTERN = re.compile(r"^step-([0-9]+)$")  # ASCII digits: `\d` takes "step-١٢" for step 12
 LEASES = ".leases"
 
 
@@ -90,6 +92,13 @@ class RunFolder:
             return Record(name, step, False, status="unreadable", reason=str(exc))
         except CkptkitError as exc:
             return Record(name, step, False, status="damaged", reason=str(exc))
+        recorded = meta.get("step") if isinstance(meta, dict) else None
+        if isinstance(recorded, int) and not isinstance(recorded, bool) and recorded != step:
+            # a folder copied or renamed under another step's name: restoring it as this step would
+            # resume from another step's state while reporting this one
+            return Record(name, step, False, status="damaged",
+                          reason=f"its manifest records step {recorded}, not {step}: a checkpoint copied or renamed "
+                                 f"under another step's name (rename it {self.naming.name(recorded)}, or load it by path)")
         metrics = meta.get("metrics") if isinstance(meta, dict) else None
         return Record(name, step, True, metrics if isinstance(metrics, dict) else {})
 

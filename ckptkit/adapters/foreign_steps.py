@@ -43,11 +43,11 @@ DCP = ForeignSteps(
     "`ckptkit convert {src} DST --from dcp`, then start with initial_load_path=DST in a new checkpoint folder "
     "(in this one, a ckptkit step would win over initial_load_path)")
 DEEPSPEED = ForeignSteps(
-    "a DeepSpeed checkpoint (engine.save_checkpoint)", re.compile(r"^global_step(\d+)$"), None,
+    "a DeepSpeed checkpoint (engine.save_checkpoint)", re.compile(r"^global_step([0-9]+)$"), None,
     "`ckptkit convert {folder} DST --from deepspeed --tag {name}`, then ckptkit.adapters.deepspeed.load(engine, "
     "DST) before training, with a new folder for this checkpointer")
 MEGATRON = ForeignSteps(  # release: Megatron-LM's released (converted) checkpoint, loaded as iteration 0
-    "a Megatron checkpoint", re.compile(r"^(?:iter_(\d+)|release)$"), None,
+    "a Megatron checkpoint", re.compile(r"^(?:iter_([0-9]+)|release)$"), None,
     "`ckptkit convert {src} DST --from megatron`, then ckptkit.adapters.megatron.load(model, DST, ...) before "
     "training, with a new folder for this checkpointer")
 

@@ -23,7 +23,7 @@ from ckptkit.storage.base import ByteStore
 
 _ATTEMPT = r"[0-9a-f]{12}"
 _OWN_KEY = re.compile(
-    rf"^(?:(?:data/rank-\d{{5}}(?:-(?P<a1>{_ATTEMPT}))?\.bin)|(?:index/rank-\d{{5}}(?:-(?P<a2>{_ATTEMPT}))?\.json)"
+    rf"^(?:(?:data/rank-(?:[0-9]{{5}}|[1-9][0-9]{{5,6}})(?:-(?P<a1>{_ATTEMPT}))?\.bin)|(?:index/rank-(?:[0-9]{{5}}|[1-9][0-9]{{5,6}})(?:-(?P<a2>{_ATTEMPT}))?\.json)"
     r"|manifest\.json)(?:\.tmp-[0-9a-z-]+)?$"
 )
 

@@ -27,7 +27,7 @@ from math import gcd
 from ckptkit.errors import LayoutError
 from ckptkit.layout.grid import Mesh
 
-_TOKEN = re.compile(r"(vpp|etp|tp|pp|dp|cp|ep)(\d+)")
+_TOKEN = re.compile(r"(vpp|etp|tp|pp|dp|cp|ep)([0-9]+)")
 _NAMES = ("tp", "pp", "dp", "cp", "ep", "etp", "vpp")
 MESH_DIMS = ("pp", "dp", "cp", "tp")
 EXPERT_MESH_DIMS = ("pp", "edp", "ep", "etp")

@@ -34,10 +34,11 @@ from ckptkit.storage.local import LocalStore
 
 log = logging.getLogger("ckptkit")
 
-STEP_RE = re.compile(r"^step-(\d{10})$")
-RANK_RE = re.compile(r"^rank-(\d{5})$")
-SHARE_RE = re.compile(r"^share-(\d{5})\.json$")
-POOL_RE = re.compile(r"^spares-(\d{5})$")
+STEP_RE = re.compile(r"^step-([0-9]{10}|[1-9][0-9]{10,18})$")  # step_name's form only: ASCII, 10 digits or more
+RANK_RE = re.compile(r"^rank-([0-9]{5}|[1-9][0-9]{5,6})$")  # rank_name's: a world may reach 2**20 ranks
+SHARE_RE = re.compile(r"^share-([0-9]{5}|[1-9][0-9]{5,6})\.json$")
+ANY_SHARE_RE = re.compile(r"^share-([0-9]{5}|[1-9][0-9]{5,6})\.")  # a share's header, bytes or temporary
+POOL_RE = re.compile(r"^spares-([0-9]{5}|[1-9][0-9]{5,6})$")
 
 
 def step_name(step: int) -> str:
@@ -429,7 +430,7 @@ class NodeFolder:
 
     def _share_holders_any(self, step: int) -> list[int]:
         names = _names(self.step_path(step))
-        return sorted({int(n[6:11]) for n in names if n.startswith("share-") and n[6:11].isdigit()})
+        return sorted({int(m.group(1)) for m in map(ANY_SHARE_RE.match, names) if m})
 
 
 def verified(store: LocalStore) -> str | None:

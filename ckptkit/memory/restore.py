@@ -42,6 +42,7 @@ from ckptkit.engine.loader import load_state, overwrote_state
 from ckptkit.engine.metadata_io import read_manifest
 from ckptkit.engine.state import flatten_state
 from ckptkit.errors import CkptkitError, CorruptCheckpointError
+from ckptkit.layout.strict_json import MAX_LAYOUT_INT
 from ckptkit.layout.values import decode_value
 from ckptkit.memory import rebuild
 from ckptkit.memory.local_view import LocalView, local_view
@@ -325,7 +326,7 @@ def restore_from_memory(tier: MemorySnapshots, state: dict[str, Any], *, at_most
     overwritten = False
     t0 = time.perf_counter()
     tier._wait_quietly()
-    bound = 2**62 if at_most is None else at_most
+    bound = MAX_LAYOUT_INT if at_most is None else at_most
     view = local_view(state, tier.world_size, tier.rank)
     mine = _inventory(tier, bound, history)
     gathered = _gather(tier, view.fingerprint, mine)

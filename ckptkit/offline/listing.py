@@ -18,7 +18,7 @@ from ckptkit.retention import Record, RetentionPolicy, decide
 from ckptkit.storage.base import ByteStore
 from ckptkit.storage.url import open_store
 
-_STEP_NAME = re.compile(r"(?:^|[-_.])step[-_]?(\d+)$")
+_STEP_NAME = re.compile(r"(?:^|[-_.])step[-_]?([0-9]+)$")
 
 
 @dataclass(frozen=True)

@@ -307,7 +307,7 @@ class S3Store(ByteStore):
             r = await self._call("get_object", Key=self._key(key), Range=f"bytes={offset}-{offset + length - 1}")
             content_range = str(r.get("ContentRange", "") or "")
             total = content_range.rsplit("/", 1)[-1]
-            if total.isdigit() and int(total) < offset + length:
+            if (total.isascii() and total.isdigit()) and int(total) < offset + length:
                 r["Body"].close()
                 raise CorruptCheckpointError(
                     f"{where} is truncated: needed bytes up to {offset + length}, it has {total}"

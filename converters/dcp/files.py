@@ -45,7 +45,7 @@ from ckptkit_converters.common.safe_unpickle import UnsafeCheckpointError, restr
 
 METADATA_NAME = ".metadata"
 DCP_VERSION = "1.0.0"  # what torch 2.13's FileSystemWriter records
-_DISTCP = re.compile(r"^__(\d+)_(\d+)\.distcp$")
+_DISTCP = re.compile(r"^__([0-9]+)_([0-9]+)\.distcp$")
 
 PathItem = str | int
 ObjPath = tuple[PathItem, ...]

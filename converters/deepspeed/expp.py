@@ -186,7 +186,7 @@ def _expert_group(groups: list[dict[str, Any]], files: dict[int, str]) -> tuple[
     """The index, name and EP size of the one expert param group (DeepSpeed names it ``ep_size_<EP>``)."""
     moe_groups = [g for g, pg in enumerate(groups) if pg.get("moe")]
     name = fmt.group_name(groups[moe_groups[0]], files[0]) if len(moe_groups) == 1 else ""
-    ep = int(name[len("ep_size_"):]) if re.fullmatch(r"ep_size_[1-9]\d*", name) else 0
+    ep = int(name[len("ep_size_"):]) if re.fullmatch(r"ep_size_[1-9][0-9]*", name) else 0
     # DeepSpeed numbers the files by EP rank in the *largest* expert group the process has ever created
     # (groups._get_max_expert_size_name); with consecutive EP groups, files 0..ep-1 are EP ranks 0..ep-1
     if not ep or len(files) % ep:

@@ -66,9 +66,9 @@ from ckptkit_converters.common.source_paths import inside, plain_name, read_poin
 
 LATEST = "latest"
 MODEL_STATES_12 = "mp_rank_00_model_states.pt"
-_OPTIM = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
-_MODEL3 = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
-EXPP_OPTIM = re.compile(r"^expp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")  # DeepSpeed-MoE without ZeRO
+_OPTIM = re.compile(r"^(bf16_)?zero_pp_rank_([0-9]+)_mp_rank_([0-9]+)_optim_states\.pt$")
+_MODEL3 = re.compile(r"^zero_pp_rank_([0-9]+)_mp_rank_([0-9]+)_model_states\.pt$")
+EXPP_OPTIM = re.compile(r"^expp_rank_([0-9]+)_mp_rank_([0-9]+)_optim_states\.pt$")  # DeepSpeed-MoE without ZeRO
 
 DEEPSPEED_KEYS = frozenset({
     "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",

@@ -42,7 +42,7 @@ from ckptkit.layout.manifest import ExplicitLayout, TensorMeta
 from ckptkit_converters.deepspeed import files as fmt
 from ckptkit_converters.common.source_paths import regular_file
 
-_LOCAL = re.compile(rf"^(?P<prefix>(?:.+\.)?{re.escape(EXPERTS)})\.(?P<j>\d+)\.(?P<param>.+)$")
+_LOCAL = re.compile(rf"^(?P<prefix>(?:.+\.)?{re.escape(EXPERTS)})\.(?P<j>[0-9]+)\.(?P<param>.+)$")
 
 
 def split_expert_name(name: str) -> tuple[str, int, str] | None:

@@ -348,10 +348,10 @@ class _Sizes:
                     continue
                 for expr, actual in zip(dims, shape):
                     factors = expr.split("*")
-                    unknown = [f for f in factors if not f.isdigit() and f not in self.values]
+                    unknown = [f for f in factors if not (f.isascii() and f.isdigit()) and f not in self.values]
                     if len(unknown) != 1 or factors.count(unknown[0]) != 1:
                         continue
-                    known = math.prod(int(f) if f.isdigit() else self.values.get(f, 1) for f in factors)
+                    known = math.prod(int(f) if (f.isascii() and f.isdigit()) else self.values.get(f, 1) for f in factors)
                     if actual > 0 and actual % known == 0:
                         votes.setdefault(unknown[0], Counter())[actual // known] += 1
                         first.setdefault((unknown[0], actual // known), name)
@@ -367,8 +367,8 @@ class _Sizes:
         parts, ok = [], shape is not None and len(shape) == len(dims)
         for i, expr in enumerate(dims):
             factors = expr.split("*")
-            vals = [int(f) if f.isdigit() else self.values.get(f) for f in factors]
-            named = "*".join(self.names.get(f, f) for f in factors if not f.isdigit()) or expr
+            vals = [int(f) if (f.isascii() and f.isdigit()) else self.values.get(f) for f in factors]
+            named = "*".join(self.names.get(f, f) for f in factors if not (f.isascii() and f.isdigit())) or expr
             if any(v is None for v in vals):
                 parts.append(f"{named}=?")
                 ok = False
@@ -376,7 +376,7 @@ class _Sizes:
             total = math.prod(vals)  # type: ignore[arg-type]  # no None: checked above
             ok = ok and shape is not None and shape[i] == total
             shown_vals = "*".join(shown(v) for v in vals)
-            parts.append(str(total) if expr.isdigit() else
+            parts.append(str(total) if (expr.isascii() and expr.isdigit()) else
                          f"{named}={shown_vals}" + (f"={shown(total)}" if len(vals) > 1 else ""))
         inferred = sorted({f for e in dims for f in e.split("*") if "tensor(s)" in self.origin.get(f, "")})
         note = "".join(f"; {self.names.get(f, f)} from {self.origin[f]}" for f in inferred)

@@ -152,7 +152,7 @@ def _target(key: str, rule: Rule, slots: dict[tuple[int | None, int | None], dic
 
 def _layer_of(key: str) -> int | None:
     parts = key.split(".")
-    return int(parts[1]) if len(parts) > 1 and parts[0] == "layers" and parts[1].isdigit() else None
+    return int(parts[1]) if len(parts) > 1 and parts[0] == "layers" and (parts[1].isascii() and parts[1].isdigit()) else None
 
 
 def _slice_shape(rule: Rule, shapes: list[tuple[int, ...]], cfg: HFConfig, where: str) -> tuple[int, ...]:

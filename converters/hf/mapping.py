@@ -170,16 +170,16 @@ class HFConfig:
 
 @cache
 def _ours_re(pattern: str) -> re.Pattern[str]:
-    return re.compile("^" + re.escape(pattern).replace(r"\{l\}", r"(?P<l>\d+)") + "$")
+    return re.compile("^" + re.escape(pattern).replace(r"\{l\}", r"(?P<l>[0-9]+)") + "$")
 
 
 @cache
 def _hf_re(pattern: str) -> re.Pattern[str]:
-    body = re.escape(pattern).replace(r"\{l\}", r"(?P<l>\d+)").replace(r"\{e\}", r"(?P<e>\d+)")
+    body = re.escape(pattern).replace(r"\{l\}", r"(?P<l>[0-9]+)").replace(r"\{e\}", r"(?P<e>[0-9]+)")
     return re.compile("^" + body + "$")
 
 
-_PER_LAYER_M = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_PER_LAYER_M = re.compile(r"^decoder\.layers\.([0-9]+)\.(.+)$")
 
 
 @dataclass(frozen=True)

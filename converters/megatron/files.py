@@ -77,7 +77,7 @@ DCP_METADATA = ".metadata"  # DCP's own index: with *.distcp, the DCP part of a 
 LEGACY_FILE = "model_optim_rng.pt"
 TRACKER = "latest_checkpointed_iteration.txt"
 MAX_CONFIG_BYTES = 1 << 20  # metadata.json: a few fields
-_RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
+_RANK_DIR = re.compile(r"^mp_rank_([0-9]{2})(?:_([0-9]{3}))?(?:_([0-9]{3}))?$")
 
 
 def _reconstruct(*args: Any) -> ForeignRecord:

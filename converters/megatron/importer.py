@@ -245,7 +245,7 @@ def _unconsumed(skipped: tuple[str, ...], ckpt: DcpCheckpoint, consumed: set[str
     return tuple(k for k in skipped if k not in carried)
 
 
-_CHAINED = re.compile(r"^chained_\d+\.")
+_CHAINED = re.compile(r"^chained_[0-9]+\.")
 
 
 def _is_optimizer_key(key: str) -> bool:

@@ -123,7 +123,7 @@ def _model_chunks(state: Mapping[str, Any], where: str) -> dict[int, dict[str, t
     if "model" in state:
         chunks = {0: state["model"]}
     else:
-        chunks = {int(k[5:]): v for k, v in state.items() if k.startswith("model") and k[5:].isdigit()}
+        chunks = {int(k[5:]): v for k, v in state.items() if k.startswith("model") and (k[5:].isascii() and k[5:].isdigit())}
     if not chunks:
         raise ManifestError(f"{where}: no 'model' (or 'model0', 'model1' ...) state dict")
     for v, sd in chunks.items():

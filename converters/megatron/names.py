@@ -121,7 +121,7 @@ _LEGACY_RENAME = {
     LOCAL_INPUT_NORM: INPUT_NORM,
     LOCAL_PRE_MLP_NORM: PRE_MLP_NORM,
 }
-_LEGACY_LAYER = re.compile(rf"^{re.escape(LAYER_PREFIX)}(\d+)\.(.+)$")
+_LEGACY_LAYER = re.compile(rf"^{re.escape(LAYER_PREFIX)}([0-9]+)\.(.+)$")
 _PER_LAYER = _LEGACY_LAYER  # the same shape: Megatron's sharded per-layer keys carry the *global* layer
 
 

@@ -42,10 +42,10 @@ from ckptkit_converters.megatron.optimizer_record import MAIN
 STATES = {"param": MAIN, "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
 """The bucket states Megatron's ``_get_main_param_and_optimizer_states`` saves -> the adapter's names."""
 
-_BUCKET = re.compile(r"^(?P<group>(?:chained_(?P<chain>\d+)\.)?optimizer\.distributed\.dp_group_idx_(?P<idx>\d+))"
-                     r"\.gbuf_idx_(?P<gbuf>\d+)\.dtype_(?P<dtype>.+)\.bucket_idx_(?P<bucket>\d+)"
+_BUCKET = re.compile(r"^(?P<group>(?:chained_(?P<chain>[0-9]+)\.)?optimizer\.distributed\.dp_group_idx_(?P<idx>[0-9]+))"
+                     r"\.gbuf_idx_(?P<gbuf>[0-9]+)\.dtype_(?P<dtype>.+)\.bucket_idx_(?P<bucket>[0-9]+)"
                      r"\.(?P<state>[A-Za-z0-9_]+)$")
-_GROUP_ITEM = re.compile(r"^(?:chained_(?P<chain>\d+)\.)?optimizer\.distributed\.dp_group_idx_(?P<idx>\d+)"
+_GROUP_ITEM = re.compile(r"^(?:chained_(?P<chain>[0-9]+)\.)?optimizer\.distributed\.dp_group_idx_(?P<idx>[0-9]+)"
                          r"\.(?P<name>[A-Za-z0-9_]+)$")
 _REDUNDANT_ITEMS = ("per_bucket_numel", "per_bucket_numel_unpadded")  # the bucket tensors' shapes say it
 _RECORD_ITEMS = ("optimizer", "grad_scaler")  # param groups (the step), the fp16 loss scaler

@@ -70,7 +70,7 @@ def _optimizer_dicts(optimizer: Any, where: str) -> Iterator[Mapping[Any, Any]]:
                                 "(Megatron's goes 3 deep)")
         yield node
         inner = [v for k, v in node.items()
-                 if k == "optimizer" or isinstance(k, int) or (isinstance(k, str) and k.isdigit())]
+                 if k == "optimizer" or isinstance(k, int) or (isinstance(k, str) and (k.isascii() and k.isdigit()))]
         stack.extend((v, depth + 1) for v in reversed(inner))
 
 

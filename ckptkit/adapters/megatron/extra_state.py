@@ -43,7 +43,7 @@ from ckptkit.layout.rules import PartitionRule
 
 PREFIX = "extra/"
 SUFFIX = "._extra_state"
-_EXTRA_STATE = re.compile(r"\._extra_state(\d*)$")  # a grouped-GEMM module numbers its experts' from 1
+_EXTRA_STATE = re.compile(r"\._extra_state([0-9]*)$")  # a grouped-GEMM module numbers its experts' from 1
 _STACKED = "decoder.layers."
 MAX_PAYLOAD_BYTES = 64 << 20
 """TE's payloads are kilobytes (a 1,024-step amax history of a module: about 22 KiB); a stored one

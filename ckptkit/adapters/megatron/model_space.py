@@ -280,7 +280,7 @@ def _rule(tp_axis: int | None, prepend: int, n_parts: int, key: str, vocab: Mode
     return PartitionRule(tp_axis=tp_axis, fused=fused, vocab_multiple=vocab_multiple, **placed)
 
 
-_LAYER_KEY = re.compile(r"^decoder\.layers\.(\d+)\.")
+_LAYER_KEY = re.compile(r"^decoder\.layers\.([0-9]+)\.")
 
 
 def layer_of(key: str) -> int | None:
