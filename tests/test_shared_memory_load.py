@@ -43,8 +43,9 @@ class Key:
     cols: int
     step: int = 1
     of: int = -1  # tied: the key it repeats; box/flat: the local tensor's key (a view) it declares over
-    offsets: tuple[int, ...] = ()  # box: local offsets; flat: (local start,)
+    offsets: tuple[int, ...] = ()  # box/part: local offsets; flat: (local start,)
     sizes: tuple[int, ...] = ()
+    flip: bool = False  # part: the local tensor is a transposed view (staged)
 
 
 @st.composite
@@ -52,8 +53,16 @@ def layouts(draw: st.DrawFn) -> list[Key]:
     keys: list[Key] = []
     for _ in range(draw(st.integers(2, 5))):
         views = [i for i, k in enumerate(keys) if k.kind in ("view", "transposed")]
-        kind = draw(st.sampled_from(("view", "strided", "transposed") + (("tied", "box", "flat") if views else ())))
-        if kind in ("view", "transposed", "strided"):
+        kind = draw(st.sampled_from(("view", "strided", "transposed", "part") + (("tied", "box", "flat") if views else ())))
+        if kind == "part":  # a declaration over a view no key loads whole: its other elements are not loaded
+            rows, cols = draw(st.integers(1, 4)), draw(st.integers(1, 4))
+            start = draw(st.integers(0, N - rows * cols))
+            flip = draw(st.booleans())
+            shape = (cols, rows) if flip else (rows, cols)
+            r0, c0 = draw(st.integers(0, shape[0] - 1)), draw(st.integers(0, shape[1] - 1))
+            sizes = (draw(st.integers(1, shape[0] - r0)), draw(st.integers(1, shape[1] - c0)))
+            keys.append(Key(kind, start, rows, cols, offsets=(r0, c0), sizes=sizes, flip=flip))
+        elif kind in ("view", "transposed", "strided"):
             step = draw(st.integers(2, 3)) if kind == "strided" else 1
             rows = draw(st.integers(1, 4))
             cols = draw(st.integers(1, 4))
@@ -96,6 +105,9 @@ def build(keys: list[Key], base_for) -> dict:
         if k.kind in ("view", "strided", "transposed"):
             locals_[i] = view_of(base_for(i), k)
             state[name] = locals_[i]
+        elif k.kind == "part":
+            local = view_of(base_for(i), Key("transposed" if k.flip else "view", k.start, k.rows, k.cols))
+            state[name] = Sharded(local, [box_piece(name, k.sizes, (0, 0), k.sizes, local_offsets=k.offsets)])
         elif k.kind == "tied":
             src = keys[k.of]
             state[name] = locals_[k.of] if base_for(i) is base_for(k.of) else view_of(base_for(i), src)
@@ -125,7 +137,7 @@ def held_values(keys: list[Key], base_for) -> list[dict[int, float]]:
 
 
 def piece_view(s: Sharded, k: Key) -> torch.Tensor:
-    if k.kind == "box":
+    if k.kind in ("box", "part"):
         r0, c0 = k.offsets
         return s.local[r0:r0 + k.sizes[0], c0:c0 + k.sizes[1]]
     return s.local.reshape(-1)[k.offsets[0]:k.offsets[0] + k.sizes[0]]
@@ -239,3 +251,27 @@ def test_shared_memory_in_a_gloo_world_reads_once_and_fails_every_rank_together(
         assert said[:2] == ["True True", "True True"], out
     assert out[1][2].startswith("StateMismatchError") and "tensors 'head' and 'w' share memory" in out[1][2], out
     assert out[0][2].startswith("PeerFailureError") and "rank 1: StateMismatchError" in out[0][2], out
+
+
+def test_disjoint_views_of_one_buffer_cost_nothing_extra():
+    """FSDP2's parameters are disjoint views of one flat buffer: no private buffer, and a staged one is
+    still copied back whole (one copy, not one per piece); only views that may meet are handled."""
+    from ckptkit.engine.loader import _dest
+    from ckptkit.engine.shared_targets import share_targets
+    from ckptkit.layout.box import Region
+    from ckptkit.layout.pieces import LocalBox
+    from ckptkit.plan.load_plan import Target
+
+    flat = torch.zeros(40)
+    views = [flat[:12].view(3, 4).t(), flat[12:20].view(2, 4).t(), flat[20:40].view(4, 5)]  # two staged
+    users = views + [flat[18:22]]  # the last meets the second and the third
+    for k in (3, 4):
+        dests = [_dest(u) for u in users[:k]]
+        targets = [Target(i, f"t{i}", Region(Box.full(tuple(d.user.shape))), tuple(d.user.shape),
+                          LocalBox(tuple(0 for _ in d.user.shape))) for i, d in enumerate(dests)]
+        shared = share_targets([d.user for d in dests], [d.work for d in dests], targets)
+        if k == 3:
+            assert shared.private == [] and shared.piecewise == set()
+        else:
+            assert sorted(t.tensor for t, _, _ in shared.private) == ["t1", "t2", "t3"]
+            assert shared.piecewise == {1}  # the staged one that meets another; the third is not staged

@@ -159,9 +159,9 @@ def share_targets(users: Sequence[torch.Tensor], works: Sequence[torch.Tensor], 
         for i in members:
             boxes[i] = boxes_of(users[targets[i].ref], targets[i])
             spans.append((*_target_span(users[targets[i].ref], boxes[i]), i))
-        refs = {targets[i].ref for i in members}
-        if len(refs) > 1:  # views of one storage: a staged one must not be copied back whole
-            piecewise.update(ref for ref in refs if works[ref].data_ptr() != users[ref].data_ptr())
+        refs = sorted({targets[i].ref for i in members})
+        if len(refs) > 1:
+            piecewise.update(_staged_and_overlapping(users, works, refs))
         spans.sort()
         active: list[tuple[int, int]] = []  # (hi, index) of the spans that may still meet the next one
         for lo, hi, i in spans:
@@ -187,3 +187,20 @@ def share_targets(users: Sequence[torch.Tensor], works: Sequence[torch.Tensor], 
                                    tuple(buffer.shape), place)
         shared.buffers.append(buffer)
     return shared
+
+
+def _staged_and_overlapping(users: Sequence[torch.Tensor], works: Sequence[torch.Tensor], refs: list[int]) -> set[int]:
+    """Destinations, views of one storage, that are staged and whose memory may meet another's: copied
+    back whole, their elements no piece was read into would overwrite the other's. (FSDP2's parameters
+    are disjoint views of one flat buffer: each is still copied back whole, in one copy.)"""
+    spans = sorted((*_target_span(users[r], [(tuple(0 for _ in users[r].shape), tuple(users[r].shape))]), r)
+                   for r in refs)
+    out: set[int] = set()
+    reach, last = -1, -1  # the furthest end seen so far, and whose it is
+    for lo, hi, ref in spans:
+        if lo < reach:
+            out.update((ref, last))
+        if hi > reach:
+            reach, last = hi, ref
+    return {r for r in out if works[r].data_ptr() != users[r].data_ptr()}
+
