@@ -31,6 +31,7 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 VOCAB, SEQ, MICRO, NUM_MICRO, HIDDEN, LAYERS = 1000, 64, 4, 2, 256, 4
+PADDED = 1024  # Megatron pads the vocabulary to a multiple of 128 (x tp): the padding rows are a tensor of their own
 SAVE_STEP, STEPS = 3, 5
 
 
@@ -70,7 +71,7 @@ def _setup(bf16: bool, seed: int) -> dict[str, Any]:
         add_bias_linear=False, normalization="RMSNorm", hidden_dropout=0.0, attention_dropout=0.0,
         init_method_std=0.02, bf16=bf16, params_dtype=dtype, pipeline_dtype=dtype,
     )
-    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=VOCAB,
+    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=PADDED,
                      max_sequence_length=SEQ, pre_process=True, post_process=True,
                      share_embeddings_and_output_weights=False, position_embedding_type="rope")
     model.cuda(torch.cuda.current_device())
@@ -148,7 +149,9 @@ def test_megatron_gpt_on_gpu_saved_and_resumed_bit_exact(megatron, tmp_path, bf1
     from ckptkit.adapters import megatron as mckpt
     from megatron.core import parallel_state as ps
 
-    options = mckpt.MegatronOptions(vocab_size=VOCAB, make_vocab_size_divisible_by=8)
+    # the embedding and the output layer each hold two tensors in one CUDA local (the vocabulary and its padding):
+    # each used to be copied back whole from its own stand-in, the second's stale rows over the first's loaded ones
+    options = mckpt.MegatronOptions(vocab_size=VOCAB, make_vocab_size_divisible_by=128)
     folder = str(tmp_path / "ckpt")
     t = _setup(bf16, seed=1234)
     assert next(t["model"][0].parameters()).is_cuda
