@@ -120,3 +120,15 @@ def test_digits_other_than_ascii_are_refused_not_crashed_on():
     assert _layer_of("layers.\u0663.mlp") is None
     with pytest.raises(ckptkit.LayoutError, match="invalid parallel config"):
         ckptkit.ParallelConfig.parse("tp\u0664")
+
+
+def test_ls_shows_a_renamed_copy_as_the_restore_sees_it(tmp_path):
+    from ckptkit.offline.listing import list_checkpoints
+
+    mgr = ckptkit.CheckpointManager(tmp_path, save=ckptkit.SavePolicy(every_steps=1), asynchronous=None)
+    mgr.save(5, {"w": torch.ones(1)})
+    mgr.close()
+    shutil.copytree(tmp_path / "step-0000005", tmp_path / "step-0000012")
+    infos = {i.name: i for i in list_checkpoints(tmp_path)}
+    assert infos["step-0000005"].committed
+    assert not infos["step-0000012"].committed and "manifest records step 5, not 12" in infos["step-0000012"].reason

@@ -116,8 +116,14 @@ def _info_and_policy(store: ByteStore, name: str) -> tuple[CheckpointInfo, Any]:
     meta = manifest.meta
     user: Any = meta.get("user")
     user_step: Any = user.get("step") if isinstance(user, dict) else None
-    if step is None and isinstance(user_step, int) and not isinstance(user_step, bool):
-        step = user_step
+    if isinstance(user_step, int) and not isinstance(user_step, bool):
+        if step is None:
+            step = user_step
+        elif step != user_step:  # what a restore skips as damaged (run_folder): never shown as a checkpoint
+            total = sum(store.size(k) or 0 for k in store.list_keys())
+            return CheckpointInfo(name, store.url, step, False, total, manifest.world_size, created_of(meta),
+                                  f"damaged: its manifest records step {user_step}, not {step} (copied or "
+                                  "renamed under another step's name)"), None
     # on-disk size, comparable with an uncommitted directory's: objects + indexes + manifest
     recorded = meta.get("stored_bytes")
     if isinstance(recorded, int):
