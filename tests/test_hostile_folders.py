@@ -375,7 +375,7 @@ def test_non_files_and_escaping_symlinks(ckpt, kind, which):
 
 # ---------------------------------------------------------------- state that torch would choke on
 
-@pytest.mark.parametrize("garbage", ["AAAA", "not base64!", "", "x" * 40])
+@pytest.mark.parametrize("garbage", ["AAAA", "not base64!", "", "x" * 40, 5, None, ["AAAA"]])
 def test_garbage_generator_state(ckpt, garbage):
     edit_index(ckpt, lambda d: d["values"].update(rng={"__generator__": garbage}))
     with pytest.raises(ckptkit.CorruptCheckpointError, match="'rng'"):

@@ -457,7 +457,7 @@ def _assign_values(flat: FlatState, manifest: Manifest, own_index: Index | None,
 def _is_generator(encoded: Any) -> bool:
     """Whether a per-rank entry is a generator's state: no PerRank value encodes to this form
     (``__generator__`` is one of the value tags, so a dict with that key is stored tagged)."""
-    return isinstance(encoded, dict) and set(encoded) == {"__generator__"} and isinstance(encoded["__generator__"], str)
+    return isinstance(encoded, dict) and set(encoded) == {"__generator__"}
 
 
 def _generator_state(encoded: Any, key: str, where: str, rank: int | None) -> torch.Tensor:
@@ -467,6 +467,8 @@ def _generator_state(encoded: Any, key: str, where: str, rank: int | None) -> to
     if not _is_generator(encoded):
         raise StateMismatchError(f"{what} is a ckptkit.PerRank value in the checkpoint, not a generator's state; "
                                  f"the state holds a torch.Generator there: pass a ckptkit.PerRank")
+    if not isinstance(encoded["__generator__"], str):
+        raise CorruptCheckpointError(f"{what} is not a generator state")
     try:
         raw = base64.b64decode(encoded["__generator__"], validate=True)
     except ValueError:
