@@ -275,3 +275,47 @@ def test_disjoint_views_of_one_buffer_cost_nothing_extra():
         else:
             assert sorted(t.tensor for t, _, _ in shared.private) == ["t1", "t2", "t3"]
             assert shared.piecewise == {1}  # the staged one that meets another; the third is not staged
+
+
+class Wrapped(torch.Tensor):
+    """A tensor subclass that holds no memory of its own (as torchao's float8 weights under FSDP2):
+    every op runs on the tensor it wraps."""
+
+    @staticmethod
+    def __new__(cls, inner: torch.Tensor):
+        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype, device=inner.device)
+
+    def __init__(self, inner: torch.Tensor) -> None:
+        self.inner = inner
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        from torch.utils._pytree import tree_map
+
+        def unwrap(x):
+            return x.inner if isinstance(x, Wrapped) else x
+
+        return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
+
+
+def test_wrapper_subclasses_save_and_load_through_their_own_ops(tmp_path):
+    """A load into one used to crash on its data pointer ("invalid python storage"); it is now read
+    into a plain tensor and copied in through its ``copy_``, tied or declared twice like any tensor."""
+    src = torch.arange(24.0).reshape(4, 6)
+
+    def state(w: torch.Tensor) -> dict:
+        return {"w": w, "tied": w,
+                "a": Sharded(w, [box_piece("A", (4, 3), (0, 0), (4, 3), local_offsets=(0, 0))]),
+                "b": Sharded(w, [box_piece("B", (4, 3), (0, 0), (4, 3), local_offsets=(0, 3))])}
+
+    ckptkit.save(state(Wrapped(src.clone())), tmp_path / "sync")
+    ckptkit.save_async(state(Wrapped(src.clone())), tmp_path / "async").wait()
+    ckptkit.close_async()
+    for name in ("sync", "async"):
+        got = Wrapped(torch.zeros(4, 6))
+        ckptkit.load(state(got), tmp_path / name)
+        assert torch.equal(got.inner, src), name
+    ckptkit.save({"w": src, "tied": src + 1}, tmp_path / "untied")
+    with pytest.raises(ckptkit.StateMismatchError, match="tensors 'tied' and 'w' share memory"):
+        w = Wrapped(torch.zeros(4, 6))
+        ckptkit.load({"w": w, "tied": w}, tmp_path / "untied")

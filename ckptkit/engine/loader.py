@@ -31,7 +31,7 @@ from ckptkit.engine.collective import Comm, failed_ranks
 from ckptkit.engine.load_progress import LoadProgress, ProgressRecord, WatchedComm
 from ckptkit.engine.read_once import read_once
 from ckptkit.engine.read_session import ReadSession
-from ckptkit.engine.shared_targets import SharedTargets, share_targets
+from ckptkit.engine.shared_targets import SharedTargets, is_wrapper, share_targets
 from ckptkit.engine.state import FlatState, dtype_name, not_dense_memory
 from ckptkit.engine.watchdog import supervise
 from ckptkit.errors import (
@@ -85,6 +85,8 @@ def _alias(t: torch.Tensor) -> tuple[Any, ...] | None:
     (they share no element)."""
     if not t.numel():
         return None
+    if is_wrapper(t):
+        return ("wrapper", id(t))
     return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype,
             t.is_conj(), t.is_neg())
 
@@ -104,6 +106,11 @@ def _dest(t: torch.Tensor) -> _Dest:
     """Where ``t``'s bytes are read to: ``t`` itself when its memory holds its elements as they are,
     else a contiguous CPU stand-in that :meth:`_Dest.finish` copies back (a GPU tensor, a strided
     view, a conjugate or negative view, whose memory holds other values than it shows)."""
+    if is_wrapper(t):  # its values live in tensors it wraps: read into a plain one, copied in through t's copy_
+        work = torch.empty(tuple(t.shape), dtype=t.dtype)
+        with torch.no_grad():
+            work.copy_(t)
+        return _Dest(t, work)
     if t.device.type == "cpu" and t.is_contiguous() and not (t.is_conj() or t.is_neg()):
         return _Dest(t, t.detach())
     return _Dest(t, t.detach().to("cpu", copy=True).resolve_conj().resolve_neg().contiguous())

@@ -76,8 +76,27 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return out.view(torch.uint8)
 
 
+def is_wrapper(t: torch.Tensor) -> bool:
+    """A tensor subclass with no memory of its own, whose values live in tensors it wraps (torchao's
+    float8 weights under FSDP2): read through its own ops, never through a data pointer."""
+    if type(t) is torch.Tensor or type(t) is torch.nn.Parameter:
+        return False
+    try:
+        t.untyped_storage().data_ptr()
+    except RuntimeError:
+        return True
+    return False
+
+
 def _storage(t: torch.Tensor) -> tuple[Any, int]:
+    """What two views must share to share memory: a wrapper shares it with itself only."""
+    if is_wrapper(t):
+        return "wrapper", id(t)
     return t.device, t.untyped_storage().data_ptr()
+
+
+def _staged(user: torch.Tensor, work: torch.Tensor) -> bool:
+    return is_wrapper(user) or work.data_ptr() != user.data_ptr()
 
 
 def _target_span(t: torch.Tensor, boxes: list[Run]) -> tuple[int, int]:
@@ -202,5 +221,5 @@ def _staged_and_overlapping(users: Sequence[torch.Tensor], works: Sequence[torch
             out.update((ref, last))
         if hi > reach:
             reach, last = hi, ref
-    return {r for r in out if works[r].data_ptr() != users[r].data_ptr()}
+    return {r for r in out if _staged(users[r], works[r])}
 
