@@ -184,9 +184,10 @@ def _targets(flat: FlatState, manifest: Manifest, strict: bool, where: str) -> _
             _check_meta(manifest, p.tensor, s.local.dtype, p.shape, where)
             if p.numel:
                 plan.targets.append(Target(ref, p.tensor, p.region, tuple(s.local.shape), p.local))
-    for leaf in (*flat.values, *flat.generators, *flat.per_rank):
+    plain = len(flat.values)
+    for i, leaf in enumerate((*flat.values, *flat.generators, *flat.per_rank)):
         plan.requested.add(leaf.key)
-        _check_value_kind(manifest, leaf.key, leaf in flat.values, where)
+        _check_value_kind(manifest, leaf.key, i < plain, where)
         if leaf.key not in manifest.values and leaf.key not in manifest.per_rank_keys \
                 and leaf.key not in manifest.rank_values:
             plan.missing.append(leaf.key)

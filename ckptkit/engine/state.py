@@ -109,10 +109,11 @@ class FlatState:
 
     def assign(self, leaf: Leaf, value: Any) -> None:
         """Put a loaded value where ``leaf`` was, with the container and scalar types the state holds
-        there (:func:`~ckptkit.layout.values.shaped_like`: a namedtuple stays one). Inside a tuple (``(weight, 3)``), which cannot change,
-        the tuples between the value and the nearest dict or list above it are rebuilt with the new
-        value (a namedtuple as its own type), as a value in a dict is replaced: a save of such a state
-        used to commit, and every load of it then failed after reading the tensors."""
+        there (:func:`~ckptkit.layout.values.shaped_like`: a namedtuple stays one). Inside a tuple
+        (``(weight, 3)``), which cannot change, the tuples between the value and the nearest dict or
+        list above it are rebuilt with the new value (a namedtuple as its own type), as a value in a
+        dict is replaced: a save of such a state used to commit, and every load of it then failed
+        after reading the tensors."""
         value = shaped_like(value, leaf.obj)
         if not isinstance(leaf.parent, tuple):
             leaf.parent[leaf.slot] = value
