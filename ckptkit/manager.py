@@ -237,6 +237,16 @@ class CheckpointManager:
         raise OptionsError(f"{self.root.url}: step {step!r} ({type(step).__name__}) is not a step: a step is an "
                            f"integer from 0 to 2**62")
 
+    def _bound(self, value: Any, what: str) -> int:
+        """A step bound (``at_most``, ``discard_after``) as a plain int: a bool or a string there is a
+        mistake in the calling code (``at_most=True`` restored nothing newer than step 1, without a word)."""
+        if not isinstance(value, bool):
+            try:
+                return operator.index(value)
+            except TypeError:
+                pass
+        raise OptionsError(f"{self.root.url}: {what}={value!r} ({type(value).__name__}) is not a step: pass an integer")
+
     def _lineage_base(self) -> int:
         """The newest persistent step committed on this trajectory (-1: none)."""
         with self._lineage_lock:
@@ -327,6 +337,7 @@ class CheckpointManager:
         same (its manifest deleted); if even that fails, this raises rather than
         leave a checkpoint a restart could resume from.
         """
+        step = self._bound(step, "discard_after")
         self.wait()
         self._set_lineage([s for s in self._lineage if s <= step])
         if self._memory is not None:
@@ -354,7 +365,7 @@ class CheckpointManager:
         checkpoint newer than that (a store failure, after retries): returning the older step
         would silently resume back in time. Damaged checkpoints (a manifest that fails its checks)
         are skipped with a warning."""
-        return self._common_steps(at_most)[0]
+        return self._common_steps(None if at_most is None else self._bound(at_most, "at_most"))[0]
 
     def _common_steps(self, at_most: int | None) -> tuple[int | None, int, tuple[int, ...]]:
         """:meth:`latest_common_step`; the newest step folder holding a manifest (committed, or one
@@ -401,6 +412,7 @@ class CheckpointManager:
         :attr:`last_restore` says what happened.
         """
         t0 = time.perf_counter()
+        at_most = None if at_most is None else self._bound(at_most, "at_most")
         self.wait()
         bound = MAX_STEP if at_most is None else at_most
         self.skipped = []

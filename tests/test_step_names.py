@@ -132,3 +132,23 @@ def test_ls_shows_a_renamed_copy_as_the_restore_sees_it(tmp_path):
     infos = {i.name: i for i in list_checkpoints(tmp_path)}
     assert infos["step-0000005"].committed
     assert not infos["step-0000012"].committed and "manifest records step 5, not 12" in infos["step-0000012"].reason
+
+
+def test_step_bounds_are_integers(tmp_path):
+    """``at_most=True`` restored nothing newer than step 1, without a word; a string failed with Python's words."""
+    mgr = ckptkit.CheckpointManager(tmp_path, save=ckptkit.SavePolicy(every_steps=1), asynchronous=None)
+    try:
+        mgr.save(5, {"w": torch.ones(1)})
+        for bad in (True, "5", 5.5, [5]):
+            with pytest.raises(ckptkit.OptionsError, match="is not a step"):
+                mgr.restore_latest({"w": torch.zeros(1)}, at_most=bad)
+            with pytest.raises(ckptkit.OptionsError, match="is not a step"):
+                mgr.latest_common_step(at_most=bad)
+            with pytest.raises(ckptkit.OptionsError, match="is not a step"):
+                mgr.discard_after(bad)
+        assert [r.step for r in mgr.records()] == [5]  # nothing discarded
+        numpy = pytest.importorskip("numpy")
+        assert mgr.restore_latest({"w": torch.zeros(1)}, at_most=numpy.int64(5)) == 5
+        assert mgr.restore_latest({"w": torch.zeros(1)}, at_most=-1) is None
+    finally:
+        mgr.close()
