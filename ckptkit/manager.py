@@ -29,6 +29,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from ckptkit.engine.async_save import AsyncSaver, SaveHandle
 from ckptkit.engine.collective import Comm, resolve_comm
 from ckptkit.engine.loader import load_state, overwrote_state
@@ -237,6 +239,22 @@ class CheckpointManager:
         raise OptionsError(f"{self.root.url}: step {step!r} ({type(step).__name__}) is not a step: a step is an "
                            f"integer from 0 to 2**62")
 
+    def _metrics(self, metrics: dict[str, Any] | None) -> dict[str, Any]:
+        """``metrics`` with a one-element tensor (a loss) or a numpy scalar taken as its Python number:
+        they failed the save as values its metadata cannot hold. A tensor of more elements is refused
+        naming the metric, before the save starts; other values are kept as given (JSON-like ones)."""
+        out: dict[str, Any] = {}
+        for name, value in dict(metrics or {}).items():
+            if isinstance(value, torch.Tensor):
+                if value.numel() != 1 or value.is_complex():
+                    raise OptionsError(f"{self.root.url}: metric {name!r} is a tensor of shape {list(value.shape)}; "
+                                       "a metric is one number (a one-element tensor is taken as its number)")
+                value = value.detach().item()
+            elif type(value).__module__ == "numpy" and hasattr(value, "item") and getattr(value, "ndim", 1) == 0:
+                value = value.item()
+            out[name] = value
+        return out
+
     def _bound(self, value: Any, what: str) -> int:
         """A step bound (``at_most``, ``discard_after``) as a plain int: a bool or a string there is a
         mistake in the calling code (``at_most=True`` restored nothing newer than step 1, without a word)."""
@@ -273,7 +291,7 @@ class CheckpointManager:
         self._last_save = time.monotonic()
         name = self.folder.naming.name(step)
         store = self.root.child(name)
-        metadata = {"step": step, "metrics": dict(metrics or {}), "retention": self.retention.to_json()}
+        metadata = {"step": step, "metrics": self._metrics(metrics), "retention": self.retention.to_json()}
         if self._saver is None:
             result = save_state(state, store, self._comm, block=self.options.block_size,
                                 metadata=metadata, deadline=deadline)

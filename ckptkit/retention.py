@@ -19,7 +19,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ckptkit.errors import LayoutError, OptionsError
+from ckptkit.errors import CkptkitError, LayoutError, OptionsError
+from ckptkit.layout.values import decode_value
 
 
 @dataclass(frozen=True)
@@ -140,3 +141,17 @@ def decide(records: list[Record], policy: RetentionPolicy) -> Decision:
     keep = {name: tuple(why) for name, why in reasons.items() if why}
     delete = tuple(r.name for r in committed if r.name not in keep)
     return Decision(keep, delete)
+
+
+def stored_metrics(user_meta: Any) -> dict[str, Any]:
+    """The metrics a checkpoint's user metadata records, decoded (a NaN loss is a float again, not its
+    JSON tag); {} when there are none or they are not a dict of values."""
+    metrics = user_meta.get("metrics") if isinstance(user_meta, dict) else None
+    if not isinstance(metrics, dict):
+        return {}
+    try:
+        decoded = decode_value(metrics, "metrics")
+    except CkptkitError:  # a hostile manifest's metrics: not a reason to refuse the checkpoint
+        return {}
+    return decoded if isinstance(decoded, dict) else {}
+

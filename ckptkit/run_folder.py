@@ -24,7 +24,7 @@ from ckptkit.engine.metadata_io import read_manifest
 from ckptkit.errors import CkptkitError, OptionsError, StorageError, UncommittedCheckpointError
 from ckptkit.layout.manifest import MANIFEST_NAME
 from ckptkit.layout.strict_json import MAX_LAYOUT_INT
-from ckptkit.retention import Record, RetentionPolicy, decide, unknown
+from ckptkit.retention import Record, RetentionPolicy, decide, stored_metrics, unknown
 from ckptkit.storage.base import ByteStore
 
 log = logging.getLogger("ckptkit")
@@ -99,8 +99,7 @@ class RunFolder:
             return Record(name, step, False, status="damaged",
                           reason=f"its manifest records step {recorded}, not {step}: a checkpoint copied or renamed "
                                  f"under another step's name (rename it {self.naming.name(recorded)}, or load it by path)")
-        metrics = meta.get("metrics") if isinstance(meta, dict) else None
-        return Record(name, step, True, metrics if isinstance(metrics, dict) else {})
+        return Record(name, step, True, stored_metrics(meta))
 
     def name_of(self, step: int) -> str:
         """The folder of step ``step``: the committed one if there is one (of either naming), else

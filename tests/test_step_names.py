@@ -152,3 +152,22 @@ def test_step_bounds_are_integers(tmp_path):
         assert mgr.restore_latest({"w": torch.zeros(1)}, at_most=-1) is None
     finally:
         mgr.close()
+
+
+def test_metrics_come_back_as_numbers(tmp_path):
+    """A loss passed as a tensor or a numpy scalar failed the save ("cannot store a value of type
+    Tensor" about 'metadata'); a NaN metric came back from records() as its JSON tag."""
+    numpy = pytest.importorskip("numpy")
+    mgr = ckptkit.CheckpointManager(tmp_path, save=ckptkit.SavePolicy(every_steps=1), asynchronous=None)
+    try:
+        given = [{"loss": torch.tensor(1.5)}, {"loss": numpy.float32(2.5)}, {"loss": float("nan"), "tag": "x"},
+                 {"loss": numpy.int64(3), "hist": [1, 2]}]
+        for step, metrics in enumerate(given):
+            mgr.save(step, {"w": torch.ones(1)}, metrics=metrics)
+        got = [r.metrics for r in mgr.records()]
+        assert got[0] == {"loss": 1.5} and got[1] == {"loss": 2.5} and got[3] == {"loss": 3, "hist": [1, 2]}
+        assert got[2]["tag"] == "x" and got[2]["loss"] != got[2]["loss"]  # NaN, a float again
+        with pytest.raises(ckptkit.OptionsError, match="metric 'loss' is a tensor of shape \\[2\\]"):
+            mgr.save(9, {"w": torch.ones(1)}, metrics={"loss": torch.ones(2)})
+    finally:
+        mgr.close()

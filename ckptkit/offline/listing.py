@@ -14,7 +14,7 @@ from typing import Any
 from ckptkit.engine.metadata_io import read_manifest
 from ckptkit.errors import CheckpointNotFoundError, CkptkitError, UncommittedCheckpointError
 from ckptkit.layout.manifest import MANIFEST_NAME
-from ckptkit.retention import Record, RetentionPolicy, decide
+from ckptkit.retention import Record, RetentionPolicy, decide, stored_metrics
 from ckptkit.storage.base import ByteStore
 from ckptkit.storage.url import open_store
 
@@ -130,10 +130,10 @@ def _info_and_policy(store: ByteStore, name: str) -> tuple[CheckpointInfo, Any]:
         total = recorded + (store.size(MANIFEST_NAME) or 0)
     else:
         total = sum(store.size(k) or 0 for k in store.list_keys())
-    metrics = user.get("metrics") if isinstance(user, dict) else None
+    metrics = stored_metrics(user)
     info = CheckpointInfo(
         name, store.url, step, True, total, manifest.world_size, created_of(meta),
-        metrics=metrics if isinstance(metrics, dict) else {},
+        metrics=metrics,
     )
     return info, user.get("retention") if isinstance(user, dict) else None
 
