@@ -122,6 +122,20 @@ def test_keys_sharing_cuda_memory_load_every_tensor(tmp_path):
     assert torch.equal(got_flat, flat) and torch.equal(got_emb, emb)
 
 
+def test_a_cuda_generator_is_restored(tmp_path):
+    """A CUDA generator's state (16 bytes) used to be checked on a CPU generator (5,056 bytes) and
+    called corrupt at every load; a CPU generator's state loaded into a CUDA one is a mismatch."""
+    g = torch.Generator(device="cuda").manual_seed(5)
+    torch.rand(3, device="cuda", generator=g)
+    ckptkit.save({"g": g, "cpu": torch.Generator().manual_seed(6)}, tmp_path / "c")
+    expected = torch.rand(4, device="cuda", generator=g)
+    fresh = torch.Generator(device="cuda").manual_seed(0)
+    ckptkit.load({"g": fresh, "cpu": torch.Generator()}, tmp_path / "c")
+    assert torch.equal(torch.rand(4, device="cuda", generator=fresh), expected)
+    with pytest.raises(ckptkit.StateMismatchError, match="is a cpu generator's state; the state holds a cuda"):
+        ckptkit.load({"g": torch.Generator(device="cuda"), "cpu": torch.Generator(device="cuda")}, tmp_path / "c")
+
+
 def test_a_cpu_checkpoint_loads_into_cuda_tensors(tmp_path):
     expected = _host(_state(seed=3))
     ckptkit.save(expected, tmp_path / "c")

@@ -107,3 +107,15 @@ def test_a_per_rank_dict_shaped_like_a_generator_state_is_not_taken_for_one(tmp_
     assert got.value == odd
     with pytest.raises(ckptkit.StateMismatchError, match="is a ckptkit.PerRank value in the checkpoint"):
         ckptkit.load({"p": torch.Generator()}, tmp_path / "c")
+
+
+def test_a_generator_state_is_checked_for_the_generator_it_goes_into(tmp_path):
+    """The probe runs on the target's device (a CUDA generator's 16 bytes were called corrupt by a CPU
+    probe: tests/test_gpu_paths.py); bytes that fit no generator are corrupt, as before."""
+    from ckptkit.engine.loader import _generator_state
+
+    g = torch.Generator().manual_seed(3)
+    encoded = {"__generator__": __import__("base64").b64encode(g.get_state().numpy().tobytes()).decode()}
+    assert torch.equal(_generator_state(encoded, "g", "here", 0, torch.device("cpu")), g.get_state())
+    with pytest.raises(ckptkit.CorruptCheckpointError, match="not a valid generator state"):
+        _generator_state({"__generator__": "AAAA"}, "g", "here", 0, torch.device("cpu"))

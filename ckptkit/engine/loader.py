@@ -452,7 +452,7 @@ def _assign_values(flat: FlatState, manifest: Manifest, own_index: Index | None,
         return
     for leaf in flat.generators:
         if leaf.key in own_index.values:
-            leaf.obj.set_state(_generator_state(own_index.values[leaf.key], leaf.key, where, rank))
+            leaf.obj.set_state(_generator_state(own_index.values[leaf.key], leaf.key, where, rank, leaf.obj.device))
     for leaf in flat.per_rank:
         if leaf.key in own_index.values:
             encoded = own_index.values[leaf.key]
@@ -468,9 +468,12 @@ def _is_generator(encoded: Any) -> bool:
     return isinstance(encoded, dict) and set(encoded) == {"__generator__"}
 
 
-def _generator_state(encoded: Any, key: str, where: str, rank: int | None) -> torch.Tensor:
+def _generator_state(encoded: Any, key: str, where: str, rank: int | None,
+                     device: torch.device = torch.device("cpu")) -> torch.Tensor:
     """A saved ``torch.Generator`` state, checked before torch sees it (torch raises a bare
-    RuntimeError, or worse, on a malformed state)."""
+    RuntimeError, or worse, on a malformed state) on a scratch generator of the target's device: a
+    CUDA generator's state is 16 bytes, a CPU one's 5,056 (a CPU probe called every CUDA
+    generator's state corrupt)."""
     what = f"{where}: per-rank value {key!r} of rank {rank}"
     if not _is_generator(encoded):
         raise StateMismatchError(f"{what} is a ckptkit.PerRank value in the checkpoint, not a generator's state; "
@@ -483,8 +486,20 @@ def _generator_state(encoded: Any, key: str, where: str, rank: int | None) -> to
         raise CorruptCheckpointError(f"{what}: malformed base64") from None
     state = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
     try:
-        probe = torch.Generator()
-        probe.set_state(state)
+        torch.Generator(device=device).set_state(state)
     except (RuntimeError, ValueError, TypeError) as exc:
+        for other in ("cpu", "cuda"):
+            if other != device.type and _fits(state, other):
+                raise StateMismatchError(f"{what} is a {other} generator's state; the state holds a {device.type} "
+                                         f"generator there") from None
         raise CorruptCheckpointError(f"{what}: not a valid generator state ({len(raw)} bytes): {exc}") from None
     return state
+
+
+def _fits(state: torch.Tensor, device: str) -> bool:
+    """Whether ``state`` is a valid state for a generator on ``device`` (False where there is none)."""
+    try:
+        torch.Generator(device=device).set_state(state)
+    except (RuntimeError, ValueError, TypeError):
+        return False
+    return True
