@@ -319,3 +319,32 @@ def test_wrapper_subclasses_save_and_load_through_their_own_ops(tmp_path):
     with pytest.raises(ckptkit.StateMismatchError, match="tensors 'tied' and 'w' share memory"):
         w = Wrapped(torch.zeros(4, 6))
         ckptkit.load({"w": w, "tied": w}, tmp_path / "untied")
+
+
+def test_the_memory_tier_holds_a_tensor_under_several_keys_once(tmp_path):
+    """Node memory held one copy per key: a Megatron embedding (its vocabulary and its padding rows, two
+    declarations over one local) and a tied head took three times their size, past the budget the tier
+    states. It is held once; the memory restore and the persistent save of the same step (which persists
+    from the snapshot's copy) both give it back whole."""
+    local = torch.randn(100, 64)
+
+    def state(t: torch.Tensor) -> dict:
+        return {"emb": Sharded(t, [box_piece("E", (90, 64), (0, 0), (90, 64))]),
+                "pad": Sharded(t, [box_piece("P", (10, 64), (0, 0), (10, 64), local_offsets=(90, 0))]),
+                "head": t, "n": torch.ones(3)}
+
+    mgr = ckptkit.CheckpointManager(tmp_path / "run", save=ckptkit.SavePolicy(every_steps=2),
+                                    memory=ckptkit.MemoryTier(every_steps=2, replicas=0, root=tmp_path / "shm"))
+    try:
+        mgr.maybe_save(2, state(local))
+        mgr.wait()
+        held = sum(f.stat().st_size for f in (tmp_path / "shm").rglob("*.bin"))
+        assert local.numel() * 4 <= held < 2 * local.numel() * 4, held
+        dst = torch.zeros(100, 64)
+        assert mgr.restore_latest(state(dst)) == 2 and mgr.last_restore.source == "memory"
+        assert torch.equal(dst, local)
+    finally:
+        mgr.close()
+    persisted = torch.zeros(100, 64)
+    ckptkit.load(state(persisted), tmp_path / "run" / "step-0000002")
+    assert torch.equal(persisted, local)

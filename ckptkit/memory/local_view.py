@@ -80,11 +80,17 @@ def local_view(state: dict[str, Any], world_size: int, rank: int, memo: Fingerpr
 def _local_view(state: dict[str, Any], world_size: int, rank: int, memo: FingerprintMemo | None) -> LocalView:
     flat = flatten_state(state)
     view: dict[str, Any] = {}
+    held: set[int] = set()  # one tensor under several keys (tied weights, Sharded declarations over one local)
     for leaf in flat.tensors:
         t = leaf.obj
-        _put(view, leaf, (local_of(t) if is_dtensor(t) else t).detach())
+        local = local_of(t) if is_dtensor(t) else t
+        if id(local) not in held:  # is held once: its first key restores all of it
+            held.add(id(local))
+            _put(view, leaf, local.detach())
     for leaf in flat.sharded:
-        _put(view, leaf, leaf.obj.local.detach())
+        if id(leaf.obj.local) not in held:
+            held.add(id(leaf.obj.local))
+            _put(view, leaf, leaf.obj.local.detach())
     for leaf in flat.generators:
         _put(view, leaf, leaf.obj)
     for leaf in flat.per_rank:
@@ -144,11 +150,18 @@ def mirror_state(state: dict[str, Any], view: LocalView, staged: list[Any] | Non
     if staged is None or len(staged) != len(keys) or any(v is None for v in staged):
         return None
     by_key = dict(zip(keys, staged))
+    by_local: dict[int, torch.Tensor] = {}  # a tensor held once (under its first key) serves every key naming it
+    for leaf in view.flat.tensors:
+        if leaf.key in by_key:
+            by_local[id(local_of(leaf.obj) if is_dtensor(leaf.obj) else leaf.obj)] = by_key[leaf.key]
+    for leaf in view.flat.sharded:
+        if leaf.key in by_key:
+            by_local[id(leaf.obj.local)] = by_key[leaf.key]
     by_id: dict[int, torch.Tensor] = {}
     for leaf in view.flat.tensors:
-        by_id[id(leaf.obj)] = by_key[leaf.key]
+        by_id[id(leaf.obj)] = by_local[id(local_of(leaf.obj) if is_dtensor(leaf.obj) else leaf.obj)]
     for leaf in view.flat.sharded:
-        by_id[id(leaf.obj.local)] = by_key[leaf.key]
+        by_id[id(leaf.obj.local)] = by_local[id(leaf.obj.local)]
 
     def tensor(t: torch.Tensor) -> torch.Tensor:
         view = by_id[id(t)]
