@@ -2,7 +2,8 @@
 
 A state may name one memory more than once: one Parameter under two keys (tied embeddings), a flat
 buffer and views into it, several :class:`~ckptkit.Sharded` declarations over one local tensor (the
-Megatron adapter declares one per global tensor of a flat optimizer shard). Reading straight into
+Megatron adapter declares one per global tensor a parameter holds: a vocabulary and its padding
+rows). A tensor subclass with no memory of its own shares memory with itself only. Reading straight into
 such memory from several keys goes wrong in three ways, each seen before this module existed:
 
 * two reads of overlapping memory race, and the checksum of one is taken over bytes the other
@@ -14,16 +15,16 @@ such memory from several keys goes wrong in three ways, each seen before this mo
 So the load finds every piece it would write whose memory may overlap another's (exactly within one
 tensor, by memory span across views of one storage), reads those pieces into memory of their own,
 places them in order, and then checks that every one of them reads back as the checkpoint gave it:
-agreeing keys load, disagreeing ones fail naming both. A staged destination that shares its storage
-with another destination is copied back piece by piece, never whole. Memory that is not shared
-costs nothing: no private buffer, no extra copy.
+agreeing keys load, disagreeing ones fail naming both. A staged destination whose memory may meet
+another destination's is copied back piece by piece, never whole. Memory that is not shared costs
+nothing: no private buffer, no extra copy.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from math import prod
 from dataclasses import dataclass, field
+from math import prod
 from typing import Any
 
 import torch
