@@ -273,7 +273,7 @@ def test_disjoint_views_of_one_buffer_cost_nothing_extra():
         if k == 3:
             assert shared.private == [] and shared.piecewise == set()
         else:
-            assert sorted(t.tensor for t, _, _ in shared.private) == ["t1", "t2", "t3"]
+            assert sorted(t.tensor for t, _, _, _ in shared.private) == ["t1", "t2", "t3"]
             assert shared.piecewise == {1}  # the staged one that meets another; the third is not staged
 
 
@@ -348,3 +348,22 @@ def test_the_memory_tier_holds_a_tensor_under_several_keys_once(tmp_path):
     persisted = torch.zeros(100, 64)
     ckptkit.load(state(persisted), tmp_path / "run" / "step-0000002")
     assert torch.equal(persisted, local)
+
+
+def test_a_tied_weight_costs_one_private_copy_per_extra_key():
+    """The first key of a tied weight is read in place and the others are compared with it; only when
+    something else also meets that memory are they all read privately and placed in order."""
+    from ckptkit.engine.loader import _dest
+    from ckptkit.engine.shared_targets import share_targets
+    from ckptkit.layout.box import Region
+    from ckptkit.layout.pieces import LocalBox
+    from ckptkit.plan.load_plan import Target
+
+    w = torch.zeros(4, 3)
+    for extra, expect in (((), [("t1", False)]), ((w[1:3],), [("t0", True), ("t1", True), ("t2", True)])):
+        dests = [_dest(w)] + [_dest(e) for e in extra]
+        refs = [0, 0] + list(range(1, len(dests)))
+        targets = [Target(r, f"t{i}", Region(Box.full(tuple(dests[r].user.shape))), tuple(dests[r].user.shape),
+                          LocalBox((0, 0))) for i, r in enumerate(refs)]
+        shared = share_targets([d.user for d in dests], [d.work for d in dests], targets)
+        assert [(t.tensor, placed) for t, _, _, placed in shared.private] == expect

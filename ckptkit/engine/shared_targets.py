@@ -129,14 +129,17 @@ class SharedTargets:
     targets: list[Target]
     original: list[Target]
     buffers: list[torch.Tensor] = field(default_factory=list)
-    private: list[tuple[Target, int, str]] = field(default_factory=list)  # (original target, buffer, a key it meets)
+    #: (original target, buffer, a key it meets, placed): a piece read privately; one that repeats another's
+    #: very place (a tied weight's second key) is only compared with it, never placed
+    private: list[tuple[Target, int, str, bool]] = field(default_factory=list)
     piecewise: set[int] = field(default_factory=set)  # destinations copied back piece by piece
 
     def place(self, works: Sequence[torch.Tensor]) -> None:
         """Privately read pieces into their destinations' working memory, in the state's order."""
         with torch.no_grad():
-            for target, buffer, _ in self.private:
-                put(works[target.ref], target, self.buffers[buffer])
+            for target, buffer, _, placed in self.private:
+                if placed:
+                    put(works[target.ref], target, self.buffers[buffer])
 
     def copy_back(self, ref: int, user: torch.Tensor, work: torch.Tensor) -> None:
         """A staged destination sharing storage with another: only the pieces it loaded go back."""
@@ -147,7 +150,7 @@ class SharedTargets:
     def check(self, users: Sequence[torch.Tensor], works: Sequence[torch.Tensor], where: str) -> None:
         """Every privately read piece must now read back as the checkpoint gave it; a piece that does
         not was overwritten by another key's different values."""
-        for target, buffer, other in self.private:
+        for target, buffer, other, _ in self.private:
             ref = target.ref
             memory = users[ref] if ref in self.piecewise else works[ref]
             if not torch.equal(take(memory, target), _bytes(self.buffers[buffer])):
@@ -170,7 +173,7 @@ def share_targets(users: Sequence[torch.Tensor], works: Sequence[torch.Tensor], 
             storage = storages[target.ref] = _storage(users[target.ref])
         by_storage.setdefault(storage, []).append(i)
     boxes: dict[int, list[Run]] = {}
-    meets: dict[int, str] = {}
+    partners: dict[int, set[int]] = {}
     piecewise: set[int] = set()
     for members in by_storage.values():
         if len(members) < 2:  # the usual case: a tensor of its own, one piece
@@ -190,11 +193,12 @@ def share_targets(users: Sequence[torch.Tensor], works: Sequence[torch.Tensor], 
                 a, b = targets[i], targets[j]
                 if a.ref == b.ref and _apart(boxes[i], boxes[j]):
                     continue
-                meets.setdefault(i, b.tensor)
-                meets.setdefault(j, a.tensor)
+                partners.setdefault(i, set()).add(j)
+                partners.setdefault(j, set()).add(i)
             active.append((hi, i))
+    direct, compared = _repeats(targets, boxes, partners)
     shared = SharedTargets(list(targets), list(targets), piecewise=piecewise)
-    for i in sorted(meets):
+    for i in sorted(set(partners) - direct):
         target = targets[i]
         work = works[target.ref]
         if isinstance(target.local, LocalFlat):
@@ -202,11 +206,34 @@ def share_targets(users: Sequence[torch.Tensor], works: Sequence[torch.Tensor], 
         else:
             sizes = target.region.box.sizes
             buffer, place = torch.empty(sizes, dtype=work.dtype), LocalBox(tuple(0 for _ in sizes))
-        shared.private.append((target, len(shared.buffers), meets[i]))
+        # the key named if this piece does not read back: the one it is compared with (a repeat), else the
+        # last one placed over it
+        other = targets[min(partners[i]) if i in compared else max(partners[i])].tensor
+        shared.private.append((target, len(shared.buffers), other, i not in compared))
         shared.targets[i] = Target(len(users) + len(shared.buffers), target.tensor, target.region,
                                    tuple(buffer.shape), place)
         shared.buffers.append(buffer)
     return shared
+
+
+def _repeats(targets: list[Target], boxes: dict[int, list[Run]],
+             partners: dict[int, set[int]]) -> tuple[set[int], set[int]]:
+    """Pieces that repeat one place of one destination and meet nothing else (one tied weight under
+    several keys): the first is read in place, the others privately and only compared with it, so a
+    tied weight costs one private copy per extra key, not one per key. Returns (the first of each such
+    group, the others)."""
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for i in partners:
+        groups.setdefault((targets[i].ref, tuple(boxes[i])), []).append(i)
+    direct: set[int] = set()
+    compared: set[int] = set()
+    for members in groups.values():
+        group = set(members)
+        if len(members) > 1 and all(partners[i] <= group for i in members):
+            first = min(members)
+            direct.add(first)
+            compared.update(group - {first})
+    return direct, compared
 
 
 def _staged_and_overlapping(users: Sequence[torch.Tensor], works: Sequence[torch.Tensor], refs: list[int]) -> set[int]:
