@@ -229,15 +229,11 @@ class CheckpointManager:
         [0, 2**62] (the bound of every integer in a checkpoint), so a save of any other step used to
         commit a checkpoint that no restore would ever return, and resume from an older one, or from
         scratch, without a word. numpy integers are steps; bools, floats and strings are not."""
-        if not isinstance(step, bool):
-            try:
-                value = operator.index(step)
-            except TypeError:
-                value = None
-            if value is not None and 0 <= value <= MAX_STEP:
-                return value
-        raise OptionsError(f"{self.root.url}: step {step!r} ({type(step).__name__}) is not a step: a step is an "
-                           f"integer from 0 to 2**62")
+        value = self._bound(step, "step")
+        if not 0 <= value <= MAX_STEP:
+            raise OptionsError(f"{self.root.url}: step {step!r} ({type(step).__name__}) is not a step: a step is an "
+                               f"integer from 0 to 2**62")
+        return value
 
     def _metrics(self, metrics: dict[str, Any] | None) -> dict[str, Any]:
         """``metrics`` with a one-element tensor (a loss) or a numpy scalar taken as its Python number:
@@ -256,8 +252,8 @@ class CheckpointManager:
         return out
 
     def _bound(self, value: Any, what: str) -> int:
-        """A step bound (``at_most``, ``discard_after``) as a plain int: a bool or a string there is a
-        mistake in the calling code (``at_most=True`` restored nothing newer than step 1, without a word)."""
+        """A step or a step bound (``at_most``, ``discard_after``) as a plain int: a bool or a string there
+        is a mistake in the calling code (``at_most=True`` restored nothing newer than step 1, without a word)."""
         if not isinstance(value, bool):
             try:
                 return operator.index(value)

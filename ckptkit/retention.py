@@ -155,3 +155,12 @@ def stored_metrics(user_meta: Any) -> dict[str, Any]:
         return {}
     return decoded if isinstance(decoded, dict) else {}
 
+
+def step_mismatch(user_meta: Any, step: int) -> str | None:
+    """Why a step folder named for ``step`` is not that step's checkpoint (its manifest records another:
+    a copy or rename under another step's name, which a restore must never return as this step), or None."""
+    recorded = user_meta.get("step") if isinstance(user_meta, dict) else None
+    if isinstance(recorded, int) and not isinstance(recorded, bool) and recorded != step:
+        return f"its manifest records step {recorded}, not {step}: a checkpoint copied or renamed under another step's name"
+    return None
+

@@ -24,7 +24,7 @@ from ckptkit.engine.metadata_io import read_manifest
 from ckptkit.errors import CkptkitError, OptionsError, StorageError, UncommittedCheckpointError
 from ckptkit.layout.manifest import MANIFEST_NAME
 from ckptkit.layout.strict_json import MAX_LAYOUT_INT
-from ckptkit.retention import Record, RetentionPolicy, decide, stored_metrics, unknown
+from ckptkit.retention import Record, RetentionPolicy, decide, step_mismatch, stored_metrics, unknown
 from ckptkit.storage.base import ByteStore
 
 log = logging.getLogger("ckptkit")
@@ -92,13 +92,10 @@ class RunFolder:
             return Record(name, step, False, status="unreadable", reason=str(exc))
         except CkptkitError as exc:
             return Record(name, step, False, status="damaged", reason=str(exc))
-        recorded = meta.get("step") if isinstance(meta, dict) else None
-        if isinstance(recorded, int) and not isinstance(recorded, bool) and recorded != step:
-            # a folder copied or renamed under another step's name: restoring it as this step would
-            # resume from another step's state while reporting this one
-            return Record(name, step, False, status="damaged",
-                          reason=f"its manifest records step {recorded}, not {step}: a checkpoint copied or renamed "
-                                 f"under another step's name (rename it {self.naming.name(recorded)}, or load it by path)")
+        wrong = step_mismatch(meta, step)
+        if wrong is not None:  # restoring it as this step would resume from another step's state
+            return Record(name, step, False, status="damaged", reason=f"{wrong} (rename it "
+                          f"{self.naming.name(meta['step'])}, or load it by path)")
         return Record(name, step, True, stored_metrics(meta))
 
     def name_of(self, step: int) -> str:

@@ -31,7 +31,7 @@ from ckptkit.engine.collective import Comm, failed_ranks
 from ckptkit.engine.load_progress import LoadProgress, ProgressRecord, WatchedComm
 from ckptkit.engine.read_once import read_once
 from ckptkit.engine.read_session import ReadSession
-from ckptkit.engine.shared_targets import SharedTargets, is_wrapper, share_targets
+from ckptkit.engine.shared_targets import SharedTargets, is_staged, is_wrapper, share_targets
 from ckptkit.engine.state import FlatState, dtype_name, not_dense_memory
 from ckptkit.engine.watchdog import supervise
 from ckptkit.errors import (
@@ -74,7 +74,7 @@ class _Dest:
     work: torch.Tensor
 
     def finish(self) -> None:
-        if self.work is not self.user:
+        if is_staged(self.user, self.work):
             with torch.no_grad():
                 self.user.copy_(self.work)
 

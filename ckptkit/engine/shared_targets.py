@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from ckptkit.engine.tensor_bytes import as_bytes
 from ckptkit.errors import StateMismatchError
 from ckptkit.layout.box import Box, Region
 from ckptkit.layout.pieces import LocalBox, LocalFlat
@@ -64,17 +65,17 @@ def put(t: torch.Tensor, target: Target, values: torch.Tensor) -> None:
             at += n
 
 
-def take(t: torch.Tensor, target: Target) -> torch.Tensor:
-    """The bytes of ``t`` where ``target`` lies, in its elements' order."""
-    parts = [_bytes(_view(t, box)) for box in boxes_of(t, target)]
-    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
-
-
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach().resolve_conj().resolve_neg()
-    out = torch.empty(t.numel(), dtype=t.dtype)  # not .contiguous(): a one-element view keeps its stride
-    out.copy_(t.reshape(-1))
-    return out.view(torch.uint8)
+def reads_back(t: torch.Tensor, target: Target, values: torch.Tensor) -> bool:
+    """Whether ``t`` holds, where ``target`` lies, exactly the bytes of ``values`` (the piece's elements,
+    contiguous on the CPU), as a conjugate or negative view shows them."""
+    want = as_bytes(values)
+    at = 0
+    for box in boxes_of(t, target):
+        got = as_bytes(_view(t, box).detach().resolve_conj().resolve_neg().cpu().contiguous())
+        if got != want[at:at + len(got)]:
+            return False
+        at += len(got)
+    return True
 
 
 def is_wrapper(t: torch.Tensor) -> bool:
@@ -96,7 +97,8 @@ def _storage(t: torch.Tensor) -> tuple[Any, int]:
     return t.device, t.untyped_storage().data_ptr()
 
 
-def _staged(user: torch.Tensor, work: torch.Tensor) -> bool:
+def is_staged(user: torch.Tensor, work: torch.Tensor) -> bool:
+    """Whether a destination was read into a stand-in (``work``) that must be copied back into ``user``."""
     return is_wrapper(user) or work.data_ptr() != user.data_ptr()
 
 
@@ -143,9 +145,11 @@ class SharedTargets:
 
     def copy_back(self, ref: int, user: torch.Tensor, work: torch.Tensor) -> None:
         """A staged destination sharing storage with another: only the pieces it loaded go back."""
-        for target in self.original:
-            if target.ref == ref:
-                put(user, target, take(work, target).view(work.dtype))
+        with torch.no_grad():
+            for target in self.original:
+                if target.ref == ref:
+                    for box in boxes_of(user, target):
+                        _view(user, box).copy_(_view(work, box))
 
     def check(self, users: Sequence[torch.Tensor], works: Sequence[torch.Tensor], where: str) -> None:
         """Every privately read piece must now read back as the checkpoint gave it; a piece that does
@@ -153,7 +157,7 @@ class SharedTargets:
         for target, buffer, other, _ in self.private:
             ref = target.ref
             memory = users[ref] if ref in self.piecewise else works[ref]
-            if not torch.equal(take(memory, target), _bytes(self.buffers[buffer])):
+            if not reads_back(memory, target, self.buffers[buffer]):
                 first, second = sorted((target.tensor, other))
                 raise StateMismatchError(
                     f"{where}: tensors {first!r} and {second!r} share memory in the state (tied weights, or views "
@@ -249,5 +253,5 @@ def _staged_and_overlapping(users: Sequence[torch.Tensor], works: Sequence[torch
             out.update((ref, last))
         if hi > reach:
             reach, last = hi, ref
-    return {r for r in out if _staged(users[r], works[r])}
+    return {r for r in out if is_staged(users[r], works[r])}
 

@@ -34,11 +34,12 @@ from ckptkit.storage.local import LocalStore
 
 log = logging.getLogger("ckptkit")
 
+_RANK = r"([0-9]{5}|[1-9][0-9]{5,6})"  # a rank as {rank:05d} writes it (ASCII; a world may reach 2**20 ranks)
 STEP_RE = re.compile(r"^step-([0-9]{10}|[1-9][0-9]{10,18})$")  # step_name's form only: ASCII, 10 digits or more
-RANK_RE = re.compile(r"^rank-([0-9]{5}|[1-9][0-9]{5,6})$")  # rank_name's: a world may reach 2**20 ranks
-SHARE_RE = re.compile(r"^share-([0-9]{5}|[1-9][0-9]{5,6})\.json$")
-ANY_SHARE_RE = re.compile(r"^share-([0-9]{5}|[1-9][0-9]{5,6})\.")  # a share's header, bytes or temporary
-POOL_RE = re.compile(r"^spares-([0-9]{5}|[1-9][0-9]{5,6})$")
+RANK_RE = re.compile(rf"^rank-{_RANK}$")
+SHARE_RE = re.compile(rf"^share-{_RANK}\.json$")
+ANY_SHARE_RE = re.compile(rf"^share-{_RANK}\.")  # a share's header, bytes or temporary
+POOL_RE = re.compile(rf"^spares-{_RANK}$")
 
 
 def step_name(step: int) -> str:

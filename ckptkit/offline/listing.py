@@ -14,7 +14,7 @@ from typing import Any
 from ckptkit.engine.metadata_io import read_manifest
 from ckptkit.errors import CheckpointNotFoundError, CkptkitError, UncommittedCheckpointError
 from ckptkit.layout.manifest import MANIFEST_NAME
-from ckptkit.retention import Record, RetentionPolicy, decide, stored_metrics
+from ckptkit.retention import Record, RetentionPolicy, decide, step_mismatch, stored_metrics
 from ckptkit.storage.base import ByteStore
 from ckptkit.storage.url import open_store
 
@@ -116,14 +116,13 @@ def _info_and_policy(store: ByteStore, name: str) -> tuple[CheckpointInfo, Any]:
     meta = manifest.meta
     user: Any = meta.get("user")
     user_step: Any = user.get("step") if isinstance(user, dict) else None
-    if isinstance(user_step, int) and not isinstance(user_step, bool):
-        if step is None:
-            step = user_step
-        elif step != user_step:  # what a restore skips as damaged (run_folder): never shown as a checkpoint
-            total = sum(store.size(k) or 0 for k in store.list_keys())
-            return CheckpointInfo(name, store.url, step, False, total, manifest.world_size, created_of(meta),
-                                  f"damaged: its manifest records step {user_step}, not {step} (copied or "
-                                  "renamed under another step's name)"), None
+    if step is None and isinstance(user_step, int) and not isinstance(user_step, bool):
+        step = user_step
+    wrong = step_mismatch(user, step) if step is not None else None
+    if wrong is not None:  # what a restore skips as damaged (run_folder): never shown as a checkpoint
+        total = sum(store.size(k) or 0 for k in store.list_keys())
+        return CheckpointInfo(name, store.url, step, False, total, manifest.world_size, created_of(meta),
+                              f"damaged: {wrong}"), None
     # on-disk size, comparable with an uncommitted directory's: objects + indexes + manifest
     recorded = meta.get("stored_bytes")
     if isinstance(recorded, int):
