@@ -398,7 +398,7 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
     name = str(t.dtype).removeprefix("torch.")
     if name in NO_NUMPY_DTYPES:
         raise CkptkitError(f"numpy has no {name}; use the torch tensor")
-    if name not in _ML_DTYPES:
+    if name not in ML_DTYPES:
         return t.numpy()
     try:
         import ml_dtypes
@@ -412,4 +412,5 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
 
 NO_NUMPY_DTYPES = ("complex32", "float4_e2m1fn_x2")
 """Checkpoint dtypes with no numpy (nor ``ml_dtypes``, nor zarr) type: read as torch tensors only."""
-_ML_DTYPES = ("bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
+ML_DTYPES = ("bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
+"""Checkpoint dtypes numpy lacks and ``ml_dtypes`` has: read into numpy as ``ml_dtypes`` arrays."""

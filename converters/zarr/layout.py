@@ -43,7 +43,7 @@ from ckptkit.errors import (
 from ckptkit.layout.box import Box
 from ckptkit.layout.grid import GridLayout
 from ckptkit.layout.manifest import DTYPES, Manifest, TensorMeta
-from ckptkit.offline.view import NO_NUMPY_DTYPES, to_numpy
+from ckptkit.offline.view import ML_DTYPES, NO_NUMPY_DTYPES, to_numpy
 from ckptkit.storage.base import ByteStore
 from ckptkit.version import __version__
 
@@ -53,7 +53,7 @@ ATTRIBUTE = "ckptkit"
 GROUP_METADATA = "zarr.json"
 PER_RANK_GROUP = "ckptkit-per-rank"  # a child group whose attributes hold the per-rank values
 # Not readable by numpy / zarr-python; ``portable`` stores them as float32.
-_NARROW_FLOATS = ("bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
+_NARROW_FLOATS = ML_DTYPES
 # Named by the checkpoint format but by no zarr v3 data type (tensorstore has neither, as numpy has
 # neither): an export refuses them by name before it writes anything.
 NOT_STORABLE = NO_NUMPY_DTYPES
