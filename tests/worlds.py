@@ -180,27 +180,40 @@ class WorldError(AssertionError):
 
 
 class World:
+    #: starts tried: a rendezvous port free when picked can be taken before rank 0 binds it (EADDRINUSE; the
+    #: ranks then die before saying hello), which a fresh port fixes; a world that fails thrice is broken
+    STARTS = 3
+
     def __init__(self, size: int, timeout: float = 180.0, env: dict[str, str] | None = None) -> None:
         self.size = size
         self.timeout = timeout
-        port = free_port()
-        self.conns = []
-        self.procs = []
-        self.stacks = tempfile.mkdtemp(prefix="ckptkit-world-stacks-")
         _start_fork_server()
-        for rank in range(size):
+        for attempt in range(self.STARTS):
+            self.conns: list[Any] = []
+            self.procs: list[Any] = []
+            self.stacks = tempfile.mkdtemp(prefix="ckptkit-world-stacks-")
+            try:
+                self._start(free_port(), env or {})
+                break
+            except EOFError:  # a rank died before its hello: its rendezvous port was taken meanwhile
+                self.close()
+                if attempt + 1 == self.STARTS:
+                    raise WorldError(f"a {size}-process world did not start in {self.STARTS} tries") from None
+        self.broken = False
+
+    def _start(self, port: int, env: dict[str, str]) -> None:
+        for rank in range(self.size):
             parent, child = _CTX.Pipe()
             # not daemonic: ranks may start helper processes of their own (ckptkit's writer process)
-            p = _CTX.Process(target=_worker, args=(rank, size, port, child, env or {}, self.stacks), daemon=False)
+            p = _CTX.Process(target=_worker, args=(rank, self.size, port, child, env, self.stacks), daemon=False)
             p.start()
             self.conns.append(parent)
             self.procs.append(p)
         for rank, c in enumerate(self.conns):
-            if not c.poll(timeout):
+            if not c.poll(self.timeout):
                 self.close()
-                raise WorldError(f"rank {rank} of a {size}-process world did not start")
+                raise WorldError(f"rank {rank} of a {self.size}-process world did not start")
             c.recv()
-        self.broken = False
 
     def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None, **kwargs: Any) -> list[Any]:
         """Run ``fn(*args, **kwargs)`` on every rank; return the per-rank results."""
