@@ -50,7 +50,7 @@ from ckptkit.layout.manifest import MANIFEST_NAME
 from ckptkit.memory.options import MemoryTier
 from ckptkit.options import AsyncOptions, LoadOptions
 from ckptkit import run_identity
-from ckptkit.retention import Record, RetentionPolicy
+from ckptkit.retention import Record, RetentionPolicy, RollbackHold
 from ckptkit.run_folder import LEASES, MAX_STEP, STEP_PATTERN, RunFolder, StepNaming, step_dir
 from ckptkit.storage.tiered import TieredStore
 from ckptkit.storage.url import open_store
@@ -145,6 +145,7 @@ class CheckpointManager:
         self._lineage: list[int] = []
         self._started = -1
         self._lineage_lock = threading.Lock()
+        self._rollback_hold: RollbackHold | None = None  # what spike rollbacks may still restore
         if memory is not None:
             import torch.distributed as dist
 
@@ -287,7 +288,10 @@ class CheckpointManager:
         self._last_save = time.monotonic()
         name = self.folder.naming.name(step)
         store = self.root.child(name)
-        metadata = {"step": step, "metrics": self._metrics(metrics), "retention": self.retention.to_json()}
+        retention = self.retention.to_json()
+        if self._rollback_hold is not None:  # `ckptkit ls` then shows what the controller holds
+            retention["rollback"] = self._rollback_hold.to_json()
+        metadata = {"step": step, "metrics": self._metrics(metrics), "retention": retention}
         if self._saver is None:
             result = save_state(state, store, self._comm, block=self.options.block_size,
                                 metadata=metadata, deadline=deadline)
@@ -335,12 +339,25 @@ class CheckpointManager:
         self.close()
 
     # --------------------------------------------------------------- the folder
+    def hold_for_rollback(self, hold: RollbackHold | None) -> None:
+        """From now on, keep whatever ``keep`` says the checkpoints spike rollbacks may still restore
+        (:class:`~ckptkit.retention.RollbackHold`); None ends the hold. Read when a later commit
+        applies retention.
+
+        The :class:`~ckptkit.ResilienceController` calls it at every step. Without it,
+        ``keep_last=1`` (or any ``keep_last`` covering fewer than ``Rollback.steps_before`` steps of
+        saves) deleted every checkpoint old enough to roll back to, and the run stopped for a human
+        at its first spike episode."""
+        if hold is not None and not isinstance(hold, RollbackHold):
+            raise OptionsError(f"hold_for_rollback takes a ckptkit.retention.RollbackHold or None, got {hold!r}")
+        self._rollback_hold = hold
+
     def _after_commit(self, name: str, step: int, result: SaveResult) -> None:
         self._inflight_name = None
         with self._lineage_lock:
             self._lineage = sorted({*self._lineage, step})
         if self.rank == 0:
-            self.folder.apply_retention(self.retention, after=name)
+            self.folder.apply_retention(self.retention, after=name, rollback=self._rollback_hold)
 
     def discard_after(self, step: int) -> list[str]:
         """Delete committed checkpoints newer than ``step`` (rank 0; call on every rank).

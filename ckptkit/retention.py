@@ -7,6 +7,11 @@ Rules, each optional, combined by union:
 * ``keep_best``: the k best by a metric recorded in the checkpoint (``min``
   or ``max``).
 
+A :class:`RollbackHold` (from the resilience controller) keeps, on top of the
+rules, the checkpoints a spike rollback decided from now on would restore: a
+policy of ``keep_last=1`` must not delete the only checkpoint old enough to
+roll back to and leave the run stopped for a human.
+
 The newest committed checkpoint is always kept, whatever the rules say: it
 is what a restart resumes from. Uncommitted checkpoints are never decided
 here — they are garbage for :meth:`CheckpointManager.gc`, and one of them
@@ -77,6 +82,58 @@ class RetentionPolicy:
             return RetentionPolicy()
 
 
+@dataclass(frozen=True)
+class RollbackHold:
+    """The checkpoints spike rollbacks may still restore, which retention keeps whatever its rules.
+
+    A rollback decided from now on restores the newest checkpoint at or before some step
+    ``A >= at_most`` (its episode's first spike, the open episode's first or a step still to come,
+    minus ``steps_before``). Every checkpoint after ``at_most`` may be the newest at or before some
+    such ``A``, and the newest at or before ``at_most`` is it for ``A = at_most``. A rollback right
+    after, before anything new is committed, starts from the step the first one restored, at least
+    that newest one ``h``: its bound is at least ``h + 1 - steps_before``. ``depth`` rollbacks in a
+    row are provided for: each of them restores exactly the checkpoint it would with nothing ever
+    deleted."""
+
+    at_most: int
+    steps_before: int = 1
+    depth: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("at_most", "steps_before", "depth"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or abs(v) > 2**62:
+                raise OptionsError(f"RollbackHold.{name} must be an integer, got {v!r}")
+        if self.steps_before < 1 or self.depth < 1:
+            raise OptionsError(f"RollbackHold needs steps_before >= 1 and depth >= 1, got {self!r}")
+
+    def targets(self, committed_steps: list[int]) -> set[int]:
+        """The steps among ``committed_steps`` it holds: every one after the deepest rollback's bound,
+        and the newest at or before it."""
+        bound = self.at_most
+        newest: int | None = None
+        for level in range(self.depth):
+            older = [s for s in committed_steps if s <= bound]
+            if not older:
+                break
+            newest = max(older)
+            if level + 1 < self.depth:
+                bound = newest + 1 - self.steps_before
+        held = {s for s in committed_steps if s > bound}
+        return held | ({newest} if newest is not None and newest <= bound else set())
+
+    def to_json(self) -> list[int]:
+        return [self.at_most, self.steps_before, self.depth]
+
+    @staticmethod
+    def from_json(value: Any) -> RollbackHold | None:
+        """A hold recorded in a manifest (for ``ckptkit ls``), or None when absent or not one."""
+        try:
+            return RollbackHold(*value) if isinstance(value, list) and len(value) == 3 else None
+        except (CkptkitError, TypeError):
+            return None
+
+
 Status = Literal["committed", "uncommitted", "damaged", "unreadable"]
 
 
@@ -114,7 +171,9 @@ def unknown(records: list[Record]) -> list[Record]:
     return [r for r in records if r.status == "unreadable"]
 
 
-def decide(records: list[Record], policy: RetentionPolicy) -> Decision:
+def decide(records: list[Record], policy: RetentionPolicy, rollback: RollbackHold | None = None) -> Decision:
+    """What ``policy`` keeps and deletes among ``records``; with ``rollback``, also keep what spike
+    rollbacks may still restore."""
     committed = sorted((r for r in records if r.committed), key=lambda r: (r.step, r.name))
     reasons: dict[str, list[str]] = {r.name: [] for r in committed}
     if committed:
@@ -138,6 +197,11 @@ def decide(records: list[Record], policy: RetentionPolicy) -> Decision:
                 scored.append(((v if best.mode == "min" else -v), -r.step, r.name))
         for _, _, name in sorted(scored)[: best.k]:
             reasons[name].append("best")
+    if rollback is not None:
+        held = rollback.targets([r.step for r in committed])
+        for r in committed:  # two folders of one step (another naming): both, whichever a restore picks
+            if r.step in held:
+                reasons[r.name].append("rollback")
     keep = {name: tuple(why) for name, why in reasons.items() if why}
     delete = tuple(r.name for r in committed if r.name not in keep)
     return Decision(keep, delete)

@@ -24,7 +24,7 @@ from ckptkit.engine.metadata_io import read_manifest
 from ckptkit.errors import CkptkitError, OptionsError, StorageError, UncommittedCheckpointError
 from ckptkit.layout.manifest import MANIFEST_NAME
 from ckptkit.layout.strict_json import MAX_LAYOUT_INT
-from ckptkit.retention import Record, RetentionPolicy, decide, step_mismatch, stored_metrics, unknown
+from ckptkit.retention import Record, RetentionPolicy, RollbackHold, decide, step_mismatch, stored_metrics, unknown
 from ckptkit.storage.base import ByteStore
 
 log = logging.getLogger("ckptkit")
@@ -125,9 +125,10 @@ class RunFolder:
         except CkptkitError as exc:
             log.warning("%s is uncommitted now but not removed: %s", name, exc)
 
-    def apply_retention(self, policy: RetentionPolicy, after: str) -> list[str]:
-        """Delete what ``policy`` does not keep (never a leased one; nothing at all while any folder
-        is unreadable: it may be the newest committed one). Never raises: retention never fails a save."""
+    def apply_retention(self, policy: RetentionPolicy, after: str, rollback: RollbackHold | None = None) -> list[str]:
+        """Delete what ``policy`` does not keep, nor ``rollback`` holds (never a leased one; nothing at
+        all while any folder is unreadable: it may be the newest committed one). Never raises:
+        retention never fails a save."""
         if policy.keeps_everything:
             return []
         deleted: list[str] = []
@@ -138,7 +139,7 @@ class RunFolder:
                 log.warning("retention after %s: skipped, %s could not be read (%s)", after, blind[0].name,
                             blind[0].reason)
                 return []
-            for victim in decide(records, policy).delete:
+            for victim in decide(records, policy, rollback).delete:
                 if self.leased(victim):
                     log.info("retention: keeping %s for now, a restore is reading it", victim)
                     continue

@@ -14,7 +14,7 @@ from typing import Any
 from ckptkit.engine.metadata_io import read_manifest
 from ckptkit.errors import CheckpointNotFoundError, CkptkitError, UncommittedCheckpointError
 from ckptkit.layout.manifest import MANIFEST_NAME
-from ckptkit.retention import Record, RetentionPolicy, decide, step_mismatch, stored_metrics
+from ckptkit.retention import Record, RetentionPolicy, RollbackHold, decide, step_mismatch, stored_metrics
 from ckptkit.storage.base import ByteStore
 from ckptkit.storage.url import open_store
 
@@ -39,7 +39,7 @@ class CheckpointInfo:
     created: str | None
     reason: str | None = None
     metrics: dict[str, Any] = field(default_factory=dict)
-    keep: tuple[str, ...] = ()  # why retention keeps it: latest, last, milestone, best
+    keep: tuple[str, ...] = ()  # why retention keeps it: latest, last, milestone, best, rollback
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -83,8 +83,10 @@ def _with_retention(infos: list[CheckpointInfo], policies: dict[str, Any]) -> li
     if not committed:
         return infos
     newest = max(committed, key=lambda i: i.step or 0)
+    doc = policies.get(newest.name)
+    held = RollbackHold.from_json(doc.get("rollback")) if isinstance(doc, dict) else None
     decision = decide([Record(i.name, i.step or 0, True, i.metrics) for i in committed],
-                      RetentionPolicy.from_json(policies.get(newest.name)))
+                      RetentionPolicy.from_json(doc), held)
     return [
         replace(i, keep=tuple(r for r in decision.keep.get(i.name, ()) if r != "all")) if i.committed else i
         for i in infos

@@ -48,6 +48,7 @@ from ckptkit.resilience.progress import Progress, ProgressMarker, steps_lost
 from ckptkit.resilience.recovery import missing_rollbacks
 from ckptkit.resilience.skips import SkipRanges
 from ckptkit.resilience.watchdog import Watchdog
+from ckptkit.retention import RollbackHold
 
 log = logging.getLogger("ckptkit")
 STATE_KEY = "resilience"
@@ -117,6 +118,7 @@ class ResilienceController:
         self._step_times: list[float] = []
         self._last_observe: float | None = None
         self._install(signals)
+        self._hold_rollback_targets()
 
     # ------------------------------------------------------------- signals
     def _install(self, signals: tuple[int, ...]) -> None:
@@ -197,6 +199,7 @@ class ResilienceController:
             self._import(self._saved(state))
             self._recover_rollbacks(step, incidents)
             self.attach(state)
+        self._hold_rollback_targets()
         self._note_restart(step, previous)
         if step is None:
             return 1
@@ -332,7 +335,21 @@ class ResilienceController:
         if samples is not None:
             self.sample = samples[1]
         self._adopt_pending()
+        self._hold_rollback_targets()
         return Action(decision)
+
+    def _hold_rollback_targets(self) -> None:
+        """Tell the manager's retention which checkpoints a rollback decided from now on may restore.
+
+        A rollback goes to the newest checkpoint at least ``steps_before`` steps before its episode's
+        first spike; that spike is the open episode's first, or a step still to come."""
+        r = self.policy.rollback
+        if r is None or r.retain == 0:
+            self.manager.hold_for_rollback(None)
+            return
+        back = min(max(r.steps_before, 1), 2**62)  # as Ladder._rollback: at least one step before the first spike
+        first = min(self.ladder.spikes[0], self.step + 1) if self.ladder.spikes else self.step + 1
+        self.manager.hold_for_rollback(RollbackHold(max(first - back, -2**62), back, min(r.retain, 2**62)))
 
     def _rollback(self, step: int, decision: Decision, state: dict[str, Any]) -> dict[str, Any]:
         if decision.skip is not None:
@@ -355,6 +372,7 @@ class ResilienceController:
         self.ladder.load_state_dict(memory[1])  # the ladder's memory of rollbacks outlives the rollback
         self.ladder.rolled_back(step, self.step, decision.lower_lr)
         self.attach(state)
+        self._hold_rollback_targets()
         lost = step - restored
         # the whole post-rollback state, durable before training goes on: a crash before the next
         # checkpoint restarts from the restored one, which was saved before this rollback

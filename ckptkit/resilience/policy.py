@@ -83,6 +83,16 @@ class Rollback:
     checkpoint at least ``steps_before`` steps (and at least one) before the
     episode's first spike, and skips the samples from ``skip_before`` steps
     before the first spike through ``skip_after`` steps after the last.
+
+    ``retain``: how many rollbacks in a row (with no checkpoint committed between
+    them) the manager's retention keeps the checkpoints for, whatever its
+    ``keep`` rules say, so each restores exactly the checkpoint it would with
+    nothing ever deleted (``ckptkit.retention.RollbackHold``). A second rollback
+    soon after the first, when the replayed steps spike again, goes further back
+    than the first restored. The cost: the checkpoints of about
+    ``retain * steps_before`` steps before the newest step, plus ``retain``
+    more; with saves at least ``steps_before`` steps apart, ``retain`` beyond
+    the rules. 0: retention ignores rollbacks, and one may find nothing to restore.
     """
 
     after_spikes: int = 3
@@ -91,10 +101,11 @@ class Rollback:
     steps_before: int = 50
     skip_before: int = 10
     skip_after: int = 50
+    retain: int = 2
 
     def __post_init__(self) -> None:
         _at_least(self, 1, "after_spikes", "window_steps", "after_nonfinite")
-        _at_least(self, 0, "steps_before", "skip_before", "skip_after")
+        _at_least(self, 0, "steps_before", "skip_before", "skip_after", "retain")
 
 
 @dataclass(frozen=True)
