@@ -51,11 +51,11 @@ class Crash(Exception):
 
 
 def job(run: str, records: list, *, stop=None, crash_after: int | None = None, every: int = 10,
-        policy: ckptkit.SpikePolicy | None = None, name: str | None = None) -> ckptkit.ResilienceController:
+        policy: ckptkit.SpikePolicy | None = None, name: str | None = None,
+        keep: ckptkit.RetentionPolicy = ckptkit.RetentionPolicy(keep_last=20)) -> ckptkit.ResilienceController:
     """One job of the run: resume, train to STEPS; ``stop`` / ``crash_after`` end it as a crash does."""
     model, optim, sched = rm.build(seed=len(records) + 7)  # a different init: all must come from the run
-    mgr = ckptkit.CheckpointManager(run, save=ckptkit.SavePolicy(every_steps=every),
-                                    keep=ckptkit.RetentionPolicy(keep_last=20))
+    mgr = ckptkit.CheckpointManager(run, save=ckptkit.SavePolicy(every_steps=every), keep=keep)
     ctl = ckptkit.ResilienceController(mgr, policy or rm.spike_policy(), batch_size=rm.BATCH, signals=(), name=name)
 
     def on_step(*rec):
@@ -174,6 +174,24 @@ def test_any_restarts_continue_the_uninterrupted_run(reference, kills):
         ran = len(records)
         job(run, records, stop=lambda ctl, s, ran=ran, n=n: len(records) - ran >= n)
     job(run, records)
+    assert_same_run(records, reference)
+
+
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.integers(40, 150), min_size=1, max_size=2))
+@example([95])  # killed at step 96 (checkpoint 90): the rollback at 103 still needs step 70
+@example([105, 5])
+def test_restarts_with_keep_last_one_continue_the_uninterrupted_run(reference, kills):
+    """``keep_last=1``: retention keeps what the rollback at step 103 goes back to (step 70, 30 steps
+    before the first spike) across the jobs' restarts; the run is the uninterrupted one, and the
+    reference keeps 20."""
+    run = new_run()
+    records: list = []
+    keep = ckptkit.RetentionPolicy(keep_last=1)
+    for n in kills:
+        ran = len(records)
+        job(run, records, stop=lambda ctl, s, ran=ran, n=n: len(records) - ran >= n, keep=keep)
+    job(run, records, keep=keep)
     assert_same_run(records, reference)
 
 
