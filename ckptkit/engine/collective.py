@@ -41,6 +41,8 @@ class Comm(Protocol):
 
     def all_min(self, values: list[int]) -> list[int]: ...
 
+    def all_max(self, values: list[float]) -> list[float]: ...
+
 
 @dataclass(frozen=True)
 class Outcome:
@@ -86,6 +88,9 @@ class LocalComm:
 
     def all_min(self, values: list[int]) -> list[int]:
         return list(values)
+
+    def all_max(self, values: list[float]) -> list[float]:
+        return [float(v) for v in values]
 
 
 class TorchComm:
@@ -138,6 +143,13 @@ class TorchComm:
         t = torch.tensor(values, dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
         return [int(x) for x in t.tolist()]
+
+    def all_max(self, values: list[float]) -> list[float]:
+        """The largest of every rank's value at each position (float64; no NaN: how a reduction
+        orders NaN is the backend's choice, so callers map it to a number first)."""
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return [float(x) for x in t.tolist()]
 
     def close(self) -> None:
         """Destroy the group if this communicator owns it (:func:`release_group`); not collective."""

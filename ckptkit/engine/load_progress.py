@@ -271,5 +271,8 @@ class WatchedComm:
     def all_min(self, values: list[int]) -> list[int]:
         return self._collective("all_min", values)
 
+    def all_max(self, values: list[float]) -> list[float]:
+        return self._collective("all_max", values)
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)

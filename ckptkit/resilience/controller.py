@@ -14,8 +14,10 @@
         ctl.maybe_save(step, state)
         if ctl.should_stop: break                          # preempted (after an emergency save) or stopped
 
-Every decision is agreed across ranks (one small all-reduce of flags per
-step), so all ranks skip, roll back, save and stop at the same step. The data
+Every decision is agreed across ranks (one small all-reduce per step: the
+largest loss and grad norm any rank saw, and a preemption flag), so all ranks
+detect on the same values, skip, roll back, save and stop at the same step,
+and save the same controller state. The data
 position is an absolute sample counter kept in ``state["resilience"]``, so a
 rollback or a restart replays exactly the samples the uninterrupted run would
 have seen, minus the skipped ranges. What a rollback changes (skip range,
@@ -41,7 +43,7 @@ from ckptkit.engine.async_save import SaveHandle
 from ckptkit.errors import OptionsError, TrainingStopped
 from ckptkit.manager import CheckpointManager
 from ckptkit.resilience.incidents import Incident, IncidentLog, IncidentLogOptions
-from ckptkit.resilience.ladder import Decision, Flags, Ladder
+from ckptkit.resilience.ladder import Decision, Ladder
 from ckptkit.resilience.planner import young_daly_interval
 from ckptkit.resilience.policy import SpikePolicy
 from ckptkit.resilience.progress import Progress, ProgressMarker, steps_lost
@@ -52,6 +54,19 @@ from ckptkit.retention import RollbackHold
 
 log = logging.getLogger("ckptkit")
 STATE_KEY = "resilience"
+
+
+def _signal(value: float | None) -> float:
+    """A rank's value of a signal as the all-reduce takes it: -inf for none given (every other rank's
+    value wins), +inf for a non-finite one (it wins, and is non-finite after it)."""
+    if value is None:
+        return -math.inf
+    return value if math.isfinite(value) else math.inf
+
+
+def _value(agreed: float) -> float | None:
+    """The agreed value of a signal: None if no rank gave one."""
+    return None if agreed == -math.inf else agreed
 
 
 @dataclass
@@ -301,22 +316,26 @@ class ResilienceController:
             self._step_times.append(now - self._last_observe)
             self._step_times = self._step_times[-100:]
         self._last_observe = now
-        local = self.ladder.detect(loss_v, grad_v)
         if self._entering is None or self._entering[0] != step:
             self._enter(step)  # the caller does not use batches()
         assert self._entering is not None
         self.progress.wait(self._entering[1])  # no rank can finish this step before the marker says so
-        # one all-reduce per step: the detectors' flags and "a preemption signal arrived"
+        # one all-reduce per step: the largest value of each signal any rank saw, and "a preemption
+        # signal arrived"
         try:
-            *flags, preempt = self.manager._comm.any_flags([*local.as_list(), self._preempted_at is not None])
+            loss_v, grad_v, preempt = self.manager._comm.all_max(
+                [_signal(loss_v), _signal(grad_v), 1.0 if self._preempted_at is not None else 0.0])
         except BaseException:
             self._entering = None
             self.progress.write(self.step)  # a peer is gone: this job reached the previous step, exactly
             raise
         self._entering = None
         self.progress.note(step)
-        agreed = Flags(*flags)
-        if preempt and not self._preempt_agreed:
+        loss_v, grad_v = _value(loss_v), _value(grad_v)
+        # every rank's detectors see the same values: the same flags, and the same state in every
+        # rank's checkpoint (one value, which a job at another world size loads)
+        agreed = self.ladder.detect(loss_v, grad_v)
+        if preempt > 0 and not self._preempt_agreed:
             self._preempt_agreed = True
             self._preempted_at = self._preempted_at or time.monotonic()
         decision = self.ladder.decide(step, samples, agreed)

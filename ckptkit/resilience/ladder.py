@@ -1,8 +1,8 @@
 """The escalation ladder as a pure state machine (no torch, no I/O).
 
-Per step: :meth:`Ladder.detect` runs the detectors on this rank's values and
-returns four flags; the controller agrees them across ranks (any rank's flag
-counts); :meth:`Ladder.decide` turns the agreed flags into a decision. The
+Per step: :meth:`Ladder.detect` runs the detectors on the values the
+controller agreed across ranks (the largest any rank saw) and returns four
+flags; :meth:`Ladder.decide` turns them into a decision. The
 same inputs give the same decisions on every rank, and the state round-trips
 through JSON so a restarted run continues the same ladder.
 """
