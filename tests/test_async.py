@@ -134,6 +134,48 @@ def test_process_executor_round_trip(tmp_path):
     assert_loads_as(tmp_path / "c", expected)
 
 
+@pytest.mark.parametrize("options", [
+    ckptkit.AsyncOptions(executor="process"),
+    ckptkit.AsyncOptions(executor="process", max_staging_bytes=64 * 1024, over_budget="waves"),
+], ids=["whole", "waves"])
+def test_a_dead_writer_process_fails_its_save_and_the_next_save_starts_a_new_one(tmp_path, options):
+    """The writer process killed (the OOM killer's choice: it maps the whole staging buffer) while a
+    save waits for it, and again between saves: that save fails naming it, nothing of it is left
+    and the previous checkpoint stands; every later save used to fail the same way, forever."""
+    import signal
+
+    mgr = ckptkit.CheckpointManager(str(tmp_path / "run"), save=ckptkit.SavePolicy(every_steps=1), asynchronous=options)
+    state = make_state()
+    mgr.save(1, state)
+    mgr.wait()
+    first = snapshot_values(state)
+    writer = mgr._saver._writer
+    os.kill(writer._proc.pid, signal.SIGSTOP)  # it cannot take the next save's request (or windows)...
+    killer = threading.Timer(0.5, os.kill, (writer._proc.pid, signal.SIGKILL))  # ...and dies holding it
+    killer.start()
+    state["w"].add_(1)
+    with pytest.raises(ckptkit.SaveError, match="writer (process )?died"):
+        handle = mgr.save(2, state)  # in waves the step itself waits for the writer: it fails here
+        try:
+            handle.committed.result(timeout=60)
+        finally:
+            mgr.acknowledge(handle)
+    killer.join()
+    for step in (3, 4):
+        state["w"].add_(1)
+        state["step"] = step
+        expected = snapshot_values(state)
+        mgr.save(step, state)
+        mgr.wait()
+        assert_loads_as(tmp_path / "run" / f"step-{step:07d}", expected)
+        dying = mgr._saver._writer._proc
+        os.kill(dying.pid, signal.SIGKILL)  # between saves: the next one starts another
+        dying.join(timeout=30)
+    mgr.close()
+    assert sorted(os.listdir(tmp_path / "run")) == ["step-0000001", "step-0000003", "step-0000004"]
+    assert_loads_as(tmp_path / "run" / "step-0000001", first)
+
+
 @pytest.fixture
 def small_disk(tmp_path):
     """A real 6 MiB filesystem (tmpfs), so 'disk full' is the kernel's ENOSPC, not a mock."""

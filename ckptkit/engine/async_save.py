@@ -237,6 +237,7 @@ class AsyncSaver:
         if any_failed:  # every rank is here: one more gather tells each which rank failed, and why
             _raise_failures(self.plan_comm.all_gather(failure), self.rank, store.url, "preparation")
         assert cls is not None
+        self._renew_dead_writer()
         plan, planned = self._plan(cls, failure, store.url) if any_changed else (self._plans[cls.fingerprint], Outcome(True))
         prep = bind(plan, cls) if plan is not None else None
         staged_future: Future[None] = Future()
@@ -321,6 +322,21 @@ class AsyncSaver:
                 comm.close()  # their gloo threads joined now, not in the interpreter's teardown
 
     # ------------------------------------------------------------- internals
+    def _renew_dead_writer(self) -> None:
+        """Start a new writer process if the last one died (the kernel's OOM killer, a signal):
+        the save it was writing failed and said so, and every later save used to fail as well
+        ("the ckptkit writer process died"), so the job went on without checkpoints or stopped.
+        Called with no save in flight (nothing else uses the writer or its channel); rank-local."""
+        if self._writer is None or self._writer.alive():
+            return
+        from ckptkit.engine.writer_process import WriterProcess
+
+        log.warning("the ckptkit writer process died (exit code %s); starting a new one for this save",
+                    self._writer.exitcode)
+        self._writer.close()
+        self._writer = WriterProcess()
+        self._channel = self._writer.channel
+
     def _waves_for(self, plan: SavePlan, tensors: list[Any]) -> _Waves:
         """The schedule and the slots' buffer (the pool's, allocated once at the budget's size) of a
         save staged in waves. The channel is reset here: the previous save is over on both sides."""

@@ -125,6 +125,10 @@ class WriterProcess:
     def alive(self) -> bool:
         return self._proc.is_alive()
 
+    @property
+    def exitcode(self) -> int | None:
+        return self._proc.exitcode
+
     def write(self, store: ByteStore, plan: SavePlan, buffer: torch.Tensor, block: int,
               waves: WaveSchedule | None = None) -> list[IndexEntry]:
         """Persist ``buffer`` (shared memory) as ``plan``'s data object — whole, or window by window as
