@@ -62,7 +62,7 @@ from ckptkit.engine.waves import WaveChannel, WaveSchedule, stage_in_waves, writ
 from ckptkit.engine.state import flatten_state
 from ckptkit.engine.structure import ClassifyMemo
 from ckptkit.engine.writer import write_staged
-from ckptkit.errors import CkptkitError, OptionsError, SaveError, SnapshotRaceError
+from ckptkit.errors import OptionsError, SaveError, SnapshotRaceError
 from ckptkit.options import AsyncOptions
 from ckptkit.plan.save_plan import SavePlan
 from ckptkit.storage.base import ByteStore
@@ -213,7 +213,7 @@ class AsyncSaver:
         failure = Outcome(True)
         try:
             cls = self._classified.classify(flatten_state(state), self.rank)
-        except (CkptkitError, OSError) as exc:
+        except Exception as exc:  # noqa: BLE001 - carried through the flags below
             failure = _fail(exc)
         prev = self._inflight
         busy = prev is not None and not prev.done()
@@ -247,7 +247,7 @@ class AsyncSaver:
         if prep is not None and not direct:
             try:
                 staged, waves, snap = self._stage(prep, overlap, store.url)
-            except (CkptkitError, OSError, RuntimeError) as exc:
+            except Exception as exc:  # noqa: BLE001 - carried to the commit
                 planned, prep = _fail(exc), None
         if waves is None and snap is None and (staged is None or staged.ready is None):
             staged_future.set_result(None)
@@ -397,12 +397,16 @@ class AsyncSaver:
     ) -> None:
         t0 = time.perf_counter()
         try:
-            if snap is not None:
-                staged, planned = self._copy_overlapped(snap, handle, planned)
-            if staged is not None:
-                staged.wait()
-                if not handle.staged.done():
-                    handle.staged.set_result(None)
+            try:  # this rank's part before the first collective: a failure is carried through them
+                if snap is not None:
+                    staged, planned = self._copy_overlapped(snap, handle, planned)
+                if staged is not None:
+                    staged.wait()
+                    if not handle.staged.done():
+                        handle.staged.set_result(None)
+            except Exception as exc:  # noqa: BLE001
+                _settle(handle.staged, exc)
+                staged, planned = None, _fail(exc) if planned.ok else planned
             comm = self.commit_comm
             target = check_target_collective(store, comm)
             if prep is not None:
@@ -411,7 +415,7 @@ class AsyncSaver:
             if prep is not None and direct and planned.ok:
                 try:  # the tensors are a private copy already: written as they are
                     report = Outcome(True, persist(prep, store, self.options.block_size))
-                except (CkptkitError, OSError) as exc:
+                except Exception as exc:  # noqa: BLE001 - carried through the commit
                     report = _fail(exc)
             elif prep is not None and waves is not None and planned.ok:
                 report = self._write_waves(waves, prep, store)
@@ -422,7 +426,7 @@ class AsyncSaver:
                     else:
                         entries = write_staged(store, prep.plan, staged.buffer, self.options.block_size)
                     report = Outcome(True, write_index(prep, store, self.options.block_size, entries))
-                except (CkptkitError, OSError) as exc:
+                except Exception as exc:  # noqa: BLE001 - carried through the commit
                     report = _fail(exc)
             race = snap.verdict() if snap is not None and report.ok else None
             if race is not None:
@@ -481,5 +485,5 @@ class AsyncSaver:
                 entries = write_waves(store, prep.plan, waves.buffer, self.options.block_size, waves.schedule,
                                       self._channel)
             return Outcome(True, write_index(prep, store, self.options.block_size, entries))
-        except (CkptkitError, OSError) as exc:
+        except Exception as exc:  # noqa: BLE001 - carried through the commit
             return _fail(waves.error if waves.error is not None else exc)

@@ -98,7 +98,16 @@ class Prepared:
 
 
 def _fail(exc: BaseException) -> Outcome:
-    return Outcome(False, error=str(exc) or type(exc).__name__, error_type=type(exc).__name__)
+    """A rank's failure, carried through the next collective so every rank raises it (naming the
+    rank) and none is left waiting. Any exception: one that is not ckptkit's or the storage's (a
+    torch ``RuntimeError``, a ``MemoryError``, a bug) used to escape before the collective on its
+    rank alone, and the other ranks waited there until the process group's timeout. Those are
+    logged with their traceback on the rank they happened on, and named by their type."""
+    expected = isinstance(exc, (CkptkitError, OSError))
+    if not expected:
+        log.error("unexpected %s while saving; reported on every rank", type(exc).__name__, exc_info=exc)
+    text = str(exc) or type(exc).__name__
+    return Outcome(False, error=text if expected else f"{type(exc).__name__}: {text}", error_type=type(exc).__name__)
 
 
 def _raise_failures(outcomes: list[Outcome], rank: int, where: str, phase: str) -> None:
@@ -306,7 +315,7 @@ def plan_collective(cls: Classified | None, failure: Outcome, comm: Comm, where:
         combined = combine_replica_meshes([o.payload[0] for o in outcomes])
         with gc_paused():  # an item per piece (Index.to_json_bytes); after the gathers, so no wait is paused
             return plan_agreed(cls, groups, combined, comm.rank, comm.world_size), Outcome(True)
-    except CkptkitError as exc:
+    except Exception as exc:  # noqa: BLE001 - carried to the commit gather
         return None, _fail(exc)
 
 
@@ -329,7 +338,7 @@ def check_target_collective(store: ByteStore, comm: Comm) -> Target:
     if comm.rank == 0:
         try:
             outcome = Outcome(True, check_target(store))
-        except (CkptkitError, OSError) as exc:
+        except Exception as exc:  # noqa: BLE001 - carried through the broadcast below
             outcome = _fail(exc)
     outcome = comm.broadcast(outcome)
     _raise_failures([outcome], comm.rank, store.url, "preparation")
@@ -391,8 +400,10 @@ def commit(
                 manifest, total = merge_gathered(gathered, digests, store.url, metadata, attempt)
             publish(store, manifest.to_json_bytes())
             outcome = Outcome(True, total)
-        except (CkptkitError, OSError) as exc:
+        except Exception as exc:  # noqa: BLE001 - carried through the broadcast below
             outcome = _fail(exc)
+            if not isinstance(exc, (CkptkitError, OSError)):  # the coordinator's own failure: say whose
+                outcome = replace(outcome, error=f"rank {comm.rank} (committing): {outcome.error}")
             _clean_up_failed(store, attempt)
         else:
             if target is not None and target.leftovers:
@@ -498,7 +509,7 @@ def save_state(
     cls, failure = None, Outcome(True)
     try:
         cls = classify_state(flatten_state(state), comm.rank)
-    except (CkptkitError, OSError) as exc:
+    except Exception as exc:  # noqa: BLE001 - carried through the planning gather
         failure = _fail(exc)
     plan, report = plan_collective(cls, failure, comm, store.url)
     target = check_target_collective(store, comm)
@@ -506,7 +517,7 @@ def save_state(
     if prep is not None:
         try:
             report = Outcome(True, persist(prep, store, block))
-        except (CkptkitError, OSError) as exc:
+        except Exception as exc:  # noqa: BLE001 - carried through the commit gather
             report = _fail(exc)
     total = commit(report, prep, store, comm, metadata, deadline, target)
     assert prep is not None  # commit raised otherwise
