@@ -122,7 +122,9 @@ class AsyncOptions:
     ``staged_tensors`` are None for a save staged in waves.
     ``on_busy``: when a save is requested while the previous one is still
     persisting, ``"wait"`` for it (the default: no checkpoint is dropped) or
-    ``"skip"`` the new one (training never waits; every rank skips together).
+    ``"skip"`` the new one (training never waits; every rank skips together),
+    except a save with a deadline (the resilience controller's emergency save on
+    preemption), which waits.
     ``snapshot``: when the copy into staging happens. ``"blocking"`` (the
     default): ``save`` copies, then returns; the state may change the moment
     it returns. ``"overlap"``: ``save`` returns before any copy; the copy runs

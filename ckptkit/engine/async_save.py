@@ -198,7 +198,8 @@ class AsyncSaver:
     ) -> SaveHandle | None:
         """Snapshot ``state`` and persist it in the background. None if skipped (``on_busy="skip"``).
 
-        ``deadline`` (``time.monotonic()``, decided by rank 0): past it, the commit is abandoned.
+        ``deadline`` (``time.monotonic()``, decided by rank 0): past it, the commit is abandoned. A save
+        with one waits for the save in flight even with ``on_busy="skip"``.
         ``private``: the state's tensors are already a private copy that nothing changes until the
         save is committed (the memory tier's staged snapshot of the same step): persisted from as
         they are, with no second copy. Ignored with the process executor, whose writer reads the
@@ -219,15 +220,17 @@ class AsyncSaver:
         busy = prev is not None and not prev.done()
         prev_failed = prev is not None and prev.done() and prev.committed.exception() is not None
         changed = cls is not None and cls.fingerprint not in self._plans
-        any_busy, any_prev_failed, any_changed, any_failed, any_unguarded = self.plan_comm.any_flags(
-            [busy, prev_failed, changed, not failure.ok, overlap and not self.guards]
+        any_busy, any_prev_failed, any_changed, any_failed, any_unguarded, any_deadline = self.plan_comm.any_flags(
+            [busy, prev_failed, changed, not failure.ok, overlap and not self.guards, deadline is not None]
         )
         if any_unguarded:
             raise _unguarded(store.url, overlap and not self.guards)
         if any_prev_failed:
             self._raise_previous(prev)
         if any_busy:
-            if self.options.on_busy == "skip":
+            # a save with a deadline (a preemption's emergency save) is never skipped: skipped, it left
+            # the job training on through its grace period with nothing saved since the one in flight
+            if self.options.on_busy == "skip" and not any_deadline:
                 log.warning("skipping the save to %s: the previous save is still persisting", store.url)
                 return None
             self._wait_inflight()

@@ -1,0 +1,71 @@
+"""A preemption while a save still persists: the emergency save waits for it, never skips.
+
+With ``AsyncOptions(on_busy="skip")`` a save requested while the previous one persists is skipped
+(training never waits). The resilience controller's emergency save on SIGTERM was skipped the same
+way: the job trained on through its grace period, step after step, saving nothing, and was killed
+with nothing newer than the save in flight (reproduced: preempted at step 3 of a run whose step-1
+save took 2 s, it was still training at step 7). A save with a deadline now waits for the one in
+flight, then saves and stops.
+
+The in-flight save is made slow by wrapping the thread executor's write with a sleep: storage
+that takes its time, the real writer underneath.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+import ckptkit
+import ckptkit.engine.async_save as async_save
+
+
+@pytest.fixture
+def slow_storage(monkeypatch):
+    write = async_save.write_staged
+
+    def slow(*args, **kwargs):
+        time.sleep(1.5)
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(async_save, "write_staged", slow)
+
+
+@pytest.mark.parametrize("on_busy", ["skip", "wait"])
+def test_an_emergency_save_waits_for_the_save_in_flight_then_stops(tmp_path, slow_storage, on_busy):
+    run = str(tmp_path / "run")
+    mgr = ckptkit.CheckpointManager(run, save=ckptkit.SavePolicy(every_steps=1),
+                                    asynchronous=ckptkit.AsyncOptions(on_busy=on_busy))
+    ctl = ckptkit.ResilienceController(mgr, batch_size=4, signals=(), grace_seconds=60, watchdog_seconds=None)
+    state = {"w": torch.zeros(8)}
+    start = ctl.resume(state)
+    trained = []
+    for step, _ in ctl.batches(lambda p: p, start):
+        if step == 3:
+            ctl.preempt()  # SIGTERM while step 2's save (or step 1's) persists; agreed at this observe
+        ctl.observe(step, loss=1.0)
+        state["w"] += 1
+        trained.append(step)
+        ctl.maybe_save(step, state)
+        if ctl.should_stop or step >= 10:
+            break
+    ctl.close()
+    assert trained == [1, 2, 3]  # stopped at the preempted step, not trained on through the grace period
+    steps = sorted(r.step for r in mgr.records() if r.committed)
+    assert steps[-1] == 3, steps
+    target = {"w": torch.zeros(8)}
+    ckptkit.load(target, os.path.join(run, "step-0000003"), strict=False)  # and the controller's state
+    assert torch.equal(target["w"], torch.full((8,), 3.0))
+
+
+def test_without_a_deadline_a_busy_save_is_still_skipped(tmp_path, slow_storage):
+    mgr = ckptkit.CheckpointManager(str(tmp_path / "run"), asynchronous=ckptkit.AsyncOptions(on_busy="skip"))
+    state = {"w": torch.zeros(8)}
+    assert mgr.save(1, state) is not None
+    assert mgr.save(2, state) is None  # training never waits for storage
+    assert mgr.save(3, state, deadline=time.monotonic() + 60) is not None  # but a deadline's save does
+    mgr.close()
+    assert sorted(r.step for r in mgr.records() if r.committed) == [1, 3]
