@@ -114,3 +114,29 @@ def test_a_restart_at_another_world_size_resumes_where_the_job_was(worlds, tmp_p
     want = oracle(reference, 35, after)
     assert got[0] == want
     assert got[0]["skips"]  # the skip range decided before the restart still holds
+
+
+def nan_on_rank_1_at_step_5(run: str) -> tuple[list, bool]:
+    rank = dist.get_rank()
+    mgr = ckptkit.CheckpointManager(run, save=ckptkit.SavePolicy(every_steps=5))
+    ctl = ckptkit.ResilienceController(mgr, policy(), batch_size=BATCH, signals=(), watchdog_seconds=None)
+    state = {"w": torch.zeros(2, dtype=torch.float64)}
+    kinds = []
+    for step, first in ctl.batches(lambda p: p, ctl.resume(state)):
+        if step > 8:
+            break
+        action = ctl.observe(step, loss=float("nan") if (rank, step) == (1, 5) else 1.0 + rank)
+        kinds.append(action.decision.kind)
+        ctl.maybe_save(step, state)
+    ctl.close()
+    return kinds, rank == 0
+
+
+def test_a_non_finite_loss_on_one_rank_is_skipped_on_all_and_logged_as_nan(worlds, tmp_path):
+    from ckptkit.resilience.incidents import IncidentLog
+
+    run = str(tmp_path / "run")
+    got = worlds.run(2, nan_on_rank_1_at_step_5, run)
+    assert got[0][0] == got[1][0] and got[0][0][4] == "skip_step"
+    metrics = {step: loss for step, loss, _ in IncidentLog(open_store(run), writer=False).read_metrics()}
+    assert metrics[5] != metrics[5] and metrics[4] == 2.0  # NaN as a rank had it; else the largest

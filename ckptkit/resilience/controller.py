@@ -64,8 +64,14 @@ def _signal(value: float | None) -> float:
     return value if math.isfinite(value) else math.inf
 
 
-def _value(agreed: float) -> float | None:
-    """The agreed value of a signal: None if no rank gave one."""
+def _is_nan(value: float | None) -> float:
+    return 1.0 if value is not None and math.isnan(value) else 0.0
+
+
+def _value(agreed: float, nan: float) -> float | None:
+    """The agreed value of a signal: None if no rank gave one; NaN if a rank's was (logged as such)."""
+    if nan > 0:
+        return math.nan
     return None if agreed == -math.inf else agreed
 
 
@@ -323,15 +329,16 @@ class ResilienceController:
         # one all-reduce per step: the largest value of each signal any rank saw, and "a preemption
         # signal arrived"
         try:
-            loss_v, grad_v, preempt = self.manager._comm.all_max(
-                [_signal(loss_v), _signal(grad_v), 1.0 if self._preempted_at is not None else 0.0])
+            loss_v, grad_v, loss_nan, grad_nan, preempt = self.manager._comm.all_max(
+                [_signal(loss_v), _signal(grad_v), _is_nan(loss_v), _is_nan(grad_v),
+                 1.0 if self._preempted_at is not None else 0.0])
         except BaseException:
             self._entering = None
             self.progress.write(self.step)  # a peer is gone: this job reached the previous step, exactly
             raise
         self._entering = None
         self.progress.note(step)
-        loss_v, grad_v = _value(loss_v), _value(grad_v)
+        loss_v, grad_v = _value(loss_v, loss_nan), _value(grad_v, grad_nan)
         # every rank's detectors see the same values: the same flags, and the same state in every
         # rank's checkpoint (one value, which a job at another world size loads)
         agreed = self.ladder.detect(loss_v, grad_v)
