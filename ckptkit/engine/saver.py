@@ -260,7 +260,8 @@ def check_target(store: ByteStore) -> Target:
     if store.exists(MANIFEST_NAME):
         raise SaveError(
             f"{store.url} already holds a committed checkpoint; ckptkit never overwrites one "
-            "(save to a new path, or delete it first)"
+            "(save to a new path, or delete it first; a CheckpointManager that restored an older step on "
+            "purpose, with at_most=, drops the newer ones with discard_after(step))"
         )
     leftovers = bool(store.list_children())
     if leftovers:
