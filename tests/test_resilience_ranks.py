@@ -140,3 +140,39 @@ def test_a_non_finite_loss_on_one_rank_is_skipped_on_all_and_logged_as_nan(world
     assert got[0][0] == got[1][0] and got[0][0][4] == "skip_step"
     metrics = {step: loss for step, loss, _ in IncidentLog(open_store(run), writer=False).read_metrics()}
     assert metrics[5] != metrics[5] and metrics[4] == 2.0  # NaN as a rank had it; else the largest
+
+
+def spike_while_the_log_refuses_writes(run: str) -> list:
+    """Rank 0 (the log's writer) cannot write incident records from step 4 to step 9 (a file where
+    their folder goes); the loss spikes at step 6."""
+    rank = dist.get_rank()
+    mgr = ckptkit.CheckpointManager(run, save=ckptkit.SavePolicy(every_steps=100))
+    ctl = ckptkit.ResilienceController(mgr, policy(), batch_size=BATCH, signals=(), watchdog_seconds=None)
+    state = {"w": torch.zeros(2, dtype=torch.float64)}
+    blocker = os.path.join(run, ".ckptkit", "incidents")
+    kinds = []
+    for step, first in ctl.batches(lambda p: p, ctl.resume(state)):
+        if step > 12:
+            break
+        if rank == 0 and step == 4:
+            shutil.rmtree(blocker, ignore_errors=True)
+            os.makedirs(os.path.dirname(blocker), exist_ok=True)
+            open(blocker, "w").close()
+        if rank == 0 and step == 9:
+            os.remove(blocker)
+        kinds.append(ctl.observe(step, loss=1e3 if step == 6 else 1.0).decision.kind)
+        ctl.maybe_save(step, state)
+    ctl.close()
+    return kinds
+
+
+def test_an_incident_the_store_refuses_is_retried_and_never_fails_one_rank_alone(worlds, tmp_path):
+    """Only rank 0 writes the incident log: its store error used to raise there alone, and the other
+    ranks were left in the job's next collective (the job died, or hung where the error was caught)."""
+    from ckptkit.resilience.incidents import IncidentLog
+
+    run = str(tmp_path / "run")
+    got = worlds.run(2, spike_while_the_log_refuses_writes, run)
+    assert got[0] == got[1] and got[0][5] == "skip_step"
+    kinds = [(i.kind, i.step) for i in IncidentLog(open_store(run), writer=False).read()]
+    assert ("skip_step", 6) in kinds  # written when the store took writes again

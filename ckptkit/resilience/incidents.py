@@ -183,6 +183,7 @@ class IncidentLog:
         # synchronous (a skip range, a rollback's state must be durable at once). The progress
         # marker has its own writer (progress.py).
         self._io = ThreadPoolExecutor(1, thread_name_prefix="ckptkit-log") if writer else None
+        self._unwritten: list[tuple[str, bytes]] = []  # records the store refused: retried at the next
 
     def _put_later(self, key: str, data: bytes) -> None:
         assert self._io is not None
@@ -195,17 +196,40 @@ class IncidentLog:
             log.warning("ckptkit: could not write %s: %s", key, exc)
 
     def wait(self) -> None:
-        """Block until every background write issued so far is stored (FIFO, one worker)."""
+        """Block until every background write issued so far is stored (FIFO, one worker), and try
+        the incident records the store refused once more."""
+        self._write_unwritten()
         if self._io is not None:
             done: Future = self._io.submit(lambda: None)
             done.result()
 
     def record(self, incident: Incident) -> None:
+        """Store ``incident`` now (one writer: the group's first rank), or keep it to retry.
+
+        Only the writer writes, so a store error raised here was raised on that rank alone: the
+        others went on into the job's next collective and the job died with it (reproduced: a
+        spike's record on a store that refused it; a hang where the error is caught). A failed write
+        is logged, kept, and retried before every later record and at :meth:`wait`; the state it
+        carries (a skip range, a rollback's) is in every checkpoint saved from then on anyway."""
         if not self.writer:
             return
         self._seq += 1
         key = f"{INCIDENTS}/{incident.time:017.6f}-{self._seq:05d}-{uuid.uuid4().hex[:6]}.json"
-        self.store.put_bytes(key, json.dumps(_encode_floats(incident.to_json()), allow_nan=False).encode())
+        self._unwritten.append((key, json.dumps(_encode_floats(incident.to_json()), allow_nan=False).encode()))
+        self._write_unwritten()
+
+    def _write_unwritten(self) -> None:
+        while self._unwritten:
+            key, data = self._unwritten[0]
+            try:
+                self.store.put_bytes(key, data)
+            except (CkptkitError, OSError) as exc:
+                log.error("ckptkit: could not write the incident record %s/%s (%d waiting; retried with the "
+                          "next record and at close; a crash before it is written restarts without it, "
+                          "from a checkpoint that holds the state it records if one was saved since): %s",
+                          self.store.url, key, len(self._unwritten), exc)
+                return
+            self._unwritten.pop(0)
 
     def read(self, options: IncidentLogOptions = IncidentLogOptions()) -> list[Incident]:
         """Every record, in time order, read by this process alone (``ckptkit report``, tests).
@@ -301,8 +325,13 @@ class IncidentLog:
 
     def write_name(self, name: str) -> None:
         """Record the run's human name (rank 0; one small object, rewritten only when it changes)."""
-        if self.writer and self.read_name() != name:
-            self.store.put_bytes(RUN_INFO, json.dumps({"name": name}).encode())
+        if not self.writer:
+            return
+        try:  # the writer alone: an error raised here would leave the other ranks in the next collective
+            if self.read_name() != name:
+                self.store.put_bytes(RUN_INFO, json.dumps({"name": name}).encode())
+        except (CkptkitError, OSError) as exc:
+            log.warning("ckptkit: could not record the run's name %r in %s/%s: %s", name, self.store.url, RUN_INFO, exc)
 
     def read_name(self) -> str | None:
         """The run's name; None if none was recorded or it cannot be read (it only titles reports)."""
