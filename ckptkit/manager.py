@@ -39,12 +39,14 @@ from ckptkit.engine.state import flatten_state
 from ckptkit.errors import (
     CheckpointNotFoundError,
     CheckpointUnreadableError,
+    CkptkitError,
     CorruptCheckpointError,
     CoverageError,
     LoadStalledError,
     ManifestError,
     OptionsError,
     PeerFailureError,
+    StorageError,
 )
 from ckptkit.layout.manifest import MANIFEST_NAME
 from ckptkit.memory.options import MemoryTier
@@ -366,14 +368,26 @@ class CheckpointManager:
         save those step numbers again, and a restart must never resume from them.
         A newer checkpoint that cannot be read right now is uncommitted all the
         same (its manifest deleted); if even that fails, this raises rather than
-        leave a checkpoint a restart could resume from.
+        leave a checkpoint a restart could resume from: on every rank (the
+        outcome is broadcast), so none goes on training alone.
         """
         step = self._bound(step, "discard_after")
         self.wait()
         self._set_lineage([s for s in self._lineage if s <= step])
         if self._memory is not None:
             self._memory.discard_after(step)
-        return self.folder.discard_after(step) if self.rank == 0 else []
+        removed: list[str] = []
+        failure: str | None = None
+        if self.rank == 0:
+            try:
+                removed = self.folder.discard_after(step)
+            except (CkptkitError, OSError) as exc:
+                failure = str(exc) or type(exc).__name__
+        failure = self._comm.broadcast(failure)
+        if failure is not None:
+            raise StorageError(f"{self.root.url}: discarding the checkpoints after step {step} failed on rank 0 "
+                               f"(a restart could resume from one of them): {failure}")
+        return removed
 
     def records(self) -> list[Record]:
         """Every step folder under the root with its status (see :meth:`RunFolder.records`)."""

@@ -176,3 +176,34 @@ def test_an_incident_the_store_refuses_is_retried_and_never_fails_one_rank_alone
     assert got[0] == got[1] and got[0][5] == "skip_step"
     kinds = [(i.kind, i.step) for i in IncidentLog(open_store(run), writer=False).read()]
     assert ("skip_step", 6) in kinds  # written when the store took writes again
+
+
+def discard_after_one(run: str) -> str:
+    mgr = ckptkit.CheckpointManager(run, asynchronous=None)
+    try:
+        mgr.discard_after(1)
+        return "discarded"
+    except ckptkit.CkptkitError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        mgr.close()
+
+
+def test_a_discard_that_fails_on_rank_0_fails_on_every_rank(worlds, tmp_path):
+    """``discard_after`` deletes on rank 0 and raises there if it cannot (a restart could resume from
+    the checkpoint it could not remove); the other ranks used to return and train on alone. The run
+    is on a file system mounted read-only after its saves: the kernel refuses the deletion."""
+    import subprocess
+
+    mnt = tmp_path / "fs"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        for step in (1, 2):
+            ckptkit.save({"w": torch.zeros(2)}, str(mnt / "run" / f"step-{step:07d}"))
+        subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True, capture_output=True)
+        said = worlds.run(2, discard_after_one, str(mnt / "run"))
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+    assert all(s.startswith("StorageError") and "failed on rank 0" in s for s in said), said

@@ -331,7 +331,17 @@ class LocalStore(ByteStore):
             raise _storage_error(exc, f"listing {self.root}") from exc
 
     def delete(self, key: str) -> None:
-        _remove_quietly(self._write_path(key))
+        """Remove one object; nothing if there is none. Any other failure (a read-only file system,
+        no permission, an I/O error) is a StorageError naming it: until 2026-12-06 every error was
+        swallowed, so deleting a manifest on a read-only mount "succeeded", and ``discard_after``
+        reported a rolled-back trajectory's checkpoint discarded that a restart then resumed from."""
+        path = self._write_path(key)
+        try:
+            os.remove(path)
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            return  # no object by that name (a folder, a prefix of others, a path through a file)
+        except OSError as exc:
+            raise _storage_error(exc, f"deleting {path}") from exc
 
     def prune_empty(self) -> None:
         for dirpath, _, _ in sorted(os.walk(self.root), key=lambda w: -w[0].count(os.sep)):
