@@ -114,8 +114,8 @@ class RollbackHold:
         newest: int | None = None
         for level in range(self.depth):
             older = [s for s in committed_steps if s <= bound]
-            if not older:
-                break
+            if not older or (newest is not None and max(older) == newest):
+                break  # nothing older, or a fixed point (steps_before 1): deeper levels hold nothing new
             newest = max(older)
             if level + 1 < self.depth:
                 bound = newest + 1 - self.steps_before
