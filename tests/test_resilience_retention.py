@@ -102,7 +102,7 @@ def shm_dir():
 
 @settings(max_examples=trials(12, 150), deadline=None)
 @given(keep=retention, every=st.integers(1, 12), policy=policies, bad=poison, asynchronous=st.booleans())
-@example(keep=ckptkit.RetentionPolicy(keep_last=1), every=10,  # the reported case: stopped at step 41
+@example(keep=ckptkit.RetentionPolicy(keep_last=1), every=10,  # the reproduced case: it stopped at step 43
          policy=ckptkit.SpikePolicy(loss=DetectorConfig(window=8, warmup=2), grad_norm=None,
                                     rollback=Rollback(after_spikes=3, steps_before=30, skip_before=2, skip_after=4),
                                     rewarm=None),
