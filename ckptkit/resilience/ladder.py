@@ -32,9 +32,6 @@ class Flags:
     def any(self) -> bool:
         return self.loss_spike or self.grad_spike or self.nonfinite
 
-    def as_list(self) -> list[bool]:
-        return [self.loss_spike, self.loss_nonfinite, self.grad_spike, self.grad_nonfinite]
-
     def describe(self) -> str:
         parts = []
         if self.loss_nonfinite:
