@@ -32,14 +32,13 @@ from typing import Any
 import torch
 
 from ckptkit.engine.async_save import AsyncSaver, SaveHandle
-from ckptkit.engine.collective import Comm, resolve_comm
+from ckptkit.engine.collective import Comm, first_rank_does, resolve_comm
 from ckptkit.engine.loader import load_state, overwrote_state
 from ckptkit.engine.saver import SaveResult, save_state
 from ckptkit.engine.state import flatten_state
 from ckptkit.errors import (
     CheckpointNotFoundError,
     CheckpointUnreadableError,
-    CkptkitError,
     CorruptCheckpointError,
     CoverageError,
     LoadStalledError,
@@ -362,7 +361,8 @@ class CheckpointManager:
             self.folder.apply_retention(self.retention, after=name, rollback=self._rollback_hold)
 
     def discard_after(self, step: int) -> list[str]:
-        """Delete committed checkpoints newer than ``step`` (rank 0; call on every rank).
+        """Delete committed checkpoints newer than ``step`` (rank 0; call on every rank, and each gets
+        the names deleted).
 
         After a rollback those belong to an abandoned trajectory: the run will
         save those step numbers again, and a restart must never resume from them.
@@ -376,18 +376,12 @@ class CheckpointManager:
         self._set_lineage([s for s in self._lineage if s <= step])
         if self._memory is not None:
             self._memory.discard_after(step)
-        removed: list[str] = []
-        failure: str | None = None
-        if self.rank == 0:
-            try:
-                removed = self.folder.discard_after(step)
-            except (CkptkitError, OSError) as exc:
-                failure = str(exc) or type(exc).__name__
-        failure = self._comm.broadcast(failure)
+        removed, failure = first_rank_does(self._comm, lambda: self.folder.discard_after(step),
+                                           f"discarding the checkpoints after step {step}")
         if failure is not None:
             raise StorageError(f"{self.root.url}: discarding the checkpoints after step {step} failed on rank 0 "
                                f"(a restart could resume from one of them): {failure}")
-        return removed
+        return [str(name) for name in removed]
 
     def records(self) -> list[Record]:
         """Every step folder under the root with its status (see :meth:`RunFolder.records`)."""

@@ -19,7 +19,7 @@ import logging
 import re
 import uuid
 
-from ckptkit.engine.collective import Comm
+from ckptkit.engine.collective import Comm, first_rank_does
 from ckptkit.errors import CheckpointNotFoundError, StorageError
 from ckptkit.storage.base import ByteStore
 
@@ -80,16 +80,7 @@ def read_or_create(store: ByteStore) -> str:
 
 def agree(store: ByteStore, comm: Comm) -> str:
     """The run's id on every rank: rank 0 reads or creates it (collective)."""
-    mine: dict[str, str] | None = None
-    if comm.rank == 0:
-        try:
-            mine = {"run": read_or_create(store)}
-        except Exception as exc:  # noqa: BLE001 - raised on every rank below, not left to hang the others
-            mine = {"error": f"{type(exc).__name__}: {exc}"}
-            if comm.world_size == 1:
-                raise
-    theirs = comm.all_gather_json(mine)[0]
-    if "error" in theirs:
-        raise StorageError(f"{store.url}/{RUN_FILE}: the run's id could not be read or created on rank 0: "
-                           f"{theirs['error']}")
-    return str(theirs["run"])
+    run_id, failure = first_rank_does(comm, lambda: read_or_create(store), "reading or creating the run's id")
+    if failure is not None:
+        raise StorageError(f"{store.url}/{RUN_FILE}: the run's id could not be read or created on rank 0: {failure}")
+    return str(run_id)

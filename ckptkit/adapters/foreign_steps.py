@@ -20,6 +20,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from ckptkit.engine.collective import first_rank_does
 from ckptkit.errors import CkptkitError, ForeignCheckpointError
 from ckptkit.run_folder import STEP_PATTERN
 
@@ -80,27 +81,21 @@ def refuse_newer(root: Any, folder: str, comm: Any, latest: int | None, kind: Fo
     """Raise :class:`~ckptkit.errors.ForeignCheckpointError` on every rank if ``folder`` holds a ``kind``
     checkpoint newer than ``latest``, its newest ckptkit checkpoint (any, when None). Rank 0 looks, all
     agree; a folder rank 0 cannot list fails the resume too (it cannot tell that nothing is newer)."""
-    newer: list[str] = []
-    unlisted = ""
-    if comm.rank == 0:
-        try:
-            newer = steps_after(root, kind, latest)
-        except CkptkitError as exc:
-            unlisted = str(exc)
-    found, failed = comm.any_flags([bool(newer), bool(unlisted)])
-    if failed:
+    listed, unlisted = first_rank_does(comm, lambda: steps_after(root, kind, latest), "listing the resume folder")
+    if unlisted is not None:
         raise ForeignCheckpointError(
             f"{folder}: could not list the folder to make sure no checkpoint there is newer than "
-            f"{'none' if latest is None else f'step {latest}'} ({unlisted or 'on rank 0'}); retry once it answers")
-    if not found:
+            f"{'none' if latest is None else f'step {latest}'} on rank 0 ({unlisted}); retry once it answers")
+    newer: list[str] = [str(n) for n in listed]
+    if not newer:
         return
-    newest = newer[-1] if newer else ""
-    where = f"{folder}/{newest}" if newest else f"a folder under {folder} (seen by rank 0)"
-    way = kind.way_on.format(src=f"{folder}/{newest}" if newest else "SRC", folder=folder, name=newest or "TAG")
+    newest = newer[-1]
+    where = f"{folder}/{newest}"
+    way = kind.way_on.format(src=f"{folder}/{newest}", folder=folder, name=newest)
     raise ForeignCheckpointError(
         f"{where}: {kind.what}, newer than "
         f"{'any ckptkit checkpoint' if latest is None else f'the newest ckptkit checkpoint (step {latest})'} there "
-        f"({len(newer) or 'some'} such); this checkpointer reads ckptkit checkpoints only, and resuming without it "
+        f"({len(newer)} such); this checkpointer reads ckptkit checkpoints only, and resuming without it "
         f"would go back in time. To resume from it: {way}. To resume from what ckptkit saved here instead: move "
         "the newer ones out of the folder")
 

@@ -69,10 +69,10 @@ from torchtitan.tools import filesystem
 import ckptkit
 from ckptkit.adapters import dataloader_remap as remap
 from ckptkit.adapters.torchtitan_experts import expert_axes, mark_model, mark_optimizer
-from ckptkit.engine.collective import Comm, resolve_comm
+from ckptkit.engine.collective import Comm, first_rank_does, resolve_comm
 from ckptkit.engine.metadata_io import read_indexes, read_manifest
 from ckptkit.engine.state import PerRank, flatten_state
-from ckptkit.errors import CheckpointNotFoundError, CkptkitError, MissingKeysError, OptionsError, SaveError, StateMismatchError
+from ckptkit.errors import CheckpointNotFoundError, MissingKeysError, OptionsError, SaveError, StateMismatchError
 from ckptkit.layout.values import decode_value
 from ckptkit.options import AsyncOptions, LoadOptions
 from ckptkit.retention import RetentionPolicy
@@ -344,22 +344,16 @@ class CkptkitCheckpointManager(BaseCheckpointManager):
     def _refuse_other_naming(self, step: int) -> None:
         """A step committed under ckptkit's older name (``step-0000500``) is never saved again as
         ``step-500``: one checkpoint per step, as for a same-name folder (rank 0 looks, all agree)."""
-        other: list[str] = []
-        unlisted = ""
-        if self._comm.rank == 0:
-            try:  # rank 0 alone: its error must reach the others through the flags, not leave them waiting
-                other = [r.name for r in self.manager.records()
-                         if r.step == step and r.committed and r.name != NAMING.name(step)]
-            except (CkptkitError, OSError) as exc:
-                unlisted = str(exc) or type(exc).__name__
-        found, failed = self._comm.any_flags([bool(other), bool(unlisted)])
-        if failed:
-            raise SaveError(f"{self.folder}: could not list the checkpoints to make sure step {step} is not committed "
-                            f"under another name ({unlisted or 'on rank 0'}); nothing was saved")
-        if found:
-            where = f"{self.folder}/{other[0]}" if other else f"step {step} under {self.folder}"
-            raise SaveError(f"{where} already holds a committed checkpoint of step {step}; ckptkit never overwrites "
-                            "one (resume from the newest step, or delete the newer checkpoints first)")
+        listed, unlisted = first_rank_does(
+            self._comm, lambda: [r.name for r in self.manager.records()
+                                 if r.step == step and r.committed and r.name != NAMING.name(step)],
+            "listing the checkpoint folder")
+        if unlisted is not None:
+            raise SaveError(f"{self.folder}: could not list the checkpoints on rank 0 to make sure step {step} is not "
+                            f"committed under another name ({unlisted}); nothing was saved")
+        if listed:
+            raise SaveError(f"{self.folder}/{listed[0]} already holds a committed checkpoint of step {step}; ckptkit "
+                            "never overwrites one (resume from the newest step, or delete the newer checkpoints first)")
 
     def _load(self, step: int = -1) -> bool:
         committed = [r.step for r in self.manager.records() if r.committed]

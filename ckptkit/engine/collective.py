@@ -16,13 +16,18 @@ from __future__ import annotations
 import atexit
 import os
 import json
+import logging
 import threading
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 import torch.distributed as dist
+
+from ..errors import CkptkitError
+
+log = logging.getLogger("ckptkit")
 
 
 class Comm(Protocol):
@@ -36,6 +41,8 @@ class Comm(Protocol):
     def gather(self, obj: Any) -> list[Any] | None: ...
 
     def broadcast(self, obj: Any) -> Any: ...
+
+    def broadcast_json(self, obj: Any) -> Any: ...
 
     def any_flags(self, flags: list[bool]) -> list[bool]: ...
 
@@ -62,6 +69,36 @@ def failed_ranks(said: list[str | None], shown: int = 4) -> str:
     return "; ".join(f"rank {r}: {text}" for r, text in failed[:shown]) + more
 
 
+def failure_text(exc: BaseException, doing: str) -> str:
+    """What a rank's failure says to every rank: ckptkit's and the storage's errors by their message,
+    anything else (a torch ``RuntimeError``, a ``MemoryError``, a bug's ``TypeError``) prefixed with its
+    type and logged with its traceback here, on the rank it happened on, where the traceback exists."""
+    text = str(exc) or type(exc).__name__
+    if isinstance(exc, (CkptkitError, OSError)):
+        return text
+    log.error("unexpected %s while %s; reported on every rank", type(exc).__name__, doing, exc_info=exc)
+    return f"{type(exc).__name__}: {text}"
+
+
+def first_rank_does(comm: Comm, work: Callable[[], Any], doing: str) -> tuple[Any, str | None]:
+    """``work()`` on the group's first rank alone; on every rank its result (JSON) and None, or None
+    and the text of its failure (:func:`failure_text`). Collective.
+
+    Rank 0 does a job's shared bookkeeping alone (listing the run's folder, deleting an abandoned
+    trajectory, creating the run's id) while the other ranks go on into the next collective. An
+    exception escaping there on rank 0 alone left them waiting until the process group's timeout,
+    and a failure told only as a flag left them unable to say what failed: both, found one caller at
+    a time until 2026-12-06, are this function's job now. Callers raise their own error from the text."""
+    said: list[Any] = [None, None]
+    if getattr(comm, "group_rank", comm.rank) == 0:  # the broadcast's source, in a subgroup too
+        try:
+            said = [work(), None]
+        except Exception as exc:  # noqa: BLE001 - told to every rank, raised by each caller
+            said = [None, failure_text(exc, doing)]
+    value, failure = comm.broadcast_json(said)
+    return value, failure
+
+
 class LocalComm:
     """A world of one process (no torch.distributed, or a single-rank job)."""
 
@@ -79,6 +116,9 @@ class LocalComm:
 
     def broadcast(self, obj: Any) -> Any:
         return obj
+
+    def broadcast_json(self, obj: Any) -> Any:
+        return json.loads(json.dumps(obj))
 
     def close(self) -> None:
         """Nothing to release."""
@@ -133,6 +173,19 @@ class TorchComm:
         box = [obj]
         dist.broadcast_object_list(box, src=self.root, group=self.group)
         return box[0]
+
+    def broadcast_json(self, obj: Any) -> Any:
+        """The group's first rank's ``obj`` on every rank, as JSON bytes (nothing unpickles; the
+        others' ``obj`` is ignored). One length and one payload broadcast: unlike an all-gather, its
+        cost does not grow with the world."""
+        data = json.dumps(obj, separators=(",", ":")).encode() if self.group_rank == 0 else b""
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        dist.broadcast(size, src=self.root, group=self.group)
+        payload = torch.zeros(int(size.item()), dtype=torch.uint8)
+        if data:
+            payload[:] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        dist.broadcast(payload, src=self.root, group=self.group)
+        return json.loads(bytes(payload.numpy()))
 
     def any_flags(self, flags: list[bool]) -> list[bool]:
         t = torch.tensor([1 if f else 0 for f in flags], dtype=torch.uint8)

@@ -265,6 +265,9 @@ class WatchedComm:
     def broadcast(self, obj: Any) -> Any:
         return self._collective("broadcast", obj)
 
+    def broadcast_json(self, obj: Any) -> Any:
+        return self._collective("broadcast_json", obj)
+
     def any_flags(self, flags: list[bool]) -> list[bool]:
         return self._collective("any_flags", flags)
 

@@ -35,7 +35,7 @@ import torch
 
 from ckptkit.engine.dtensor_grid import grid_of, is_dtensor, local_of
 from ckptkit.engine.checkpoint_dir import foreign_keys, new_attempt, remove_attempt, remove_other_attempts
-from ckptkit.engine.collective import Comm, Outcome, failed_ranks
+from ckptkit.engine.collective import Comm, Outcome, failed_ranks, failure_text
 from ckptkit.engine.state import FlatState, check_savable, check_state_root, dtype_name, flatten_state
 from ckptkit.engine.writer import write_pieces
 from ckptkit.errors import CkptkitError, SaveError
@@ -101,13 +101,8 @@ def _fail(exc: BaseException) -> Outcome:
     """A rank's failure, carried through the next collective so every rank raises it (naming the
     rank) and none is left waiting. Any exception: one that is not ckptkit's or the storage's (a
     torch ``RuntimeError``, a ``MemoryError``, a bug) used to escape before the collective on its
-    rank alone, and the other ranks waited there until the process group's timeout. Those are
-    logged with their traceback on the rank they happened on, and named by their type."""
-    expected = isinstance(exc, (CkptkitError, OSError))
-    if not expected:
-        log.error("unexpected %s while saving; reported on every rank", type(exc).__name__, exc_info=exc)
-    text = str(exc) or type(exc).__name__
-    return Outcome(False, error=text if expected else f"{type(exc).__name__}: {text}", error_type=type(exc).__name__)
+    rank alone, and the other ranks waited there until the process group's timeout."""
+    return Outcome(False, error=failure_text(exc, "saving"), error_type=type(exc).__name__)
 
 
 def _raise_failures(outcomes: list[Outcome], rank: int, where: str, phase: str) -> None:
