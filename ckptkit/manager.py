@@ -202,14 +202,20 @@ class CheckpointManager:
             wants = self._comm.any_flags([wants or local])[0]
         return wants
 
-    def maybe_save(self, step: int, state: dict[str, Any], *, metrics: dict[str, Any] | None = None) -> SaveHandle | None:
+    def maybe_save(self, step: int, state: dict[str, Any], *, metrics: dict[str, Any] | None = None,
+                   due: bool | None = None) -> SaveHandle | None:
         """Save if the policy says so; return the handle (None if nothing was saved).
 
         With a memory tier, also snapshot into node memory at its own interval (the snapshot
-        blocks the step like a persistent save's does; its protection runs in the background)."""
+        blocks the step like a persistent save's does; its protection runs in the background).
+        ``due``: :meth:`should_save`'s answer for this step when the caller already asked (it is
+        collective with ``every_seconds`` or requests, and a second question could be answered
+        otherwise); None asks it here. The memory tier's snapshot is taken either way: a caller
+        that decided alone when to call :meth:`save` used to bypass it (the resilience controller
+        did, so a tier under it never held a step)."""
         step = self._step(step)
         snapshot = self._memory is not None and step % self._memory.options.every_steps == 0
-        due = self.should_save(step)
+        due = self.should_save(step) if due is None else bool(due)
         mirror = None
         if snapshot:
             # a persistent save at the same step persists from the memory snapshot: one copy of the state

@@ -420,11 +420,15 @@ class ResilienceController:
         """The manager's ``maybe_save`` plus the resilience state, metrics and preemption handling."""
         self.attach(state)
         preempting = self._preempt_agreed and not self.should_stop
-        if not preempting and not self.manager.should_save(step):
-            return None
-        deadline = self._preempted_at + self.grace_seconds if preempting and self._preempted_at else None
-        self.log.flush_metrics()
-        handle = self.manager.save(step, state, metrics=metrics, deadline=deadline)
+        if preempting:  # an emergency save: persistent at once, whatever the policy says
+            deadline = self._preempted_at + self.grace_seconds if self._preempted_at else None
+            self.log.flush_metrics()
+            handle = self.manager.save(step, state, metrics=metrics, deadline=deadline)
+        else:  # through the manager's maybe_save, so its memory tier snapshots at its own interval
+            due = self.manager.should_save(step)
+            if due:
+                self.log.flush_metrics()
+            handle = self.manager.maybe_save(step, state, metrics=metrics, due=due)
         if handle is None:
             return None
         if handle.blocked_seconds:
