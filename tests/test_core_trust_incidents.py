@@ -129,6 +129,38 @@ DAMAGED: dict[str, bytes] = {
 }
 
 
+INTENT = {"kind": "rollback_decided", "step": 50, "detail": "d", "time": 3.0,
+          "data": {"seq": 2, "restore_at_most": 20, "skip": [500, 560], "lower_lr": False, "spikes": [48, 50],
+                   "skips": [[500, 560]], "ladder": {}}}
+
+
+def intent(**changes: Any) -> bytes:
+    """A decided rollback's record (a restart may finish the rollback from it) with ``changes``."""
+    out = json.loads(json.dumps(INTENT))
+    for name, value in changes.items():
+        if value is _DROP:
+            del out["data"][name]
+        else:
+            out["data"][name] = value
+    return json.dumps(out).encode()
+
+
+DAMAGED.update({
+    "decided: seq 0": intent(seq=0),
+    "decided: seq missing": intent(seq=_DROP),
+    "decided: bound a string": intent(restore_at_most="20"),
+    "decided: bound missing": intent(restore_at_most=_DROP),
+    "decided: skip backwards": intent(skip=[560, 500]),
+    "decided: skips a string": intent(skips="x"),
+    "decided: skips missing": intent(skips=_DROP),
+    "decided: skips backwards": intent(skips=[[9, 3]]),
+    "decided: ladder a list": intent(ladder=[]),
+    "decided: lower_lr a string": intent(lower_lr="no"),
+    "decided: spikes of strings": intent(spikes=["48"]),
+    "decided: spikes missing": intent(spikes=_DROP),
+})
+
+
 def _fifo(url: str) -> str:
     name = "0000000003.000000-00003-f1f0f0.json"
     os.mkfifo(Path(url) / INCIDENTS / name)

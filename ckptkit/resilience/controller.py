@@ -47,7 +47,7 @@ from ckptkit.resilience.ladder import Decision, Ladder
 from ckptkit.resilience.planner import young_daly_interval
 from ckptkit.resilience.policy import SpikePolicy
 from ckptkit.resilience.progress import Progress, ProgressMarker, steps_lost
-from ckptkit.resilience.recovery import missing_rollbacks
+from ckptkit.resilience.recovery import INTENT, RollbackIntent, missing_rollbacks, unfinished_rollback
 from ckptkit.resilience.skips import SkipRanges
 from ckptkit.resilience.watchdog import Watchdog
 from ckptkit.retention import RollbackHold
@@ -211,21 +211,43 @@ class ResilienceController:
         incidents = self.log.read_agreed(self.manager._comm, self.incident_log)
         previous = self.progress.read() if self.log.writer else None  # only rank 0 reports the restart
         for incident in incidents:
-            if incident.kind == "rollback" and incident.data.get("skip"):
+            if incident.kind in ("rollback", INTENT) and incident.data.get("skip"):
                 a, b = incident.data["skip"]
                 self.skips.add(int(a), int(b))
         with Watchdog(self.watchdog_seconds or math.inf, "restoring the newest checkpoint"):
             step = self.manager.restore_latest(state)
+            unfinished = self._unfinished_rollback(step, state, incidents)
+            if unfinished is not None:  # killed inside a rollback: finish it, from its own checkpoint
+                step = self.manager.restore_latest(state, at_most=unfinished.restore_at_most)
         if step is not None:
             self._import(self._saved(state))
             self._recover_rollbacks(step, incidents)
             self.attach(state)
+        if unfinished is not None:
+            self._pending.clear()
+            log.warning("ckptkit: the previous job was killed inside its rollback at step %d; finishing it",
+                        unfinished.at)
+            self._finish_rollback(unfinished, step, state)
         self._hold_rollback_targets()
         self._note_restart(step, previous)
         if step is None:
             return 1
         log.info("ckptkit: resumed at step %d, sample %d (%d samples in skip ranges)", step, self.sample, self.skips.skipped)
         return step + 1
+
+    def _unfinished_rollback(self, step: int | None, state: dict[str, Any],
+                             incidents: list[Incident]) -> RollbackIntent | None:
+        """The rollback the previous job was killed inside of, if the newest checkpoint (restored into
+        ``state`` as ``step``) predates its outcome: one the rollback may not restore (it is newer
+        than the rollback's bound: the abandoned trajectory's) and that knows fewer rollbacks.
+        A checkpoint saved after the rollback finished knows it, so a rollback whose outcome record
+        alone was lost (a store refusing writes, then a crash) is never done twice."""
+        intent = unfinished_rollback(incidents)
+        if intent is None or step is None or step <= intent.restore_at_most:
+            return intent if intent is not None and step is not None else None
+        known = self._saved(state).get("ladder", {})
+        rollbacks = known.get("rollbacks", []) if isinstance(known, dict) else []
+        return intent if isinstance(rollbacks, list) and len(rollbacks) < intent.seq else None
 
     def _recover_rollbacks(self, restored: int, incidents: list[Incident]) -> None:
         """Adopt the state of rollbacks the restored checkpoint predates (see recovery.py)."""
@@ -381,34 +403,47 @@ class ResilienceController:
         if decision.skip is not None:
             self.skips.add(*decision.skip)
         self._pending.clear()  # a new trajectory: the replayed one's future is not ours any more
-        memory = (self.skips, self.ladder.state_dict())
+        assert decision.restore_at_most is not None
+        intent = RollbackIntent(self.ladder.rollback_count + 1, step, decision.reason, decision.restore_at_most,
+                                decision.skip, decision.lower_lr, tuple(decision.spike_steps), self.skips.to_json(),
+                                self.ladder.state_dict())
+        # durable before anything changes: a job killed during the restore or the discard finishes the
+        # rollback when it restarts (resume) instead of training on from the abandoned trajectory
+        self.log.record(Incident(INTENT, step, decision.reason, data=intent.data()))
         self.attach(state)
         with Watchdog(self.watchdog_seconds or math.inf, f"rolling back from step {step}"):
             restored = self.manager.restore_latest(state, at_most=decision.restore_at_most)
+        return self._finish_rollback(intent, restored, state)
+
+    def _finish_rollback(self, intent: RollbackIntent, restored: int | None, state: dict[str, Any]) -> dict[str, Any]:
+        """What a rollback does once its checkpoint is restored into ``state`` (``restored``, None if
+        there was none): discard the abandoned trajectory, adopt the decided skips and ladder, re-warm
+        from the restored step, and record it all. Also how a restart finishes a rollback it was killed in."""
+        step = intent.at
         if restored is None:
             self.should_stop = True
-            self.log.record(Incident("stop", step, f"{decision.reason}: no checkpoint to roll back to"))
+            self.log.record(Incident("stop", step, f"{intent.reason}: no checkpoint to roll back to"))
             raise TrainingStopped(f"ckptkit cannot roll back from step {step}: no checkpoint at or before "
-                                  f"step {decision.restore_at_most}")
+                                  f"step {intent.restore_at_most}")
         discarded = self.manager.discard_after(restored)  # the abandoned trajectory's checkpoints
         saved = self._saved(state)
         self.step = int(saved.get("step", restored))
         self.sample = int(saved.get("sample", 0))
-        self.skips.update(memory[0])  # keep every skip decided since that checkpoint, and the new one
-        self.ladder.load_state_dict(memory[1])  # the ladder's memory of rollbacks outlives the rollback
-        self.ladder.rolled_back(step, self.step, decision.lower_lr)
+        self.skips.update(SkipRanges.from_json(intent.skips))  # every skip decided since that checkpoint, and the new one
+        self.ladder.load_state_dict(intent.ladder)  # the ladder's memory of rollbacks outlives the rollback
+        self.ladder.rolled_back(step, self.step, intent.lower_lr)
         self.attach(state)
         self._hold_rollback_targets()
         lost = step - restored
         # the whole post-rollback state, durable before training goes on: a crash before the next
         # checkpoint restarts from the restored one, which was saved before this rollback
-        self.log.record(Incident("rollback", step, decision.reason, data={
-            "restored": restored, "skip": list(decision.skip) if decision.skip else None,
-            "lower_lr": decision.lower_lr, "steps_lost": lost, "spikes": list(decision.spike_steps),
+        self.log.record(Incident("rollback", step, intent.reason, data={
+            "restored": restored, "skip": list(intent.skip) if intent.skip else None,
+            "lower_lr": intent.lower_lr, "steps_lost": lost, "spikes": list(intent.spikes),
             "discarded": discarded, "seq": self.ladder.rollback_count, "state": self._export()}))
         self.progress.write(self.step)  # back at the restored step: a crash now must not count these again
-        log.warning("ckptkit: %s -> rolled back to step %d (%d steps lost), skipping samples %s%s", decision.reason,
-                    restored, lost, decision.skip, ", learning rate lowered" if decision.lower_lr else "")
+        log.warning("ckptkit: %s -> rolled back to step %d (%d steps lost), skipping samples %s%s", intent.reason,
+                    restored, lost, intent.skip, ", learning rate lowered" if intent.lower_lr else "")
         return state
 
     def lr_factor(self) -> float:

@@ -91,7 +91,7 @@ class IncidentLogOptions:
 
 @dataclass
 class Incident:
-    kind: str  # spike, skip_step, rollback, lower_lr, stop, restart, preempt, emergency_save, save_abandoned
+    kind: str  # spike, skip_step, rollback_decided, rollback, lower_lr, stop, restart, preempt, emergency_save, save_abandoned
     step: int
     detail: str = ""
     time: float = field(default_factory=time.time)
@@ -115,6 +115,8 @@ class Incident:
         data = _decode_floats(as_dict(doc.get("data"), f"{where}: data"), f"{where}: data")
         if kind == "rollback":
             _check_rollback(data, f"{where}: data")
+        elif kind == "rollback_decided":
+            _check_intent(data, f"{where}: data")
         return Incident(kind, step, detail, float(when), data)
 
 
@@ -137,6 +139,27 @@ def _check_rollback(data: dict[str, Any], where: str) -> None:
             _check_range(item, f"{where}: state.skips")
     if state.get("ladder") is not None:
         as_dict(state["ladder"], f"{where}: state.ladder")
+
+
+def _check_intent(data: dict[str, Any], where: str) -> None:
+    """The fields of a decided rollback that a resume acts on (it may finish the rollback)."""
+    as_int(data.get("seq"), f"{where}: seq", 1)
+    as_int(data.get("restore_at_most"), f"{where}: restore_at_most", -_MAX_STEP, _MAX_STEP)
+    if data.get("skip") is not None:
+        _check_range(data["skip"], f"{where}: skip")
+    skips = data.get("skips")
+    if not isinstance(skips, list):
+        raise ManifestError(f"{where}: skips: expected a list, got {type(skips).__name__}")
+    for item in skips:
+        _check_range(item, f"{where}: skips")
+    as_dict(data.get("ladder"), f"{where}: ladder")
+    if not isinstance(data.get("lower_lr"), bool):
+        raise ManifestError(f"{where}: lower_lr: expected true or false, got {data.get('lower_lr')!r:.40}")
+    spikes = data.get("spikes")
+    if not isinstance(spikes, list):
+        raise ManifestError(f"{where}: spikes: expected a list of steps, got {type(spikes).__name__}")
+    for s in spikes:
+        as_int(s, f"{where}: spikes", -_MAX_STEP, _MAX_STEP)
 
 
 def _check_range(value: Any, where: str) -> None:

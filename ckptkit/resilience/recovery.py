@@ -63,3 +63,60 @@ def missing_rollbacks(incidents: Iterable[Incident], known: int) -> list[RolledB
             chain.pop()
         chain.append(rb)
     return chain
+
+
+INTENT = "rollback_decided"
+"""The incident kind recorded when a rollback is decided, before anything is restored or discarded."""
+
+
+@dataclass(frozen=True)
+class RollbackIntent:
+    """A rollback as decided, recorded before its restore starts.
+
+    A rollback restores a checkpoint, then deletes the abandoned trajectory's newer ones, then
+    records its outcome; a job killed in between (the restore of a large checkpoint takes minutes)
+    used to restart without any of it: from the newest checkpoint (the abandoned trajectory's, when
+    the kill came before the discard), with no skip range and no re-warm, training again on the
+    data the controller had decided to skip. This record lets the restart finish the rollback."""
+
+    seq: int  # rollbacks in the run's history once this one is done
+    at: int  # the step whose spike triggered it
+    reason: str
+    restore_at_most: int
+    skip: tuple[int, int] | None
+    lower_lr: bool
+    spikes: tuple[int, ...]
+    skips: Any  # the skip ranges after it (SkipRanges.to_json)
+    ladder: dict[str, Any]  # the ladder's state as decided, before Ladder.rolled_back
+
+    def data(self) -> dict[str, Any]:
+        return {"seq": self.seq, "restore_at_most": self.restore_at_most,
+                "skip": list(self.skip) if self.skip else None, "lower_lr": self.lower_lr,
+                "spikes": list(self.spikes), "skips": self.skips, "ladder": self.ladder}
+
+    @staticmethod
+    def from_incident(incident: Incident) -> RollbackIntent | None:
+        d = incident.data
+        if incident.kind != INTENT or not isinstance(d.get("ladder"), dict):
+            return None
+        try:
+            skip = d.get("skip")
+            return RollbackIntent(int(d["seq"]), incident.step, incident.detail, int(d["restore_at_most"]),
+                                  (int(skip[0]), int(skip[1])) if skip else None, bool(d.get("lower_lr")),
+                                  tuple(int(s) for s in d.get("spikes", ())), d.get("skips"), d["ladder"])
+        except (KeyError, TypeError, ValueError, IndexError):
+            return None
+
+
+def unfinished_rollback(incidents: Iterable[Incident]) -> RollbackIntent | None:
+    """The newest rollback decided whose outcome the log does not record (its ``rollback`` record,
+    or a ``stop`` because nothing could be restored), or None. Incidents come in time order."""
+    pending: RollbackIntent | None = None
+    for incident in incidents:
+        intent = RollbackIntent.from_incident(incident)
+        if intent is not None:
+            pending = intent
+        elif pending is not None and incident.step == pending.at and (
+                incident.kind == "stop" or incident.kind == "rollback" and incident.data.get("seq") == pending.seq):
+            pending = None
+    return pending

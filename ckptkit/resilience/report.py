@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ckptkit.resilience.incidents import Incident, IncidentLog
+from ckptkit.resilience.recovery import INTENT, unfinished_rollback
 from ckptkit.storage.url import open_store
 
 if TYPE_CHECKING:
@@ -28,6 +29,7 @@ _WORDS = {  # incident kind -> (singular, plural) for the plot's title
     "rollback": ("rollback", "rollbacks"), "restart": ("restart", "restarts"), "resume": ("resume", "resumes"),
     "preempt": ("preemption", "preemptions"), "emergency_save": ("emergency save", "emergency saves"),
     "save_abandoned": ("abandoned save", "abandoned saves"), "stop": ("stop", "stops"),
+    "rollback_decided": ("rollback killed before it finished", "rollbacks killed before they finished"),
 }
 
 
@@ -84,8 +86,15 @@ class RunReport:
 
 
 def load_report(url: str) -> RunReport:
+    """The run's incidents and loss history. A rollback's decision record (written before its restore,
+    so that a restart can finish it) is shown only while its outcome is missing: the job was killed
+    inside that rollback and the next start finishes it."""
     log = IncidentLog(open_store(url), writer=False)
-    return RunReport(url, tuple(log.read()), tuple(log.read_metrics()), log.read_name() or "")
+    incidents = log.read()
+    pending = unfinished_rollback(incidents)
+    shown = tuple(i for i in incidents if i.kind != INTENT or (pending is not None and i.step == pending.at
+                                                               and i.data.get("seq") == pending.seq))
+    return RunReport(url, shown, tuple(log.read_metrics()), log.read_name() or "")
 
 
 def crash_spans(report: RunReport) -> list[tuple[int, int, int]]:
