@@ -69,3 +69,58 @@ def test_without_a_deadline_a_busy_save_is_still_skipped(tmp_path, slow_storage)
     assert mgr.save(3, state, deadline=time.monotonic() + 60) is not None  # but a deadline's save does
     mgr.close()
     assert sorted(r.step for r in mgr.records() if r.committed) == [1, 3]
+
+
+def test_an_emergency_save_past_the_grace_period_is_abandoned_once_and_close_ends_cleanly(tmp_path, monkeypatch):
+    """The emergency save cannot commit within the grace period (0.5 s; its write takes 7 s): the
+    controller stops waiting 5 s after it, records the save as abandoned, and ``close`` ends the job
+    cleanly. ``close`` used to raise the abandoned save's failure once it came (the controller had
+    acknowledged only finished saves), and skipped the rest of the shutdown: the progress marker
+    stayed open, so the next start reported a crash."""
+    from ckptkit.resilience.progress import ProgressMarker
+    from ckptkit.storage import open_store
+
+    write = async_save.write_staged
+
+    def slower(*args, **kwargs):
+        time.sleep(7)
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(async_save, "write_staged", slower)
+    run = str(tmp_path / "run")
+    mgr = ckptkit.CheckpointManager(run, save=ckptkit.SavePolicy(every_steps=100))
+    ctl = ckptkit.ResilienceController(mgr, batch_size=4, signals=(), grace_seconds=0.5, watchdog_seconds=None)
+    state = {"w": torch.zeros(8)}
+    for step, _ in ctl.batches(lambda p: p, ctl.resume(state)):
+        if step == 3:
+            ctl.preempt()
+        ctl.observe(step, loss=1.0)
+        ctl.maybe_save(step, state)
+        if ctl.should_stop:
+            break
+    ctl.close()  # no raise: the abandoned save was dealt with
+    incidents = [(i.kind, i.step, i.detail) for i in ctl.log.read()]
+    assert [(k, s) for k, s, _ in incidents] == [("preempt", 3), ("save_abandoned", 3)]
+    assert "not committed within the grace period" in incidents[1][2]
+    assert ProgressMarker(open_store(run), writer=False).read().closed
+    assert not any(r.committed for r in mgr.records())  # abandoned at its commit: nothing half-made
+
+
+def test_close_gives_the_signals_back(tmp_path):
+    """The controller's SIGTERM handler only notes the time; after ``close`` (evaluation, export) a
+    SIGTERM must end the job again: the handlers it replaced are put back."""
+    import signal
+
+    def mine(signum, frame):
+        pass
+
+    before = signal.signal(signal.SIGUSR1, mine)
+    try:
+        default_term = signal.getsignal(signal.SIGTERM)
+        mgr = ckptkit.CheckpointManager(str(tmp_path / "run"), asynchronous=None)
+        ctl = ckptkit.ResilienceController(mgr, batch_size=4, watchdog_seconds=None)  # SIGTERM and SIGUSR1
+        assert signal.getsignal(signal.SIGTERM) == ctl._on_signal
+        ctl.close()
+        assert signal.getsignal(signal.SIGTERM) == default_term and signal.getsignal(signal.SIGUSR1) is mine
+    finally:
+        signal.signal(signal.SIGUSR1, before)

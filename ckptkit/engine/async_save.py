@@ -154,6 +154,7 @@ class AsyncSaver:
         elif options.over_budget == "waves" and options.max_staging_bytes is not None:
             self._channel = WaveChannel.for_threads()
         self._inflight: SaveHandle | None = None
+        self._acknowledged: SaveHandle | None = None  # a save whose failure the caller has dealt with
         self._overlap: OverlapSnapshot | None = None  # the overlapped snapshot whose gate is not passed yet
         self._side_streams: dict[Any, Any] = {}
         self.guards = Guards(self.wait_snapshot)
@@ -218,7 +219,7 @@ class AsyncSaver:
             failure = _fail(exc)
         prev = self._inflight
         busy = prev is not None and not prev.done()
-        prev_failed = prev is not None and prev.done() and prev.committed.exception() is not None
+        prev_failed = prev is not None and prev.done() and self._unacknowledged_failure(prev)
         changed = cls is not None and cls.fingerprint not in self._plans
         any_busy, any_prev_failed, any_changed, any_failed, any_unguarded, any_deadline = self.plan_comm.any_flags(
             [busy, prev_failed, changed, not failure.ok, overlap and not self.guards, deadline is not None]
@@ -234,7 +235,7 @@ class AsyncSaver:
                 log.warning("skipping the save to %s: the previous save is still persisting", store.url)
                 return None
             self._wait_inflight()
-            if prev is not None and prev.committed.exception() is not None:
+            if prev is not None and self._unacknowledged_failure(prev):
                 # every rank's commit outcome is the same broadcast, so every rank raises here
                 self._raise_previous(prev)
         if any_failed:  # every rank is here: one more gather tells each which rank failed, and why
@@ -303,12 +304,25 @@ class AsyncSaver:
             return handle.committed.result()
         except BaseException:
             self._inflight = None  # reported once
+            if handle is self._acknowledged:
+                return None
             raise
 
     def acknowledge(self, handle: SaveHandle) -> None:
-        """The caller has dealt with ``handle``'s failure: do not raise it again."""
-        if self._inflight is handle and handle.done():
-            self._inflight = None
+        """The caller has dealt with ``handle``'s failure, now or when it comes: do not raise it again.
+
+        A save still running may be acknowledged: the resilience controller gives up waiting for an
+        emergency save at the end of the grace period and records it as abandoned. Acknowledging only
+        a finished one made :meth:`wait` (and so ``close``) raise that failure again, and the job's
+        clean shutdown after a preemption stopped there."""
+        if self._inflight is handle:
+            self._acknowledged = handle
+            if handle.done():
+                self._inflight = None
+
+    def _unacknowledged_failure(self, handle: SaveHandle) -> bool:
+        """``handle`` (done) failed, and the caller has not said it dealt with that."""
+        return handle.committed.exception() is not None and handle is not self._acknowledged
 
     def close(self) -> None:
         if self.closed:

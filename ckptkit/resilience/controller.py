@@ -138,14 +138,17 @@ class ResilienceController:
         self._save_costs: list[float] = []
         self._step_times: list[float] = []
         self._last_observe: float | None = None
+        self._previous_handlers: dict[int, Any] = {}
         self._install(signals)
         self._hold_rollback_targets()
 
     # ------------------------------------------------------------- signals
     def _install(self, signals: tuple[int, ...]) -> None:
+        """Handle ``signals``; :meth:`close` puts back the handlers they had (they stayed ours, so a
+        SIGTERM after close, during evaluation or export, was noted and ignored: the job never left)."""
         for sig in signals:
             try:
-                signal.signal(sig, self._on_signal)
+                self._previous_handlers[sig] = signal.signal(sig, self._on_signal)
             except ValueError:  # not the main thread: the caller handles signals itself
                 log.warning("ckptkit: cannot install a handler for %s outside the main thread", sig)
 
@@ -480,9 +483,11 @@ class ResilienceController:
             handle.committed.result(timeout=remaining + 5.0)
             self.log.record(Incident("emergency_save", step, "saved on preemption within the grace period"))
         except Exception as exc:  # noqa: BLE001 - abandoned: the previous checkpoint stands
-            self.manager.acknowledge(handle)
-            self.log.record(Incident("save_abandoned", step, f"emergency save abandoned: {exc}"))
-            log.warning("ckptkit: emergency save at step %d abandoned (%s); the previous checkpoint stands", step, exc)
+            self.manager.acknowledge(handle)  # also one still running: close() must not raise it again
+            why = (f"not committed within the grace period ({self.grace_seconds:g} s, and 5 s more)"
+                   if isinstance(exc, TimeoutError) else str(exc) or type(exc).__name__)
+            self.log.record(Incident("save_abandoned", step, f"emergency save abandoned: {why}"))
+            log.warning("ckptkit: emergency save at step %d abandoned (%s); the previous checkpoint stands", step, why)
 
     def recommended_interval_steps(self) -> int | None:
         """Young/Daly interval in steps from the measured save cost and step time (needs ``mtbf_hours``)."""
@@ -493,9 +498,22 @@ class ResilienceController:
         return max(1, round(young_daly_interval(cost, self.mtbf_hours * 3600) / max(step_s, 1e-6)))
 
     def close(self) -> None:
+        """Wait for the last save, mark the job as ended cleanly, and give the signals back. A failure
+        of the last save is raised after all of that is done (it used to skip the rest: the restart
+        then reported a crash, and the signal handlers stayed installed)."""
         self._closed = True
-        self.log.flush_metrics()
-        self.manager.close()
-        self.progress.write(self.step, closed=True)
-        self.progress.close()
-        self.log.wait()
+        try:
+            self.log.flush_metrics()
+            self.manager.close()
+        finally:
+            try:
+                self.progress.write(self.step, closed=True)
+                self.progress.close()
+                self.log.wait()
+            finally:
+                for sig, previous in self._previous_handlers.items():
+                    try:
+                        signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+                    except ValueError:  # not the main thread now
+                        log.warning("ckptkit: cannot restore the handler of %s outside the main thread", sig)
+                self._previous_handlers.clear()

@@ -113,7 +113,9 @@ class Ladder:
         assert r is not None
         first = self.spikes[0]
         recent = [s for s in self.rollbacks if s > step - low.window_steps] + [step]
-        lower = low.on_every_rollback
+        # on_every_rollback (OPT's practice) lowers it at every rollback, and still at most max_drops
+        # times: it used to lower it at every one, without bound when the rollbacks were spread out
+        lower = low.on_every_rollback and self.lr_drops < low.max_drops
         if len(recent) > low.max_rollbacks:
             if self.lr_drops >= low.max_drops:
                 return Decision(

@@ -129,7 +129,7 @@ class LowerLR:
     rollback also multiplies the learning rate by ``factor`` for the rest of
     the run, at most ``max_drops`` times; the next such rollback stops the run
     for a human instead. ``on_every_rollback`` lowers it on every rollback
-    (OPT-175B's practice).
+    (OPT-175B's practice), also at most ``max_drops`` times: later rollbacks keep the rate.
     """
 
     max_rollbacks: int = 3

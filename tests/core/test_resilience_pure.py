@@ -67,13 +67,15 @@ def test_detector_learns_nothing_from_spikes_and_warms_up():
     assert det.observe(1e6).spike and list(det.window) == before
 
 
-def policy(skip_step: bool = True, nonfinite_rollback: int = 2, max_lr_drops: int = 1) -> SpikePolicy:
+def policy(skip_step: bool = True, nonfinite_rollback: int = 2, max_lr_drops: int = 1,
+           every_rollback: bool = False) -> SpikePolicy:
     return SpikePolicy(loss=DetectorConfig(window=32, warmup=8), grad_norm=None,
                        skip_step=SkipStep(on_spike=skip_step),
                        rollback=Rollback(after_spikes=3, window_steps=20, after_nonfinite=nonfinite_rollback,
                                          steps_before=5, skip_before=2, skip_after=4),
                        rewarm=Rewarm(factor=0.1, steps=10),
-                       lower_lr=LowerLR(max_rollbacks=2, window_steps=500, factor=0.5, max_drops=max_lr_drops))
+                       lower_lr=LowerLR(max_rollbacks=2, window_steps=500, factor=0.5, max_drops=max_lr_drops,
+                                        on_every_rollback=every_rollback))
 
 
 def test_ladder_rungs_in_order():
@@ -119,9 +121,11 @@ def flag_streams(draw):
 
 
 @settings(max_examples=300, deadline=None)
-@given(flag_streams(), st.integers(0, 3))
-def test_ladder_invariants(stream, seed):
-    pol = policy(max_lr_drops=1 + seed % 2)
+@given(flag_streams(), st.integers(0, 3), st.booleans())
+def test_ladder_invariants(stream, seed, every_rollback):
+    """``every_rollback``: OPT's practice (SpikePolicy.opt) lowers the learning rate at every rollback,
+    and still at most ``max_drops`` times (it lowered it at every one, without bound, until 2026-12-06)."""
+    pol = policy(max_lr_drops=1 + seed % 2, every_rollback=every_rollback)
     lad = Ladder(pol)
     twin = Ladder(pol)
     step = 1
