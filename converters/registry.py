@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import CkptkitError
 from ckptkit.offline.formats import Format, RunOptions, description_of, priority_of, source_formats
+from ckptkit.storage.url import overlaps
 from ckptkit_converters.convert_options import ConvertOptions
 from ckptkit_converters.dcp.format import FORMAT as DCP
 from ckptkit_converters.deepspeed.format import FORMAT as DEEPSPEED
@@ -168,6 +169,9 @@ def convert(source: str | os.PathLike[str], dest: str | os.PathLike[str], *, to_
     record (Megatron's vocabulary size, by name).
     """
     src, out = os.fspath(source), os.fspath(dest)
+    if overlaps(src, out):  # every direction writes dest and removes what it wrote on failure
+        raise CkptkitError(f"the destination {out} overlaps the source {src} (links resolved): a conversion writes "
+                           "a new checkpoint next to its source, never into it or around it")
     if options is not None:
         warnings.warn("convert(..., options=ConvertOptions(...)) is deprecated: pass run=RunOptions(...), "
                       "source_options= and target_options= (each format's own options dataclass)",

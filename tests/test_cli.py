@@ -145,7 +145,7 @@ def test_verify_uncommitted_exits_1_inspect_exits_2(run_dir: Path):
     assert len(result.stderr.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize("cmd", ["verify", "inspect", "ls"])
+@pytest.mark.parametrize("cmd", ["verify", "inspect", "ls", "report"])  # report said "0 incidents", exit 0
 def test_missing_path_exits_2_with_one_line(tmp_path: Path, cmd: str):
     result = run(cmd, str(tmp_path / "nowhere"), "--json")
     assert result.exit_code == 2 and result.stdout == ""

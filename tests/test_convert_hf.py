@@ -85,7 +85,7 @@ def test_export_casts_and_refuses_unknown_names_and_reused_destinations(tmp_path
     export_hf(str(tmp_path / "a"), str(tmp_path / "hf"), heads, options=HFExportOptions(dtype="bfloat16"))
     back = read_hf(str(tmp_path / "hf"), heads)
     assert all(back[k].dtype == torch.bfloat16 and torch.equal(back[k], sd[k].to(torch.bfloat16)) for k in sd)
-    with pytest.raises(ckptkit.CkptkitError, match="already holds an HF export"):
+    with pytest.raises(ckptkit.CkptkitError, match="model.safetensors exists: an HF export writes its weights into a folder that holds none"):
         export_hf(str(tmp_path / "a"), str(tmp_path / "hf"), heads)
     ckptkit.save({"model": {**sd, "mystery.weight": torch.ones(2)}}, str(tmp_path / "b"))
     with pytest.raises(ckptkit.MissingKeysError, match="mystery.weight"):

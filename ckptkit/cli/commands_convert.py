@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from ckptkit.cli.grouped import GroupedCommand, grouped
-from ckptkit.cli.options import KEY_VALUE, LAYOUT, SIZE, json_option, storage_option, threads_option
+from ckptkit.cli.options import KEY_VALUE, LAYOUT, SIZE, FiniteRange, json_option, storage_option, threads_option
 from ckptkit.cli.output import Output, human_bytes
 
 if TYPE_CHECKING:
@@ -100,9 +100,9 @@ def _opt_help(formatter: click.HelpFormatter) -> None:
                       "written concurrently.")
 @json_option
 @storage_option
-@grouped("zarr export", "--chunk-mib", type=click.FloatRange(min=0.001), default=8.0, show_default=True,
+@grouped("zarr export", "--chunk-mib", type=FiniteRange(min=0.001), default=8.0, show_default=True,
          help="Largest inner (read) chunk.")
-@grouped("zarr export", "--shard-mib", type=click.FloatRange(min=0.001), default=64.0, show_default=True,
+@grouped("zarr export", "--shard-mib", type=FiniteRange(min=0.001), default=64.0, show_default=True,
          help="Target size of one shard object.")
 @grouped("zarr export", "--portable", is_flag=True,
          help="Store bfloat16/float8 as float32 so zarr-python reads every array (lossless round trip).")

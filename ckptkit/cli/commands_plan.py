@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from ckptkit.cli.grouped import GroupedCommand, grouped
-from ckptkit.cli.options import json_option
+from ckptkit.cli.options import FiniteRange, json_option
 from ckptkit.cli.output import Output
 
 if TYPE_CHECKING:
@@ -19,7 +19,7 @@ MEMORY = "Memory tier"
 MEMORY_ONLY_FLAGS = {"ranks_per_node": "--ranks-per-node", "memory_gbps": "--memory-gbps",
                      "node_failure_share": "--node-failure-share",
                      "memory_restart_seconds": "--memory-restart-seconds"}
-POSITIVE = click.FloatRange(0.0, min_open=True)
+POSITIVE = FiniteRange(0.0, min_open=True)
 
 
 @click.command("plan", cls=GroupedCommand, short_help="Checkpoint size, save time and the goodput-optimal interval(s).")
@@ -33,11 +33,11 @@ POSITIVE = click.FloatRange(0.0, min_open=True)
          help="Write bandwidth per rank, GB/s. Give this, --fs-gbps or both.")
 @grouped("Storage", "--fs-gbps", type=POSITIVE, default=None,
          help="Aggregate bandwidth of the shared file system / object store, GB/s (bounds the save at scale).")
-@grouped("Storage", "--blocking-fraction", type=click.FloatRange(0.0, 1.0, min_open=True), default=1.0,
+@grouped("Storage", "--blocking-fraction", type=FiniteRange(0.0, 1.0, min_open=True), default=1.0,
          show_default=True, help="Share of a save (and a memory snapshot) that stalls training "
                                  "(asynchronous saves: the snapshot's share).")
 @grouped("Failures", "--mtbf-hours", type=POSITIVE, required=True, help="Mean time between failures of the whole job.")
-@grouped("Failures", "--restart-seconds", type=click.FloatRange(0.0), default=300.0, show_default=True,
+@grouped("Failures", "--restart-seconds", type=FiniteRange(0.0), default=300.0, show_default=True,
          help="Time to restart and reload from the persistent checkpoint.")
 @grouped(MEMORY, "--memory-replicas", type=click.IntRange(1), default=None,
          help="Plan a memory tier whose snapshots have N replicas on other nodes.")
@@ -46,9 +46,9 @@ POSITIVE = click.FloatRange(0.0, min_open=True)
 @grouped(MEMORY, "--ranks-per-node", type=click.IntRange(1), default=8, show_default=True)
 @grouped(MEMORY, "--memory-gbps", type=POSITIVE, default=10.0, show_default=True,
          help="Per-rank snapshot copy bandwidth into node memory, GB/s.")
-@grouped(MEMORY, "--node-failure-share", type=click.FloatRange(0.0, 1.0), default=0.9, show_default=True,
+@grouped(MEMORY, "--node-failure-share", type=FiniteRange(0.0, 1.0), default=0.9, show_default=True,
          help="Share of failures recoverable from memory (one node lost per group; Llama 3: most are one GPU or host).")
-@grouped(MEMORY, "--memory-restart-seconds", type=click.FloatRange(0.0), default=60.0, show_default=True,
+@grouped(MEMORY, "--memory-restart-seconds", type=FiniteRange(0.0), default=60.0, show_default=True,
          help="Time to restart and restore from memory.")
 @json_option
 @click.pass_context

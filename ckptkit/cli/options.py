@@ -3,6 +3,7 @@
 * :data:`SIZE` — ``4GiB``, ``512MiB``, ``2G``, ``1.5g`` or a byte count (binary units) -> int;
 * :data:`LAYOUT` — ``tp4pp2``, ``tp2pp2dp4``, ``tp1pp4vpp2`` -> :class:`~ckptkit.layout.config.ParallelConfig`;
 * :data:`LAYER_COUNTS` — ``15,17`` -> ``(15, 17)``;
+* :class:`FiniteRange` — a number in a range, never ``nan`` or ``inf``;
 * :data:`KEY_VALUE` — ``KEY=VALUE`` (the value parsed as JSON when it is JSON, else a string);
 * decorators: :func:`json_option` (``--json``), :func:`storage_option` (``--storage-option``,
   repeatable, collected into one dict or None), :func:`threads_option`,
@@ -15,6 +16,7 @@ Only click is imported here (and the torch-free layout parser when a layout is p
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -28,6 +30,20 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+class FiniteRange(click.FloatRange):
+    """click's ``FloatRange`` that also refuses ``nan`` and ``inf``: both pass a range's bounds (a
+    comparison with NaN is false), and later failed as a ckptkit bug (exit 3) where the value was
+    turned into a byte count (``--chunk-mib nan``), or printed a "nan min" interval (``plan``)."""
+
+    name = "finite float range"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return number
 
 
 def parse_size(text: str) -> int:

@@ -26,6 +26,7 @@ from math import gcd
 
 from ckptkit.errors import LayoutError
 from ckptkit.layout.grid import Mesh
+from ckptkit.layout.strict_json import MAX_WORLD
 
 _TOKEN = re.compile(r"(vpp|etp|tp|pp|dp|cp|ep)([0-9]+)")
 _NAMES = ("tp", "pp", "dp", "cp", "ep", "etp", "vpp")
@@ -58,6 +59,13 @@ class ParallelConfig:
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise LayoutError(f"parallel degree {name}={value!r} must be a positive integer")
+        for name in _NAMES:  # each degree first: a product of huge ones is slow to form, and means nothing
+            value = getattr(self, name)
+            if value is not None and value > MAX_WORLD:
+                raise LayoutError(f"parallel degree {name}={value} is more than a checkpoint's {MAX_WORLD} ranks")
+        if self.tp * self.pp * self.dp * self.cp > MAX_WORLD or self.vpp > MAX_WORLD:
+            raise LayoutError(f"{self.tp * self.pp * self.dp * self.cp} ranks (tp x pp x dp x cp) are more than a "
+                              f"checkpoint's {MAX_WORLD}: the format's bound on a world")
         if self.etp == self.tp:
             object.__setattr__(self, "etp", None)  # one spelling of the default, so equal layouts compare equal
         stage = self.tp * self.cp * self.dp

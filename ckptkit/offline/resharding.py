@@ -63,7 +63,7 @@ from ckptkit.plan.reshard_plan import (
     check_plan,
 )
 from ckptkit.plan.reshard_plan import plan_reshard as plan_layout
-from ckptkit.storage.url import open_store
+from ckptkit.storage.url import open_store, overlaps
 
 log = logging.getLogger("ckptkit")
 Format = Literal["ckptkit"]
@@ -171,6 +171,9 @@ def reshard(
     (:mod:`ckptkit.offline.spread`). None (the default): this process alone, whatever job it is in.
     """
     comm = spread_comm(process_group)
+    # the source as the user named it, before a foreign one is imported to a temporary folder (the
+    # import's folder never overlaps dest: a DCP or zarr source used to take dest inside it)
+    agreed(comm, lambda: _check_apart(os.fspath(source), os.fspath(dest)))
     with spread_source(comm, lambda scratch: ckptkit_source(source, options, storage_options, scratch), source,
                        dest, storage_options) as (url, src_opts):
         result = agreed(comm, lambda: _prepare(url, dest, target, options, src_opts, storage_options))
@@ -285,9 +288,9 @@ def ckptkit_source(source: str | os.PathLike[str], options: ReshardOptions, stor
 
 
 def _check_apart(src: str, dst: str) -> None:
-    """The destination is written and, on failure, removed: it must not be, or be inside, the source."""
-    a, b = src.rstrip("/"), dst.rstrip("/")
-    if a == b or b.startswith(a + "/") or a.startswith(b + "/"):
+    """The destination is written and, on failure, removed: it must not be, or be inside, the source
+    (links resolved: :func:`ckptkit.storage.url.overlaps`)."""
+    if overlaps(src, dst):
         raise ReshardError(f"the destination {dst} overlaps the source {src}; reshard writes a new checkpoint "
                            "next to the source, never into it")
 

@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ckptkit.errors import CheckpointNotFoundError
 from ckptkit.resilience.incidents import Incident, IncidentLog
 from ckptkit.resilience.recovery import INTENT, unfinished_rollback
 from ckptkit.storage.url import open_store
@@ -89,7 +90,10 @@ def load_report(url: str) -> RunReport:
     """The run's incidents and loss history. A rollback's decision record (written before its restore,
     so that a restart can finish it) is shown only while its outcome is missing: the job was killed
     inside that rollback and the next start finishes it."""
-    log = IncidentLog(open_store(url), writer=False)
+    store = open_store(url)
+    if not store.list_children():  # a typo or a file: not "a run without incidents"
+        raise CheckpointNotFoundError(f"{store.url}: no run folder here (nothing under it)")
+    log = IncidentLog(store, writer=False)
     incidents = log.read()
     pending = unfinished_rollback(incidents)
     shown = tuple(i for i in incidents if i.kind != INTENT or (pending is not None and i.step == pending.at

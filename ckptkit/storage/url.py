@@ -57,3 +57,20 @@ def _base_store(text: str, options: dict[str, Any]) -> ByteStore:
 
 def join_url(base: str, name: str) -> str:
     return f"{base.rstrip('/')}/{name}"
+
+
+def overlaps(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> bool:
+    """Whether ``a`` and ``b`` are one folder or one holds the other: what a command writing ``b``
+    from ``a`` must refuse (it writes into its own source, and removes what it wrote on failure).
+    Local paths are compared once every link is resolved (a link to the source, or a relative path
+    with ``..``, named the same folder by another spelling and passed a plain string comparison);
+    object-store URLs by their text."""
+    def canonical(url: str | os.PathLike[str]) -> str:
+        text = os.fspath(url)
+        protocol, _ = split_protocol(text)
+        if protocol in LOCAL_PROTOCOLS:
+            return os.path.realpath(strip_protocol(text) if protocol else text).rstrip("/") or "/"
+        return f"{protocol}://{strip_protocol(text).rstrip('/')}"
+
+    x, y = canonical(a), canonical(b)
+    return x == y or y.startswith(x.rstrip("/") + "/") or x.startswith(y.rstrip("/") + "/")

@@ -356,8 +356,12 @@ def _prepare(source: str | os.PathLike[str], dest: str | os.PathLike[str], confi
     plan = plan_export(view, cfg, options)
     cast = DTYPE_NAMES[options.dtype] if options.dtype else None
     out = open_store(dest, storage_options)
-    if out.exists(INDEX_NAME):
-        raise CkptkitError(f"{out.url} already holds an HF export ({INDEX_NAME}); choose an empty destination")
+    weights = [name for name in out.list_children() if name.endswith((".safetensors", ".safetensors.index.json"))]
+    if weights:  # the user's config and tokenizer files may stay; weights never: they would be overwritten or shadow ours
+        raise CkptkitError(
+            f"{out.url}/{weights[0]} exists: an HF export writes its weights into a folder that holds none "
+            f"({len(weights)} safetensors file(s) there; a failed export would remove any it overwrote, and a loader "
+            "would take a leftover model.safetensors over a new index). Choose another destination, or move them")
     shards = _shards(plan.units, cast, view, options.max_shard_bytes)
     dtypes = {u.key: cast or _dtype_of(view, u.key) for u in plan.units}
     for d in set(dtypes.values()):
