@@ -166,7 +166,9 @@ def convert_cmd(ctx: click.Context, source: str, dest: str, fmt: str | None, fro
     A source of another format converts to any other format through a
     temporary ckptkit import (Megatron to --format megatron: another tp/pp).
 
-    DEST must not exist (or be empty). zarr, DCP, HF and ckptkit take s3:// URLs.
+    DEST must not exist (or be empty), nor overlap SOURCE; an HF export may go next to a model's
+    config and tokenizer files, never next to weights (*.safetensors). zarr, DCP, HF and ckptkit
+    take s3:// URLs.
 
     \b
     Examples:
