@@ -160,7 +160,17 @@ def read_once(session: ReadSession, plan: ReadPlan | None, targets: list[torch.T
     # requests no other rank shares a byte of are read as always (in parallel, straight into the targets)
     shared_requests = {id(p) for i, ps in of_run.items() if len(runs[i].needers) > 1 for p in ps}
     alone = tuple(p.req for p in pending if id(p) not in shared_requests)
-    read = session.execute(ReadPlan(alone, plan.writers), targets) if alone else 0
+    # A failure on this rank never leaves the windows early: every rank enters each window's agreement
+    # (its all-gather), the failure goes into the next one, or is raised after the last. Until
+    # 2026-12-06 a damaged piece that one rank read alone (here, or a request completed in a window
+    # and checked by _finish) raised on that rank at once: it skipped the remaining windows' collectives,
+    # the ranks paired different collectives, and the load hung (reproduced: 4 ranks, several windows).
+    failure: tuple[BaseException, str] | None = None
+    read = 0
+    try:
+        read = session.execute(ReadPlan(alone, plan.writers), targets) if alone else 0
+    except Exception as exc:  # noqa: BLE001 - carried into the first window's agreement, or raised after
+        failure = (exc, "the bytes only this rank reads")
     received = 0
     for p in pending:
         p.missing = p.req.length if id(p) in shared_requests else 0
@@ -168,7 +178,8 @@ def read_once(session: ReadSession, plan: ReadPlan | None, targets: list[torch.T
     # a failure is carried into the first window's agreement so no rank is left waiting)
     solo = [i for i, ps in of_run.items()
             if len(runs[i].needers) == 1 and any(id(p) in shared_requests for p in ps)]
-    solo_read, pending_error = _read_runs(session, solo, runs, of_run)
+    solo_read, solo_failure = _read_runs(session, solo, runs, of_run)
+    pending_error = failure or solo_failure
     read += solo_read
     for i in solo:
         for p in of_run[i]:
@@ -183,7 +194,12 @@ def read_once(session: ReadSession, plan: ReadPlan | None, targets: list[torch.T
             for p in of_run.get(i, []):
                 p.missing -= runs[i].length
                 if p.missing == 0:
-                    read += _finish(session, p, targets)
+                    try:
+                        read += _finish(session, p, targets)
+                    except Exception as exc:  # noqa: BLE001 - agreed in the next window, or raised after the last
+                        pending_error = pending_error or (exc, p.req.object)
+    if pending_error is not None:
+        raise pending_error[0]  # every rank has been through every window: the caller's agreement follows
     return read, received
 
 
@@ -241,8 +257,8 @@ def _window(session: ReadSession, group: list[int], runs: list[Run], readers: li
         if error is not None:
             raise error
         rank, (text, obj) = bad[0]
-        raise PeerFailureError(f"{session.url}: rank {rank} failed reading {obj}, whose bytes this rank needs "
-                               f"too: {text}")
+        raise PeerFailureError(f"{session.url}: rank {rank} failed reading {obj} (a load that shares the bytes "
+                               f"ranks have in common): {text}")
     ops = []
     received = 0
     net = getattr(comm, "group", None)
