@@ -27,26 +27,17 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from ckptkit.engine.async_save import AsyncSaver, SaveHandle
 from ckptkit.engine.collective import Comm, first_rank_does, resolve_comm
-from ckptkit.engine.loader import load_state, overwrote_state
+from ckptkit.engine.loader import load_state
+from ckptkit.fallback import newest_that_loads
 from ckptkit.engine.saver import SaveResult, save_state
 from ckptkit.engine.state import flatten_state
-from ckptkit.errors import (
-    CheckpointNotFoundError,
-    CheckpointUnreadableError,
-    CorruptCheckpointError,
-    CoverageError,
-    LoadStalledError,
-    ManifestError,
-    OptionsError,
-    PeerFailureError,
-    StorageError,
-)
+from ckptkit.errors import CheckpointUnreadableError, OptionsError, StorageError
 from ckptkit.layout.manifest import MANIFEST_NAME
 from ckptkit.memory.options import MemoryTier
 from ckptkit.options import AsyncOptions, LoadOptions
@@ -59,12 +50,6 @@ from ckptkit.storage.url import open_store
 log = logging.getLogger("ckptkit")
 
 __all__ = ["CheckpointManager", "SavePolicy", "StepNaming", "LEASES", "STEP_PATTERN", "step_dir"]
-
-# Failures that mean "this checkpoint is unusable, try an older one" — not "the state is wrong",
-# and not a storage or network failure (StorageError), which says nothing about the checkpoint:
-# falling back on those would silently restore an older step, or none.
-_DAMAGED = (CorruptCheckpointError, ManifestError, CheckpointNotFoundError, CoverageError)
-
 
 @dataclass(frozen=True)
 class SavePolicy:
@@ -135,6 +120,7 @@ class CheckpointManager:
         self._last_handle: SaveHandle | None = None
         #: (checkpoint, reason) of every damaged checkpoint the last restore skipped, newest first
         self.skipped: list[tuple[str, str]] = []
+        self._superseded: dict[str, int] = {}  # rank 0: damaged step folders newer than the step restored
         #: what the last restore did (step, source, every rank's source, seconds); None before one
         self.last_restore: Any = None
         if memory is not None and not isinstance(memory, MemoryTier):
@@ -295,6 +281,7 @@ class CheckpointManager:
         self._last_save = time.monotonic()
         name = self.folder.naming.name(step)
         store = self.root.child(name)
+        self._replace_superseded(step)
         retention = self.retention.to_json()
         if self._rollback_hold is not None:  # `ckptkit ls` then shows what the controller holds
             retention["rollback"] = self._rollback_hold.to_json()
@@ -318,6 +305,32 @@ class CheckpointManager:
             self._last_handle = handle
             self._started = max(self._started, step)
         return handle
+
+    def _note_superseded(self, restored: int | None) -> None:
+        """Rank 0, after a restore: the damaged step folders newer than ``restored`` (skipped by the
+        restore, or with a manifest that fails its checks). The run goes on from an older step and
+        saves those steps again; each is deleted when its step is (:meth:`_replace_superseded`).
+        Until 2026-12-06 they stayed committed, so that save was refused ("already holds a committed
+        checkpoint") and the job died at it after every restart, until a human moved them aside."""
+        if self.rank != 0:
+            return
+        failed = {name for name, _ in self.skipped}
+        floor = -1 if restored is None else restored
+        self._superseded = {r.name: r.step for r in self.records()
+                            if r.step > floor and (r.status == "damaged" or r.committed and r.name in failed)}
+
+    def _replace_superseded(self, step: int) -> None:
+        """Rank 0, before saving ``step``: delete the damaged folders of that step a restore went past
+        (any naming), kept until now for a human to look at. One that cannot be deleted is logged and
+        left: the save then fails on every rank, naming it, as it did before."""
+        for name in [n for n, s in self._superseded.items() if s == step]:
+            del self._superseded[name]
+            log.warning("%s: replacing %s, found damaged when the run restored an older step", self.root.url, name)
+            try:
+                self.folder.delete(name)
+            except Exception as exc:  # noqa: BLE001 - the save's own check then refuses, on every rank
+                log.error("%s: could not delete the damaged %s before saving step %d again: %s", self.root.url,
+                          name, step, exc)
 
     def wait(self) -> SaveResult | None:
         """Block until the in-flight save is committed (and the memory tier's snapshot protected);
@@ -476,6 +489,7 @@ class CheckpointManager:
                 self.skipped.append(("memory tier", "a step restored from node memory failed after part of the "
                                                     "state was loaded (see the log)"))
         step = self._restore_persistent(state, strict, bound, overwritten)
+        self._note_superseded(step)
         if step is not None:
             from ckptkit.memory.restore import RestoreInfo
 
@@ -486,68 +500,45 @@ class CheckpointManager:
         self._set_lineage([] if step is None else [step])
         return step
 
-    def _restore_persistent(self, state: dict[str, Any], strict: bool, bound: int, overwritten: bool) -> int | None:
-        """The newest persistent step that loads, skipping damaged ones. ``overwritten``: an earlier
-        attempt (the memory tier's) already wrote into ``state``; so may a damaged step here. Then
-        "nothing restored" is no longer true of ``state``, and is raised instead of returned
-        (:meth:`_overwritten_error`)."""
-        while True:
-            step = self.latest_common_step(bound)
-            if step is None:
-                if overwritten:
-                    raise self._overwritten_error(None)
-                return None
-            name = self.folder.name_of(step)
-            damaged: BaseException | None = None
-            other: BaseException | None = None
-            missing: tuple[str, ...] = ()
-            lease = self.folder.acquire_lease(name, self.rank)
-            try:
-                missing = load_state(flatten_state(state), self.root.child(name), self._comm, strict=strict,
-                                     options=self.load_options).missing
-            except LoadStalledError:
-                # raised on every rank by the watchdog; the group may hold collectives the stalled rank
-                # never joins, so no agreement (no collective) follows: straight to the caller
-                raise
-            except PeerFailureError as exc:
-                damaged = exc  # another rank failed; its own flag says why
-            except _DAMAGED as exc:
-                damaged = exc
-            except Exception as exc:  # noqa: BLE001 - decided together below
-                other = exc
-            finally:
-                self.folder.release_lease(lease)
-            any_damaged, any_other, any_overwritten, any_missing = self._comm.any_flags([
-                damaged is not None and not isinstance(damaged, PeerFailureError), other is not None,
-                damaged is not None and overwrote_state(damaged), bool(missing)])
-            if any_other:
-                if other is not None:
-                    raise other
-                said = f" ({damaged})" if isinstance(damaged, PeerFailureError) else ""  # the load named the rank
-                raise PeerFailureError(f"restoring {name} failed on another rank{said}") from damaged
-            if not any_damaged:
-                if overwritten and any_missing:  # strict=False: tensors this step lacks hold a failed attempt's bytes
-                    raise self._overwritten_error(name)
-                log.info("restored %s", name)
-                return step
-            overwritten = overwritten or any_overwritten
-            reason = str(damaged) if damaged is not None else "damaged on another rank"
-            log.warning("skipping %s: %s", name, reason)
-            self.skipped.append((name, reason))
-            bound = step - 1
+    def restore_latest_with(self, load: Callable[[str], Any], *, at_most: int | None = None) -> tuple[int, Any] | None:
+        """:meth:`restore_latest` for a caller that loads a checkpoint its own way (a framework adapter).
 
-    def _overwritten_error(self, restored: str | None) -> CorruptCheckpointError:
-        """A restore that must not look like "nothing to restore" (None) or a clean load: a damaged
-        step failed after part of ``state`` had been loaded from it, and either no older step loads
-        (``restored`` None) or the one that did (non-strict) lacks some of the state's tensors, which
-        still hold the failed attempt's bytes. Training on from such a state would mix checkpoints."""
-        tried = "; ".join(f"{name}: {reason}" for name, reason in self.skipped) or "see the log"
-        if restored is None:
-            what = (f"{self.root.url}: no checkpoint could be restored, and the state passed in is partly "
-                    "overwritten: a damaged step failed after part of it had been loaded")
-        else:
-            what = (f"{self.root.url}: restored {restored}, which lacks some of the state's tensors (strict=False), "
-                    "and those hold bytes of a damaged step that failed mid-load")
-        return CorruptCheckpointError(
-            f"{what} ({tried}). To start from scratch, re-create the state first; to resume, repair or remove the "
-            "damaged checkpoint(s) named here, or pass at_most= to restore an older step on purpose")
+        ``load(url)`` loads the checkpoint folder at ``url`` into the caller's objects, collectively
+        on the manager's ranks, and returns what the caller wants back. The newest committed step
+        (<= ``at_most``) that loads: a damaged one (checksums, missing objects, bad metadata) is
+        skipped with its reason logged and listed in :attr:`skipped`, and the next older one is
+        tried; a mismatch between the caller's objects and the checkpoint is raised. Returns
+        ``(step, what load returned)``, or None when nothing is committed. Persistent checkpoints only
+        (the memory tier restores a state dict: :meth:`restore_latest`).
+
+        The DeepSpeed and Megatron checkpointers loaded the newest committed step directly, so one
+        whose data had been damaged failed every restart of the job, and it took a human to move it
+        aside (until 2026-12-06)."""
+        t0 = time.perf_counter()
+        bound = MAX_STEP if at_most is None else self._bound(at_most, "at_most")
+        self.wait()
+        self.skipped = []
+        got: list[Any] = []
+
+        def load_step(name: str) -> tuple[str, ...]:
+            got[:] = [load(self.root.child(name).url)]
+            return ()
+
+        step = newest_that_loads(self, load_step, bound, False)
+        self._note_superseded(step)
+        self._set_lineage([] if step is None else [step])
+        if step is None:
+            return None
+        from ckptkit.memory.restore import RestoreInfo
+
+        self.last_restore = RestoreInfo(step, "persistent", ("persistent",) * self._comm.world_size,
+                                        time.perf_counter() - t0)
+        if self._memory is not None:
+            self._memory.discard_after(step)
+        return step, got[0]
+
+    def _restore_persistent(self, state: dict[str, Any], strict: bool, bound: int, overwritten: bool) -> int | None:
+        """The newest persistent step that loads into ``state``, skipping damaged ones (:func:`newest_that_loads`)."""
+        return newest_that_loads(
+            self, lambda name: load_state(flatten_state(state), self.root.child(name), self._comm, strict=strict,
+                                          options=self.load_options).missing, bound, overwritten)

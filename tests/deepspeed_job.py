@@ -402,7 +402,8 @@ def checkpointer_run(stage: int, dtype: str, root: str, *, steps: int, resume: b
     if universal is not None:
         engine.save_checkpoint(f"{universal}/native", tag=f"global_step{steps}", client_state={"last": steps})
         to_universal(f"{universal}/native", f"{universal}/universal", f"global_step{steps}")
-    return {"client": client, "start": start, "losses": losses, "eval": eval_loss(engine)}
+    return {"client": client, "start": start, "losses": losses, "eval": eval_loss(engine),
+            "skipped": [name for name, _ in ckpt.manager.skipped]}
 
 
 def refused_bf16_optimizer(folder: str) -> str:

@@ -396,7 +396,8 @@ def checkpointer_run(layout: mm.Layout, root: str, *, steps: int, save_again: st
             ckpt.maybe_save(t.iteration, extra={"consumed_samples": 8 * t.iteration})
         ckpt.close()
         return {"start": start, "extra": None if info is None else info.extra, "losses": losses,
-                "eval": mm.eval_loss(t)}
+                "eval": mm.eval_loss(t), "skipped": [name for name, _ in ckpt.manager.skipped],
+                "skipped_why": [why for _, why in ckpt.manager.skipped]}
     finally:
         mm.teardown()
 

@@ -168,6 +168,25 @@ def test_checkpointer_periodic_saves_retention_and_resize(worlds, tmp_path):
     assert cont["start"] == 8 and cont["client"] == {"last": 8} and cont["eval"] == got["eval"]
 
 
+def test_checkpointer_resumes_the_newest_step_that_loads_when_the_newest_is_damaged(worlds, tmp_path):
+    """The newest checkpoint's data fails its checksums: the restart skips it (naming it), resumes the
+    step before and trains on as the first job did, saving the damaged step's number again. It used to
+    load the newest step directly and fail every restart until a human moved it aside; and a save of
+    that step again was refused while the damaged folder stayed committed."""
+    from tests import ckpt_files
+    from tests.damage import flip_byte
+
+    root = str(tmp_path / "run")
+    first = worlds.run(4, job.checkpointer_run, 2, "fp32", root, steps=6, resume=False)[0]
+    for rank in range(4):
+        flip_byte(str(ckpt_files.data_object(f"{root}/step-0000006", rank)), where=0.0)  # a piece starts there
+    got = worlds.run(4, job.checkpointer_run, 2, "fp32", root, steps=6, resume=True)[0]
+    assert got["start"] == 4 and got["client"] == {"last": 4} and got["skipped"] == ["step-0000006"]
+    assert got["losses"] == {5: first["losses"][5], 6: first["losses"][6]}
+    again = worlds.run(4, job.checkpointer_restore, 2, "fp32", root)[0]  # the step saved again loads
+    assert again["error"] is None and again["client"] == {"last": 6} and again["step"] == 6
+
+
 @pytest.mark.parametrize("case", [(2, "fp32"), (3, "bf16")], ids=["z2-fp32", "z3-bf16"])
 def test_resume_at_dp2_with_gradient_accumulation(worlds, saved, reference, case):
     """Same global batch at DP 2 through 2 accumulation micro-steps: the accumulation boundary

@@ -127,3 +127,53 @@ def test_synchronous_manager(tmp_path):
             ckptkit.load(target, tmp_path / f"step-{step:07d}")
             assert torch.equal(target["w"], state_at(step)["w"]) and target["step"] == step
     assert committed(tmp_path) == ["step-0000006"]
+
+
+def _damage_data(folder) -> None:
+    from tests.damage import flip_byte
+
+    flip_byte(str(data_object(folder)), where=0.0)  # a piece starts at offset 0
+
+
+def _damage_manifest(folder) -> None:
+    (folder / "manifest.json").write_text("{ not json")
+
+
+@pytest.mark.parametrize("asynchronous", [None, ckptkit.AsyncOptions()], ids=["sync", "async"])
+@pytest.mark.parametrize("damage", [_damage_data, _damage_manifest], ids=["data", "manifest"])
+@pytest.mark.parametrize("width", [7, 0], ids=["step-0000003", "step-3"])
+def test_a_step_found_damaged_at_restore_is_saved_again(tmp_path, asynchronous, damage, width):
+    """The newest step fails its checks; the restart resumes the one before and trains on through the
+    damaged step's number. Its save used to be refused ("already holds a committed checkpoint"), the job
+    died there after every restart, until a human moved the damaged folder aside. Now the damaged
+    folder (of either naming) is replaced when its step is saved again, and not before."""
+    run = tmp_path / "run"
+    naming = ckptkit.StepNaming(width=width)
+    mgr = ckptkit.CheckpointManager(str(run), asynchronous=asynchronous, naming=naming)
+    for step in (1, 2, 3):
+        mgr.save(step, {"w": torch.full((64,), float(step))})
+    mgr.close()
+    damage(run / naming.name(3))
+    mgr = ckptkit.CheckpointManager(str(run), asynchronous=asynchronous)  # today's naming, whatever it was
+    state = {"w": torch.zeros(64)}
+    assert mgr.restore_latest(state) == 2 and state["w"][0] == 2
+    assert (run / naming.name(3) / "manifest.json").exists()  # kept for a human until its step is saved again
+    mgr.save(3, {"w": torch.full((64,), 30.0)})
+    mgr.close()
+    assert not (run / naming.name(3)).exists() or naming.name(3) == mgr.folder.naming.name(3)
+    again = ckptkit.CheckpointManager(str(run))
+    state = {"w": torch.zeros(64)}
+    assert again.restore_latest(state) == 3 and state["w"][0] == 30.0 and again.skipped == []
+
+
+def test_a_good_newer_step_is_never_replaced(tmp_path):
+    """Only damaged steps are replaced: a rewind on purpose (at_most=) that saves again is refused as before."""
+    run = tmp_path / "run"
+    mgr = ckptkit.CheckpointManager(str(run), asynchronous=None)
+    for step in (1, 2, 3):
+        mgr.save(step, {"w": torch.full((4,), float(step))})
+    state = {"w": torch.zeros(4)}
+    assert mgr.restore_latest(state, at_most=2) == 2
+    with pytest.raises(ckptkit.SaveError, match="already holds a committed checkpoint"):
+        mgr.save(3, {"w": torch.zeros(4)})
+    assert ckptkit.CheckpointManager(str(run)).restore_latest(state) == 3 and state["w"][0] == 3

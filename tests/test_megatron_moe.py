@@ -476,6 +476,22 @@ def test_checkpointer_saves_an_moe_job_and_resumes_it_at_another_ep(worlds, tmp_
     assert set(resumed["losses"]) == {4}
 
 
+def test_checkpointer_resumes_the_newest_step_that_loads_when_the_newest_is_damaged(worlds, tmp_path):
+    """The newest checkpoint's data fails its checksums (a bit flipped at rest): the restart skips it,
+    names it, and resumes the step before, continuing exactly as the first job did from there. It used
+    to load the newest step directly and fail every restart, until a human moved that step aside."""
+    from tests.damage import flip_byte
+
+    root = str(tmp_path / "run")
+    first = worlds.run(4, job.checkpointer_run, SRC, root, steps=3)[0]
+    for rank in range(4):
+        flip_byte(str(ckpt_files.data_object(f"{root}/step-0000003", rank)), where=0.0)  # a piece starts there
+    resumed = worlds.run(4, job.checkpointer_run, SRC, root, steps=3)[0]
+    assert resumed["start"] == 2 and resumed["extra"] == {"consumed_samples": 16}
+    assert resumed["skipped"] == ["step-0000003"] and "checksum" in resumed["skipped_why"][0]
+    assert resumed["losses"] == {3: first["losses"][3]}
+
+
 def test_grouped_gemm_experts_are_refused_with_the_way_out():
     """GroupedMLP needs CUDA grouped GEMM kernels, so it cannot be built here: a module of that class name
     stands in to check that the live adapter refuses it before reading any declaration."""

@@ -295,15 +295,20 @@ class DeepSpeedCheckpointer:
         return self.manager.save(self.engine.global_steps, engine_state(self.engine, client_state))
 
     def restore_latest(self) -> dict[str, Any] | None:
-        """Load the newest step every rank sees committed; its client state, or None if there is none.
-        A native DeepSpeed checkpoint (``global_stepN``) newer than it in the same folder is refused
+        """Load the newest step every rank sees committed and that loads; its client state, or None if
+        there is none. A damaged step (checksums, missing objects) is skipped with a warning and the
+        next older one loaded (``self.manager.skipped`` names them), as
+        :meth:`ckptkit.CheckpointManager.restore_latest` does. A native DeepSpeed checkpoint
+        (``global_stepN``) newer than the newest ckptkit step in the same folder is refused
         (:func:`ckptkit.adapters.foreign_steps.newest_resumable`): resuming without it would go back in time."""
         from ckptkit.adapters.foreign_steps import DEEPSPEED, newest_resumable
 
         step = newest_resumable(self.manager, DEEPSPEED)
         if step is None:
             return None
-        return load(self.engine, self.manager.step_url(step), storage_options=self.storage_options)
+        got = self.manager.restore_latest_with(
+            lambda url: load(self.engine, url, storage_options=self.storage_options), at_most=step)
+        return None if got is None else got[1]
 
     def wait(self) -> None:
         self.manager.wait()

@@ -55,8 +55,11 @@ class MegatronCheckpointer:
         return self.manager.save(iteration, state)
 
     def restore_latest(self) -> Any:
-        """Load the newest step every rank sees committed; its MegatronLoadInfo, or None if there is none.
-        A Megatron checkpoint (``iter_NNNNNNN``) newer than it in the same folder is refused
+        """Load the newest step every rank sees committed and that loads; its MegatronLoadInfo, or None
+        if there is none. A damaged step (checksums, missing objects) is skipped with a warning and
+        the next older one loaded (``self.manager.skipped`` names them), as
+        :meth:`ckptkit.CheckpointManager.restore_latest` does. A Megatron checkpoint (``iter_NNNNNNN``)
+        newer than the newest ckptkit step in the same folder is refused
         (:func:`ckptkit.adapters.foreign_steps.newest_resumable`): resuming without it would go back in time."""
         from ckptkit.adapters.foreign_steps import MEGATRON, newest_resumable
         from ckptkit.adapters.megatron import load
@@ -64,8 +67,10 @@ class MegatronCheckpointer:
         step = newest_resumable(self.manager, MEGATRON)
         if step is None:
             return None
-        return load(self.model, self.manager.step_url(step), optimizer=self.optimizer,
-                    scheduler=self.scheduler, storage_options=self.storage_options)
+        got = self.manager.restore_latest_with(
+            lambda url: load(self.model, url, optimizer=self.optimizer, scheduler=self.scheduler,
+                             storage_options=self.storage_options), at_most=step)
+        return None if got is None else got[1]
 
     def wait(self) -> None:
         self.manager.wait()

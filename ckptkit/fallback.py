@@ -1,0 +1,99 @@
+"""Restore the newest checkpoint that loads: damaged steps are skipped, the next older one tried.
+
+The loop :class:`ckptkit.CheckpointManager` runs for :meth:`~ckptkit.CheckpointManager.restore_latest`
+(into a state dict) and :meth:`~ckptkit.CheckpointManager.restore_latest_with` (a framework adapter's
+own load), in a module of its own so that both share one definition of "damaged" and one agreement.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Callable
+
+from ckptkit.engine.loader import overwrote_state
+from ckptkit.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    CoverageError,
+    LoadStalledError,
+    ManifestError,
+    PeerFailureError,
+)
+
+if TYPE_CHECKING:
+    from ckptkit.manager import CheckpointManager
+
+log = logging.getLogger("ckptkit")
+
+# Failures that mean "this checkpoint is unusable, try an older one" — not "the state is wrong",
+# and not a storage or network failure (StorageError), which says nothing about the checkpoint:
+# falling back on those would silently restore an older step, or none.
+DAMAGED = (CorruptCheckpointError, ManifestError, CheckpointNotFoundError, CoverageError)
+
+
+def newest_that_loads(mgr: CheckpointManager, load_step: Callable[[str], tuple[str, ...]], bound: int,
+                      overwritten: bool) -> int | None:
+    """The newest persistent step (<= ``bound``) of ``mgr`` that ``load_step(name)`` loads (it returns
+    the keys left out), skipping damaged ones into ``mgr.skipped``. ``overwritten``: an earlier attempt
+    (the memory tier's) already wrote into the caller's state; so may a damaged step here. Then
+    "nothing restored" is no longer true of it, and is raised instead of returned (:func:`overwritten_error`)."""
+    while True:
+        step = mgr.latest_common_step(bound)
+        if step is None:
+            if overwritten:
+                raise overwritten_error(mgr.root.url, mgr.skipped, None)
+            return None
+        name = mgr.folder.name_of(step)
+        damaged: BaseException | None = None
+        other: BaseException | None = None
+        missing: tuple[str, ...] = ()
+        lease = mgr.folder.acquire_lease(name, mgr.rank)
+        try:
+            missing = load_step(name)
+        except LoadStalledError:
+            # raised on every rank by the watchdog; the group may hold collectives the stalled rank
+            # never joins, so no agreement (no collective) follows: straight to the caller
+            raise
+        except PeerFailureError as exc:
+            damaged = exc  # another rank failed; its own flag says why
+        except DAMAGED as exc:
+            damaged = exc
+        except Exception as exc:  # noqa: BLE001 - decided together below
+            other = exc
+        finally:
+            mgr.folder.release_lease(lease)
+        any_damaged, any_other, any_overwritten, any_missing = mgr._comm.any_flags([
+            damaged is not None and not isinstance(damaged, PeerFailureError), other is not None,
+            damaged is not None and overwrote_state(damaged), bool(missing)])
+        if any_other:
+            if other is not None:
+                raise other
+            said = f" ({damaged})" if isinstance(damaged, PeerFailureError) else ""  # the load named the rank
+            raise PeerFailureError(f"restoring {name} failed on another rank{said}") from damaged
+        if not any_damaged:
+            if overwritten and any_missing:  # strict=False: tensors this step lacks hold a failed attempt's bytes
+                raise overwritten_error(mgr.root.url, mgr.skipped, name)
+            log.info("restored %s", name)
+            return step
+        overwritten = overwritten or any_overwritten
+        reason = str(damaged) if damaged is not None else "damaged on another rank"
+        log.warning("skipping %s: %s", name, reason)
+        mgr.skipped.append((name, reason))
+        bound = step - 1
+
+
+def overwritten_error(url: str, skipped: list[tuple[str, str]], restored: str | None) -> CorruptCheckpointError:
+    """A restore that must not look like "nothing to restore" (None) or a clean load: a damaged
+    step failed after part of the state had been loaded from it, and either no older step loads
+    (``restored`` None) or the one that did (non-strict) lacks some of the state's tensors, which
+    still hold the failed attempt's bytes. Training on from such a state would mix checkpoints."""
+    tried = "; ".join(f"{name}: {reason}" for name, reason in skipped) or "see the log"
+    if restored is None:
+        what = (f"{url}: no checkpoint could be restored, and the state passed in is partly "
+                "overwritten: a damaged step failed after part of it had been loaded")
+    else:
+        what = (f"{url}: restored {restored}, which lacks some of the state's tensors (strict=False), "
+                "and those hold bytes of a damaged step that failed mid-load")
+    return CorruptCheckpointError(
+        f"{what} ({tried}). To start from scratch, re-create the state first; to resume, repair or remove the "
+        "damaged checkpoint(s) named here, or pass at_most= to restore an older step on purpose")
