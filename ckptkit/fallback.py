@@ -11,6 +11,7 @@ import logging
 from typing import TYPE_CHECKING, Callable
 
 from ckptkit.engine.loader import overwrote_state
+from ckptkit.layout.manifest import MANIFEST_NAME
 from ckptkit.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -37,6 +38,8 @@ def newest_that_loads(mgr: CheckpointManager, load_step: Callable[[str], tuple[s
     the keys left out), skipping damaged ones into ``mgr.skipped``. ``overwritten``: an earlier attempt
     (the memory tier's) already wrote into the caller's state; so may a damaged step here. Then
     "nothing restored" is no longer true of it, and is raised instead of returned (:func:`overwritten_error`)."""
+    start_bound = bound
+    vanished_retries = 0
     while True:
         step = mgr.latest_common_step(bound)
         if step is None:
@@ -76,10 +79,28 @@ def newest_that_loads(mgr: CheckpointManager, load_step: Callable[[str], tuple[s
             log.info("restored %s", name)
             return step
         overwritten = overwritten or any_overwritten
+        if _vanished(mgr, name) and vanished_retries < 8:
+            # deleted after it was chosen (another process's retention, between the listing and the lease):
+            # not damaged, and something newer may have been committed meanwhile: choose again from the top
+            vanished_retries += 1
+            log.info("%s was deleted while this restore chose it; choosing the newest checkpoint again", name)
+            bound = start_bound
+            continue
         reason = str(damaged) if damaged is not None else "damaged on another rank"
         log.warning("skipping %s: %s", name, reason)
         mgr.skipped.append((name, reason))
         bound = step - 1
+
+
+def _vanished(mgr: CheckpointManager, name: str) -> bool:
+    """Whether ``name`` no longer holds a manifest on every rank's view (agreed): a checkpoint deleted
+    since it was listed, which a failed load must not count as damaged. Until 2026-12-06 a restore that
+    raced another process's retention fell back to an older step, or to none, with a newer one there."""
+    try:
+        gone = not mgr.folder.root.child(name).exists(MANIFEST_NAME)
+    except Exception:  # noqa: BLE001 - cannot tell: not vanished (the damage stands)
+        gone = False
+    return mgr._comm.all_min([int(gone)])[0] == 1
 
 
 def overwritten_error(url: str, skipped: list[tuple[str, str]], restored: str | None) -> CorruptCheckpointError:

@@ -55,12 +55,23 @@ __all__ = ["CheckpointManager", "SavePolicy", "StepNaming", "LEASES", "STEP_PATT
 class SavePolicy:
     """When :meth:`CheckpointManager.maybe_save` saves: every ``every_steps`` steps, and/or once
     ``every_seconds`` have passed since the last save (agreed across ranks). Neither: only on
-    demand (``mgr.save``) or on request (``mgr.request_save``)."""
+    demand (``mgr.save``) or on request (``mgr.request_save``).
+
+    ``agree_requests``: in a job of several ranks, every ``maybe_save`` agrees on pending
+    :meth:`~CheckpointManager.request_save` calls with a one-byte all-reduce (ranks see a signal
+    at different steps), from the first step on every rank. False saves that all-reduce where the
+    policy has no ``every_seconds`` (which needs it anyway); ``request_save`` is then refused.
+    Until 2026-12-06 the agreement began on whichever rank got a request first, alone: its
+    all-reduce paired with another rank's from a later step, the ranks saved different steps
+    into one checkpoint, and the job hung."""
 
     every_steps: int | None = None
     every_seconds: float | None = None
+    agree_requests: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.agree_requests, bool):
+            raise OptionsError(f"agree_requests must be True or False, got {self.agree_requests!r}")
         if self.every_steps is not None and (not isinstance(self.every_steps, int) or self.every_steps < 1):
             raise OptionsError(f"every_steps must be a positive integer, got {self.every_steps!r}")
         if self.every_seconds is not None and not self.every_seconds >= 0:
@@ -115,8 +126,13 @@ class CheckpointManager:
         self._comm: Comm = self._saver.plan_comm if self._saver is not None else resolve_comm(process_group)
         self._last_save = time.monotonic()
         self._save_requested = threading.Event()
-        self._agree_requests = False
-        self._inflight_name: str | None = None
+        # decided once, the same on every rank: a request seen by one rank is agreed at the next step
+        self._agree_requests = save.agree_requests and self._comm.world_size > 1
+        # step folders of saves started and not yet committed or failed: what gc must leave alone. A set
+        # under a lock: one name, cleared by the previous save's commit while the next one waited for it,
+        # let gc delete the save in flight (reproduced: the step still committed, and a restore fell back)
+        self._inflight_names: set[str] = set()
+        self._inflight_lock = threading.Lock()
         self._last_handle: SaveHandle | None = None
         #: (checkpoint, reason) of every damaged checkpoint the last restore skipped, newest first
         self.skipped: list[tuple[str, str]] = []
@@ -165,27 +181,29 @@ class CheckpointManager:
             self._saver.wait_snapshot()
 
     def request_save(self) -> None:
-        """Ask for a save at the next :meth:`maybe_save` (e.g. from a preemption signal handler).
-
-        Ranks may see the request at different steps, so once requests are
-        in use every ``maybe_save`` agrees on it with a one-byte all-reduce.
-        """
-        self._agree_requests = True
+        """Ask for a save at the next :meth:`maybe_save` (e.g. from a preemption signal handler); every
+        rank saves at the first step at which any rank has asked (``SavePolicy.agree_requests``). A
+        request stays pending until a save starts (a save skipped as busy leaves it pending)."""
+        if self._comm.world_size > 1 and not self._agree_requests:
+            log.error("%s: request_save ignored: this job's SavePolicy(agree_requests=False) does not agree on "
+                      "requests, and a request seen by some ranks only would save different steps", self.root.url)
+            return
         self._save_requested.set()
 
     def enable_save_requests(self) -> None:
-        """Agree on save requests at every step from now on (call on every rank)."""
-        self._agree_requests = True
+        """Kept for scripts that call it: requests are agreed from the start now (``SavePolicy.agree_requests``)."""
 
     def should_save(self, step: int) -> bool:
-        """Whether :meth:`maybe_save` would save at ``step`` (collective when time or requests matter)."""
+        """Whether :meth:`maybe_save` would save at ``step`` (collective in a job of several ranks when
+        the policy has ``every_seconds`` or agrees on requests; call it on every rank)."""
         policy = self.save_policy
         wants = policy.every_steps is not None and step % policy.every_steps == 0
+        local = self._save_requested.is_set() or (
+            policy.every_seconds is not None and time.monotonic() - self._last_save >= policy.every_seconds)
+        if self._comm.world_size == 1:
+            return wants or local
         if policy.every_seconds is not None or self._agree_requests:
-            local = self._save_requested.is_set() or (
-                policy.every_seconds is not None and time.monotonic() - self._last_save >= policy.every_seconds
-            )
-            wants = self._comm.any_flags([wants or local])[0]
+            return self._comm.any_flags([wants or local])[0]
         return wants
 
     def maybe_save(self, step: int, state: dict[str, Any], *, metrics: dict[str, Any] | None = None,
@@ -203,19 +221,29 @@ class CheckpointManager:
         snapshot = self._memory is not None and step % self._memory.options.every_steps == 0
         due = self.should_save(step) if due is None else bool(due)
         mirror = None
+        failed: Exception | None = None
         if snapshot:
             # a persistent save at the same step persists from the memory snapshot: one copy of the state
             lend = self._saver is not None and self.options.executor == "thread" and due
             base = self._lineage_base()
             started = max(base, step if due else self._started)
-            _, mirror = self._memory.snapshot(step, state, lend=lend, base=base, started=started)
-        if not due:
-            return None
-        if mirror is None:
-            return self.save(step, state, metrics=metrics)
-        handle = self.save(step, mirror, metrics=metrics, private=True)
-        if handle is not None:
-            self._memory.lent_to(handle.committed)
+            try:
+                _, mirror = self._memory.snapshot(step, state, lend=lend, base=base, started=started)
+            except Exception as exc:  # noqa: BLE001 - raised below, once the persistent save due is under way
+                # a failing memory tier (node memory full) must not cost the persistent checkpoints too:
+                # every due one used to be skipped while the tier failed
+                failed, mirror = exc, None
+        handle = None
+        if due:
+            handle = self.save(step, mirror if mirror is not None else state, metrics=metrics,
+                               private=mirror is not None)
+            if handle is not None and mirror is not None:
+                self._memory.lent_to(handle.committed)
+        if failed is not None:
+            if handle is not None:
+                log.error("%s: the persistent save of step %d is under way (%s); the memory tier failed: %s",
+                          self.root.url, step, handle.path, failed)
+            raise failed
         return handle
 
     def _step(self, step: Any) -> int:
@@ -277,8 +305,8 @@ class CheckpointManager:
         so they are persisted from without a second copy.
         """
         step = self._step(step)
-        self._save_requested.clear()
-        self._last_save = time.monotonic()
+        requested = self._save_requested.is_set()
+        self._save_requested.clear()  # before the save starts: a request that comes during it is for the next
         name = self.folder.naming.name(step)
         store = self.root.child(name)
         self._replace_superseded(step)
@@ -289,6 +317,7 @@ class CheckpointManager:
         if self._saver is None:
             result = save_state(state, store, self._comm, block=self.options.block_size,
                                 metadata=metadata, deadline=deadline)
+            self._last_save = time.monotonic()
             self._after_commit(name, step, result)
             self._started = max(self._started, step)
             done: Future[SaveResult] = Future()
@@ -296,15 +325,30 @@ class CheckpointManager:
             staged: Future[None] = Future()
             staged.set_result(None)
             return SaveHandle(store.url, step, staged, done, result.seconds)
-        self._inflight_name = name
-        handle = self._saver.save(
-            state, store, step=step, metadata=metadata, after_commit=lambda r: self._after_commit(name, step, r),
-            deadline=deadline, private=private,
-        )
-        if handle is not None:
-            self._last_handle = handle
-            self._started = max(self._started, step)
+        with self._inflight_lock:
+            self._inflight_names.add(name)
+        try:
+            handle = self._saver.save(
+                state, store, step=step, metadata=metadata, after_commit=lambda r: self._after_commit(name, step, r),
+                deadline=deadline, private=private,
+            )
+        except BaseException:
+            self._settled(name)
+            raise
+        if handle is None:  # skipped on every rank (on_busy="skip"): a request stays pending for the next step
+            self._settled(name)
+            if requested:
+                self._save_requested.set()
+            return None
+        handle.committed.add_done_callback(lambda _: self._settled(name))  # committed, or failed
+        self._last_save = time.monotonic()
+        self._last_handle = handle
+        self._started = max(self._started, step)
         return handle
+
+    def _settled(self, name: str) -> None:
+        with self._inflight_lock:
+            self._inflight_names.discard(name)
 
     def _note_superseded(self, restored: int | None) -> None:
         """Rank 0, after a restore: the damaged step folders newer than ``restored`` (skipped by the
@@ -373,7 +417,7 @@ class CheckpointManager:
         self._rollback_hold = hold
 
     def _after_commit(self, name: str, step: int, result: SaveResult) -> None:
-        self._inflight_name = None
+        self._settled(name)
         with self._lineage_lock:
             self._lineage = sorted({*self._lineage, step})
         if self.rank == 0:
@@ -413,7 +457,9 @@ class CheckpointManager:
         and damaged ones are left for a human (``ckptkit ls`` says why)."""
         if self.rank != 0:
             return []
-        return self.folder.gc(frozenset({self._inflight_name}) if self._inflight_name else frozenset())
+        with self._inflight_lock:
+            keep = frozenset(self._inflight_names)
+        return self.folder.gc(keep)
 
     # ---------------------------------------------------------------- restore
     def latest_common_step(self, at_most: int | None = None) -> int | None:

@@ -59,9 +59,10 @@ class _TrainingThreadCollectives:
 
 
 def steps_without_collectives(run: str, base: str) -> dict:
-    """Snapshot steps after the first make no collective on the training thread."""
+    """Snapshot steps after the first make no collective on the training thread (the policy's agreement
+    on save requests, a one-byte all-reduce per step, switched off: it is the manager's, not the tier's)."""
     model, optim = models.build("fsdp", torch.float32, seed=0)
-    with ckptkit.CheckpointManager(run, save=ckptkit.SavePolicy(), memory=_tier(base)) as mgr:
+    with ckptkit.CheckpointManager(run, save=ckptkit.SavePolicy(agree_requests=False), memory=_tier(base)) as mgr:
         models.train(model, optim, 1, start=1)
         mgr.maybe_save(1, models.sharded_state(model, optim))  # the first checks the host budget (collective)
         calls = []

@@ -85,6 +85,7 @@ class MemorySnapshots:
         self._view_memo = FingerprintMemo()  # the last snapshot's layout fingerprint, while unchanged
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptkit-memory")
         self._inflight: Future[int] | None = None
+        self._closed = False
         self._lent: Future[Any] | None = None  # a persistent save persisting from the staging buffer
         self._budget_checked = False
         #: the last protected step's (step, seconds to write and protect it)
@@ -137,6 +138,8 @@ class MemorySnapshots:
         ``lend``: also return ``state`` with every tensor replaced by its staged copy (None when
         that is not possible), for a persistent save of the same step to persist from; call
         :meth:`lent_to` with that save's completion."""
+        if self._closed:
+            raise SaveError(f"memory snapshot of step {step}: the memory tier was closed (CheckpointManager.close)")
         prev = self._inflight
         if prev is not None:
             self._wait_quietly()  # its outcome is agreed by every rank: all raise here, or none
@@ -197,8 +200,17 @@ class MemorySnapshots:
                 pass
 
     def close(self) -> None:
+        """Wait for the snapshot in flight, release what the tier holds (its snapshots stay, for a
+        restart), and raise that snapshot's failure, as :meth:`wait` does (it was swallowed)."""
+        if self._closed:
+            return
+        self._closed = True
+        failure: SaveError | None = None
         try:
-            self._wait_quietly()
+            try:
+                self.wait()
+            except SaveError as exc:
+                failure = exc
             self._saver.close()
             if self.folder.spares is not None:
                 self.folder.spares.close()  # the snapshots stay for a restart; spares are only memory
@@ -206,6 +218,8 @@ class MemorySnapshots:
             self._executor.shutdown(wait=True)
             if self.link is not None:
                 self.link.close()
+        if failure is not None:
+            raise failure
 
     # ------------------------------------------------------------- background
     def _protect(self, step: int, handle: SaveHandle) -> int:
