@@ -8,7 +8,7 @@ own load), in a module of its own so that both share one definition of "damaged"
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Callable
+from typing import Any, Callable
 
 from ckptkit.engine.loader import overwrote_state
 from ckptkit.layout.manifest import MANIFEST_NAME
@@ -21,9 +21,6 @@ from ckptkit.errors import (
     PeerFailureError,
 )
 
-if TYPE_CHECKING:
-    from ckptkit.manager import CheckpointManager
-
 log = logging.getLogger("ckptkit")
 
 # Failures that mean "this checkpoint is unusable, try an older one" — not "the state is wrong",
@@ -32,9 +29,10 @@ log = logging.getLogger("ckptkit")
 DAMAGED = (CorruptCheckpointError, ManifestError, CheckpointNotFoundError, CoverageError)
 
 
-def newest_that_loads(mgr: CheckpointManager, load_step: Callable[[str], tuple[str, ...]], bound: int,
+def newest_that_loads(mgr: Any, load_step: Callable[[str], tuple[str, ...]], bound: int,
                       overwritten: bool) -> int | None:
-    """The newest persistent step (<= ``bound``) of ``mgr`` that ``load_step(name)`` loads (it returns
+    """The newest persistent step (<= ``bound``) of ``mgr`` (a :class:`ckptkit.CheckpointManager`; typed
+    loosely so that this module does not import the manager, which imports it) that ``load_step(name)`` loads (it returns
     the keys left out), skipping damaged ones into ``mgr.skipped``. ``overwritten``: an earlier attempt
     (the memory tier's) already wrote into the caller's state; so may a damaged step here. Then
     "nothing restored" is no longer true of it, and is raised instead of returned (:func:`overwritten_error`)."""
@@ -92,7 +90,7 @@ def newest_that_loads(mgr: CheckpointManager, load_step: Callable[[str], tuple[s
         bound = step - 1
 
 
-def _vanished(mgr: CheckpointManager, name: str) -> bool:
+def _vanished(mgr: Any, name: str) -> bool:
     """Whether ``name`` no longer holds a manifest on every rank's view (agreed): a checkpoint deleted
     since it was listed, which a failed load must not count as damaged. Until 2026-12-06 a restore that
     raced another process's retention fell back to an older step, or to none, with a newer one there."""
