@@ -293,10 +293,13 @@ class CheckpointManager:
         with self._lineage_lock:
             self._lineage = sorted(set(steps))
             self._started = self._lineage[-1] if self._lineage else -1
+        self._last_handle = None  # a step saved before a restore or a rollback is not "saved already"
 
     def save(self, step: int, state: dict[str, Any], *, metrics: dict[str, Any] | None = None,
              deadline: float | None = None, private: bool = False) -> SaveHandle | None:
         """Save now (on demand). Asynchronous unless the manager was made with ``asynchronous=None``.
+        The step this manager saved last (in flight or committed, since its last restore or discard)
+        is not saved again: that save's handle is returned (a final ``save`` after a ``maybe_save``).
 
         ``deadline`` (``time.monotonic()`` on rank 0): a save that could not be committed by then
         is abandoned cleanly — no manifest, leftovers removed (preemption grace periods).
@@ -305,6 +308,12 @@ class CheckpointManager:
         so they are persisted from without a second copy.
         """
         step = self._step(step)
+        last = self._last_handle
+        if last is not None and last.step == step and not (last.done() and last.committed.exception() is not None):
+            # a final save after a periodic one: it used to fail at close ("already holds a committed checkpoint")
+            log.info("%s: step %d is being or was saved already by this manager: its save is returned",
+                     self.root.url, step)
+            return last
         requested = self._save_requested.is_set()
         self._save_requested.clear()  # before the save starts: a request that comes during it is for the next
         name = self.folder.naming.name(step)
@@ -324,7 +333,8 @@ class CheckpointManager:
             done.set_result(result)
             staged: Future[None] = Future()
             staged.set_result(None)
-            return SaveHandle(store.url, step, staged, done, result.seconds)
+            self._last_handle = SaveHandle(store.url, step, staged, done, result.seconds)
+            return self._last_handle
         with self._inflight_lock:
             self._inflight_names.add(name)
         try:

@@ -177,3 +177,23 @@ def test_a_good_newer_step_is_never_replaced(tmp_path):
     with pytest.raises(ckptkit.SaveError, match="already holds a committed checkpoint"):
         mgr.save(3, {"w": torch.zeros(4)})
     assert ckptkit.CheckpointManager(str(run)).restore_latest(state) == 3 and state["w"][0] == 3
+
+
+@pytest.mark.parametrize("asynchronous", [None, ckptkit.AsyncOptions()], ids=["sync", "async"])
+def test_a_final_save_of_the_step_just_saved_returns_that_save(tmp_path, asynchronous):
+    """``save(N)`` after ``maybe_save(N)`` saved N (the common final save): that save is returned, and
+    ``close`` succeeds (it raised "already holds a committed checkpoint" after the training had ended).
+    After a restore, or a rollback's discard, the same step number is saved again for real."""
+    run = str(tmp_path / "run")
+    mgr = ckptkit.CheckpointManager(run, save=ckptkit.SavePolicy(every_steps=5), asynchronous=asynchronous)
+    first = mgr.maybe_save(5, {"w": torch.full((4,), 5.0)})
+    assert mgr.save(5, {"w": torch.full((4,), 5.0)}) is first
+    mgr.maybe_save(6, {"w": torch.full((4,), 6.0)})
+    mgr.save(10, {"w": torch.full((4,), 10.0)})
+    mgr.discard_after(5)  # a rollback to step 5: step 10 is abandoned, and saved again below
+    state = {"w": torch.zeros(4)}
+    assert mgr.restore_latest(state) == 5
+    again = mgr.save(10, {"w": torch.full((4,), 100.0)})
+    mgr.close()
+    assert again is not None and again.wait().path.endswith("step-0000010")
+    assert ckptkit.CheckpointManager(run).restore_latest(state) == 10 and state["w"][0] == 100.0
