@@ -69,12 +69,27 @@ def test_the_first_rank_works_alone_and_every_rank_hears_how_it_went(worlds, err
             assert failure.startswith(f"{error}: ") == expected_prefix, failure
 
 
+def _on_rank_0(owner, name: str, error: str):
+    """Make ``owner.name`` raise ``error`` on rank 0 (this rank's process only) while the block runs."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def patched():
+        real = getattr(owner, name)
+        if dist.get_rank() == 0:
+            setattr(owner, name, _raising(error))
+        try:
+            yield
+        finally:
+            setattr(owner, name, real)
+    return patched()
+
+
 def discard_failing(run: str, error: str) -> str:
     mgr = ckptkit.CheckpointManager(run, asynchronous=None)
-    if dist.get_rank() == 0:
-        RunFolder.discard_after = _raising(error)  # this rank's process only; the world is retired below
     try:
-        mgr.discard_after(1)
+        with _on_rank_0(RunFolder, "discard_after", error):
+            mgr.discard_after(1)
         return "discarded"
     except ckptkit.CkptkitError as exc:
         return f"{type(exc).__name__}: {exc}"
@@ -84,10 +99,9 @@ def discard_failing(run: str, error: str) -> str:
 
 def resume_check_failing(run: str, error: str) -> str:
     comm = resolve_comm(None)
-    if dist.get_rank() == 0:
-        foreign_steps.steps_after = _raising(error)
     try:
-        foreign_steps.refuse_newer(open_store(run), run, comm, 2, foreign_steps.DCP)
+        with _on_rank_0(foreign_steps, "steps_after", error):
+            foreign_steps.refuse_newer(open_store(run), run, comm, 2, foreign_steps.DCP)
         return "resumed"
     except ckptkit.CkptkitError as exc:
         return f"{type(exc).__name__}: {exc}"
@@ -95,10 +109,9 @@ def resume_check_failing(run: str, error: str) -> str:
 
 def run_id_failing(run: str, error: str) -> str:
     comm = resolve_comm(None)
-    if dist.get_rank() == 0:
-        run_identity.read_or_create = _raising(error)
     try:
-        return run_identity.agree(open_store(run), comm)
+        with _on_rank_0(run_identity, "read_or_create", error):
+            return run_identity.agree(open_store(run), comm)
     except ckptkit.CkptkitError as exc:
         return f"{type(exc).__name__}: {exc}"
 
@@ -117,10 +130,7 @@ def test_a_failure_of_rank_0s_bookkeeping_fails_every_rank_naming_it(worlds, tmp
     run = str(tmp_path / "run")
     for step in (1, 2):
         ckptkit.save({"w": torch.full((4,), float(step))}, f"{run}/step-{step:07d}")
-    try:
-        said = worlds.run(WORLD, fn, run, error, timeout=60)
-    finally:
-        worlds.retire(WORLD)  # rank 0's patched function must not outlive this test
+    said = worlds.run(WORLD, fn, run, error, timeout=60)  # rank 0's patch is undone before the function returns
     assert len(said) == WORLD
     for text in said:
         assert text.startswith(f"{kind}: ") and words in text and "injected on rank 0" in text, said
