@@ -361,11 +361,9 @@ class CheckpointManager:
             self._inflight_names.discard(name)
 
     def _note_superseded(self, restored: int | None) -> None:
-        """Rank 0, after a restore: the damaged step folders newer than ``restored`` (skipped by the
-        restore, or with a manifest that fails its checks). The run goes on from an older step and
-        saves those steps again; each is deleted when its step is (:meth:`_replace_superseded`).
-        Until 2026-12-06 they stayed committed, so that save was refused ("already holds a committed
-        checkpoint") and the job died at it after every restart, until a human moved them aside."""
+        """Rank 0, after a restore: the damaged step folders newer than ``restored`` (skipped by the restore,
+        or with a manifest that fails its checks), each deleted when the run saves its step again
+        (:meth:`_replace_superseded`). They used to stay committed and refuse that save at every restart."""
         if self.rank != 0:
             return
         failed = {name for name, _ in self.skipped}
@@ -379,8 +377,10 @@ class CheckpointManager:
         left: the save then fails on every rank, naming it, as it did before."""
         for name in [n for n, s in self._superseded.items() if s == step]:
             del self._superseded[name]
-            log.warning("%s: replacing %s, found damaged when the run restored an older step", self.root.url, name)
             try:
+                if self.folder.read_record(name, step).status != "damaged" and name not in dict(self.skipped):
+                    continue  # its manifest reads well now (a transport fault at the restore): never delete it
+                log.warning("%s: replacing %s, found damaged when the run restored an older step", self.root.url, name)
                 self.folder.delete(name)
             except Exception as exc:  # noqa: BLE001 - the save's own check then refuses, on every rank
                 log.error("%s: could not delete the damaged %s before saving step %d again: %s", self.root.url,

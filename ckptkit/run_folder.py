@@ -74,13 +74,14 @@ class RunFolder:
             m = STEP_PATTERN.match(name)
             if m is None:
                 continue
-            rec = self._committed.get(name) or self._read(name, int(m.group(1)))
+            rec = self._committed.get(name) or self.read_record(name, int(m.group(1)))
             if rec.committed:
                 self._committed[name] = rec
             out.append(rec)
         return sorted(out, key=lambda r: (r.step, r.name))
 
-    def _read(self, name: str, step: int) -> Record:
+    def read_record(self, name: str, step: int) -> Record:
+        """The status of step folder ``name`` (of ``step``), read now."""
         store = self.root.child(name)
         try:
             if not store.exists(MANIFEST_NAME):

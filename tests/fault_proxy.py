@@ -47,7 +47,7 @@ from collections import Counter
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-_BODY_FAULTS = ("truncate", "reset", "short")
+_BODY_FAULTS = ("truncate", "reset", "short", "chunked")
 _HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "expect", "proxy-connection", "te", "upgrade"}
 _ERRORS = {500: ("Internal Server Error", "InternalError", "We encountered an internal error. Please try again."),
            503: ("Slow Down", "SlowDown", "Please reduce your request rate."),
@@ -66,6 +66,7 @@ class Faults:
     truncate: float = 0.0  # forward, answer half the body, close
     reset: float = 0.0  # forward, answer half the body, reset the connection
     short: float = 0.0  # forward, answer a consistent response with half the body, keep the connection
+    chunked: float = 0.0  # forward, answer the whole body as Transfer-Encoding: chunked (64-byte chunks, no length)
     delay: float = 0.0  # seconds of latency added to every affected request
     hold: float = 0.0  # seconds between an affected response's headers and its body (see `abandoned`)
     statuses: tuple[int, ...] = (500, 503)
@@ -167,7 +168,7 @@ class FaultProxy:
             r, action = self._rng.random(), "forward"
             for name, p in (("error", f.error), ("drop_before", f.drop_before),
                             ("drop_after", f.drop_after), ("truncate", f.truncate),
-                            ("reset", f.reset), ("short", f.short)):
+                            ("reset", f.reset), ("short", f.short), ("chunked", f.chunked)):
                 if r < p:
                     action = name
                     break
@@ -205,6 +206,16 @@ class FaultProxy:
                 if req.method == "HEAD":  # keeps the length a GET would have; no body
                     head += "".join(f"{k}: {v}\r\n" for k, v in headers if k.lower() == "content-length")
                     body = b""
+                elif action == "chunked" and req.method == "GET" and status in (200, 206):
+                    # what an S3-compatible gateway streaming an object may send: no Content-Length
+                    self._record("chunked", req)
+                    client.sendall(head.encode("latin-1") + b"Transfer-Encoding: chunked\r\n\r\n")
+                    for i in range(0, len(body), 64):
+                        part = body[i:i + 64]
+                        client.sendall(f"{len(part):x}\r\n".encode() + part + b"\r\n")
+                        time.sleep(0.01)  # each chunk its own packet: a read gets what has arrived
+                    client.sendall(b"0\r\n\r\n")
+                    continue
                 elif status >= 200 and status not in (204, 304):
                     if action == "short" and len(body) >= 2:
                         self._record("short", req)

@@ -99,6 +99,11 @@ SCENARIOS = [
     ("every index GET cut", Faults(truncate=1.0, methods=GET, path=INDEX3), "refused"),
     ("every data GET reset", Faults(reset=1.0, methods=GET, path=DATA3), "refused"),
     ("every request to step 3 dropped", Faults(drop_before=1.0, path=r"step-0000003/"), "refused"),
+    # a gateway that streams every GET as Transfer-Encoding: chunked (no Content-Length): a size-limited
+    # read (manifest, index, run file, leases) took the first 64-byte chunk for the whole body, so every
+    # checkpoint looked damaged and a restore returned None (2026-12-06)
+    ("every GET answered chunked", Faults(chunked=1.0, methods=GET), "restored"),
+    ("every manifest GET answered chunked", Faults(chunked=1.0, methods=GET, path=MANIFEST3), "restored"),
 ]
 
 

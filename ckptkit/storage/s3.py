@@ -67,13 +67,27 @@ class _CutResponse(Exception):
 async def _read_body(r: dict[str, Any], expected: int | None, cap: int | None = None) -> bytes:
     """The body of GET answer ``r``: ``expected`` bytes (its Content-Length) or _CutResponse.
 
-    ``cap`` bounds what is read when the answer declares no length. Any exception while reading
+    ``cap`` bounds what is read when the answer declares no length (``cap + 1`` bytes at most, so that
+    the caller sees a body over its limit); such a body (``Transfer-Encoding: chunked``, from an
+    S3-compatible gateway or proxy) is read to its end: one read returned only the first chunk, so
+    every manifest looked cut short, every checkpoint damaged (2026-12-06). Any exception while reading
     (aiohttp's ClientPayloadError, botocore's ResponseStreamingError or IncompleteReadError, a
     reset, a read timeout) happens after the server answered, so it is a transport failure.
     """
     try:
         async with r["Body"] as body:
-            data = await body.read() if expected is not None or cap is None else await body.read(cap)
+            if expected is not None or cap is None:
+                data = await body.read()
+            else:  # read(n) returns what has arrived so far (a chunked body comes in pieces): up to EOF or cap + 1
+                parts: list[bytes] = []
+                got = 0
+                while got <= cap:
+                    chunk = await body.read(cap + 1 - got)
+                    if not chunk:
+                        break
+                    parts.append(chunk)
+                    got += len(chunk)
+                data = b"".join(parts)
     except Exception as exc:  # noqa: BLE001 - every failure mid-body is one of transport
         raise _CutResponse(f"the response body broke off ({type(exc).__name__}: {exc})") from exc
     if expected is not None and len(data) != expected:
