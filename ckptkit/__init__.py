@@ -19,6 +19,7 @@ import ckptkit.gloo_exit  # noqa: F401 - registers the at-exit wait for gloo's t
 from ckptkit.errors import (
     CheckpointNotFoundError,
     CheckpointUnreadableError,
+    CommitOutcomeUnknownError,
     CkptkitError,
     CorruptCheckpointError,
     CoverageError,
@@ -125,7 +126,7 @@ __all__ = [
     "CkptkitError", "CheckpointNotFoundError", "CheckpointUnreadableError", "TooLargeError", "UncommittedCheckpointError", "ManifestError",
     "UnsupportedVersionError", "UnsafePathError", "CorruptCheckpointError", "StateMismatchError",
     "MissingKeysError", "UnexpectedKeysError", "DTypeMismatchError", "ShapeMismatchError",
-    "CoverageError", "ForeignCheckpointError", "LayoutError", "StorageError", "SaveError", "SnapshotRaceError", "OptionsError", "PeerFailureError", "LoadStalledError", "LoadProgress",
+    "CoverageError", "ForeignCheckpointError", "LayoutError", "StorageError", "CommitOutcomeUnknownError", "SaveError", "SnapshotRaceError", "OptionsError", "PeerFailureError", "LoadStalledError", "LoadProgress",
     "CheckpointManager",
     "ResilienceController", "IncidentLogOptions", "TrainingStopped", "ScaledLR", "SpikePolicy", "CheckpointView",
     "SavePolicy", "MemoryTier", "RestoreInfo", "RetentionPolicy", "BestK", "StepNaming",

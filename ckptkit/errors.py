@@ -126,6 +126,13 @@ class StorageError(CkptkitError, OSError):
     """The byte store failed (permission, disk full, network) in a way retries did not fix."""
 
 
+class CommitOutcomeUnknownError(StorageError):
+    """A commit whose answer was lost, and whose manifest could not be read back to learn whether it
+    happened. The save is reported failed, but its objects are kept: the checkpoint may be committed
+    (``ckptkit ls``/``verify`` say; ``gc`` removes it if not). Deleting them, as a failed save's cleanup
+    does, could leave a committed manifest naming nothing (reproduced through a proxy, 2026-12-06)."""
+
+
 class CheckpointUnreadableError(StorageError):
     """A checkpoint exists but could not be read (network, permissions), even after retries.
 

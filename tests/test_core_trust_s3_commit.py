@@ -135,3 +135,46 @@ def test_409_forever_fails_within_the_time_bound(s3_env, s3_server):  # noqa: F8
     assert elapsed < 20, elapsed  # the save itself plus the 1 s commit bound (a loaded 2-core machine)
     assert 2 <= proxy.counts["409"] < 100
     assert objects(s3_server, s3_env, "slow/") == []
+
+
+class _LostCommitAnswer(FaultProxy):
+    """The manifest's conditional PUT reaches the store, its answer is lost; then the next ``failing``
+    GETs of that manifest answer 503 (the store is briefly unwell)."""
+
+    def __init__(self, upstream: str, failing: int) -> None:
+        super().__init__(upstream)
+        self.dropped, self.failing = False, failing
+
+    def _decide(self, req):
+        with self._lock:
+            if "step-0000002/manifest.json" in req.target:
+                if req.method == "PUT" and "if-none-match" in req.lookup and not self.dropped:
+                    self.dropped = True
+                    return "drop_after", 0.0, 0.0
+                if req.method == "GET" and self.dropped and self.failing > 0:
+                    self.failing -= 1
+                    return "503", 0.0, 0.0
+        return "forward", 0.0, 0.0
+
+
+@pytest.mark.parametrize("failing", [2, 10], ids=["the read-back recovers", "the read-back never answers"])
+def test_a_commit_whose_answer_is_lost_never_deletes_what_it_may_have_committed(s3_env, s3_server, failing):  # noqa: F811
+    """Its manifest was stored; whether the save reports success (the read-back learned it) or an unknown
+    outcome (it could not), the committed checkpoint stays whole and restores. A failed save's cleanup used
+    to run here and delete the data and index the committed manifest names (found by a hunt, 2026-12-06)."""
+    bucket = s3_server.new_bucket()
+    root = f"s3://{bucket}/run"
+    with _LostCommitAnswer(s3_server.endpoint, failing) as proxy:
+        opts = {"endpoint_url": proxy.endpoint, "config_kwargs": {"retries": {"max_attempts": 1, "mode": "standard"}}}
+        with ckptkit.CheckpointManager(root, storage_options=opts, asynchronous=None) as mgr:
+            mgr.save(1, {"w": torch.full((16,), 1.0)})
+            if failing < 4:
+                mgr.save(2, {"w": torch.full((16,), 2.0)})
+            else:
+                with pytest.raises(SaveError, match="could not be read back") as info:
+                    mgr.save(2, {"w": torch.full((16,), 2.0)})
+                assert "verify" in str(info.value)
+    assert ckptkit.verify(f"{root}/step-0000002").ok
+    state = {"w": torch.zeros(16)}
+    with ckptkit.CheckpointManager(root) as mgr:
+        assert mgr.restore_latest(state) == 2 and state["w"][0] == 2.0 and mgr.skipped == []

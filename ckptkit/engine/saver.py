@@ -38,7 +38,7 @@ from ckptkit.engine.checkpoint_dir import foreign_keys, new_attempt, remove_atte
 from ckptkit.engine.collective import Comm, Outcome, failed_ranks, failure_text
 from ckptkit.engine.state import FlatState, check_savable, check_state_root, dtype_name, flatten_state
 from ckptkit.engine.writer import write_pieces
-from ckptkit.errors import CkptkitError, SaveError
+from ckptkit.errors import CheckpointNotFoundError, CkptkitError, CommitOutcomeUnknownError, SaveError
 from ckptkit.version import __version__
 from ckptkit.layout.grid import GridLayout, Mesh, Replicate
 from ckptkit.layout.index import Index
@@ -400,7 +400,8 @@ def commit(
             outcome = _fail(exc)
             if not isinstance(exc, (CkptkitError, OSError)):  # the coordinator's own failure: say whose
                 outcome = replace(outcome, error=f"rank {comm.rank} (committing): {outcome.error}")
-            _clean_up_failed(store, attempt)
+            if not isinstance(exc, CommitOutcomeUnknownError) and not isinstance(exc.__cause__, CommitOutcomeUnknownError):
+                _clean_up_failed(store, attempt)  # (a commit that may have happened keeps what it names)
         else:
             if target is not None and target.leftovers:
                 _remove_other_attempts(store, target.attempt)
@@ -458,15 +459,34 @@ def publish(store: ByteStore, manifest: bytes) -> None:
         if store.put_if_absent(MANIFEST_NAME, manifest):
             return
     except (CkptkitError, OSError) as exc:
-        try:
-            stored = store.read_bytes(MANIFEST_NAME)
-        except (CkptkitError, OSError):
-            raise exc from None
+        stored = _read_back(store, exc)
+        if stored is None:
+            raise exc from None  # no manifest there: nothing was committed
         if stored == manifest:
             log.warning("commit of %s: the answer was lost but the manifest is ours; committed", store.url)
             return
         raise SaveError(f"{store.url}: another writer committed this checkpoint first") from exc
     raise SaveError(f"{store.url}: another writer committed this checkpoint first")
+
+
+def _read_back(store: ByteStore, failure: BaseException, tries: int = 4) -> bytes | None:
+    """The manifest as stored after a commit whose answer was lost (None: there is none), read again
+    with backoff while the store fails; :class:`CommitOutcomeUnknownError` if it never answers."""
+    pause = 0.5
+    for attempt in range(tries):
+        try:
+            return store.read_bytes(MANIFEST_NAME)
+        except CheckpointNotFoundError:
+            return None
+        except (CkptkitError, OSError) as exc:
+            if attempt == tries - 1:
+                raise CommitOutcomeUnknownError(
+                    f"{store.url}: the commit's answer was lost ({failure}) and its manifest could not be read "
+                    f"back to learn whether it happened ({exc}); its objects are kept: `ckptkit verify` says "
+                    "whether it committed, and gc removes it if not") from exc
+            time.sleep(pause)
+            pause *= 2
+    return None
 
 
 def _clean_up_failed(store: ByteStore, attempt: str | None) -> None:
