@@ -116,3 +116,32 @@ def overwritten_error(url: str, skipped: list[tuple[str, str]], restored: str | 
     return CorruptCheckpointError(
         f"{what} ({tried}). To start from scratch, re-create the state first; to resume, repair or remove the "
         "damaged checkpoint(s) named here, or pass at_most= to restore an older step on purpose")
+
+
+def superseded_after(folder: Any, skipped: list[tuple[str, str]], restored: int | None) -> dict[str, int]:
+    """The damaged step folders newer than ``restored`` (``name -> step``): skipped by the restore
+    (``skipped``), or with a manifest that fails its checks. The run goes on from an older step and
+    saves those steps again; each is deleted right before its step is (:func:`replace_superseded`).
+    Until 2026-12-06 they stayed committed, so that save was refused ("already holds a committed
+    checkpoint") and the job died at it after every restart, until a human moved them aside."""
+    failed = dict(skipped)
+    floor = -1 if restored is None else restored
+    return {r.name: r.step for r in folder.records()
+            if r.step > floor and (r.status == "damaged" or r.committed and r.name in failed)}
+
+
+def replace_superseded(folder: Any, superseded: dict[str, int], skipped: list[tuple[str, str]], step: int) -> None:
+    """Before saving ``step``: delete the damaged folders of that step a restore went past (any naming),
+    kept until now for a human to look at. One whose manifest reads well now (a transport fault at the
+    restore) is never deleted; one that cannot be deleted is logged and left: the save then fails on
+    every rank, naming it, as it did before."""
+    for name in [n for n, s in superseded.items() if s == step]:
+        del superseded[name]
+        try:
+            if folder.read_record(name, step).status != "damaged" and name not in dict(skipped):
+                continue
+            log.warning("%s: replacing %s, found damaged when the run restored an older step", folder.root.url, name)
+            folder.delete(name)
+        except Exception as exc:  # noqa: BLE001 - the save's own check then refuses, on every rank
+            log.error("%s: could not delete the damaged %s before saving step %d again: %s", folder.root.url, name,
+                      step, exc)

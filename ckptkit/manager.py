@@ -34,7 +34,7 @@ import torch
 from ckptkit.engine.async_save import AsyncSaver, SaveHandle
 from ckptkit.engine.collective import Comm, first_rank_does, resolve_comm
 from ckptkit.engine.loader import load_state
-from ckptkit.fallback import newest_that_loads
+from ckptkit.fallback import newest_that_loads, replace_superseded, superseded_after
 from ckptkit.engine.saver import SaveResult, save_state
 from ckptkit.engine.state import flatten_state
 from ckptkit.errors import CheckpointUnreadableError, OptionsError, StorageError
@@ -45,7 +45,7 @@ from ckptkit import run_identity
 from ckptkit.retention import Record, RetentionPolicy, RollbackHold
 from ckptkit.run_folder import LEASES, MAX_STEP, STEP_PATTERN, RunFolder, StepNaming, step_dir
 from ckptkit.storage.tiered import TieredStore
-from ckptkit.storage.url import open_store
+from ckptkit.storage.url import open_store, overlaps
 
 log = logging.getLogger("ckptkit")
 
@@ -113,9 +113,11 @@ class CheckpointManager:
         if asynchronous is not None and not isinstance(asynchronous, AsyncOptions):
             raise OptionsError(f"asynchronous must be AsyncOptions(...) or None (synchronous saves), got {asynchronous!r}")
         store = open_store(root, storage_options)
-        if local_dir is not None:
-            # node-local disk in front of the (object) store: see storage/tiered.py
-            store = TieredStore(open_store(local_dir), store, remote_only=frozenset({MANIFEST_NAME, run_identity.RUN_FILE}))
+        if local_dir is not None:  # node-local disk in front of the (object) store: see storage/tiered.py
+            if overlaps(local_dir, root):
+                raise OptionsError(f"local_dir {local_dir} overlaps the run's folder {root}: give it a folder of its own")
+            authoritative = {MANIFEST_NAME, run_identity.RUN_FILE, ".ckptkit/", f"{LEASES}/"}  # unchecksummed, changing
+            store = TieredStore(open_store(local_dir), store, remote_only=frozenset(authoritative))
         self.root = store
         self.folder = RunFolder(store, naming, lease_seconds)
         self.save_policy = save
@@ -361,30 +363,14 @@ class CheckpointManager:
             self._inflight_names.discard(name)
 
     def _note_superseded(self, restored: int | None) -> None:
-        """Rank 0, after a restore: the damaged step folders newer than ``restored`` (skipped by the restore,
-        or with a manifest that fails its checks), each deleted when the run saves its step again
-        (:meth:`_replace_superseded`). They used to stay committed and refuse that save at every restart."""
-        if self.rank != 0:
-            return
-        failed = {name for name, _ in self.skipped}
-        floor = -1 if restored is None else restored
-        self._superseded = {r.name: r.step for r in self.records()
-                            if r.step > floor and (r.status == "damaged" or r.committed and r.name in failed)}
+        """Rank 0, after a restore: the damaged step folders newer than ``restored``, each replaced when
+        the run saves its step again (:func:`ckptkit.fallback.superseded_after`)."""
+        if self.rank == 0:
+            self._superseded = superseded_after(self.folder, self.skipped, restored)
 
     def _replace_superseded(self, step: int) -> None:
-        """Rank 0, before saving ``step``: delete the damaged folders of that step a restore went past
-        (any naming), kept until now for a human to look at. One that cannot be deleted is logged and
-        left: the save then fails on every rank, naming it, as it did before."""
-        for name in [n for n, s in self._superseded.items() if s == step]:
-            del self._superseded[name]
-            try:
-                if self.folder.read_record(name, step).status != "damaged" and name not in dict(self.skipped):
-                    continue  # its manifest reads well now (a transport fault at the restore): never delete it
-                log.warning("%s: replacing %s, found damaged when the run restored an older step", self.root.url, name)
-                self.folder.delete(name)
-            except Exception as exc:  # noqa: BLE001 - the save's own check then refuses, on every rank
-                log.error("%s: could not delete the damaged %s before saving step %d again: %s", self.root.url,
-                          name, step, exc)
+        if self.rank == 0:
+            replace_superseded(self.folder, self._superseded, self.skipped, step)
 
     def wait(self) -> SaveResult | None:
         """Block until the in-flight save is committed (and the memory tier's snapshot protected);

@@ -170,3 +170,36 @@ def test_is_dir_is_either_tier(tmp_path):
     assert store.is_dir()
     (tmp_path / "nvme").rmdir()
     assert not store.is_dir()
+
+
+def test_what_changes_and_no_checksum_covers_lives_only_in_the_bucket(tmp_path):
+    """Two runs with one node-local folder (two jobs on a node, or a new run at the URL of a deleted one):
+    the second must not read the first's incident log (its skip ranges, its rollbacks), progress marker
+    or read leases. They were written to and read from the local tier, so a brand-new run resumed with the
+    other run's skip ranges and its crash accounting read a stale marker (found by a hunt, 2026-12-06)."""
+    import time
+
+    import torch
+
+    import ckptkit
+    from ckptkit.resilience.incidents import Incident, IncidentLog
+    from ckptkit.resilience.progress import ProgressMarker
+
+    node = str(tmp_path / "node")
+    first = ckptkit.CheckpointManager(str(tmp_path / "bucket-a"), local_dir=node, asynchronous=None)
+    first.save(1, {"w": torch.ones(4)})
+    IncidentLog(first.root, writer=True).record(Incident("rollback", 7, "spike", data={"skip": [760, 1144]}))
+    marker = ProgressMarker(first.root, writer=True)
+    marker.write(45)
+    marker.close()
+    lease = first.folder.acquire_lease("step-0000001", 0)
+    time.sleep(0.01)
+    assert not os.path.exists(os.path.join(node, ".ckptkit")) and not os.path.exists(os.path.join(node, ".leases"))
+    second = ckptkit.CheckpointManager(str(tmp_path / "bucket-b"), local_dir=node, asynchronous=None)
+    assert IncidentLog(second.root, writer=False).read() == []
+    assert ProgressMarker(second.root, writer=False).read() is None
+    assert not second.folder.leased("step-0000001")
+    assert [i.step for i in IncidentLog(first.root, writer=False).read()] == [7]  # the first run's, from its bucket
+    first.folder.release_lease(lease)
+    with pytest.raises(ckptkit.OptionsError, match="overlaps"):
+        ckptkit.CheckpointManager(str(tmp_path / "bucket-a"), local_dir=str(tmp_path / "bucket-a" / "cache"))

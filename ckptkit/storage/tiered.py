@@ -32,13 +32,18 @@ class TieredStore(ByteStore):
     """``local`` (node disk) in front of ``remote`` (the bucket); ``remote`` is the truth.
 
     ``remote_only``: the authoritative keys, relative to this store's root and to every
-    :meth:`child`'s (it is passed on): never written to or read from ``local``.
+    :meth:`child`'s (it is passed on): never written to or read from ``local``, nor listed from it.
+    An entry ending in ``/`` names a prefix: every key under it (the run's incident log and
+    progress marker, read leases: objects that change and that no checksum covers, which a local
+    copy left by another run at the same path, or by this run on another node, would have passed
+    off as the truth; 2026-12-06).
     """
 
     def __init__(self, local: ByteStore, remote: ByteStore, remote_only: Iterable[str]) -> None:
         self.local = local
         self.remote = remote
         self.remote_only = frozenset(remote_only)
+        self._prefixes = tuple(k for k in self.remote_only if k.endswith("/"))
         self.url = remote.url
         # the caller's chunks go to the local store only (the bucket gets them read back from disk)
         self.streams_writes = local.streams_writes
@@ -52,7 +57,7 @@ class TieredStore(ByteStore):
         return self.remote
 
     def _authoritative(self, key: str) -> bool:
-        return key in self.remote_only
+        return key in self.remote_only or key.startswith(self._prefixes)
 
     # ------------------------------------------------------------- writing
     def write_object(self, key: str, chunks: Iterable[memoryview | bytes]) -> int:
@@ -120,10 +125,14 @@ class TieredStore(ByteStore):
 
     # ------------------------------------------------------ listing, deletion
     def list_keys(self, prefix: str = "") -> list[str]:
-        return sorted(set(self.remote.list_keys(prefix)) | set(self.local.list_keys(prefix)))
+        remote = set(self.remote.list_keys(prefix))
+        if self._authoritative(prefix.rstrip("/") + "/"):
+            return sorted(remote)
+        return sorted(remote | {k for k in self.local.list_keys(prefix) if not self._authoritative(k)})
 
     def list_children(self) -> list[str]:
-        return sorted(set(self.remote.list_children()) | set(self.local.list_children()))
+        local = {c for c in self.local.list_children() if not self._authoritative(c + "/") and c not in self.remote_only}
+        return sorted(set(self.remote.list_children()) | local)
 
     def delete(self, key: str) -> None:
         self.remote.delete(key)
