@@ -15,6 +15,7 @@ from ckptkit.engine.collective import resolve_comm
 from ckptkit.engine.loader import LoadResult, load_state
 from ckptkit.engine.saver import SaveResult, save_state
 from ckptkit.engine.state import flatten_state
+from ckptkit.errors import OptionsError, SaveError
 from ckptkit.options import AsyncOptions, LoadOptions, SaveOptions
 from ckptkit.storage.url import open_store
 
@@ -90,6 +91,10 @@ def save_async(
     """
     from ckptkit.engine.async_save import AsyncSaver
 
+    if options.on_busy != "wait":  # a skipped save has no handle to return (it used to die on an assert)
+        raise OptionsError(f"save_async(options=AsyncOptions(on_busy={options.on_busy!r})): a second call always waits "
+                           "for the first here; skipping a save while one persists is CheckpointManager's "
+                           "(CheckpointManager(..., asynchronous=AsyncOptions(on_busy='skip')))")
     key = (id(process_group), options)
     saver = _default_savers.get(key)
     if saver is None or saver.closed:
@@ -97,7 +102,8 @@ def save_async(
     if guard is not None:
         saver.guard(*(guard if isinstance(guard, (list, tuple)) else (guard,)))
     handle = saver.save(state, open_store(path, storage_options), metadata=metadata)
-    assert handle is not None  # on_busy="skip" belongs to CheckpointManager; here a second save waits
+    if handle is None:
+        raise SaveError(f"saving {path}: the save was skipped")  # unreachable with on_busy="wait"
     return handle
 
 

@@ -216,3 +216,11 @@ def test_permission_denied_during_persist_is_raised_by_wait(tmp_path):
     finally:
         subprocess.run(["chattr", "-i", str(run)], capture_output=True)
     assert not os.path.exists(run / "c" / "manifest.json")
+
+
+def test_save_async_refuses_on_busy_skip_up_front(tmp_path):
+    """``save_async`` always waits for the previous save (it returns a handle); with ``on_busy="skip"``
+    a second call died on a bare AssertionError (None under ``python -O``). Refused, naming the way."""
+    with pytest.raises(ckptkit.OptionsError, match="CheckpointManager"):
+        ckptkit.save_async({"w": torch.ones(4)}, str(tmp_path / "a"), options=ckptkit.AsyncOptions(on_busy="skip"))
+    assert not (tmp_path / "a").exists()

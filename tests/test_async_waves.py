@@ -288,3 +288,28 @@ def test_waves_to_s3_equal_a_one_shot_save(s3_env, s3_server):  # noqa: F811
     loaded = zeros_like_state(expected)
     ckptkit.load(loaded, f"s3://{s3_env}/waves")
     assert_same_state(expected, loaded)
+
+
+@pytest.mark.parametrize("executor", ["thread", "process"])
+def test_a_save_started_the_moment_the_previous_one_commits_is_never_aborted(tmp_path, executor):
+    """A done-callback on the handle (logging, an upload trigger) delays the persist thread after the handle
+    resolved; the next save, started at once, resets the wave channel and stages into it. The previous
+    save's persist thread aborted the channel after resolving, in a ``finally``, and killed that save
+    ("staging in waves was abandoned"; found by a hunt, 2026-12-06)."""
+    import time
+
+    from ckptkit.storage import open_store
+
+    saver = AsyncSaver(options=ckptkit.AsyncOptions(max_staging_bytes=64 << 10, executor=executor))
+    state = {"w": torch.randn(200, 160)}  # 125 KiB through a 64 KiB budget: waves
+    try:
+        for i in range(3):
+            state["w"] += 1
+            handle = saver.save(state, open_store(str(tmp_path / f"s{i}")), step=i)
+            handle.committed.add_done_callback(lambda _: time.sleep(0.3))
+            handle.wait()
+        saver.wait()
+    finally:
+        saver.close()
+    for i in range(3):
+        assert ckptkit.verify(str(tmp_path / f"s{i}")).ok

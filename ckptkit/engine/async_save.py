@@ -463,16 +463,23 @@ class AsyncSaver:
             )
             if after_commit is not None:
                 after_commit(result)
+            self._stop_waves(waves)
             handle.committed.set_result(result)
         except BaseException as exc:  # noqa: BLE001 - kept for the next save/wait/close
             if snap is not None:
                 snap.abandon(exc)
             if waves is None:  # with waves, the training thread owns ``staged``
                 _settle(handle.staged, exc)
+            self._stop_waves(waves)
             handle.committed.set_exception(exc)
-        finally:
-            if waves is not None and self._channel is not None:
-                self._channel.abort()  # a producer still waiting (the writer never started) stops
+
+    def _stop_waves(self, waves: Any) -> None:
+        """Abort the wave channel (a producer still waiting stops) *before* the handle resolves: the
+        resolution wakes the training thread, whose next save resets the channel and stages into it.
+        Aborted after (in a ``finally``), it killed that next save ("staging in waves was abandoned"),
+        reproduced with a done-callback on the handle (2026-12-06)."""
+        if waves is not None and self._channel is not None:
+            self._channel.abort()
 
     def _copy_overlapped(self, snap: OverlapSnapshot, handle: SaveHandle,
                          planned: Outcome) -> tuple[Staged | None, Outcome]:
