@@ -311,7 +311,7 @@ class CheckpointManager:
         """
         step = self._step(step)
         last = self._last_handle
-        if last is not None and last.step == step and not (last.done() and last.committed.exception() is not None):
+        if last is not None and last.step == step:  # the same on every rank (never how far a save has got)
             # a final save after a periodic one: it used to fail at close ("already holds a committed checkpoint")
             log.info("%s: step %d is being or was saved already by this manager: its save is returned",
                      self.root.url, step)
