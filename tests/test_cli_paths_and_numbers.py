@@ -109,8 +109,8 @@ COMMANDS = {
 }
 
 
-@pytest.mark.parametrize("source_format", ["ckptkit", "dcp"])
-@pytest.mark.parametrize("command", list(COMMANDS))
+@pytest.mark.parametrize("command, source_format", [(c, f) for c in COMMANDS for f in ("ckptkit", "dcp")
+                                                     if (c, f) != ("convert to dcp", "dcp")])  # DCP -> DCP: no such direction
 def test_no_writing_command_writes_into_or_around_its_source(tmp_path, command, source_format):
     base = tmp_path / "base"
     base.mkdir()
@@ -118,8 +118,6 @@ def test_no_writing_command_writes_into_or_around_its_source(tmp_path, command, 
     ckptkit.save({"w": torch.arange(6.0), "step": 3}, str(src if source_format == "ckptkit" else base / "ck"))
     if source_format == "dcp":
         assert run("convert", str(base / "ck"), str(src), "--format", "dcp").exit_code == 0
-        if command == "convert to dcp":
-            pytest.skip("a DCP source converts to ckptkit or zarr")
     before = digest(base)
     for name, dst in spellings(tmp_path, src).items():
         result = run(*COMMANDS[command](str(src), dst))
