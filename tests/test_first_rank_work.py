@@ -86,15 +86,10 @@ def _on_rank_0(owner, name: str, error: str):
 
 
 def discard_failing(run: str, error: str) -> str:
-    mgr = ckptkit.CheckpointManager(run, asynchronous=None)
-    try:
-        with _on_rank_0(RunFolder, "discard_after", error):
-            mgr.discard_after(1)
-        return "discarded"
-    except ckptkit.CkptkitError as exc:
-        return f"{type(exc).__name__}: {exc}"
-    finally:
-        mgr.close()
+    from tests.test_resilience_ranks import discard_after_one
+
+    with _on_rank_0(RunFolder, "discard_after", error):
+        return discard_after_one(run)
 
 
 def resume_check_failing(run: str, error: str) -> str:
