@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 from ckptkit.engine.loader import overwrote_state
 from ckptkit.layout.manifest import MANIFEST_NAME
+from ckptkit.run_folder import STEP_PATTERN
 from ckptkit.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -145,3 +146,24 @@ def replace_superseded(folder: Any, superseded: dict[str, int], skipped: list[tu
         except Exception as exc:  # noqa: BLE001 - the save's own check then refuses, on every rank
             log.error("%s: could not delete the damaged %s before saving step %d again: %s", folder.root.url, name,
                       step, exc)
+
+
+def prune_local_copies(tiered: Any, step: int, keep: frozenset[str]) -> list[str]:
+    """Every rank, after a commit of ``step``: remove the node-local copies (``local_dir``) of step folders
+    up to ``step`` that the bucket no longer holds, except saves in flight (``keep``). Retention and
+    ``gc`` run on rank 0 and delete in the bucket and on rank 0's node only: every other node kept its
+    copy of every step for ever, and its disk filled up until every save failed (found by a hunt,
+    2026-12-06). A step deleted in the bucket after this runs is removed at the next commit. Never
+    raises: a local copy that cannot be removed is logged and tried again then."""
+    removed: list[str] = []
+    try:
+        remote = set(tiered.remote.list_children())
+        for name in tiered.local.list_children():
+            m = STEP_PATTERN.match(name)
+            if m is None or name in remote or name in keep or int(m.group(1)) > step:
+                continue
+            tiered.local.child(name).delete_all()
+            removed.append(name)
+    except Exception as exc:  # noqa: BLE001 - a cache's housekeeping never fails a save
+        log.warning("pruning the local copies under %s: %s", tiered.local.url, exc)
+    return removed

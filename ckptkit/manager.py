@@ -34,7 +34,7 @@ import torch
 from ckptkit.engine.async_save import AsyncSaver, SaveHandle
 from ckptkit.engine.collective import Comm, first_rank_does, resolve_comm
 from ckptkit.engine.loader import load_state
-from ckptkit.fallback import newest_that_loads, replace_superseded, superseded_after
+from ckptkit.fallback import newest_that_loads, prune_local_copies, replace_superseded, superseded_after
 from ckptkit.engine.saver import SaveResult, save_state
 from ckptkit.engine.state import flatten_state
 from ckptkit.errors import CheckpointUnreadableError, OptionsError, StorageError
@@ -418,6 +418,10 @@ class CheckpointManager:
             self._lineage = sorted({*self._lineage, step})
         if self.rank == 0:
             self.folder.apply_retention(self.retention, after=name, rollback=self._rollback_hold)
+        if isinstance(self.root, TieredStore):
+            with self._inflight_lock:
+                keep = frozenset(self._inflight_names)
+            prune_local_copies(self.root, step, keep)
 
     def discard_after(self, step: int) -> list[str]:
         """Delete committed checkpoints newer than ``step`` (rank 0; call on every rank, and each gets

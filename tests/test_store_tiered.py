@@ -203,3 +203,31 @@ def test_what_changes_and_no_checksum_covers_lives_only_in_the_bucket(tmp_path):
     first.folder.release_lease(lease)
     with pytest.raises(ckptkit.OptionsError, match="overlaps"):
         ckptkit.CheckpointManager(str(tmp_path / "bucket-a"), local_dir=str(tmp_path / "bucket-a" / "cache"))
+
+
+def save_five_keeping_one(bucket: str, nodes: str) -> list[str]:
+    """Two ranks as on two nodes, each with its own local_dir; ``keep_last=1``: this node's local step folders."""
+    import torch
+    import torch.distributed as dist
+
+    import ckptkit
+
+    local = os.path.join(nodes, f"node{dist.get_rank()}")
+    mgr = ckptkit.CheckpointManager(bucket, local_dir=local, keep=ckptkit.RetentionPolicy(keep_last=1),
+                                    asynchronous=ckptkit.AsyncOptions())
+    for step in range(1, 6):
+        mgr.save(step, {"w": torch.full((64,), float(step))})
+        mgr.wait()
+    mgr.close()
+    return sorted(n for n in os.listdir(local) if n.startswith("step-"))
+
+
+def test_every_node_prunes_its_local_copies_of_deleted_steps(worlds, tmp_path):
+    """Retention deletes in the bucket and on rank 0's node: every other node kept every step's local copy
+    for ever (found by a hunt, 2026-12-06). Now each rank drops, after each commit, the local copies of the
+    steps the bucket no longer holds: at most the newest and the one retention deletes next remain."""
+    bucket, nodes = str(tmp_path / "bucket"), str(tmp_path / "nodes")
+    kept = worlds.run(2, save_five_keeping_one, bucket, nodes)
+    assert sorted(n for n in os.listdir(bucket) if n.startswith("step-")) == ["step-0000005"]
+    for names in kept:
+        assert set(names) <= {"step-0000004", "step-0000005"} and "step-0000005" in names, kept
