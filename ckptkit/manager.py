@@ -193,7 +193,11 @@ class CheckpointManager:
         self._save_requested.set()
 
     def enable_save_requests(self) -> None:
-        """Kept for scripts that call it: requests are agreed from the start now (``SavePolicy.agree_requests``)."""
+        """Deprecated: requests are agreed from the start (``SavePolicy(agree_requests=True)``, the default)."""
+        import warnings
+
+        warnings.warn("CheckpointManager.enable_save_requests() is no longer needed: save requests are agreed from "
+                      "the first step (SavePolicy(agree_requests=True), the default)", DeprecationWarning, stacklevel=2)
 
     def should_save(self, step: int) -> bool:
         """Whether :meth:`maybe_save` would save at ``step`` (collective in a job of several ranks when

@@ -197,3 +197,12 @@ def test_a_final_save_of_the_step_just_saved_returns_that_save(tmp_path, asynchr
     mgr.close()
     assert again is not None and again.wait().path.endswith("step-0000010")
     assert ckptkit.CheckpointManager(run).restore_latest(state) == 10 and state["w"][0] == 100.0
+
+
+def test_enable_save_requests_still_works_and_says_it_is_not_needed(tmp_path):
+    mgr = ckptkit.CheckpointManager(str(tmp_path / "run"), asynchronous=None)
+    with pytest.warns(DeprecationWarning, match="SavePolicy\\(agree_requests=True\\)"):
+        mgr.enable_save_requests()
+    mgr.request_save()
+    assert mgr.maybe_save(1, {"w": torch.ones(2)}) is not None  # a request, honoured
+    mgr.close()
