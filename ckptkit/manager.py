@@ -538,7 +538,10 @@ class CheckpointManager:
             if overwritten:
                 self.skipped.append(("memory tier", "a step restored from node memory failed after part of the "
                                                     "state was loaded (see the log)"))
-        step = self._restore_persistent(state, strict, bound, overwritten)
+        return self._restored_persistent(self._restore_persistent(state, strict, bound, overwritten), t0)
+
+    def _restored_persistent(self, step: int | None, t0: float) -> int | None:
+        """What follows a restore from the persistent checkpoints (``step``, None: none), whoever loaded it."""
         self._note_superseded(step)
         if step is not None:
             from ckptkit.memory.restore import RestoreInfo
@@ -574,18 +577,8 @@ class CheckpointManager:
             got[:] = [load(self.root.child(name).url)]
             return ()
 
-        step = newest_that_loads(self, load_step, bound, False)
-        self._note_superseded(step)
-        self._set_lineage([] if step is None else [step])
-        if step is None:
-            return None
-        from ckptkit.memory.restore import RestoreInfo
-
-        self.last_restore = RestoreInfo(step, "persistent", ("persistent",) * self._comm.world_size,
-                                        time.perf_counter() - t0)
-        if self._memory is not None:
-            self._memory.discard_after(step)
-        return step, got[0]
+        step = self._restored_persistent(newest_that_loads(self, load_step, bound, False), t0)
+        return None if step is None else (step, got[0])
 
     def _restore_persistent(self, state: dict[str, Any], strict: bool, bound: int, overwritten: bool) -> int | None:
         """The newest persistent step that loads into ``state``, skipping damaged ones (:func:`newest_that_loads`)."""

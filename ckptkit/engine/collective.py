@@ -95,7 +95,7 @@ def first_rank_does(comm: Comm, work: Callable[[], Any], doing: str) -> tuple[An
             said = [work(), None]
         except Exception as exc:  # noqa: BLE001 - told to every rank, raised by each caller
             said = [None, failure_text(exc, doing)]
-    value, failure = comm.broadcast_json(said)
+    value, failure = comm.broadcast_json(said)  # JSON: a list comes back, the pair is made here
     return value, failure
 
 

@@ -400,8 +400,8 @@ def commit(
             outcome = _fail(exc)
             if not isinstance(exc, (CkptkitError, OSError)):  # the coordinator's own failure: say whose
                 outcome = replace(outcome, error=f"rank {comm.rank} (committing): {outcome.error}")
-            if not isinstance(exc, CommitOutcomeUnknownError) and not isinstance(exc.__cause__, CommitOutcomeUnknownError):
-                _clean_up_failed(store, attempt)  # (a commit that may have happened keeps what it names)
+            if not isinstance(exc, CommitOutcomeUnknownError):  # a commit that may have happened keeps what it names
+                _clean_up_failed(store, attempt)
         else:
             if target is not None and target.leftovers:
                 _remove_other_attempts(store, target.attempt)

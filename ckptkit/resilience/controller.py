@@ -246,8 +246,10 @@ class ResilienceController:
         A checkpoint saved after the rollback finished knows it, so a rollback whose outcome record
         alone was lost (a store refusing writes, then a crash) is never done twice."""
         intent = unfinished_rollback(incidents)
-        if intent is None or step is None or step <= intent.restore_at_most:
-            return intent if intent is not None and step is not None else None
+        if intent is None or step is None:
+            return None
+        if step <= intent.restore_at_most:  # the newest is the rollback's own choice: finish it there
+            return intent
         known = self._saved(state).get("ladder", {})
         rollbacks = known.get("rollbacks", []) if isinstance(known, dict) else []
         return intent if isinstance(rollbacks, list) and len(rollbacks) < intent.seq else None
