@@ -66,6 +66,11 @@ class TooLargeError(CorruptCheckpointError):
     """
 
 
+class RestoreFloorError(CkptkitError):
+    """A restore would have fallen back past damaged checkpoints to a step older than the caller
+    allows (``at_least``): training it knows of would be thrown away without a word."""
+
+
 class StateMismatchError(CkptkitError):
     """The caller's state and the checkpoint disagree (keys, dtypes, shapes)."""
 

@@ -20,6 +20,7 @@ from ckptkit.errors import (
     LoadStalledError,
     ManifestError,
     PeerFailureError,
+    RestoreFloorError,
 )
 
 log = logging.getLogger("ckptkit")
@@ -31,16 +32,19 @@ DAMAGED = (CorruptCheckpointError, ManifestError, CheckpointNotFoundError, Cover
 
 
 def newest_that_loads(mgr: Any, load_step: Callable[[str], tuple[str, ...]], bound: int,
-                      overwritten: bool) -> int | None:
+                      overwritten: bool, at_least: int = -1) -> int | None:
     """The newest persistent step (<= ``bound``) of ``mgr`` (a :class:`ckptkit.CheckpointManager`; typed
     loosely so that this module does not import the manager, which imports it) that ``load_step(name)`` loads (it returns
     the keys left out), skipping damaged ones into ``mgr.skipped``. ``overwritten``: an earlier attempt
     (the memory tier's) already wrote into the caller's state; so may a damaged step here. Then
-    "nothing restored" is no longer true of it, and is raised instead of returned (:func:`overwritten_error`)."""
+    "nothing restored" is no longer true of it, and is raised instead of returned (:func:`overwritten_error`).
+    ``at_least``: no step older than it is restored: :class:`~ckptkit.errors.RestoreFloorError` instead."""
     start_bound = bound
     vanished_retries = 0
     while True:
         step = mgr.latest_common_step(bound)
+        if at_least >= 0 and (step is None or step < at_least):
+            raise floor_error(mgr.root.url, mgr.skipped, at_least)
         if step is None:
             if overwritten:
                 raise overwritten_error(mgr.root.url, mgr.skipped, None)
@@ -100,6 +104,15 @@ def _vanished(mgr: Any, name: str) -> bool:
     except Exception:  # noqa: BLE001 - cannot tell: not vanished (the damage stands)
         gone = False
     return mgr._comm.all_min([int(gone)])[0] == 1
+
+
+def floor_error(url: str, skipped: list[tuple[str, str]], at_least: int) -> RestoreFloorError:
+    """The steps from the newest down to ``at_least`` did not load (damaged), and the caller knows
+    of training at ``at_least`` that an older step would silently throw away (a framework's own
+    checkpoint there: :mod:`ckptkit.adapters.foreign_steps`)."""
+    tried = "; ".join(f"{name}: {reason}" for name, reason in skipped) or "none committed"
+    return RestoreFloorError(f"{url}: no checkpoint of step {at_least} or newer loads ({tried}); an older one "
+                             f"would go back past step {at_least} (at_least={at_least})")
 
 
 def overwritten_error(url: str, skipped: list[tuple[str, str]], restored: str | None) -> CorruptCheckpointError:

@@ -506,14 +506,17 @@ class CheckpointManager:
         """The URL of step ``step``'s folder (what the framework adapters load from)."""
         return self.folder.url_of(step)
 
-    def restore_latest(self, state: dict[str, Any], *, strict: bool = True, at_most: int | None = None) -> int | None:
+    def restore_latest(self, state: dict[str, Any], *, strict: bool = True, at_most: int | None = None,
+                       at_least: int | None = None) -> int | None:
         """Load the newest checkpoint (with step <= ``at_most``, if given) that every rank can see
         and that loads and verifies.
 
         Returns its step, or None when there is none. Damaged checkpoints
         (uncommitted, unreadable metadata, checksum failures, missing objects)
         are skipped with a logged reason, falling back to older ones; a state
-        that does not match the checkpoint raises instead.
+        that does not match the checkpoint raises instead. ``at_least``: never fall back below
+        that step (:class:`~ckptkit.errors.RestoreFloorError` instead), for a caller that knows
+        of training there that an older step would throw away.
 
         With a memory tier, a step in node memory (own, a peer's copy, a parity rebuild) at least
         as new as the newest persistent checkpoint is restored from there instead. Either way
@@ -523,6 +526,7 @@ class CheckpointManager:
         at_most = None if at_most is None else self._bound(at_most, "at_most")
         self.wait()
         bound = MAX_STEP if at_most is None else at_most
+        floor = -1 if at_least is None else self._bound(at_least, "at_least")
         self.skipped = []
         overwritten = False  # whether a failed memory attempt wrote into `state`
         if self._memory is not None:
@@ -530,7 +534,8 @@ class CheckpointManager:
 
             newest, present, steps = self._common_steps(bound)
             info, overwritten = restore_from_memory(self._memory, state, at_most=at_most,
-                                                    at_least=-1 if newest is None else newest, history=(present, steps))
+                                                    at_least=max(floor, -1 if newest is None else newest),
+                                                    history=(present, steps))
             if info is not None:
                 self._set_lineage([] if newest is None else [newest])
                 self.last_restore = info
@@ -538,7 +543,7 @@ class CheckpointManager:
             if overwritten:
                 self.skipped.append(("memory tier", "a step restored from node memory failed after part of the "
                                                     "state was loaded (see the log)"))
-        return self._restored_persistent(self._restore_persistent(state, strict, bound, overwritten), t0)
+        return self._restored_persistent(self._restore_persistent(state, strict, (floor, bound), overwritten), t0)
 
     def _restored_persistent(self, step: int | None, t0: float) -> int | None:
         """What follows a restore from the persistent checkpoints (``step``, None: none), whoever loaded it."""
@@ -553,12 +558,13 @@ class CheckpointManager:
         self._set_lineage([] if step is None else [step])
         return step
 
-    def restore_latest_with(self, load: Callable[[str], Any], *, at_most: int | None = None) -> tuple[int, Any] | None:
+    def restore_latest_with(self, load: Callable[[str], Any], *, at_most: int | None = None,
+                            at_least: int | None = None) -> tuple[int, Any] | None:
         """:meth:`restore_latest` for a caller that loads a checkpoint its own way (a framework adapter).
 
         ``load(url)`` loads the checkpoint folder at ``url`` into the caller's objects, collectively
         on the manager's ranks, and returns what the caller wants back. The newest committed step
-        (<= ``at_most``) that loads: a damaged one (checksums, missing objects, bad metadata) is
+        (<= ``at_most``, and never below ``at_least``) that loads: a damaged one (checksums, missing objects, bad metadata) is
         skipped with its reason logged and listed in :attr:`skipped`, and the next older one is
         tried; a mismatch between the caller's objects and the checkpoint is raised. Returns
         ``(step, what load returned)``, or None when nothing is committed. Persistent checkpoints only
@@ -569,6 +575,7 @@ class CheckpointManager:
         aside (until 2026-12-06)."""
         t0 = time.perf_counter()
         bound = MAX_STEP if at_most is None else self._bound(at_most, "at_most")
+        floor = -1 if at_least is None else self._bound(at_least, "at_least")
         self.wait()
         self.skipped = []
         got: list[Any] = []
@@ -577,11 +584,13 @@ class CheckpointManager:
             got[:] = [load(self.root.child(name).url)]
             return ()
 
-        step = self._restored_persistent(newest_that_loads(self, load_step, bound, False), t0)
+        step = self._restored_persistent(newest_that_loads(self, load_step, bound, False, floor), t0)
         return None if step is None else (step, got[0])
 
-    def _restore_persistent(self, state: dict[str, Any], strict: bool, bound: int, overwritten: bool) -> int | None:
-        """The newest persistent step that loads into ``state``, skipping damaged ones (:func:`newest_that_loads`)."""
+    def _restore_persistent(self, state: dict[str, Any], strict: bool, bounds: tuple[int, int],
+                            overwritten: bool) -> int | None:
+        """The newest persistent step in ``bounds`` (at least, at most) that loads into ``state``, skipping
+        damaged ones (:func:`newest_that_loads`)."""
         return newest_that_loads(
             self, lambda name: load_state(flatten_state(state), self.root.child(name), self._comm, strict=strict,
-                                          options=self.load_options).missing, bound, overwritten)
+                                          options=self.load_options).missing, bounds[1], overwritten, bounds[0])

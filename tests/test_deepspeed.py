@@ -238,6 +238,16 @@ def test_checkpointer_never_resumes_past_a_newer_native_checkpoint(worlds, saved
     os.rename(os.path.join(root, "global_step6"), os.path.join(root, "global_step3"))
     got = worlds.run(2, job.checkpointer_restore, 2, "fp32", root)[0]
     assert got["error"] is None and got["step"] == 4 and got["client"] == {"last": 4}
+    # the newest ckptkit step damaged: falling back to step 2 would go back past global_step3 (it did, silently,
+    # until 2026-12-06); every rank refuses, naming both
+    from tests.damage import flip_byte
+
+    data = os.path.join(root, "step-0000004", "data")
+    for name in os.listdir(data):
+        flip_byte(os.path.join(data, name), where=0.0)
+    outs = worlds.run(2, job.checkpointer_restore, 2, "fp32", root)
+    assert all(o["error"] and o["error"].startswith("ForeignCheckpointError") for o in outs), outs
+    assert f"{root}/global_step3: a DeepSpeed checkpoint" in outs[0]["error"] and "step-0000004" in outs[0]["error"]
     only = str(tmp_path / "native_only")
     shutil.copytree(f"{folder}/native", only)  # DeepSpeed's own folder: 'latest' and global_step2
     got = worlds.run(2, job.checkpointer_restore, 2, "fp32", only)[0]

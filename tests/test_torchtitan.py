@@ -434,9 +434,17 @@ def test_a_dcp_checkpoint_newer_than_ckptkits_is_never_resumed_past(worlds, save
     assert all(o["error"] and o["error"].startswith("ForeignCheckpointError") for o in outs), outs
     assert f"{folder}/step-8: a torch.distributed.checkpoint (DCP) checkpoint, newer than the newest ckptkit " \
            "checkpoint (step 6)" in outs[0]["error"] and "ckptkit convert" in outs[0]["error"]
-    os.rename(os.path.join(folder, "step-8"), os.path.join(folder, "step-2"))  # older than step 6: no matter
+    os.rename(os.path.join(folder, "step-8"), os.path.join(folder, "step-5"))  # older than step 6: no matter
     got = worlds.run(1, job.load_outcome, "single", folder)[0]
     assert got["error"] is None and got["loaded"] and got["step"] == job.STEPS
+    # unless step 6 is damaged: falling back to step 4 would go back past it (silently, until 2026-12-06)
+    from tests.damage import flip_byte
+
+    damaged = os.path.join(folder, f"step-{job.STEPS}", "data")
+    for name in os.listdir(damaged):
+        flip_byte(os.path.join(damaged, name), where=0.0)
+    got = worlds.run(1, job.load_outcome, "single", folder)[0]
+    assert got["error"].startswith("ForeignCheckpointError") and f"{folder}/step-5: a torch.distributed" in got["error"]
     only = str(tmp_path / "only_dcp")
     shutil.copytree(dcp_step4, os.path.join(only, "step-4"))
     got = worlds.run(1, job.load_outcome, "single", only)[0]

@@ -300,14 +300,12 @@ class DeepSpeedCheckpointer:
         next older one loaded (``self.manager.skipped`` names them), as
         :meth:`ckptkit.CheckpointManager.restore_latest` does. A native DeepSpeed checkpoint
         (``global_stepN``) newer than the newest ckptkit step in the same folder is refused
-        (:func:`ckptkit.adapters.foreign_steps.newest_resumable`): resuming without it would go back in time."""
-        from ckptkit.adapters.foreign_steps import DEEPSPEED, newest_resumable
+        (:func:`ckptkit.adapters.foreign_steps.resume_point`): resuming without it would go back in time; and so
+        is a fallback past damaged steps to one older than such a native checkpoint."""
+        from ckptkit.adapters.foreign_steps import DEEPSPEED, restore_newest
 
-        step = newest_resumable(self.manager, DEEPSPEED)
-        if step is None:
-            return None
-        got = self.manager.restore_latest_with(
-            lambda url: load(self.engine, url, storage_options=self.storage_options), at_most=step)
+        got = restore_newest(self.manager, DEEPSPEED, lambda url: load(self.engine, url,
+                                                                       storage_options=self.storage_options))
         return None if got is None else got[1]
 
     def wait(self) -> None:

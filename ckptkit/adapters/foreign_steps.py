@@ -18,10 +18,10 @@ from __future__ import annotations
 import logging
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from ckptkit.engine.collective import first_rank_does
-from ckptkit.errors import CkptkitError, ForeignCheckpointError
+from ckptkit.errors import CkptkitError, ForeignCheckpointError, RestoreFloorError
 from ckptkit.run_folder import STEP_PATTERN
 
 log = logging.getLogger("ckptkit")
@@ -77,18 +77,22 @@ def _step(m: re.Match[str]) -> int:
     return int(m.group(1) or 0)
 
 
-def refuse_newer(root: Any, folder: str, comm: Any, latest: int | None, kind: ForeignSteps) -> None:
+def refuse_newer(root: Any, folder: str, comm: Any, latest: int | None,
+                 kind: ForeignSteps) -> tuple[int, str] | None:
     """Raise :class:`~ckptkit.errors.ForeignCheckpointError` on every rank if ``folder`` holds a ``kind``
     checkpoint newer than ``latest``, its newest ckptkit checkpoint (any, when None). Rank 0 looks, all
-    agree; a folder rank 0 cannot list fails the resume too (it cannot tell that nothing is newer)."""
-    listed, unlisted = first_rank_does(comm, lambda: steps_after(root, kind, latest), "listing the resume folder")
+    agree; a folder rank 0 cannot list fails the resume too (it cannot tell that nothing is newer).
+    Returns the step and name of the newest ``kind`` checkpoint at or below ``latest`` (None: none),
+    which a resume must not fall back below (:func:`refuse_fallback_past`)."""
+    listed, unlisted = first_rank_does(comm, lambda: steps_after(root, kind, None), "listing the resume folder")
     if unlisted is not None:
         raise ForeignCheckpointError(
             f"{folder}: could not list the folder to make sure no checkpoint there is newer than "
             f"{'none' if latest is None else f'step {latest}'} on rank 0 ({unlisted}); retry once it answers")
-    newer: list[str] = [str(n) for n in listed]
+    steps = [(_step(kind.pattern.match(str(n))), str(n)) for n in listed]  # type: ignore[arg-type]
+    newer = [n for s, n in steps if latest is None or s > latest]
     if not newer:
-        return
+        return max(steps, default=None)
     newest = newer[-1]
     where = f"{folder}/{newest}"
     way = kind.way_on.format(src=f"{folder}/{newest}", folder=folder, name=newest)
@@ -100,13 +104,60 @@ def refuse_newer(root: Any, folder: str, comm: Any, latest: int | None, kind: Fo
         "the newer ones out of the folder")
 
 
-def newest_resumable(manager: Any, kind: ForeignSteps) -> int | None:
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a framework checkpointer's resume may go: ``latest``, the newest ckptkit step (None:
+    none), and ``floor``, the step and folder name of the newest ``kind`` checkpoint at or below it
+    (None: none). A fallback past damaged ckptkit steps must not go below the floor
+    (:func:`refuse_fallback_past`)."""
+
+    latest: int | None
+    floor: tuple[int, str] | None
+    kind: ForeignSteps
+    folder: str
+
+    @property
+    def at_least(self) -> int | None:
+        """The manager's ``at_least`` for this resume (None: no floor)."""
+        return None if self.floor is None else self.floor[0]
+
+
+def resume_point(manager: Any, kind: ForeignSteps) -> ResumePoint:
     """``manager.latest_common_step()`` (a :class:`ckptkit.CheckpointManager`), once no ``kind``
     checkpoint newer than it sits in the manager's folder (:func:`refuse_newer`, on the group the
-    manager agrees on): the one resume check every framework checkpointer makes."""
+    manager agrees on), and the newest ``kind`` checkpoint below it: the one resume check every
+    framework checkpointer makes."""
     latest = manager.latest_common_step()
-    refuse_newer(manager.root, manager.root.url, manager._comm, latest, kind)
-    return latest
+    floor = refuse_newer(manager.root, manager.root.url, manager._comm, latest, kind)
+    return ResumePoint(latest, floor, kind, manager.root.url)
+
+
+def refuse_fallback_past(point: ResumePoint, exc: RestoreFloorError) -> ForeignCheckpointError:
+    """What a resume raises when every ckptkit step from the newest down to ``point.floor`` failed to
+    load (``exc``, the manager's :class:`~ckptkit.errors.RestoreFloorError`): the next older one
+    would silently go back past a ``kind`` checkpoint the run wrote. Until 2026-12-06 only the newest
+    ckptkit step was compared with them, and a fallback past a damaged newest step went on below it."""
+    assert point.floor is not None
+    step, name = point.floor
+    way = point.kind.way_on.format(src=f"{point.folder}/{name}", folder=point.folder, name=name)
+    return ForeignCheckpointError(
+        f"{point.folder}/{name}: {point.kind.what} of step {step}, and no ckptkit checkpoint of that step or newer "
+        f"loads ({exc}); resuming from an older one would go back in time. To resume from it: {way}. To resume "
+        "from the older ckptkit checkpoint instead: move the foreign one out of the folder")
+
+
+def restore_newest(manager: Any, kind: ForeignSteps, load: Callable[[str], Any]) -> tuple[int, Any] | None:
+    """A framework checkpointer's resume through ``manager.restore_latest_with(load)``: the newest
+    ckptkit step that loads, never past a ``kind`` checkpoint of the run (newer than the newest
+    ckptkit step: refused at once; older: refused if the damaged steps above it run out). None when
+    the folder holds no ckptkit checkpoint."""
+    point = resume_point(manager, kind)
+    if point.latest is None:
+        return None
+    try:
+        return manager.restore_latest_with(load, at_most=point.latest, at_least=point.at_least)
+    except RestoreFloorError as exc:  # every ckptkit step from the newest down to the foreign one is damaged
+        raise refuse_fallback_past(point, exc) from exc
 
 
 def warn_uncommitted(root: Any, folder: str) -> None:

@@ -76,7 +76,7 @@ from ckptkit.errors import CheckpointNotFoundError, MissingKeysError, OptionsErr
 from ckptkit.layout.values import decode_value
 from ckptkit.options import AsyncOptions, LoadOptions
 from ckptkit.retention import RetentionPolicy
-from ckptkit.adapters.foreign_steps import DCP, newest_resumable, warn_uncommitted
+from ckptkit.adapters.foreign_steps import DCP, ResumePoint, refuse_fallback_past, resume_point, warn_uncommitted
 from ckptkit.run_folder import StepNaming
 from ckptkit.storage.url import open_store
 
@@ -363,9 +363,9 @@ class CkptkitCheckpointManager(BaseCheckpointManager):
                                         f"{step} ({NAMING.name(step)} or {StepNaming().name(step)}) under {self.folder}")
             self._restore(step, explicit=True)
             return True
-        latest = newest_resumable(self.manager, DCP)  # raises if a newer one cannot be read, or is DCP's
-        if latest is not None:
-            return self._restore(None, explicit=False)
+        point = resume_point(self.manager, DCP)  # raises if a newer one cannot be read, or is DCP's
+        if point.latest is not None:
+            return self._restore(None, explicit=False, point=point)
         warn_uncommitted(self.manager.root, self.folder)
         path = self.config.initial_load_path
         if not path:
@@ -384,8 +384,11 @@ class CkptkitCheckpointManager(BaseCheckpointManager):
         return True
 
     # ------------------------------------------------------------- internals
-    def _restore(self, step: int | None, *, explicit: bool) -> bool:
-        """Load ``step`` (explicit), or the newest checkpoint every rank sees that loads and verifies."""
+    def _restore(self, step: int | None, *, explicit: bool, point: ResumePoint | None = None) -> bool:
+        """Load ``step`` (explicit), or the newest checkpoint every rank sees that loads and verifies,
+        never one older than a DCP checkpoint of the run (``point``: :func:`resume_point`'s)."""
+        from ckptkit.errors import RestoreFloorError
+
         bound = step
         while True:
             if bound is None:
@@ -401,7 +404,11 @@ class CkptkitCheckpointManager(BaseCheckpointManager):
                              options=LoadOptions(per_rank_on_resize="skip"))
                 got = bound
             else:
-                got = self.manager.restore_latest(state, strict=strict, at_most=bound)
+                try:
+                    got = self.manager.restore_latest(state, strict=strict, at_most=bound,
+                                                      at_least=None if point is None else point.at_least)
+                except RestoreFloorError as exc:  # damaged down to a DCP step: older would go back in time
+                    raise refuse_fallback_past(point, exc) from exc  # type: ignore[arg-type]
                 if got is None:
                     return False
             if got == bound:

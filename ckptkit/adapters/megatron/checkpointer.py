@@ -60,16 +60,13 @@ class MegatronCheckpointer:
         the next older one loaded (``self.manager.skipped`` names them), as
         :meth:`ckptkit.CheckpointManager.restore_latest` does. A Megatron checkpoint (``iter_NNNNNNN``)
         newer than the newest ckptkit step in the same folder is refused
-        (:func:`ckptkit.adapters.foreign_steps.newest_resumable`): resuming without it would go back in time."""
-        from ckptkit.adapters.foreign_steps import MEGATRON, newest_resumable
+        (:func:`ckptkit.adapters.foreign_steps.resume_point`): resuming without it would go back in time; and so
+        is a fallback past damaged steps to one older than such a Megatron checkpoint."""
+        from ckptkit.adapters.foreign_steps import MEGATRON, restore_newest
         from ckptkit.adapters.megatron import load
 
-        step = newest_resumable(self.manager, MEGATRON)
-        if step is None:
-            return None
-        got = self.manager.restore_latest_with(
-            lambda url: load(self.model, url, optimizer=self.optimizer, scheduler=self.scheduler,
-                             storage_options=self.storage_options), at_most=step)
+        got = restore_newest(self.manager, MEGATRON, lambda url: load(
+            self.model, url, optimizer=self.optimizer, scheduler=self.scheduler, storage_options=self.storage_options))
         return None if got is None else got[1]
 
     def wait(self) -> None:
