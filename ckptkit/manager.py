@@ -21,6 +21,7 @@ checkpoint's status, retention, gc, read leases — is :mod:`ckptkit.run_folder`
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import operator
 import threading
@@ -421,7 +422,8 @@ class CheckpointManager:
         with self._lineage_lock:
             self._lineage = sorted({*self._lineage, step})
         if self.rank == 0:
-            self.folder.apply_retention(self.retention, after=name, rollback=self._rollback_hold)
+            self.folder.apply_retention(self.retention, after=name, rollback=self._rollback_hold,
+                                        distrusted=frozenset(self._superseded.copy()))  # copy(): atomic
         if isinstance(self.root, TieredStore):
             with self._inflight_lock:
                 keep = frozenset(self._inflight_names)
@@ -543,10 +545,20 @@ class CheckpointManager:
             if overwritten:
                 self.skipped.append(("memory tier", "a step restored from node memory failed after part of the "
                                                     "state was loaded (see the log)"))
-        return self._restored_persistent(self._restore_persistent(state, strict, (floor, bound), overwritten), t0)
+        return self._restored_persistent(lambda: newest_that_loads(
+            self, lambda name: load_state(flatten_state(state), self.root.child(name), self._comm, strict=strict,
+                                          options=self.load_options).missing, bound, overwritten, floor), t0)
 
-    def _restored_persistent(self, step: int | None, t0: float) -> int | None:
-        """What follows a restore from the persistent checkpoints (``step``, None: none), whoever loaded it."""
+    def _restored_persistent(self, restore: Callable[[], int | None], t0: float) -> int | None:
+        """A restore from the persistent checkpoints (``restore()``: the step, None: none), whoever loads
+        it, and what follows. A failed one went past damaged steps all the same: noted, for retention
+        and for the saves of their steps (they counted as good, and deleted the run's new saves)."""
+        try:
+            step = restore()
+        except BaseException:
+            with contextlib.suppress(Exception):  # the restore's own failure is what the caller gets
+                self._note_superseded(None)
+            raise
         self._note_superseded(step)
         if step is not None:
             from ckptkit.memory.restore import RestoreInfo
@@ -584,13 +596,5 @@ class CheckpointManager:
             got[:] = [load(self.root.child(name).url)]
             return ()
 
-        step = self._restored_persistent(newest_that_loads(self, load_step, bound, False, floor), t0)
+        step = self._restored_persistent(lambda: newest_that_loads(self, load_step, bound, False, floor), t0)
         return None if step is None else (step, got[0])
-
-    def _restore_persistent(self, state: dict[str, Any], strict: bool, bounds: tuple[int, int],
-                            overwritten: bool) -> int | None:
-        """The newest persistent step in ``bounds`` (at least, at most) that loads into ``state``, skipping
-        damaged ones (:func:`newest_that_loads`)."""
-        return newest_that_loads(
-            self, lambda name: load_state(flatten_state(state), self.root.child(name), self._comm, strict=strict,
-                                          options=self.load_options).missing, bounds[1], overwritten, bounds[0])

@@ -35,8 +35,12 @@ class BestK:
     mode: Literal["min", "max"] = "min"
 
     def __post_init__(self) -> None:
-        if self.k < 1:
-            raise OptionsError(f"keep_best k must be >= 1, got {self.k}")
+        # an int, as keep_last's: k=2.0 passed here and failed retention on rank 0 alone (a TypeError
+        # after the commit, the other ranks left waiting) until 2026-12-06
+        if not isinstance(self.k, int) or isinstance(self.k, bool) or self.k < 1:
+            raise OptionsError(f"keep_best k must be a positive integer, got {self.k!r}")
+        if not isinstance(self.metric, str):
+            raise OptionsError(f"keep_best metric must be a metric's name (a string), got {self.metric!r}")
         if self.mode not in ("min", "max"):
             raise OptionsError(f"keep_best mode must be 'min' or 'max', got {self.mode!r}")
 
@@ -50,7 +54,7 @@ class RetentionPolicy:
     def __post_init__(self) -> None:
         for name in ("keep_last", "keep_every"):
             v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or v < 1):
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise OptionsError(f"{name} must be a positive integer, got {v!r}")
 
     @property
@@ -171,10 +175,14 @@ def unknown(records: list[Record]) -> list[Record]:
     return [r for r in records if r.status == "unreadable"]
 
 
-def decide(records: list[Record], policy: RetentionPolicy, rollback: RollbackHold | None = None) -> Decision:
+def decide(records: list[Record], policy: RetentionPolicy, rollback: RollbackHold | None = None,
+           distrusted: frozenset[str] = frozenset()) -> Decision:
     """What ``policy`` keeps and deletes among ``records``; with ``rollback``, also keep what spike
-    rollbacks may still restore."""
-    committed = sorted((r for r in records if r.committed), key=lambda r: (r.step, r.name))
+    rollbacks may still restore. ``distrusted``: committed checkpoints known not to load (a restore
+    went past them: their data failed its checksums, which a record's manifest cannot show); neither
+    counted nor deleted, left for a human or for the save that replaces them. Counted, a damaged
+    newest step was kept as "latest" and the ``keep_last`` checkpoints that load were deleted."""
+    committed = sorted((r for r in records if r.committed and r.name not in distrusted), key=lambda r: (r.step, r.name))
     reasons: dict[str, list[str]] = {r.name: [] for r in committed}
     if committed:
         reasons[committed[-1].name].append("latest")

@@ -126,10 +126,14 @@ class RunFolder:
         except CkptkitError as exc:
             log.warning("%s is uncommitted now but not removed: %s", name, exc)
 
-    def apply_retention(self, policy: RetentionPolicy, after: str, rollback: RollbackHold | None = None) -> list[str]:
+    def apply_retention(self, policy: RetentionPolicy, after: str, rollback: RollbackHold | None = None,
+                        distrusted: frozenset[str] = frozenset()) -> list[str]:
         """Delete what ``policy`` does not keep, nor ``rollback`` holds (never a leased one; nothing at
-        all while any folder is unreadable: it may be the newest committed one). Never raises:
-        retention never fails a save."""
+        all while any folder is unreadable: it may be the newest committed one), and never ``after``,
+        the checkpoint just committed (a newer one left by a rewind, or a ``distrusted`` one, passed
+        for the newest before 2026-12-06, and the save was deleted as it committed). ``distrusted``:
+        see :func:`~ckptkit.retention.decide`. Never raises: retention never fails a save (it runs on
+        rank 0 alone; an exception there would leave the other ranks waiting)."""
         if policy.keeps_everything:
             return []
         deleted: list[str] = []
@@ -140,14 +144,16 @@ class RunFolder:
                 log.warning("retention after %s: skipped, %s could not be read (%s)", after, blind[0].name,
                             blind[0].reason)
                 return []
-            for victim in decide(records, policy, rollback).delete:
+            for victim in decide(records, policy, rollback, distrusted).delete:
+                if victim == after:
+                    continue
                 if self.leased(victim):
                     log.info("retention: keeping %s for now, a restore is reading it", victim)
                     continue
                 self.delete(victim)
                 deleted.append(victim)
-        except (CkptkitError, OSError) as exc:
-            log.warning("retention after %s failed: %s", after, exc)
+        except Exception as exc:  # noqa: BLE001 - see above
+            log.warning("retention after %s failed: %s: %s", after, type(exc).__name__, exc)
         return deleted
 
     def discard_after(self, step: int) -> list[str]:
