@@ -236,6 +236,44 @@ def test_ranks_disagreeing_about_a_plain_tensor_is_refused_naming_it(worlds, tmp
     assert all(o.startswith("save failed") and re.search(pattern, o) for o in out), out
 
 
+def ask_for_per_rank_values_of_others(path: str, holders: list[int]) -> dict:
+    """Only ``holders`` save a data-loader position and a generator; then every rank loads asking for
+    both: strict, then non-strict. What each rank got back."""
+    rank = dist.get_rank()
+    state: dict = {"w": torch.full((2,), float(rank))}
+    if rank in holders:
+        state["loader"] = ckptkit.PerRank({"pos": 100 + rank})
+        state["rng"] = torch.Generator().manual_seed(1000 + rank)
+    ckptkit.save(state, path)
+    out: dict = {}
+    for strict in (True, False):
+        gen = torch.Generator().manual_seed(7)
+        want = {"w": torch.zeros(2), "loader": ckptkit.PerRank({"pos": -1}), "rng": gen}
+        try:
+            res = ckptkit.load(want, path, strict=strict)
+            out[strict] = {"pos": want["loader"].value["pos"], "missing": sorted(res.missing),
+                           "rng": torch.equal(gen.get_state(), torch.Generator().manual_seed(1000 + rank).get_state())}
+        except ckptkit.CkptkitError as exc:
+            out[strict] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+@pytest.mark.parametrize("holders", [[1], [0, 2]])
+def test_a_per_rank_value_another_rank_saved_is_missing_not_kept(worlds, tmp_path, holders):
+    """A rank that asks for a per-rank value or generator it did not save (another rank did) kept its own
+    without a word, even under strict=True, until 2026-12-06. Strict: every rank fails, naming the keys
+    and the rank; non-strict: listed in ``missing``, this rank's own kept; a rank that saved them gets them."""
+    outs = worlds.run(WORLD, ask_for_per_rank_values_of_others, str(tmp_path / "c"), holders)
+    for rank, out in enumerate(outs):
+        assert isinstance(out[True], str), (rank, out)
+        lacking = [r for r in range(WORLD) if r not in holders]
+        assert f"not by rank {lacking[0]}" in out[True] or f"not by rank {rank}" in out[True], (rank, out)
+        if rank in holders:
+            assert out[False] == {"pos": 100 + rank, "missing": [], "rng": True}, (rank, out)
+        else:
+            assert out[False] == {"pos": -1, "missing": ["loader", "rng"], "rng": False}, (rank, out)
+
+
 # ---------------------------------------------------------------- the class: random per-rank states
 
 @settings(max_examples=trials(30, 300), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,

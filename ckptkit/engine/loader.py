@@ -312,7 +312,7 @@ def _load(flat: FlatState, store: ByteStore, comm: Comm, strict: bool, options: 
             f"per-rank values {keys_pr[:4]} cannot be matched to ranks (LoadOptions(per_rank_on_resize='skip') keeps the current ones)"
         )
     own = {comm.rank} if per_rank_needed and not resized else set()
-    nbytes, error, reading = _read_into_state(session, ops, own, plan, flat, comm, options, resized)
+    nbytes, error, reading = _read_into_state(session, ops, own, plan, flat, comm, options, resized, strict)
     record.phase("agreement")
     try:
         outcomes = _agree(comm, error, time.perf_counter() - t0, nbytes, where)
@@ -333,7 +333,8 @@ def _load(flat: FlatState, store: ByteStore, comm: Comm, strict: bool, options: 
 
 
 def _read_into_state(session: ReadSession, ops: list[CopyOp], own: set[int], plan: _Plan, flat: FlatState,
-                     comm: Comm, options: LoadOptions, resized: bool) -> tuple[int, BaseException | None, bool]:
+                     comm: Comm, options: LoadOptions, resized: bool,
+                     strict: bool) -> tuple[int, BaseException | None, bool]:
     """Plan the reads, read (once per job when ranks share bytes), place, assign values. Returns the
     bytes this rank read from storage, its error, if any (not raised: the caller agrees on it), and
     whether reading into this rank's tensors began (from then on a failure leaves them partly
@@ -350,8 +351,11 @@ def _read_into_state(session: ReadSession, ops: list[CopyOp], own: set[int], pla
     error: BaseException | None = None
     try:
         read_plan = session.plan(ops, extra_ranks=own)  # reads the writers' indexes: may find damage
+        if own and not resized:
+            _check_own_per_rank(flat, session.indexes(own).get(comm.rank), where, comm.rank,
+                                None if strict else plan.missing)
     except Exception as exc:  # noqa: BLE001 - carried through the collective below, then re-raised
-        error = exc
+        error, read_plan = exc, None
     assert session.progress is not None
     session.progress.phase("reading")
     try:
@@ -430,6 +434,20 @@ def _check_own_split_values(flat: FlatState, manifest: Manifest, rank: int, wher
         if groups is not None and not any(rank in ranks for _, ranks in groups):
             raise MissingKeysError(f"{where}: value {leaf.key!r} was saved per rank (the saving ranks held "
                                    f"different values) and rank {rank} held none")
+
+
+def _check_own_per_rank(flat: FlatState, own_index: Index | None, where: str, rank: int,
+                        missing: list[str] | None) -> None:
+    """Before any byte is read: a per-rank value or generator this rank did not save, though another
+    rank did, is added to ``missing`` (a non-strict load), or :class:`MissingKeysError` (``missing``
+    None: strict). Until 2026-12-06 it kept the state's own without a word, even under ``strict=True``."""
+    held = {} if own_index is None else own_index.values
+    absent = [leaf.key for leaf in (*flat.generators, *flat.per_rank) if leaf.key not in held]
+    if absent and missing is None:
+        raise MissingKeysError(f"{where}: per-rank value(s) {', '.join(repr(k) for k in absent[:8])} were saved by "
+                               f"other ranks, not by rank {rank} (pass strict=False to keep this rank's own)")
+    if missing is not None:
+        missing.extend(k for k in absent if k not in missing)
 
 
 def _assign_values(flat: FlatState, manifest: Manifest, own_index: Index | None, where: str,
