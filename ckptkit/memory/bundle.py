@@ -230,12 +230,17 @@ class IncomingBundle(_Closing):
         if short:
             name, size, got = short[0]
             raise CorruptCheckpointError(f"{self.store.url}: {got} of the {size} bytes of {name!r} arrived")
-        for fd in self._fds:
-            if fd is not None:
-                os.fsync(fd)
         manifest = bytes(self._manifest)
-        self.close()
-        self.store.write_object(MANIFEST_NAME, [manifest])
+        try:
+            for fd in self._fds:
+                if fd is not None:
+                    os.fsync(fd)
+            self.close()
+            self.store.write_object(MANIFEST_NAME, [manifest])
+        except StorageError:
+            raise
+        except OSError as exc:  # the manifest's file cannot be made (a folder out of room or inodes)
+            raise StorageError(f"{self.store.url}: cannot commit the received copy: {exc}") from exc
         return self.store
 
     def close(self) -> None:

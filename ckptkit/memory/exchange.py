@@ -56,6 +56,18 @@ def _write(sink: IncomingBundle, msg: tuple[int, int, int], inbox: bytearray) ->
     return None
 
 
+def _attempt(work: Callable[[], object]) -> BaseException | None:
+    """Run ``work``; its failure, if any, instead of raising it. For the steps of a walk that are this
+    rank's alone (committing a received copy, closing its files): raised, such a failure would
+    leave the walk here, and every later move of this rank would never be made while its peers
+    waited for it until the group's timeout."""
+    try:
+        work()
+    except Exception as exc:  # noqa: BLE001 - that move's reason, reported once the walk is complete
+        return exc
+    return None
+
+
 def _u8(buf: bytes | bytearray | memoryview) -> torch.Tensor:
     """A uint8 tensor over ``buf`` without a copy (read-only buffers are only ever sent)."""
     with warnings.catch_warnings():
@@ -206,7 +218,13 @@ class Link:
 
         The receiver answers the header before any file moves: a header it refuses (or a sender that
         could not open its copy, which sends an empty header) ends that move on both sides, so one
-        bad copy never leaves the next move's messages out of step."""
+        bad copy never leaves the next move's messages out of step. Whatever fails on this rank's own
+        side of a move (opening, writing, committing or closing a copy) becomes that move's reason and
+        the walk goes on: every send and receive this rank promised is made, so no later move's peer
+        waits for it until the group's timeout (until 2026-12-06 a failed commit left the walk and
+        skipped this rank's later sends). A failure of the transport itself (a lost peer, the group's
+        timeout) is the group's and ends the walk: a pair whose messages may be out of step is not
+        read from again."""
         got: dict[Hashable, str | None] = {}
         for sender, receiver, key in moves:
             if sender == self.rank:
@@ -233,7 +251,7 @@ class Link:
                     dist.send(_u8(out.parts[i][at:at + n]), peer, group=self.group)
         finally:
             if out is not None:
-                out.close()
+                _attempt(out.close)  # a view a failed message still holds: unmapped when it goes
 
     def _receive_bundle(self, peer: int, open_in: Callable[[Hashable, bytearray], IncomingBundle],
                         key: Hashable) -> str | None:
@@ -256,8 +274,12 @@ class Link:
         def start(k: int) -> tuple[list[Any], list[Any]]:
             return [], [dist.irecv(self._inboxes_t[k % 2][:msgs[k][2]], peer, group=self.group)]
 
-        with sink, self._inbox_lock:
-            failed = self._pipeline(len(msgs), start, msgs, sink)
+        try:
+            with self._inbox_lock:
+                failed = self._pipeline(len(msgs), start, msgs, sink)
             if failed is None:
-                sink.commit()
+                failed = _attempt(sink.commit)  # the manifest's write: a full folder fails it too
+        finally:
+            closed = _attempt(sink.close)
+        failed = failed or closed
         return None if failed is None else f"{type(failed).__name__}: {failed}"

@@ -25,8 +25,9 @@ import stat
 from dataclasses import dataclass
 from typing import Any
 
-from ckptkit.errors import CkptkitError, CorruptCheckpointError, StorageError
+from ckptkit.errors import CkptkitError, CorruptCheckpointError, ManifestError, StorageError
 from ckptkit.layout.manifest import MANIFEST_NAME
+from ckptkit.layout.strict_json import MAX_WORLD, as_int, as_ints, as_list, as_str, load_json
 from ckptkit.memory import digest
 from ckptkit.memory.bundle import MAX_HEADER, BundleSink, IncomingBundle, OutgoingBundle
 from ckptkit.memory.spares import MIN_SPARE, RecyclingStore, SparePool
@@ -77,19 +78,28 @@ class ShareHeader:
 
     @staticmethod
     def from_json(data: bytes, where: str) -> ShareHeader:
+        """The header in ``data``, parsed as hostile input (docs/trust.md): strict JSON (no ``NaN`` or
+        ``Infinity``, no number that overflows, bounded nesting), every field of its exact type and
+        every integer bounded. A header is read by each rank's inventory before the restore's first
+        agreement, so anything wrong with it must be a :class:`CorruptCheckpointError` naming the file:
+        a ``RecursionError`` or an ``OverflowError`` (``int(inf)``) left one rank's restore alone."""
         try:
-            doc = json.loads(data)
-            members = tuple(int(m) for m in doc["members"])
-            header = ShareHeader(int(doc["step"]), members, int(doc["index"]), int(doc["chunk"]),
-                                 tuple(int(n) for n in doc["lengths"]), tuple(str(d) for d in doc["digests"]),
-                                 str(doc["share_digest"]), doc["run"] if doc.get("version") == 3 else None)
-        except (ValueError, KeyError, TypeError) as exc:
-            raise CorruptCheckpointError(f"{where}: not a parity share header: {exc}") from None
-        g = len(header.members)
-        if doc.get("version") not in (1, 2, SHARE_VERSION) or (doc.get("version") == 3) != isinstance(header.run, str) \
-                or g < 2 or not 0 <= header.index < g \
-                or len(header.lengths) != g or len(header.digests) != g or header.chunk < 0 \
-                or any(n < 0 or n > (g - 1) * header.chunk for n in header.lengths):
+            doc = load_json(bytes(data), where)
+            version = doc.get("version")
+            members = as_ints(doc.get("members"), f"{where}: members", 0, MAX_WORLD - 1, max_len=MAX_WORLD)
+            g = len(members)
+            header = ShareHeader(as_int(doc.get("step"), f"{where}: step", 0), members,
+                                 as_int(doc.get("index"), f"{where}: index", 0, max(g - 1, 0)),
+                                 as_int(doc.get("chunk"), f"{where}: chunk", 0),
+                                 as_ints(doc.get("lengths"), f"{where}: lengths", 0, max_len=g),
+                                 tuple(as_str(d, f"{where}: digests") for d in as_list(doc.get("digests"), where)),
+                                 as_str(doc.get("share_digest"), f"{where}: share_digest"),
+                                 as_str(doc.get("run"), f"{where}: run") if version == 3 else None)
+        except ManifestError as exc:
+            raise CorruptCheckpointError(f"not a parity share header: {exc}") from None
+        if version not in (1, 2, SHARE_VERSION) or isinstance(version, bool) or g < 2 or len(set(members)) != g \
+                or len(header.lengths) != g or len(header.digests) != g \
+                or any(n > (g - 1) * header.chunk for n in header.lengths):
             raise CorruptCheckpointError(f"{where}: inconsistent parity share header")
         return header
 
@@ -237,12 +247,15 @@ class NodeFolder:
         """Make ``step``'s folder a real directory before writing in it: a file or a link in its
         place is removed (unlinked, never followed), so no write goes through it."""
         path = self.step_path(step)
-        if os.path.lexists(path) and not _real_dir(path):
-            try:
-                os.unlink(path)
-            except FileNotFoundError:  # a node mate removed it first
-                pass
-        os.makedirs(path, exist_ok=True)
+        try:
+            if os.path.lexists(path) and not _real_dir(path):
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:  # a node mate removed it first
+                    pass
+            os.makedirs(path, exist_ok=True)
+        except OSError as exc:  # a full folder, out of inodes: the caller's failure to agree on, by name
+            raise StorageError(f"memory tier: cannot make the step folder {path}: {exc}") from exc
 
     def steps(self) -> list[int]:
         """Steps with a folder here (a real directory), newest first."""
@@ -335,7 +348,9 @@ class NodeFolder:
         return os.path.join(self.step_path(step), f"share-{holder:05d}{ext}")
 
     def remove_rank(self, step: int, rank: int) -> None:
-        """Remove a rank's folder at ``step``; a file or a link in its place is unlinked (not followed)."""
+        """Remove a rank's folder at ``step``; a file or a link in its place is unlinked (not followed).
+        A failure is a :class:`StorageError` naming the path (a caller in a walk every rank joins
+        reports it as that entry's, never as a raw ``OSError`` that ends the walk)."""
         if not _real_dir(self.step_path(step)):
             return
         path = os.path.join(self.step_path(step), rank_name(rank))
@@ -344,6 +359,8 @@ class NodeFolder:
                 os.unlink(path)
             except FileNotFoundError:
                 pass
+            except OSError as exc:
+                raise StorageError(f"memory tier: cannot remove {path}: {exc}") from exc
         else:
             shutil.rmtree(path, ignore_errors=True)
 

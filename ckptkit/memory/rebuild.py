@@ -21,9 +21,9 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
-from ckptkit.errors import CorruptCheckpointError, StorageError
+from ckptkit.errors import CorruptCheckpointError
 from ckptkit.memory import parity
-from ckptkit.memory.bundle import BundleBytes
+from ckptkit.memory.bundle import BundleBytes, BundleSink
 from ckptkit.memory.exchange import Link
 from ckptkit.memory.node_folder import NodeFolder
 from ckptkit.memory.topology import Source
@@ -100,45 +100,77 @@ def walk(link: Link | None, me: int, local_ids: Sequence[str], folder: NodeFolde
          rebuilds: Sequence[Rebuild]) -> LocalStore | None:
     """Carry out ``rebuilds`` (every rank calls this with the same list); return this rank's
     rebuilt folder, committed, when it is one of them (else None). Raises on the rebuilt rank
-    only, after the walk is complete, so every other rank's part of it ends too."""
+    only, after the walk is complete, so every other rank's part of it ends too: anything that
+    fails on this rank's side of a window (writing the rebuilt copy into its node folder: a full
+    folder, one out of inodes, any other error) becomes the rebuild's failure and the walk goes on,
+    every window of every rebuild sent or received as promised. (Until 2026-12-06 a raw ``OSError``
+    from making the step folder left the walk on the rebuilt rank, and the holders of its later
+    windows, and of any later rebuild's, waited in their sends until the group's timeout.)"""
     result: LocalStore | None = None
-    problem: str | None = None
+    failure: CorruptCheckpointError | None = None
     with ExitStack() as stack:
         inputs = _Inputs(folder, rebuilds[0].step if rebuilds else 0, stack)
         for rb in rebuilds:
-            mine = rb.rank == me
-            sink = stack.enter_context(folder.rebuilt(rb.step, rb.rank, rb.length, rb.digest)) if mine else None
-            width = min(parity.WINDOW, rb.chunk)
-            acc, buf = bytearray(width if mine else 0), bytearray(width)
-            for w in parity.rebuild_windows(rb.me, len(rb.members), rb.chunk, width):
-                view = memoryview(acc)[: w.n]
-                sources = [("share", rb.share_holders[w.share], rb.members[w.share], w.off)]
-                sources += [("copy", rb.copy_holders[i], rb.members[i], at) for i, at in zip(w.members, w.member_at)]
-                for k, (kind, holder, of, at) in enumerate(sources):
-                    got = _window(link, me, rb.rank, holder, local_ids, inputs, kind, of, at, memoryview(buf)[: w.n])
-                    if mine and problem is None:
-                        if isinstance(got, str):
-                            problem = got
-                        elif k == 0:
-                            view[:] = got
-                        else:
-                            parity.xor_into(view, got)
-                if mine and problem is None:
-                    try:
-                        sink.feed(view[: max(0, min(w.n, rb.length - w.at))])  # type: ignore[union-attr]
-                    except (CorruptCheckpointError, StorageError) as exc:  # damaged bytes, a full folder
-                        problem = str(exc)
-            if mine:
-                if problem is not None:
-                    folder.remove_rank(rb.step, rb.rank)
-                    raise CorruptCheckpointError(f"memory tier: rebuilding rank {rb.rank}'s snapshot of step "
-                                                 f"{rb.step} from parity failed: {problem}")
+            if rb.rank != me:
+                _serve(link, me, local_ids, inputs, rb)
+                continue
+            sink = stack.enter_context(folder.rebuilt(rb.step, rb.rank, rb.length, rb.digest))
+            problem = _receive(link, me, local_ids, inputs, rb, sink)
+            if problem is None:
                 try:
-                    result = sink.commit()  # type: ignore[union-attr]
-                except CorruptCheckpointError:
+                    result = sink.commit()
+                except Exception as exc:  # noqa: BLE001 - a digest that differs, a manifest not written
+                    problem = f"{type(exc).__name__}: {exc}"
+            if problem is not None:
+                try:
                     folder.remove_rank(rb.step, rb.rank)
-                    raise
+                except Exception as exc:  # noqa: BLE001 - left for the next snapshot's tidying
+                    problem += f" (and its half-written folder could not be removed: {exc})"
+                failure = CorruptCheckpointError(f"memory tier: rebuilding rank {rb.rank}'s snapshot of step "
+                                                 f"{rb.step} from parity failed: {problem}")
+    if failure is not None:
+        raise failure
     return result
+
+
+def _sources(rb: Rebuild, w: parity.RebuildWindow) -> list[tuple[str, int, int, int]]:
+    """(kind, holder, rank it is of, offset) of every input of window ``w``: its share first."""
+    sources = [("share", rb.share_holders[w.share], rb.members[w.share], w.off)]
+    return sources + [("copy", rb.copy_holders[i], rb.members[i], at) for i, at in zip(w.members, w.member_at)]
+
+
+def _serve(link: Link | None, me: int, local_ids: Sequence[str], inputs: _Inputs, rb: Rebuild) -> None:
+    """This rank's part of another rank's rebuild: send every window it holds, in the walk's order."""
+    buf = bytearray(min(parity.WINDOW, rb.chunk))
+    for w in parity.rebuild_windows(rb.me, len(rb.members), rb.chunk, len(buf)):
+        for kind, holder, of, at in _sources(rb, w):
+            _window(link, me, rb.rank, holder, local_ids, inputs, kind, of, at, memoryview(buf)[: w.n])
+
+
+def _receive(link: Link | None, me: int, local_ids: Sequence[str], inputs: _Inputs, rb: Rebuild,
+             sink: BundleSink) -> str | None:
+    """Rebuild this rank's snapshot into ``sink``, window by window; why it failed, or None. Every
+    window's inputs are received even after a failure, so their holders' sends all complete."""
+    problem: str | None = None
+    width = min(parity.WINDOW, rb.chunk)
+    acc, buf = bytearray(width), bytearray(width)
+    for w in parity.rebuild_windows(rb.me, len(rb.members), rb.chunk, width):
+        view = memoryview(acc)[: w.n]
+        for k, (kind, holder, of, at) in enumerate(_sources(rb, w)):
+            got = _window(link, me, rb.rank, holder, local_ids, inputs, kind, of, at, memoryview(buf)[: w.n])
+            if problem is None:
+                if isinstance(got, str):
+                    problem = got
+                elif k == 0:
+                    view[:] = got
+                else:
+                    parity.xor_into(view, got)
+        if problem is None:
+            try:
+                sink.feed(view[: max(0, min(w.n, rb.length - w.at))])
+            except Exception as exc:  # noqa: BLE001 - damaged bytes, a full folder, a step folder not made
+                problem = f"{type(exc).__name__}: {exc}"
+    return problem
 
 
 def _window(link: Link | None, me: int, rebuilt: int, holder: int, local_ids: Sequence[str], inputs: _Inputs,

@@ -41,8 +41,9 @@ from ckptkit.engine.collective import LocalComm
 from ckptkit.engine.loader import load_state, overwrote_state
 from ckptkit.engine.metadata_io import read_manifest
 from ckptkit.engine.state import flatten_state
-from ckptkit.errors import CkptkitError, CorruptCheckpointError
-from ckptkit.layout.strict_json import MAX_LAYOUT_INT
+from ckptkit.errors import CorruptCheckpointError, ManifestError
+from ckptkit.layout.manifest import MANIFEST_NAME
+from ckptkit.layout.strict_json import MAX_LAYOUT_INT, MAX_WORLD, as_dict, as_int, as_str
 from ckptkit.layout.values import decode_value
 from ckptkit.memory import rebuild
 from ckptkit.memory.local_view import LocalView, local_view
@@ -73,47 +74,75 @@ class _Copy:
 
 def _inventory(tier: MemorySnapshots, at_most: int, history: tuple[int, tuple[int, ...]]) -> dict[int, dict[str, Any]]:
     """step -> {"copies": [_Copy...], "shares": [(holder, members, index)]} of what this process
-    manages, leaving out what belongs to another run or to a history deleted since (:func:`_foreign`)."""
+    manages, leaving out what belongs to another run or to a history deleted since (:func:`_foreign`).
+
+    Each entry is read alone, and *any* failure to read one (a damaged or hostile manifest or share
+    header: whatever it raises) makes that entry unusable, logged with its file, never this rank's
+    restore: the inventory comes before the restore's first agreement, and a rank that left here
+    would leave every other rank waiting in it until the group's timeout."""
     out: dict[int, dict[str, Any]] = {}
     for step in tier.folder.steps():
         if step > at_most:
             continue
-        copies, foreign = [], None
+        copies, shares, foreign = [], [], None
         for r in tier.folder.ranks_at(step):
-            if not tier.claims(r):
-                continue
-            try:
-                meta = decode_value(read_manifest(tier.folder.rank_store(step, r)).meta.get("user", {}), "memory tier")
-                copy = _Copy(int(meta["rank"]), int(meta["world_size"]), str(meta["fingerprint"]))
-                if (int(meta["step"]), copy.rank) != (step, r):
-                    raise ValueError(f"it records step {meta['step']}, rank {meta['rank']}: moved from elsewhere")
-            except (CkptkitError, OSError, KeyError, TypeError, ValueError, AttributeError) as exc:
-                log.warning("memory tier: step %d, rank %d's copy at %s is unreadable, not used: %s",
-                            step, r, tier.folder.root, exc)
-                continue
-            why = _foreign(meta, step, tier.run_id, history)
-            if why is None:
-                copies.append(copy)
-            else:
-                foreign = foreign or why
-        shares = []
+            if tier.claims(r):
+                where = f"{tier.folder.rank_store(step, r).url} (rank {r}'s copy of step {step})"
+                got = _entry(where, lambda: _copy_entry(tier, step, r, history))
+                if isinstance(got, _Copy):
+                    copies.append(got)
+                elif got is not None:
+                    foreign = foreign or got
         for h in tier.folder.shares_at(step):
             if tier.claims(h):
-                try:
-                    header = tier.folder.share_header(step, h)
-                except (CkptkitError, OSError) as exc:
-                    log.warning("memory tier: step %d, parity share %d unreadable, not used: %s", step, h, exc)
-                    continue
-                why = _foreign({"run": header.run}, step, tier.run_id, history, lineage=False)
-                if why is None:
-                    shares.append((h, header.members, header.index, header.chunk, header.lengths, header.digests))
-                else:
-                    foreign = foreign or why
+                where = f"{tier.folder.step_path(step)}/share-{h:05d}.json (parity share {h} of step {step})"
+                got = _entry(where, lambda: _share_entry(tier, step, h, history))
+                if isinstance(got, tuple):
+                    shares.append(got)
+                elif got is not None:
+                    foreign = foreign or got
         if foreign is not None:
             log.warning("memory tier: step %d in %s is not restored: %s", step, tier.folder.root, foreign)
         if copies or shares:
             out[step] = {"copies": copies, "shares": shares}
     return out
+
+
+def _entry(where: str, read: Any) -> Any:
+    """``read()``: an entry, or why it is another run's (a string), or None when it cannot be read at
+    all, whatever it raised (logged, naming ``where``)."""
+    try:
+        return read()
+    except Exception as exc:  # noqa: BLE001 - any failure is this entry's, never a rank leaving the restore
+        log.warning("memory tier: %s is unreadable, not used: %s: %s", where, type(exc).__name__, exc)
+        return None
+
+
+def _copy_entry(tier: MemorySnapshots, step: int, r: int, history: tuple[int, tuple[int, ...]]) -> _Copy | str | None:
+    """Rank ``r``'s copy of ``step`` as its manifest records it (checked: exact types, bounded
+    integers), or why it is not this run's; CorruptCheckpointError naming the manifest if damaged."""
+    store = tier.folder.rank_store(step, r)
+    where = f"{store.url}/{MANIFEST_NAME}"
+    try:
+        meta = as_dict(decode_value(read_manifest(store).meta.get("user", {}), "memory tier"), f"{where}: user")
+        copy = _Copy(as_int(meta.get("rank"), f"{where}: rank", 0, MAX_WORLD - 1),
+                     as_int(meta.get("world_size"), f"{where}: world_size", 1, MAX_WORLD),
+                     as_str(meta.get("fingerprint"), f"{where}: fingerprint"))
+        recorded = as_int(meta.get("step"), f"{where}: step", 0)
+    except ManifestError as exc:
+        raise CorruptCheckpointError(str(exc)) from None
+    if (recorded, copy.rank) != (step, r):
+        raise CorruptCheckpointError(f"{where}: it records step {recorded}, rank {copy.rank}: moved from elsewhere")
+    why = _foreign(meta, step, tier.run_id, history)
+    return copy if why is None else why
+
+
+def _share_entry(tier: MemorySnapshots, step: int, h: int,
+                 history: tuple[int, tuple[int, ...]]) -> tuple[Any, ...] | str:
+    """Parity share ``h`` of ``step`` as its header records it, or why it is not this run's."""
+    header = tier.folder.share_header(step, h)
+    why = _foreign({"run": header.run}, step, tier.run_id, history, lineage=False)
+    return (h, header.members, header.index, header.chunk, header.lengths, header.digests) if why is None else why
 
 
 def _foreign(meta: dict[str, Any], step: int, run_id: str, history: tuple[int, tuple[int, ...]], *,

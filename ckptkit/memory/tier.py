@@ -353,20 +353,37 @@ class MemorySnapshots:
                 self.folder.remove_claimed(s, self.claims)
 
     def _check_budget(self, mine: int) -> None:
-        """The node's snapshots (two steps, with their protection) against the budget. Collective."""
-        sizes = self.comm.all_gather(mine)
+        """The node's snapshots (two steps, with their protection) against the budget. Collective.
+
+        Against the folder's free space, what this process's entries already hold there counts as
+        room it has: after a restart the folder keeps the newest step, the older of the two the
+        budget counts, which the next snapshot's retirement frees or reuses. Counted once as part of
+        ``needed`` and again as space taken, it failed every snapshot after a restart on a folder
+        sized for two steps (until 2026-12-06)."""
+        held = sum(self.folder.data_bytes(s, self.claims) for s in self.folder.steps())
+        sizes = self.comm.all_gather((mine, held))
         node = self.topology.node_of(self.rank)
-        state = sum(b for r, b in enumerate(sizes) if self.topology.node_of(r) == node)
+        state = sum(b for r, (b, _) in enumerate(sizes) if self.topology.node_of(r) == node)
         needed = int(2 * self.options.host_factor() * state)
         if self.options.max_host_bytes is not None:
-            budget, what = self.options.max_host_bytes, "MemoryTier.max_host_bytes"
+            budget, what, room = self.options.max_host_bytes, "MemoryTier.max_host_bytes", 0
         else:
             budget, what = shutil.disk_usage(self.folder.root).free, f"the free space of {self.folder.root}"
-        over = needed > budget
+            room = sum(h for r, (_, h) in enumerate(sizes) if self.topology.node_of(r) == node)
+        over = needed - room > budget
         if self.comm.any_flags([over])[0]:
+            kept = f" (less {_size(room)} its snapshots already hold there)" if room else ""
             raise SaveError(
-                f"memory tier: node {node} needs {needed / 2**30:.2f} GiB of host memory for its snapshots "
-                f"(2 steps x {self.options.host_factor():.2f} x {state / 2**30:.2f} GiB of state) but {what} is "
-                f"{budget / 2**30:.2f} GiB" if over else "memory tier: another node's snapshots exceed its budget"
+                f"memory tier: node {node} needs {_size(needed)} of host memory for its snapshots{kept} "
+                f"(2 steps x {self.options.host_factor():.2f} x {_size(state)} of state) but {what} is "
+                f"{_size(budget)}" if over else "memory tier: another node's snapshots exceed its budget"
             )
         self._budget_checked = True
+
+
+def _size(n: int | float) -> str:
+    """``n`` bytes in the unit that shows it (a 3 MiB state read "0.00 GiB" before)."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if abs(n) >= 1 << shift:
+            return f"{n / (1 << shift):.2f} {unit}"
+    return f"{int(n)} bytes"
