@@ -262,7 +262,9 @@ def remap_records(
             consumed = sum(_sampler_yielded(rec) for rec in ordered)
         elif kind == CONTIGUOUS:
             consumed = sum(int(rec["state"].get("dataset_state", {}).get("sample_idx", 0)) for rec in ordered)
-        return [copy.deepcopy(dict(rec["state"])) for rec in ordered], RemapReport(kind, world, world, True, consumed, 0, 0)
+        states = [copy.deepcopy(dict(normalize_sampler_state(rec["state"], f"dp rank {rec['dp_rank']}")))
+                  if kind == INTERLEAVED else copy.deepcopy(dict(rec["state"])) for rec in ordered]
+        return states, RemapReport(kind, world, world, True, consumed, 0, 0)
     if kind == INTERLEAVED:
         return _remap_interleaved(ordered, new_world, policy)
     if kind == CONTIGUOUS:
@@ -274,6 +276,41 @@ def remap_records(
     )
 
 
+def sampler_position(it: Any, where: str) -> int | None:
+    """Samples the batch sampler yielded, from its state ``{'samples_yielded', 'sampler_state': {'yielded'}}``
+    (None: no such state). The outer count is the truth: a ``StatefulDistributedSampler`` reports its own
+    ``yielded`` from inside its generator, which only runs at the first batch, so right after
+    ``load_state_dict`` it still reads 0 next to the loaded count, and right after a new epoch's ``iter()``
+    the last epoch's total next to 0. A state saved there and trusted restarted the epoch (or skipped it).
+    Any other disagreement has no such explanation and is refused."""
+    if not isinstance(it, Mapping):
+        return None
+    inner = it.get("sampler_state")
+    inner = inner.get("yielded") if isinstance(inner, Mapping) else None
+    outer = it.get("samples_yielded")
+    if outer is None or inner is None:
+        return None if outer is None and inner is None else int(outer if inner is None else inner)
+    outer, inner = int(outer), int(inner)
+    if inner != outer and inner != 0 and outer != 0:
+        raise DataLoaderRemapError(
+            f"{where}: the batch sampler yielded {outer} samples, its sampler says {inner}; they differ only "
+            "before a loaded or new iterator's first batch (one of them 0), so the position is unknown")
+    return outer
+
+
+def normalize_sampler_state(state: Any, where: str) -> Any:
+    """``state`` (a StatefulDataLoader state) with the sampler's own count set to the batch sampler's
+    (:func:`sampler_position`), so that loading it resumes where the loader was, not at a stale count."""
+    it = state.get("_sampler_iter_state") if isinstance(state, Mapping) else None
+    inner = it.get("sampler_state") if isinstance(it, Mapping) else None
+    if not (isinstance(inner, Mapping) and "yielded" in inner and "samples_yielded" in it):  # type: ignore[operator]
+        return state
+    position = sampler_position(it, where)
+    if position == inner["yielded"]:
+        return state
+    return {**state, "_sampler_iter_state": {**it, "sampler_state": {**inner, "yielded": position}}}  # type: ignore[dict-item]
+
+
 def _sampler_yielded(rec: Mapping[str, Any]) -> int:
     where = f"dp rank {rec['dp_rank']}"
     state = rec["state"]
@@ -282,11 +319,10 @@ def _sampler_yielded(rec: Mapping[str, Any]) -> int:
             f"{where}: the loader state holds dataset state besides the sampler position; ckptkit cannot "
             "tell how it depends on the DP rank"
         )
-    it = _get(state, ("_sampler_iter_state",), where)
-    inner = it.get("sampler_state") if isinstance(it, Mapping) else None
-    if isinstance(inner, Mapping) and "yielded" in inner:
-        return int(inner["yielded"])
-    return int(_get(state, ("_sampler_iter_state", "samples_yielded"), where))
+    position = sampler_position(_get(state, ("_sampler_iter_state",), where), where)
+    if position is None:
+        raise DataLoaderRemapError(f"{where}: the data-loader state has no '_sampler_iter_state/samples_yielded'")
+    return position
 
 
 def _remap_interleaved(records: Sequence[Mapping[str, Any]], new_world: int, policy: Policy) -> tuple[list[dict[str, Any]], RemapReport]:

@@ -68,10 +68,11 @@ from torchtitan.tools import filesystem
 
 import ckptkit
 from ckptkit.adapters import dataloader_remap as remap
+from ckptkit.adapters.torchtitan_checks import agreed_preparation, check_keys, take_rank0_values
 from ckptkit.adapters.torchtitan_experts import expert_axes, mark_model, mark_optimizer
 from ckptkit.engine.collective import Comm, first_rank_does, resolve_comm
 from ckptkit.engine.metadata_io import read_indexes, read_manifest
-from ckptkit.engine.state import PerRank, flatten_state
+from ckptkit.engine.state import PerRank
 from ckptkit.errors import CheckpointNotFoundError, MissingKeysError, OptionsError, SaveError, StateMismatchError
 from ckptkit.layout.values import decode_value
 from ckptkit.options import AsyncOptions, LoadOptions
@@ -156,6 +157,8 @@ def loader_record(loader: Any) -> dict[str, Any]:
     kind, info = describe_loader(loader)
     state = StatefulDataLoader.state_dict(loader) if isinstance(loader, StatefulDataLoader) else loader.state_dict()
     check_json(state, DATALOADER)
+    if kind == remap.INTERLEAVED:  # a loader saved before its first batch after a load: the sampler's count is stale
+        state = remap.normalize_sampler_state(state, DATALOADER)
     dp_rank, dp_world = _dp_of(loader)
     return {"format": remap.RECORD_FORMAT, "kind": kind, "dp_rank": dp_rank, "dp_world_size": dp_world,
             "info": info, "state": state}
@@ -166,6 +169,7 @@ def apply_loader_state(loader: Any, state: dict[str, Any], info: Mapping[str, An
     sampler = getattr(loader, "sampler", None)
     if isinstance(sampler, DistributedSampler) and "epoch" in info:
         sampler.set_epoch(int(info["epoch"]))  # the epoch picks the permutation; it is not in torchdata's state
+    state = remap.normalize_sampler_state(state, DATALOADER)  # a record saved before normalize_sampler_state
     if isinstance(loader, StatefulDataLoader):
         StatefulDataLoader.load_state_dict(loader, state)
     else:
@@ -286,7 +290,6 @@ class CkptkitCheckpointManager(BaseCheckpointManager):
             guard=optimizer_guards(optimizers) if self.asynchronous and config.snapshot == "overlap" else None,
         )
         self._comm: Comm = resolve_comm(None)
-        self._holders: list[int] | None = None
         self._closed = False
         self.last_remap: remap.RemapReport | None = None
         """What the last load did to the data-loader positions (None: no DP-degree change)."""
@@ -325,13 +328,13 @@ class CkptkitCheckpointManager(BaseCheckpointManager):
             # torchtitan writes the final checkpoint synchronously, optionally model-only in export_dtype
             self.manager.wait()
             model_only = self.config.last_save_model_only
-            handle = self.manager.save(curr_step, self._state_to_save(model_only=model_only, export=model_only))
+            handle = self.manager.save(curr_step, self._state_to_save(model_only=model_only, export=model_only, step=curr_step))
             self.manager.wait()
             self.save_future = None
             log.info("saved the final %scheckpoint of step %d in %.2fs", "model-only " if model_only else "",
                      curr_step, time.monotonic() - begin)
             return handle is not None
-        handle = self.manager.save(curr_step, self._state_to_save(model_only=False))
+        handle = self.manager.save(curr_step, self._state_to_save(model_only=False, step=curr_step))
         if handle is None:
             log.warning("checkpoint of step %d skipped: the previous save is still persisting (on_busy='skip')", curr_step)
             return False
@@ -422,46 +425,61 @@ class CkptkitCheckpointManager(BaseCheckpointManager):
         raw = manifest.values.get(META)
         if raw is None:  # a ckptkit checkpoint not written by this manager (e.g. an initial_load_path)
             return {"model_only": not any(k.startswith(f"{OPTIMIZER}/") for k in manifest.tensors),
-                    "dataloader": None, "present": False}
-        meta = {**json.loads(decode_value(raw, f"{path}: {META}")), "present": True}
+                    "dataloader": None, "present": False, "manifest": manifest}
+        meta = {**json.loads(decode_value(raw, f"{path}: {META}")), "present": True, "manifest": manifest}
         if meta.get("dataloader") is not None and DATALOADER not in manifest.per_rank_keys:
             meta["loader_dropped"] = path  # saved, then dropped: `ckptkit reshard` drops per-rank values
         return meta
 
-    def _state_to_save(self, *, model_only: bool, export: bool = False) -> dict[str, Any]:
+    def _state_to_save(self, *, model_only: bool, export: bool = False, step: int = -1) -> dict[str, Any]:
+        """The state to save, once every rank prepared its own (:func:`agreed_preparation`): one rank's
+        failure raises on every rank, naming it, before any of the save's collectives."""
+        state, dp_ranks = agreed_preparation(self._comm, lambda: self._local_state(model_only, export), step)
+        loader_meta = None
+        if DATALOADER in state:
+            loader_meta = self._loader_meta(dp_ranks)
+        state[META] = json.dumps({"format": 1, "model_only": model_only, "dataloader": loader_meta})
+        return state
+
+    def _local_state(self, model_only: bool, export: bool) -> tuple[dict[str, Any], Any]:
+        """This rank's state and its data loader's ``[dp_rank, dp_world_size]`` (None: no loader saved)."""
         model = self.states[MODEL].state_dict()
         if export:
             model = {k: v.to(self.export_dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
                      for k, v in model.items()}
         state: dict[str, Any] = {MODEL: mark_model(model, self.expert_axes)}
-        loader_meta = None
+        dp = None
         if not model_only:
             for key, obj in self.states.items():
                 if key == MODEL or obj is None:
                     continue
                 if key == DATALOADER:
-                    state[key] = PerRank(loader_record(obj))
-                    loader_meta = self._loader_meta(obj)
+                    record = loader_record(obj)
+                    state[key] = PerRank(record)
+                    dp = [record["dp_rank"], record["dp_world_size"]]
                 elif key == OPTIMIZER:
                     state[key] = mark_optimizer(obj.state_dict(), self.expert_axes)
                 else:
                     state[key] = obj.state_dict()
-        state[META] = json.dumps({"format": 1, "model_only": model_only, "dataloader": loader_meta})
-        return state
+        return state, dp
 
-    def _loader_meta(self, loader: Any) -> dict[str, Any]:
-        """Which global rank holds each DP rank's loader state (gathered once; the topology is fixed)."""
-        dp_rank, dp_world = _dp_of(loader)
-        if self._holders is None and dp_rank is not None:
-            ranks = self._comm.all_gather(int(dp_rank))
+    def _loader_meta(self, dp_ranks: list[Any]) -> dict[str, Any]:
+        """Which global rank holds each DP rank's loader state, from every rank's ``[dp_rank, dp_world_size]``
+        (gathered with the preparation's agreement, so it costs no collective of its own)."""
+        worlds = {d[1] for d in dp_ranks}
+        if len(worlds) != 1:
+            raise StateMismatchError(f"data loader: the ranks disagree on the DP degree ({sorted(map(str, worlds))})")
+        dp_world = worlds.pop()
+        holders = None
+        if dp_world is not None and all(d[0] is not None for d in dp_ranks):
+            ranks = [int(d[0]) for d in dp_ranks]
             holders = []
-            for k in range(int(dp_world)):  # type: ignore[arg-type]
+            for k in range(int(dp_world)):
                 mine = [g for g, d in enumerate(ranks) if d == k]
                 if not mine:
                     raise StateMismatchError(f"data loader: no rank holds dp rank {k} of {dp_world} (dp ranks {ranks})")
                 holders.append(mine[0])
-            self._holders = holders
-        return {"dp_world_size": dp_world, "holders": self._holders, "world_size": self._comm.world_size}
+        return {"dp_world_size": dp_world, "holders": holders, "world_size": self._comm.world_size}
 
     def _state_to_load(self, *, model_only: bool, meta: Mapping[str, Any]) -> dict[str, Any]:
         for key in self.exclude_from_loading:
@@ -492,21 +510,17 @@ class CkptkitCheckpointManager(BaseCheckpointManager):
         return state
 
     def _check_keys(self, state: dict[str, Any], path: str, model_only: bool) -> bool:
-        """Strict loading unless keys were left out on purpose; then check the missing side ourselves."""
+        """Strict loading unless entries are left out on purpose; then the same two checks here, the
+        unexpected one sparing only what was left out (:func:`check_keys`). Collective."""
         if not (model_only or self.exclude_from_loading):
             return True
-        manifest = read_manifest(open_store(path, self.storage_options))
-        have = {*manifest.tensors, *manifest.values, *manifest.per_rank_keys}
-        flat = flatten_state(state)
-        asked = [leaf.key for group in (flat.tensors, flat.values, flat.per_rank) for leaf in group]
-        missing = sorted(k for k in asked if k not in have)
-        if missing:
-            raise MissingKeysError(f"{path}: {len(missing)} key(s) of the state are not in the checkpoint: "
-                                   f"{', '.join(repr(k) for k in missing[:8])}")
+        check_keys(self._comm, read_manifest(open_store(path, self.storage_options)), state, path,
+                   excluded=self.exclude_from_loading, only=MODEL if model_only else None)
         return False
 
     def _apply(self, state: dict[str, Any], meta: Mapping[str, Any], path: str) -> None:
         self.last_remap = None
+        take_rank0_values(self._comm, meta["manifest"], state, path)  # a resize: rank 0's values, as documented
         self.states[MODEL].load_state_dict(state[MODEL])
         for key, obj in self.states.items():
             if key in (MODEL, DATALOADER) or key not in state:
