@@ -115,6 +115,35 @@ def test_missing_extra_reshaped_values_and_nan(tmp_path):
     assert doc["identical"] is False
 
 
+json_leaves = st.one_of(st.booleans(), st.integers(-3, 3), st.sampled_from([0.0, -0.0, 1.0, 2.5, float("nan"), math.inf]),
+                       st.sampled_from(["1", "", "true"]), st.none())
+
+
+def same_value(a, b) -> bool:
+    """Loaded values that are the same: the same type, floats by their bits (NaN is NaN, -0.0 is not 0.0)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, float):
+        return (math.isnan(a) and math.isnan(b)) or (a == b and math.copysign(1, a) == math.copysign(1, b))
+    return a == b
+
+
+@settings(max_examples=60, deadline=None)
+@given(a=json_leaves, b=json_leaves)
+def test_values_are_identical_only_when_they_load_the_same(tmp_path_factory, a, b):
+    """``diff`` compared values with Python's ``==``: ``True``, ``1`` and ``1.0`` were one value, and
+    ``0.0`` and ``-0.0``, which load differently (found by a hunt, 2026-12-06). Now a value is identical
+    exactly when the two checkpoints load it as the same value."""
+    root = tmp_path_factory.mktemp("values")
+    ckptkit.save({"v": a}, root / "a")
+    ckptkit.save({"v": b}, root / "b")
+    loaded = [{"v": None}, {"v": None}]
+    ckptkit.load(loaded[0], root / "a")
+    ckptkit.load(loaded[1], root / "b")
+    report = diff(root / "a", root / "b")
+    assert (not report.values) == same_value(loaded[0]["v"], loaded[1]["v"]), (a, b, report.values)
+
+
 @settings(max_examples=200, deadline=None)
 @given(shape=st.lists(st.integers(0, 5), max_size=4).map(tuple), limit=st.integers(1, 40))
 def test_chunk_boxes_tile_in_row_major_order(shape, limit):

@@ -17,6 +17,7 @@ tensor is reported ``identical`` only if it is bit-for-bit the same.
 from __future__ import annotations
 
 import fnmatch
+import json
 import math
 import os
 import time
@@ -297,6 +298,13 @@ def _diff_values(va: CheckpointView, vb: CheckpointView) -> list[ValueDiff]:
             out.append(ValueDiff(key, a[key], None, "only_a"))
         elif key not in a:
             out.append(ValueDiff(key, None, b[key], "only_b"))
-        elif a[key] != b[key]:
+        elif _json_text(a[key]) != _json_text(b[key]):
             out.append(ValueDiff(key, a[key], b[key], "different"))
     return out
+
+
+def _json_text(value: object) -> str:
+    """A stored value as JSON text: Python's ``==`` calls ``True``, ``1`` and ``1.0`` equal, and ``0.0``
+    and ``-0.0``, which load as different values (a diff called such checkpoints identical until
+    2026-12-06); the save's merge compares the same way."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
