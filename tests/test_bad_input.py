@@ -214,6 +214,22 @@ def test_overlapping_declaration_fails_the_save(tmp_path):
         ckptkit.save({"t": ckptkit.Sharded(local, pieces)}, tmp_path / "c")
 
 
+@pytest.mark.parametrize("rule", [ckptkit.PartitionRule(tp_axis=2), ckptkit.PartitionRule(expert_axis=5, num_experts=4),
+                                  ckptkit.PartitionRule(tp_axis=0, fused=(3, 3))])
+def test_a_rule_that_does_not_fit_its_tensor_fails_the_save(tmp_path, rule):
+    """It committed, and every reshard of the checkpoint failed later (found by a hunt, 2026-12-06)."""
+    local = torch.ones(8, 4)
+    with pytest.raises(ckptkit.SaveError, match="tensor 't': its partition rule does not fit it"):
+        ckptkit.save({"t": ckptkit.Sharded(local, [ckptkit.box_piece("t", (8, 4), (0, 0), (8, 4))], rule=rule)},
+                     tmp_path / "c")
+    assert not (tmp_path / "c" / "manifest.json").exists()
+
+
+def test_experts_of_a_zero_dim_tensor_are_refused():
+    with pytest.raises(ckptkit.LayoutError, match="Experts axis 0 is outside a tensor of shape"):
+        ckptkit.Experts(torch.tensor(3.0))
+
+
 def test_piece_outside_local_tensor_is_refused():
     with pytest.raises(ckptkit.LayoutError, match="does not fit the local tensor of shape \\[4, 4\\]"):
         ckptkit.Sharded(torch.zeros(4, 4), [ckptkit.box_piece("t", (8, 4), (0, 0), (5, 4))])

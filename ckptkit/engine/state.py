@@ -71,7 +71,7 @@ class Experts:
     def __post_init__(self) -> None:
         if not isinstance(self.tensor, torch.Tensor):
             raise LayoutError(f"Experts needs a torch.Tensor, got {type(self.tensor).__name__}")
-        if not 0 <= self.axis < max(self.tensor.dim(), 1):
+        if not 0 <= self.axis < self.tensor.dim():  # a 0-d tensor has no axis to stack experts on
             raise LayoutError(f"Experts axis {self.axis} is outside a tensor of shape {list(self.tensor.shape)}")
 
 

@@ -69,14 +69,22 @@ class PartitionRule:
         if self.expert is not None and self.expert_axis is not None:
             raise LayoutError("a rule takes expert or expert_axis, not both")
 
-    def evaluate(self, shape: tuple[int, ...], config: ParallelConfig, num_layers: int | None = None) -> GridLayout:
-        """The grid layout of a tensor of model-space ``shape`` under ``config``."""
-        shape = tuple(shape)
+    def check_shape(self, shape: tuple[int, ...]) -> None:
+        """Raise :class:`LayoutError` unless the rule fits a tensor of ``shape`` (its axes inside it, its
+        fused parts summing to its ``tp_axis``): what :meth:`evaluate` needs at every layout. Checked when
+        a save is merged, since a rule that does not fit used to commit and fail every reshard later."""
         ndim = len(shape)
         for name in ("tp_axis", "layer_axis", "expert_axis", "dp_axis"):
             axis = getattr(self, name)
             if axis is not None and not (0 <= axis < ndim):
                 raise LayoutError(f"rule {name}={axis} is outside a tensor of shape {list(shape)}")
+        if self.fused is not None and sum(self.fused) != shape[self.tp_axis]:  # type: ignore[index]
+            raise LayoutError(f"fused parts {list(self.fused)} do not sum to axis {self.tp_axis} of {list(shape)}")
+
+    def evaluate(self, shape: tuple[int, ...], config: ParallelConfig, num_layers: int | None = None) -> GridLayout:
+        """The grid layout of a tensor of model-space ``shape`` under ``config``."""
+        shape = tuple(shape)
+        self.check_shape(shape)
         padded = None
         fused = None
         if self.tp_axis is not None and self.vocab_multiple is not None:
@@ -86,8 +94,6 @@ class PartitionRule:
             padded_list[self.tp_axis] = -(-n // multiple) * multiple
             padded = tuple(padded_list)
         if self.fused is not None:
-            if sum(self.fused) != shape[self.tp_axis]:  # type: ignore[index]
-                raise LayoutError(f"fused parts {list(self.fused)} do not sum to axis {self.tp_axis} of {list(shape)}")
             for part in self.fused:
                 if part % config.tp and not self.is_expert:
                     raise LayoutError(f"fused part of {part} does not split evenly over tp={config.tp}")

@@ -122,6 +122,12 @@ def _merge(reports: list[RankReport], world_size: int, values: dict[str, Any], m
                 )
         tensors[key] = TensorMeta(key, first.dtype, first.shape, _explicit_layout(key, first, items, where),
                                   rule=first.rule)
+    for key, t in tensors.items():  # a rule that does not fit its tensor committed, then failed every reshard
+        if t.rule is not None:
+            try:
+                t.rule.check_shape(tuple(t.shape))
+            except LayoutError as exc:
+                raise LayoutError(f"{where}: tensor {key!r}: its partition rule does not fit it: {exc}") from None
     per_rank: set[str] = set()
     for rep in reports:
         per_rank.update(rep.per_rank_keys)

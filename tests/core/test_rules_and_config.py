@@ -181,3 +181,29 @@ def test_rules_cover_every_element_once_per_replica_set(cfg, rule, rotation):
     m = Manifest(world_size=cfg.world_size, tensors={"t": meta}, indexes=indexes)
     back = Manifest.from_json_bytes(m.to_json_bytes(), "test").tensors["t"]
     assert back.rule == rule and back.layout == layout
+
+
+@settings(max_examples=300, deadline=None)
+@given(shape=st.lists(st.integers(1, 6), max_size=3).map(tuple),
+       axes=st.fixed_dictionaries({}, optional={n: st.integers(-1, 3) for n in ("tp_axis", "expert_axis", "dp_axis")}),
+       fused=st.one_of(st.none(), st.lists(st.integers(1, 4), min_size=1, max_size=3).map(tuple)))
+def test_check_shape_accepts_exactly_the_rules_every_layout_can_evaluate(shape, axes, fused):
+    """A rule whose axis is outside its tensor, or whose fused parts do not sum to its ``tp_axis``,
+    committed with a save and failed every reshard of it later (found by a hunt, 2026-12-06): the
+    merge now refuses it through ``check_shape``, which must accept exactly what ``evaluate`` takes."""
+    try:
+        rule = PartitionRule(**axes, fused=fused if "tp_axis" in axes else None,
+                             num_experts=2 if "expert_axis" in axes else None)
+    except LayoutError:
+        return
+    try:
+        rule.check_shape(shape)
+        fits = True
+    except LayoutError:
+        fits = False
+    try:
+        rule.evaluate(shape, ParallelConfig())
+        evaluates = True
+    except LayoutError as exc:
+        evaluates = "outside a tensor" not in str(exc) and "do not sum" not in str(exc)
+    assert fits == evaluates, (rule, shape)
