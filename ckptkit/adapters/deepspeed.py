@@ -62,9 +62,10 @@ import torch
 
 import ckptkit
 from ckptkit.adapters.deepspeed_record import (  # FORMAT, META: the record's names, kept importable here
-    FORMAT, META, RECORD_KEY, Counters, FrameworkState, RecordSources, SavedLayout, build_record, client_state_record,
-    parse_record, scalar_value,
+    CLIENT_KEY, CLIENT_STATE, FORMAT, META, RECORD_KEY, Counters, FrameworkState, RecordSources, SavedLayout, build_record,
+    client_state_record, parse_record, scalar_value, split_client_state,
 )
+from ckptkit.adapters.load_checks import NOT_LOADED, record_text, refuse_unexpected, user_value
 from ckptkit.engine.metadata_io import read_manifest
 from ckptkit.engine.state import Sharded
 from ckptkit.errors import MissingKeysError, OptionsError, StateMismatchError
@@ -92,7 +93,9 @@ def engine_state(engine: Any, client_state: Mapping[str, Any] | None = None) -> 
         state[key] = Sharded(local, pieces)
     state_keys = sorted({k for e in state.values() if isinstance(e, dict) for k in e
                          if not k.startswith("lp") and k != FP32})
-    state[META] = json.dumps(_engine_record(engine, layout, scalars, state_keys, client_state or {}))
+    record = _engine_record(engine, layout, scalars, state_keys, client_state or {})
+    state[CLIENT_STATE] = split_client_state(record)  # may differ per rank; the record may not
+    state[META] = json.dumps(record)
     return {"deepspeed_engine": state}
 
 
@@ -150,14 +153,21 @@ def guards(engine: Any) -> list[Any]:
 
 # -------------------------------------------------------------------- load
 def read_meta(path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The ``deepspeed`` JSON record of a checkpoint (read from its manifest; no tensor is touched)."""
+    """The ``deepspeed`` JSON record of a checkpoint (read from its manifest; no tensor is touched).
+    Its ``client_state``: the one in the record (an import, a checkpoint saved before it moved out),
+    else the agreed value at :data:`CLIENT_KEY`, else None when the saving ranks' client states
+    differed (:func:`load` restores each rank's own)."""
     store = open_store(path, storage_options)
     manifest = read_manifest(store)
-    if RECORD_KEY not in manifest.values:
-        raise MissingKeysError(f"{store.url}: not a checkpoint of ckptkit's DeepSpeed adapter "
-                               f"(no {RECORD_KEY!r} value)")
-    meta = parse_record(decode_value(manifest.values[RECORD_KEY], f"{store.url}: {RECORD_KEY}"), store.url)
+    meta = parse_record(record_text(manifest, RECORD_KEY, store.url, "DeepSpeed"), store.url)
     meta["_tensors"] = set(manifest.tensors)
+    if CLIENT_STATE not in meta:
+        text = manifest.values.get(CLIENT_KEY)
+        if text is None and CLIENT_KEY not in manifest.rank_values:
+            raise MissingKeysError(f"{store.url}: the DeepSpeed record holds no client state and there is no "
+                                   f"{CLIENT_KEY!r} value")
+        meta[CLIENT_STATE] = None if text is None else user_value(
+            decode_value(text, f"{store.url}: {CLIENT_KEY}"), CLIENT_KEY, store.url)
     return meta
 
 
@@ -168,26 +178,30 @@ EP size keeps its own."""
 
 
 def _prime_state(base: Any, g: FlatGroup, keys: list[str], scalars: Mapping[str, Any]) -> dict[str, Any]:
-    """The base optimizer's state for ``g``, created like the checkpoint's when the optimizer has not stepped."""
+    """The base optimizer's state for ``g``, made exactly the checkpoint's kinds: cleared first (a rollback
+    to a checkpoint saved before the first step must not keep the live moments and step count), then
+    zeroed tensors of ``keys`` for the load to fill (padding stays zero) and the saved scalars."""
     st = base.state.setdefault(g.fp32, {})
+    devices = {k: v.device for k, v in st.items() if isinstance(v, torch.Tensor)}  # a capturable step's device
+    st.clear()
     for key in keys:
-        if key not in st:
-            st[key] = torch.zeros_like(g.fp32, memory_format=torch.preserve_format)
+        st[key] = torch.zeros_like(g.fp32, memory_format=torch.preserve_format)
     for key, rec in scalars.items():
-        if rec["dtype"] is None:
-            st[key] = rec["value"]
-        elif key in st and isinstance(st[key], torch.Tensor):
-            st[key].fill_(rec["value"])
-        else:
-            st[key] = scalar_value(rec)
+        value = scalar_value(rec)
+        st[key] = value.to(devices[key]) if isinstance(value, torch.Tensor) and key in devices else value
     return st
 
 
 def load(engine: Any, path: str | os.PathLike[str], *, load_optimizer_states: bool = True,
-         load_lr_scheduler_states: bool = True, options: LoadOptions = LoadOptions(),
+         load_lr_scheduler_states: bool = True, strict: bool = True, options: LoadOptions = LoadOptions(),
          storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
     """Load a checkpoint of this adapter into ``engine`` (collective), at this engine's DP size, ZeRO
-    stage and MoE expert-parallel size, whatever the saving job's were. Returns the client state."""
+    stage and MoE expert-parallel size, whatever the saving job's were. Returns the client state (this
+    rank's own where the saving ranks' differed; see docs/deepspeed.md for another world size).
+
+    ``strict``: refuse (UnexpectedKeysError) a checkpoint holding tensors of parameters or buffers this
+    engine's model does not have, as DeepSpeed's ``load_module_strict`` does; False loads the rest.
+    Loading optimizer states makes each partition's state exactly the checkpoint's."""
     meta = read_meta(path, storage_options)
     layout = engine_layout(engine)
     base = engine.optimizer.optimizer
@@ -201,6 +215,9 @@ def load(engine: Any, path: str | os.PathLike[str], *, load_optimizer_states: bo
     if missing:
         raise MissingKeysError(f"{where}: {len(missing)} tensor(s) this engine needs are not in the checkpoint: "
                                f"{', '.join(repr(k) for k in missing[:8])}")
+    if strict:
+        names = {n for g in layout.groups for n in g.names} | {k.removeprefix("model/") for k in frozen}
+        refuse_unexpected(meta["_tensors"], names, where, "engine's model")
     saved_scalars = {n: meta["optimizer_scalars"][i] for i, fg in enumerate(meta["flat_groups"]) for n in fg["names"]}
     if engine.zero_optimization_stage() == 3:
         engine.optimizer.checkpoint_event_prologue()
@@ -220,7 +237,12 @@ def load(engine: Any, path: str | os.PathLike[str], *, load_optimizer_states: bo
         state[f"g{i}"] = entry
     for key, (local, pieces) in frozen.items():
         state[key] = Sharded(local, pieces)
+    per_rank = meta[CLIENT_STATE] is None
+    if per_rank:  # each rank's own at the saving world size; per_rank_on_resize at another
+        state[CLIENT_STATE] = NOT_LOADED
     ckptkit.load({"deepspeed_engine": state}, path, strict=False, options=options, storage_options=storage_options)
+    if per_rank:
+        meta[CLIENT_STATE] = user_value(state[CLIENT_STATE], CLIENT_KEY, where)
     _restore_training_dtype(engine, layout)
     if load_optimizer_states:
         saved_groups = meta["param_groups"]

@@ -46,6 +46,19 @@ FORMAT = 1
 """Version of the record; :func:`parse_record` refuses others."""
 RECORD_KEY = f"deepspeed_engine/{META}"
 """Where the record sits among a checkpoint's values (the adapter saves under ``deepspeed_engine``)."""
+CLIENT_STATE = "client_state"
+"""State key of a live save's client state (its JSON text), apart from the record: a client state may
+differ between ranks (each rank's data-loader position), the record must not, or the saver's merge
+stores it per rank and no load finds it. A record that still holds ``client_state`` (an import of a
+native folder, a checkpoint saved before the split) is read as before."""
+CLIENT_KEY = f"deepspeed_engine/{CLIENT_STATE}"
+"""Where the client state sits among a checkpoint's values: agreed, or per rank when the ranks differed."""
+
+
+def split_client_state(record: dict[str, Any]) -> str:
+    """Take the client state out of a live save's ``record`` (the same on every rank then), as the JSON
+    text stored at :data:`CLIENT_KEY`."""
+    return json.dumps(record.pop(CLIENT_STATE))
 
 
 @dataclass(frozen=True)

@@ -9,10 +9,13 @@ state, which DeepSpeed merges into the same dict as its own keys.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ckptkit.adapters.deepspeed_record import (
+    CLIENT_KEY,
+    CLIENT_STATE,
     RECORD_KEY,
     Counters,
     FrameworkState,
@@ -36,7 +39,10 @@ def read_meta(view: Any) -> dict[str, Any]:
     values = view.values
     if META_KEY not in values:
         raise ManifestError(f"{view.url}: not a checkpoint of ckptkit's DeepSpeed adapter (no {META_KEY!r})")
-    return parse_record(values[META_KEY], view.url)
+    record = parse_record(values[META_KEY], view.url)
+    if CLIENT_STATE not in record:  # a live save keeps it apart: rank 0's, as DeepSpeed's rank 0 writes it
+        record[CLIENT_STATE] = json.loads(view.values_of(0).get(CLIENT_KEY, "{}"))
+    return record
 
 
 def native_count(record: Mapping[str, Any], key: str, where: str, default: int, minimum: int = 0) -> int:

@@ -51,10 +51,12 @@ from typing import Any
 import torch
 
 import ckptkit
+from ckptkit.adapters.load_checks import NOT_LOADED, record_text, refuse_unexpected, user_value
 from ckptkit.adapters.megatron import extra_state
 from ckptkit.adapters.megatron import optimizer_state as opt_state
 from ckptkit.adapters.megatron.model_space import (
     DataParallelSizes,
+    PADDING_SUFFIX,
     ModelSpaceOptions,
     ParamSpace,
     chunk_params,
@@ -72,6 +74,12 @@ FORMAT = 1
 ROOT = "megatron"
 META_KEY = f"{ROOT}/meta"
 _EXTRA = "extra"
+USER_EXTRA = "user_extra"
+"""State key of the caller's ``extra`` (its JSON text), apart from the record: ``extra`` may differ between
+ranks (each rank's data-loader position), the record must not, or the saver's merge stores it per rank and
+no load finds it. A record that still holds ``extra`` (saved before the split, an import) is read as before.
+(Not ``extra``: that entry holds Transformer Engine's extra states.)"""
+USER_EXTRA_KEY = f"{ROOT}/{USER_EXTRA}"
 
 
 @dataclass(frozen=True)
@@ -190,7 +198,6 @@ def megatron_state(model: Any, *, optimizer: Any = None, scheduler: Any = None, 
     meta: dict[str, Any] = {
         "format": FORMAT, "iteration": int(iteration), "layout": layout(), "num_layers": _num_layers(model),
         "vocab_size": options.vocab_size, "make_vocab_size_divisible_by": options.make_vocab_size_divisible_by,
-        "extra": json_ready(dict(extra or {}), "extra"),
         "scheduler": json_ready(scheduler.state_dict(), "the LR scheduler's state_dict") if scheduler is not None else None,
         "optimizer": None,
     }
@@ -207,6 +214,7 @@ def megatron_state(model: Any, *, optimizer: Any = None, scheduler: Any = None, 
                              "hyper_parameters": opt_state.hyper_parameters(optimizer),
                              "grad_scalers": opt_state.grad_scaler_states(optimizer)}
     entries["meta"] = json.dumps(meta)
+    entries[USER_EXTRA] = json.dumps(json_ready(dict(extra or {}), "extra"))  # may differ per rank; meta may not
     entries["rng"] = PerRank(_rng_state())
     return {ROOT: entries}
 
@@ -240,14 +248,19 @@ def save(model: Any, path: str | os.PathLike[str], *, optimizer: Any = None, sch
 
 # ----------------------------------------------------------------- load
 def read_meta(path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> tuple[dict[str, Any], dict]:
-    """The ``megatron/meta`` record and the stored tensors' shapes (from the manifest; no tensor read)."""
+    """The ``megatron/meta`` record and the stored tensors' shapes (from the manifest; no tensor read).
+    The record's ``extra``: its own (saved before ``extra`` moved out of it, an import), else the agreed
+    value at :data:`USER_EXTRA_KEY`, else None when the saving ranks' differed (:func:`load` restores
+    each rank's own)."""
     store = open_store(path, storage_options)
     manifest = read_manifest(store)
-    if META_KEY not in manifest.values:
-        raise MissingKeysError(f"{store.url}: not a checkpoint of ckptkit's Megatron adapter (no {META_KEY!r} value)")
-    meta = json.loads(decode_value(manifest.values[META_KEY], f"{store.url}: {META_KEY}"))
+    meta = json.loads(record_text(manifest, META_KEY, store.url, "Megatron"))
     if meta.get("format") != FORMAT:
         raise StateMismatchError(f"{store.url}: Megatron record format {meta.get('format')!r}, expected {FORMAT}")
+    if "extra" not in meta:
+        text = manifest.values.get(USER_EXTRA_KEY)
+        meta["extra"] = None if USER_EXTRA_KEY in manifest.rank_values else {} if text is None else user_value(
+            decode_value(text, f"{store.url}: {USER_EXTRA_KEY}"), USER_EXTRA_KEY, store.url)
     return meta, {k: t.shape for k, t in manifest.tensors.items()}
 
 
@@ -290,34 +303,48 @@ def _load_plan(model: Any, meta: Mapping[str, Any], shapes: Mapping[str, tuple[i
                                    "docs/megatron.md, Limits); pass "
                                    "load_optimizer=False to load weights only")
         states = opt_state.param_states(optimizer, spaces)
-        opt_state.prime(states, saved_opt["tensor_states"], saved_opt["scalars"])
         load_main = saved_opt["main"] and any(ps.main is not None for ps in states)
-        for j, ps in enumerate(states):
-            for name in saved_opt["tensor_states"] + ([opt_state.MAIN] if load_main else []):
-                entries[f"o{j}/{name}"] = opt_state.state_pieces(ps, name, for_save=False)
+    kinds = (saved_opt["tensor_states"] + ([opt_state.MAIN] if load_main else [])) if states else []
     needed = {p.tensor for e in entries.values() if isinstance(e, Sharded) for p in e.pieces}
+    needed |= {t for ps in states for name in kinds for t in opt_state.state_tensors(ps, name)}
     missing = sorted(needed - set(shapes))
-    if missing:
+    if missing:  # before the optimizer's state is replaced: a refused load leaves it as it was
         raise MissingKeysError(f"{where}: {len(missing)} tensor(s) this job needs are not in the checkpoint: "
                                f"{', '.join(repr(k) for k in missing[:8])}")
+    if states:
+        opt_state.prime(states, saved_opt["tensor_states"], saved_opt["scalars"])
+        for j, ps in enumerate(states):
+            for name in kinds:
+                entries[f"o{j}/{name}"] = opt_state.state_pieces(ps, name, for_save=False)
     return _LoadPlan(entries, states, load_main, extras)
 
 
 def load(model: Any, path: str | os.PathLike[str], *, optimizer: Any = None, scheduler: Any = None,
-         load_optimizer: bool = True, options: LoadOptions = LoadOptions(),
+         load_optimizer: bool = True, strict: bool = True, options: LoadOptions = LoadOptions(),
          storage_options: dict[str, Any] | None = None) -> MegatronLoadInfo:
     """Load a checkpoint of this adapter into the model chunks (and optimizer, scheduler) of this job,
     at this job's TP/PP/DP/VPP, whatever the saving job's were (collective).
 
     ``load_optimizer=False`` loads the weights alone; an ``optimizer`` passed then has its main copies
-    refreshed from them (bf16/fp16 training), as Megatron-LM's own load without the optimizer does."""
+    refreshed from them (bf16/fp16 training), as Megatron-LM's own load without the optimizer does.
+    Loading the optimizer makes its per-parameter state exactly the checkpoint's.
+    ``strict``: refuse (UnexpectedKeysError) a checkpoint holding tensors of parameters or buffers the
+    model does not have (an extra layer, a bias the config dropped), as Megatron does; False loads the
+    rest. ``info.extra`` is this rank's own where the saving ranks' differed (docs/megatron.md)."""
     meta, shapes = read_meta(path, storage_options)
+    if strict:  # before anything of the job is touched
+        _refuse_unexpected(model, meta, shapes, str(path))
     plan = _load_plan(model, meta, shapes, optimizer=optimizer, load_optimizer=load_optimizer, where=str(path))
     entries, states, load_main = plan.entries, plan.states, plan.load_main
     same = same_layout(meta["layout"], layout())
     if same:
         entries["rng"] = PerRank(None)
+    per_rank = meta["extra"] is None
+    if per_rank:  # each rank's own at the saving world size; per_rank_on_resize at another
+        entries[USER_EXTRA] = NOT_LOADED
     ckptkit.load({ROOT: entries}, path, strict=False, options=options, storage_options=storage_options)
+    if per_rank:
+        meta["extra"] = user_value(entries[USER_EXTRA], USER_EXTRA_KEY, str(path))
     if extra_state.stores_any(shapes):  # a checkpoint without FP8 payloads: no vetting exchange
         extra_state.restore(plan.extras, entries[_EXTRA], str(path))
     if states:
@@ -327,12 +354,26 @@ def load(model: Any, path: str | os.PathLike[str], *, optimizer: Any = None, sch
     elif optimizer is not None:  # weights only: the main copies are derived from the loaded weights
         opt_state.sync_model_from_main(optimizer, had_main=False, have_main=True)
     if scheduler is not None and meta.get("scheduler") is not None:
+        if isinstance(getattr(scheduler, "num_steps", None), int):
+            # Megatron's OptimizerParamScheduler.load_state_dict *adds* the saved count to its own (it expects a
+            # fresh scheduler): an in-process rollback would otherwise resume at the sum, with another LR
+            scheduler.num_steps = 0
         scheduler.load_state_dict(meta["scheduler"])
     rng = entries.get("rng")
     restored = bool(same and rng is not None and rng.value is not None)
     if restored:
         _set_rng_state(rng.value)
     return MegatronLoadInfo(meta["iteration"], meta.get("extra", {}), meta["layout"], restored)
+
+
+def _refuse_unexpected(model: Any, meta: Mapping[str, Any], shapes: Mapping[str, Any], where: str) -> None:
+    """Refuse stored tensors of parameters and buffers no rank's model chunks declare (collective: a
+    pipeline stage declares its own layers only). Not reported: a vocabulary's padding side tensor
+    (this layout may pad less) and Transformer Engine's extra states (a model without TE has none)."""
+    vocab = ModelSpaceOptions(meta["vocab_size"], meta["make_vocab_size_divisible_by"])
+    names = {t for s in _spaces(model, vocab) for t in s.rules}
+    refuse_unexpected(shapes, names, where, "job's model",
+                      ignored=lambda k: k.startswith(extra_state.PREFIX) or k.endswith(PADDING_SUFFIX))
 
 
 __all__ = [

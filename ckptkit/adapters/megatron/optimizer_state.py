@@ -137,6 +137,15 @@ def state_pieces(ps: ParamState, name: str, *, for_save: bool) -> Sharded:
     return Sharded(local, ps.space.flat_pieces(prefix, start, stop, for_save=for_save))
 
 
+def state_tensors(ps: ParamState, name: str) -> set[str]:
+    """The stored tensors a load of optimizer tensor ``name`` reads for ``ps`` (:func:`state_pieces`'s,
+    known before the state tensor exists, so a load is refused before the state is replaced)."""
+    prefix = f"optimizer/{name}/"
+    if ps.flat is None:
+        return {p.tensor for p in ps.space.box_pieces(prefix, for_save=False)}
+    return {p.tensor for p in ps.space.flat_pieces(prefix, *ps.flat, for_save=False)}
+
+
 def tensor_state_keys(ps: ParamState) -> list[str]:
     """State entries shaped like the parameter (or its shard): stored as tensors."""
     n = ps.main_param.numel()
@@ -166,18 +175,19 @@ def scalar_state(states: list[ParamState]) -> dict[str, dict[str, Any]]:
 
 
 def prime(states: list[ParamState], tensor_keys: list[str], scalars: dict[str, dict[str, Any]]) -> None:
-    """Create the optimizer state a checkpoint holds when the optimizer has not stepped yet."""
+    """Make each parameter's optimizer state the checkpoint's kinds, for the load to fill: cleared first
+    (a rollback to a checkpoint saved before the first step must not keep the live moments and step
+    count, or the replayed step differs), then zeroed tensors of ``tensor_keys`` and the saved scalars."""
     for ps in states:
+        devices = {k: v.device for k, v in ps.state.items() if isinstance(v, torch.Tensor)}  # a capturable step's
+        ps.state.clear()
         for k in tensor_keys:
-            if k not in ps.state:
-                ps.state[k] = torch.zeros_like(ps.main_param, memory_format=torch.preserve_format)
+            ps.state[k] = torch.zeros_like(ps.main_param, memory_format=torch.preserve_format)
         for k, rec in scalars.items():
             if rec["dtype"] is None:
                 ps.state[k] = rec["value"]
-            elif isinstance(ps.state.get(k), torch.Tensor):
-                ps.state[k].fill_(rec["value"])
             else:
-                ps.state[k] = torch.tensor(rec["value"], dtype=getattr(torch, rec["dtype"]))
+                ps.state[k] = torch.tensor(rec["value"], dtype=getattr(torch, rec["dtype"]), device=devices.get(k))
 
 
 def hyper_parameters(optimizer: Any) -> list[list[dict[str, Any]]]:
