@@ -31,6 +31,7 @@ Collective over the job. In order:
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Hashable
@@ -84,23 +85,20 @@ def _inventory(tier: MemorySnapshots, at_most: int, history: tuple[int, tuple[in
     for step in tier.folder.steps():
         if step > at_most:
             continue
-        copies, shares, foreign = [], [], None
-        for r in tier.folder.ranks_at(step):
-            if tier.claims(r):
-                where = f"{tier.folder.rank_store(step, r).url} (rank {r}'s copy of step {step})"
-                got = _entry(where, lambda: _copy_entry(tier, step, r, history))
-                if isinstance(got, _Copy):
-                    copies.append(got)
-                elif got is not None:
-                    foreign = foreign or got
-        for h in tier.folder.shares_at(step):
-            if tier.claims(h):
-                where = f"{tier.folder.step_path(step)}/share-{h:05d}.json (parity share {h} of step {step})"
-                got = _entry(where, lambda: _share_entry(tier, step, h, history))
-                if isinstance(got, tuple):
-                    shares.append(got)
-                elif got is not None:
-                    foreign = foreign or got
+        readers = [(r, f"{tier.folder.rank_store(step, r).url} (rank {r}'s copy of step {step})",
+                    functools.partial(_copy_entry, tier, step, r, history)) for r in tier.folder.ranks_at(step)]
+        readers += [(h, f"{tier.folder.step_path(step)}/share-{h:05d}.json (parity share {h} of step {step})",
+                     functools.partial(_share_entry, tier, step, h, history)) for h in tier.folder.shares_at(step)]
+        found: list[Any] = []
+        foreign: str | None = None
+        for holder, where, read in readers:
+            got = _entry(where, read) if tier.claims(holder) else None
+            if isinstance(got, str):
+                foreign = foreign or got
+            elif got is not None:
+                found.append(got)
+        copies = [g for g in found if isinstance(g, _Copy)]
+        shares = [g for g in found if isinstance(g, tuple)]
         if foreign is not None:
             log.warning("memory tier: step %d in %s is not restored: %s", step, tier.folder.root, foreign)
         if copies or shares:
