@@ -306,7 +306,7 @@ class CheckpointManager:
              deadline: float | None = None, private: bool = False) -> SaveHandle | None:
         """Save now (on demand). Asynchronous unless the manager was made with ``asynchronous=None``.
         The step this manager saved last (in flight or committed, since its last restore or discard)
-        is not saved again: that save's handle is returned (a final ``save`` after a ``maybe_save``).
+        is not saved again once committed: its handle is returned (a final ``save`` after a ``maybe_save``).
 
         ``deadline`` (``time.monotonic()`` on rank 0): a save that could not be committed by then
         is abandoned cleanly — no manifest, leftovers removed (preemption grace periods).
@@ -316,8 +316,8 @@ class CheckpointManager:
         """
         step = self._step(step)
         last = self._last_handle
-        if last is not None and last.step == step:  # the same on every rank (never how far a save has got)
-            # a final save after a periodic one: it used to fail at close ("already holds a committed checkpoint")
+        if last is not None and last.step == step and self._comm.all_min([int(not last.done() or last.succeeded())])[0]:
+            # a final save after a periodic one; a failed save (on any rank's view) is saved again (not until 2026-12-06)
             log.info("%s: step %d is being or was saved already by this manager: its save is returned",
                      self.root.url, step)
             return last

@@ -184,3 +184,49 @@ def test_a_full_memory_folder_costs_the_memory_snapshots_only(tmp_path):
     assert [r.step for r in mgr.records() if r.committed] == [2, 4, 6, 8]
     state = {"w": torch.zeros(65536)}
     assert ckptkit.CheckpointManager(run).restore_latest(state) == 8 and state["w"][0] == 8
+
+
+def save_fail_retry(run: str, mode: str, block_rank: int | None) -> dict:
+    """Step 3 saved; step 5's save fails (a plain file where rank 0's target check or this rank's write
+    expects a folder); the caller sees the failure, the fault goes, and it saves step 5 again."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    asynchronous = None if mode == "sync" else ckptkit.AsyncOptions(executor=mode)
+    mgr = ckptkit.CheckpointManager(run, asynchronous=asynchronous)
+    state = {"w": torch.full((4,), 5.0 + rank)}
+    mgr.save(3, state)
+    mgr.wait()
+    blocker = os.path.join(run, "step-0000005")
+    if rank == (block_rank or 0):
+        open(blocker, "w").close()
+    if dist.is_initialized():
+        dist.barrier()
+    first = "no error"
+    try:
+        mgr.save(5, state)
+        mgr.wait()
+    except ckptkit.CkptkitError as exc:
+        first = type(exc).__name__
+    if rank == (block_rank or 0):
+        os.remove(blocker)
+    if dist.is_initialized():
+        dist.barrier()
+    handle = mgr.save(5, state)
+    mgr.close()
+    return {"first": first, "retry": handle is not None and handle.succeeded(),
+            "committed": os.path.exists(os.path.join(blocker, "manifest.json"))}
+
+
+@pytest.mark.parametrize("mode", ["sync", "thread", "process"])
+def test_a_failed_save_saved_again_commits(tmp_path, mode):
+    """A save of the step saved last returns that save's handle (a final save after a periodic one), but a
+    failed asynchronous save's handle was returned too: the retry saved nothing and nothing said so, and a
+    restore gave the step before (found by a hunt, 2026-12-06). Now a failed save is saved again."""
+    got = save_fail_retry(str(tmp_path / "run"), mode, None)
+    assert got == {"first": "SaveError", "retry": True, "committed": True}, got
+    assert ckptkit.CheckpointManager(str(tmp_path / "run")).restore_latest({"w": torch.zeros(4)}) == 5
+
+
+def test_a_failed_save_is_saved_again_on_every_rank(worlds, tmp_path):
+    """Whether the last save failed is agreed: no rank returns the old handle while another saves again."""
+    outs = worlds.run(2, save_fail_retry, str(tmp_path / "run"), "thread", 0, timeout=60)
+    assert outs == [{"first": "SaveError", "retry": True, "committed": True}] * 2, outs

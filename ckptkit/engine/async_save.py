@@ -114,6 +114,14 @@ class SaveHandle:
     def done(self) -> bool:
         return self.committed.done()
 
+    def succeeded(self) -> bool:
+        """Wait for the save's outcome; whether it committed."""
+        try:
+            self.committed.result()
+        except BaseException:  # noqa: BLE001 - failed, abandoned past its deadline, or cancelled
+            return False
+        return True
+
 
 def _unguarded(where: str, here: bool) -> OptionsError:
     return OptionsError(
