@@ -10,9 +10,10 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable
 
-from ckptkit.engine.loader import overwrote_state
+from ckptkit.engine.loader import load_state, overwrote_state
+from ckptkit.engine.state import flatten_state
 from ckptkit.layout.manifest import MANIFEST_NAME
-from ckptkit.run_folder import STEP_PATTERN
+from ckptkit.run_folder import MAX_STEP, STEP_PATTERN
 from ckptkit.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -31,20 +32,76 @@ log = logging.getLogger("ckptkit")
 DAMAGED = (CorruptCheckpointError, ManifestError, CheckpointNotFoundError, CoverageError)
 
 
+def restore_state(mgr: Any, state: dict[str, Any], strict: bool, at_most: int | None, floor: int,
+                  t0: float) -> int | None:
+    """:meth:`ckptkit.CheckpointManager.restore_latest` into ``state``: the memory tier's newest step
+    if it is at least as new as the newest persistent one (and ``floor``), else the newest persistent
+    step that loads; when damaged persistent steps are skipped, a memory step newer than the one the
+    fallback reached is taken instead. Until 2026-12-06 the newest persistent step counted by its
+    manifest alone: one with damaged data hid every newer snapshot, the fallback went to an older
+    persistent step, and the snapshots after it were deleted (found by a model-based hunt)."""
+    bound = MAX_STEP if at_most is None else at_most
+    overwritten = False  # whether a failed memory attempt wrote into `state`
+    newer_elsewhere: Callable[[int], tuple[int | None, bool]] | None = None
+    taken: list[tuple[Any, int]] = []
+    if mgr._memory is not None:
+        from ckptkit.memory.restore import restore_from_memory
+
+        newest, present, steps = mgr._common_steps(bound)
+
+        def from_memory(at_least: int) -> tuple[Any, bool]:
+            return restore_from_memory(mgr._memory, state, at_most=at_most, at_least=max(floor, at_least),
+                                       history=(present, steps))
+
+        info, overwritten = from_memory(-1 if newest is None else newest)
+        if info is not None:
+            mgr._set_lineage([] if newest is None else [newest])
+            mgr.last_restore = info
+            return info.step
+        if overwritten:
+            mgr.skipped.append(("memory tier", "a step restored from node memory failed after part of the "
+                                               "state was loaded (see the log)"))
+
+        def newer_in_memory(below: int) -> tuple[int | None, bool]:
+            got, wrote = from_memory(below + 1)
+            if got is not None:
+                taken.append((got, below))
+            return (None if got is None else got.step), wrote
+
+        newer_elsewhere = newer_in_memory
+
+    def load_step(name: str) -> tuple[str, ...]:
+        return load_state(flatten_state(state), mgr.root.child(name), mgr._comm, strict=strict,
+                          options=mgr.load_options).missing
+
+    return mgr._restored_persistent(
+        lambda: newest_that_loads(mgr, load_step, bound, overwritten, floor, newer_elsewhere), t0, taken)
+
+
 def newest_that_loads(mgr: Any, load_step: Callable[[str], tuple[str, ...]], bound: int,
-                      overwritten: bool, at_least: int = -1) -> int | None:
+                      overwritten: bool, at_least: int = -1,
+                      newer_elsewhere: Callable[[int], tuple[int | None, bool]] | None = None) -> int | None:
     """The newest persistent step (<= ``bound``) of ``mgr`` (a :class:`ckptkit.CheckpointManager`; typed
     loosely so that this module does not import the manager, which imports it) that ``load_step(name)`` loads (it returns
     the keys left out), skipping damaged ones into ``mgr.skipped``. ``overwritten``: an earlier attempt
     (the memory tier's) already wrote into the caller's state; so may a damaged step here. Then
     "nothing restored" is no longer true of it, and is raised instead of returned (:func:`overwritten_error`).
-    ``at_least``: no step older than it is restored: :class:`~ckptkit.errors.RestoreFloorError` instead."""
+    ``at_least``: no step older than it is restored: :class:`~ckptkit.errors.RestoreFloorError` instead.
+    ``newer_elsewhere(step)``: once a damaged step was skipped, before loading the older ``step`` (-1:
+    none), a restore of a newer one from elsewhere (the memory tier); its step (None: none) and
+    whether a failed attempt wrote into the state."""
     start_bound = bound
     vanished_retries = 0
+    fell_back = False
     while True:
         step = mgr.latest_common_step(bound)
         if at_least >= 0 and (step is None or step < at_least):
             raise floor_error(mgr.root.url, mgr.skipped, at_least)
+        if fell_back and newer_elsewhere is not None:
+            took, wrote = newer_elsewhere(-1 if step is None else step)
+            if took is not None:
+                return took
+            overwritten = overwritten or wrote
         if step is None:
             if overwritten:
                 raise overwritten_error(mgr.root.url, mgr.skipped, None)
@@ -93,6 +150,7 @@ def newest_that_loads(mgr: Any, load_step: Callable[[str], tuple[str, ...]], bou
         log.warning("skipping %s: %s", name, reason)
         mgr.skipped.append((name, reason))
         bound = step - 1
+        fell_back = True
 
 
 def _vanished(mgr: Any, name: str) -> bool:

@@ -34,10 +34,9 @@ import torch
 
 from ckptkit.engine.async_save import AsyncSaver, SaveHandle
 from ckptkit.engine.collective import Comm, first_rank_does, resolve_comm
-from ckptkit.engine.loader import load_state
-from ckptkit.fallback import newest_that_loads, prune_local_copies, replace_superseded, superseded_after
+from ckptkit.fallback import (newest_that_loads, prune_local_copies, replace_superseded, restore_state,
+                              superseded_after)
 from ckptkit.engine.saver import SaveResult, save_state
-from ckptkit.engine.state import flatten_state
 from ckptkit.errors import CheckpointUnreadableError, OptionsError, StorageError
 from ckptkit.layout.manifest import MANIFEST_NAME
 from ckptkit.memory.options import MemoryTier
@@ -526,33 +525,18 @@ class CheckpointManager:
         """
         t0 = time.perf_counter()
         at_most = None if at_most is None else self._bound(at_most, "at_most")
-        self.wait()
-        bound = MAX_STEP if at_most is None else at_most
         floor = -1 if at_least is None else self._bound(at_least, "at_least")
+        self.wait()
         self.skipped = []
-        overwritten = False  # whether a failed memory attempt wrote into `state`
-        if self._memory is not None:
-            from ckptkit.memory.restore import restore_from_memory
+        return restore_state(self, state, strict, at_most, floor, t0)
 
-            newest, present, steps = self._common_steps(bound)
-            info, overwritten = restore_from_memory(self._memory, state, at_most=at_most,
-                                                    at_least=max(floor, -1 if newest is None else newest),
-                                                    history=(present, steps))
-            if info is not None:
-                self._set_lineage([] if newest is None else [newest])
-                self.last_restore = info
-                return info.step
-            if overwritten:
-                self.skipped.append(("memory tier", "a step restored from node memory failed after part of the "
-                                                    "state was loaded (see the log)"))
-        return self._restored_persistent(lambda: newest_that_loads(
-            self, lambda name: load_state(flatten_state(state), self.root.child(name), self._comm, strict=strict,
-                                          options=self.load_options).missing, bound, overwritten, floor), t0)
-
-    def _restored_persistent(self, restore: Callable[[], int | None], t0: float) -> int | None:
+    def _restored_persistent(self, restore: Callable[[], int | None], t0: float,
+                             memory: list[tuple[Any, int]] | None = None) -> int | None:
         """A restore from the persistent checkpoints (``restore()``: the step, None: none), whoever loads
         it, and what follows. A failed one went past damaged steps all the same: noted, for retention
-        and for the saves of their steps (they counted as good, and deleted the run's new saves)."""
+        and for the saves of their steps (they counted as good, and deleted the run's new saves).
+        ``memory``: where the fallback took a memory snapshot instead (its RestoreInfo, and the
+        persistent step below it, its lineage), filled by ``restore()``."""
         try:
             step = restore()
         except BaseException:
@@ -560,6 +544,10 @@ class CheckpointManager:
                 self._note_superseded(None)
             raise
         self._note_superseded(step)
+        if memory:
+            self.last_restore, base = memory[-1]
+            self._set_lineage([] if base < 0 else [base])
+            return step
         if step is not None:
             from ckptkit.memory.restore import RestoreInfo
 

@@ -8,6 +8,8 @@ import os
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import ckptkit
 
@@ -217,3 +219,45 @@ def test_a_root_given_as_a_link_is_the_folder_it_names(tmp_path):
     state = _state(99)
     with _manager(tmp_path) as mgr:
         assert mgr.restore_latest(state) == 4 and mgr.last_restore.source == "memory"
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(persist=st.integers(2, 4), memory=st.integers(2, 5), steps=st.integers(4, 12), data=st.data())
+def test_a_damaged_persistent_step_never_hides_a_newer_snapshot(tmp_path_factory, persist, memory, steps, data):
+    """Persistent and memory intervals, a run of some steps, then random persistent steps damaged (their
+    data): the restart restores the newest step that loads from either, bit-exact. The newest persistent
+    step counted by its manifest alone: a damaged one hid every older-but-newer-than-the-fallback snapshot,
+    the fallback went further back, and the snapshot was deleted (found by a model-based hunt, 2026-12-06)."""
+    from tests.damage import flip_byte
+
+    root = tmp_path_factory.mktemp("tier")
+    tier = ckptkit.MemoryTier(every_steps=memory, replicas=0, root=str(root / "mem"))
+    mgr = ckptkit.CheckpointManager(str(root / "run"), save=ckptkit.SavePolicy(every_steps=persist), memory=tier,
+                                    asynchronous=None)
+    for step in range(1, steps + 1):
+        mgr.maybe_save(step, _state(step))
+    mgr.close()
+    saved = [s for s in range(1, steps + 1) if s % persist == 0]
+    damaged = data.draw(st.sets(st.sampled_from(saved)) if saved else st.just(set()), label="damaged")
+    for step in damaged:
+        folder = root / "run" / f"step-{step:07d}" / "data"
+        for name in os.listdir(folder):
+            flip_byte(str(folder / name), where=0.0)
+    good = max((s for s in saved if s not in damaged), default=None)
+    snapshot = steps - steps % memory if steps >= memory else None
+    want = max((s for s in (good, snapshot) if s is not None), default=None)
+    state = _state(999)
+    mgr = ckptkit.CheckpointManager(str(root / "run"), save=ckptkit.SavePolicy(every_steps=persist),
+                                    memory=ckptkit.MemoryTier(every_steps=memory, replicas=0, root=str(root / "mem")),
+                                    asynchronous=None)
+    try:
+        got = mgr.restore_latest(state)
+    except ckptkit.CorruptCheckpointError:  # every step damaged after part of the state was loaded
+        assert want is None, (saved, damaged, snapshot)
+        return
+    finally:
+        mgr.close()
+    assert got == want, (saved, damaged, snapshot, mgr.last_restore)
+    if want is not None:
+        assert torch.equal(state["model"]["w"], _state(want)["model"]["w"]) and state["step_count"] == want
+        assert mgr.last_restore.source == ("memory" if want == snapshot else "persistent")  # a tie: memory
