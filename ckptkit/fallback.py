@@ -74,8 +74,13 @@ def restore_state(mgr: Any, state: dict[str, Any], strict: bool, at_most: int | 
         return load_state(flatten_state(state), mgr.root.child(name), mgr._comm, strict=strict,
                           options=mgr.load_options).missing
 
-    return mgr._restored_persistent(
+    step = mgr._restored_persistent(
         lambda: newest_that_loads(mgr, load_step, bound, overwritten, floor, newer_elsewhere), t0, taken)
+    if step is None and at_most is not None and mgr._memory is not None:
+        # a rewind to before every checkpoint (a fresh start): the snapshots after it are the abandoned
+        # trajectory's, as after a rewind to a step (they outranked a step saved again there, 2026-12-06)
+        mgr._memory.discard_after(at_most)
+    return step
 
 
 def newest_that_loads(mgr: Any, load_step: Callable[[str], tuple[str, ...]], bound: int,

@@ -261,3 +261,25 @@ def test_a_damaged_persistent_step_never_hides_a_newer_snapshot(tmp_path_factory
     if want is not None:
         assert torch.equal(state["model"]["w"], _state(want)["model"]["w"]) and state["step_count"] == want
         assert mgr.last_restore.source == ("memory" if want == snapshot else "persistent")  # a tie: memory
+
+
+def test_a_rewind_to_before_every_checkpoint_drops_the_abandoned_snapshots(tmp_path):
+    """``restore_latest(at_most=k)`` with nothing at or before ``k`` (a fresh start): the snapshots after
+    ``k`` are the abandoned trajectory's, dropped as after a rewind to a step. One of them outranked the step
+    the new trajectory saved again under its number, with the old trajectory's bytes (a hunt, 2026-12-06)."""
+    import shutil
+
+    def manager() -> ckptkit.CheckpointManager:
+        return ckptkit.CheckpointManager(str(tmp_path / "run"), save=ckptkit.SavePolicy(every_steps=2),
+                                         memory=ckptkit.MemoryTier(every_steps=2, replicas=0, root=str(tmp_path / "mem")),
+                                         asynchronous=None)
+
+    with manager() as mgr:
+        mgr.maybe_save(2, _state(2))
+        assert mgr.restore_latest(_state(99), at_most=1) is None
+        shutil.rmtree(tmp_path / "run" / "step-0000002")  # the abandoned trajectory's persistent step, by hand
+        mgr.save(2, _state(222))
+    state = _state(99)
+    with manager() as mgr:
+        assert mgr.restore_latest(state) == 2 and mgr.last_restore.source == "persistent"
+    assert state["step_count"] == 222
