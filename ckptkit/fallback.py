@@ -55,9 +55,7 @@ def restore_state(mgr: Any, state: dict[str, Any], strict: bool, at_most: int | 
 
         info, overwritten = from_memory(-1 if newest is None else newest)
         if info is not None:
-            mgr._set_lineage([] if newest is None else [newest])
-            mgr.last_restore = info
-            return info.step
+            return mgr._restored_from_memory(info, newest)
         if overwritten:
             mgr.skipped.append(("memory tier", "a step restored from node memory failed after part of the "
                                                "state was loaded (see the log)"))

@@ -545,9 +545,7 @@ class CheckpointManager:
             raise
         self._note_superseded(step)
         if memory:
-            self.last_restore, base = memory[-1]
-            self._set_lineage([] if base < 0 else [base])
-            return step
+            return self._restored_from_memory(*memory[-1])
         if step is not None:
             from ckptkit.memory.restore import RestoreInfo
 
@@ -557,6 +555,13 @@ class CheckpointManager:
                 self._memory.discard_after(step)
         self._set_lineage([] if step is None else [step])
         return step
+
+    def _restored_from_memory(self, info: Any, base: int | None) -> int:
+        """A restore the memory tier made (``info``, a RestoreInfo); ``base``: the newest persistent step
+        below it (None or -1: none), the lineage the next snapshots record."""
+        self.last_restore = info
+        self._set_lineage([] if base is None or base < 0 else [base])
+        return info.step
 
     def restore_latest_with(self, load: Callable[[str], Any], *, at_most: int | None = None,
                             at_least: int | None = None) -> tuple[int, Any] | None:

@@ -379,7 +379,7 @@ class CkptkitCheckpointManager(BaseCheckpointManager):
         if model_only and not self.config.initial_load_model_only:
             log.warning("%s is a model-only checkpoint: loading the model only", path)
         state = self._state_to_load(model_only=model_only, meta=meta)
-        strict = self._check_keys(state, path, model_only)
+        strict = self._check_keys(state, path, model_only, meta["manifest"])
         ckptkit.load(state, path, strict=strict, storage_options=self.storage_options,
                      options=LoadOptions(per_rank_on_resize="skip"))
         self._apply(state, meta, path)
@@ -401,7 +401,7 @@ class CkptkitCheckpointManager(BaseCheckpointManager):
             path = self.manager.step_url(bound)  # the committed folder of that step, of either naming
             meta = self._read_meta(path)
             state = self._state_to_load(model_only=meta["model_only"], meta=meta)
-            strict = self._check_keys(state, path, model_only=meta["model_only"])
+            strict = self._check_keys(state, path, meta["model_only"], meta["manifest"])
             if explicit:
                 ckptkit.load(state, path, strict=strict, storage_options=self.storage_options,
                              options=LoadOptions(per_rank_on_resize="skip"))
@@ -509,13 +509,14 @@ class CkptkitCheckpointManager(BaseCheckpointManager):
                 state[key] = obj.state_dict()
         return state
 
-    def _check_keys(self, state: dict[str, Any], path: str, model_only: bool) -> bool:
+    def _check_keys(self, state: dict[str, Any], path: str, model_only: bool, manifest: Any) -> bool:
         """Strict loading unless entries are left out on purpose; then the same two checks here, the
-        unexpected one sparing only what was left out (:func:`check_keys`). Collective."""
+        unexpected one sparing only what was left out (:func:`check_keys`), against ``manifest``
+        (:meth:`_read_meta`'s). Collective."""
         if not (model_only or self.exclude_from_loading):
             return True
-        check_keys(self._comm, read_manifest(open_store(path, self.storage_options)), state, path,
-                   excluded=self.exclude_from_loading, only=MODEL if model_only else None)
+        check_keys(self._comm, manifest, state, path, excluded=self.exclude_from_loading,
+                   only=MODEL if model_only else None)
         return False
 
     def _apply(self, state: dict[str, Any], meta: Mapping[str, Any], path: str) -> None:

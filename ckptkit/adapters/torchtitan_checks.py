@@ -9,7 +9,7 @@ import logging
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from ckptkit.engine.collective import Comm, failed_ranks, failure_text
+from ckptkit.engine.collective import Comm, every_rank_does
 from ckptkit.engine.state import flatten_state
 from ckptkit.errors import MissingKeysError, SaveError, StateMismatchError, UnexpectedKeysError
 from ckptkit.layout.manifest import Manifest
@@ -60,12 +60,13 @@ def take_rank0_values(comm: Comm, manifest: Manifest, state: dict[str, Any], pat
     data-loader record needs), so without this they silently stayed the fresh job's. A key that rank 0
     did not hold (saved by other ranks only, with values that differ) has no such value: refused on
     every rank, named. Generator states are per rank with no mapping between world sizes: they keep
-    the new job's (logged). Collective (one flag); returns the keys taken from rank 0."""
+    the new job's (logged). Collective (:func:`every_rank_does`); returns the keys taken from rank 0."""
     if manifest.world_size == comm.world_size:
         return []
     flat = flatten_state(state)
-    taken, error = [], None
-    try:
+
+    def take() -> tuple[list[str], None]:
+        taken = []
         for leaf in flat.values:
             groups = manifest.rank_values.get(leaf.key)
             if groups is None:
@@ -78,12 +79,11 @@ def take_rank0_values(comm: Comm, manifest: Manifest, state: dict[str, Any], pat
                     f"{manifest.world_size}); exclude its entry from loading, or resume at {manifest.world_size} ranks")
             flat.assign(leaf, decode_value(value, f"{path}: value {leaf.key!r} of rank 0"))
             taken.append(leaf.key)
-    except Exception as exc:  # noqa: BLE001 - agreed below, raised on every rank
-        error = exc
-    if comm.any_flags([error is not None])[0]:
-        if error is not None:
-            raise error
-        raise StateMismatchError(f"{path}: another rank could not restore its values the saving ranks disagreed on")
+        return taken, None
+
+    taken, _, failed = every_rank_does(comm, take, "restoring rank 0's values")
+    if failed is not None:
+        raise StateMismatchError(f"{path}: restoring the values the saving ranks disagreed on failed on {failed}")
     if comm.rank == 0 and taken:
         log.warning("%s was saved by %d ranks, loaded by %d: the saving ranks held different values of %s; every "
                     "rank now holds saving rank 0's", path, manifest.world_size, comm.world_size, ", ".join(taken[:8]))
@@ -95,21 +95,12 @@ def take_rank0_values(comm: Comm, manifest: Manifest, state: dict[str, Any], pat
 
 def agreed_preparation(comm: Comm, work: Callable[[], tuple[Any, Any]], step: int) -> tuple[Any, list[Any]]:
     """``work()`` -> (state, fact) on this rank; the state and every rank's fact (JSON), once every rank
-    prepared its state. Collective: one JSON all-gather, entered even by a rank whose ``work`` raised.
-
-    Preparing a save runs user code on each rank (every Stateful's ``state_dict``, the data loader's
-    JSON check), and one rank failing there used to raise on that rank alone while the others went on
-    into the save's collectives and waited for it forever. Now every rank raises a :class:`SaveError`
-    naming the failed ranks and what each said, before anything is written."""
-    state = fact = error = None
-    failure = None
-    try:
-        state, fact = work()
-    except Exception as exc:  # noqa: BLE001 - told to every rank, raised on each
-        error, failure = exc, failure_text(exc, f"preparing the checkpoint of step {step}")
-    said = comm.all_gather_json([failure, fact])
-    failures = [s[0] for s in said]
-    if any(f is not None for f in failures):
-        raise SaveError(f"checkpoint of step {step} not saved: preparing the state failed on "
-                        f"{failed_ranks(failures)}") from error
-    return state, [s[1] for s in said]
+    prepared its state (:func:`~ckptkit.engine.collective.every_rank_does`). Preparing a save runs user
+    code on each rank (every Stateful's ``state_dict``, the data loader's JSON check), and one rank
+    failing there used to raise on that rank alone while the others went on into the save's
+    collectives and waited for it forever. Now every rank raises a :class:`SaveError` naming the failed
+    ranks and what each said, before anything is written."""
+    state, facts, failed = every_rank_does(comm, work, f"preparing the checkpoint of step {step}")
+    if failed is not None:
+        raise SaveError(f"checkpoint of step {step} not saved: preparing the state failed on {failed}")
+    return state, facts

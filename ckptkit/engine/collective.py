@@ -99,6 +99,24 @@ def first_rank_does(comm: Comm, work: Callable[[], Any], doing: str) -> tuple[An
     return value, failure
 
 
+def every_rank_does(comm: Comm, work: Callable[[], tuple[Any, Any]], doing: str) -> tuple[Any, list[Any], str | None]:
+    """``work()`` -> (result, fact) on every rank; this rank's result, every rank's fact (JSON, None
+    where it failed) and, when any rank failed, :func:`failed_ranks`' text naming them (else None).
+    Collective: one JSON all-gather, entered even by a rank whose ``work`` raised.
+
+    For work each rank does on its own before a collective phase (preparing the state a save takes,
+    applying what a load read): one rank failing there used to raise on that rank alone while the
+    others went on into the next collective and waited for it. Callers raise their own error."""
+    result = fact = failure = None
+    try:
+        result, fact = work()
+    except Exception as exc:  # noqa: BLE001 - told to every rank, raised by each caller
+        failure = failure_text(exc, doing)
+    said = comm.all_gather_json([failure, fact])
+    failures = [s[0] for s in said]
+    return result, [s[1] for s in said], failed_ranks(failures) if any(f is not None for f in failures) else None
+
+
 class LocalComm:
     """A world of one process (no torch.distributed, or a single-rank job)."""
 
