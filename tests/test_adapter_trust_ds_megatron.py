@@ -259,6 +259,66 @@ def mg_rollback(folder: str, dist_opt: bool) -> bool:
         mm.teardown()
 
 
+def _attempt(save) -> str:
+    """``save()``'s outcome as text: "saved", or the error it raised."""
+    try:
+        save()
+        return "saved"
+    except Exception as exc:  # noqa: BLE001 - the test reads the refusal
+        return f"{type(exc).__name__}: {exc}"
+
+
+def _failing_rank_cases(rank: int, failing: int, good: dict) -> list[tuple[str, dict]]:
+    """The user values one rank alone cannot save (the other rank's are fine), each with a name."""
+    bad = {"not json": {"pos": object()}, "set": {"seen": {1, 2}}, "nan key": {float("nan"): 1}}
+    return [(name, value if rank == failing else good) for name, value in bad.items()]
+
+
+def ds_one_rank_fails_preparing(folder: str, failing: int) -> dict:
+    """A client state only rank ``failing`` cannot save, through ``save`` and the checkpointer: every rank
+    must raise naming that rank (neither waits in the save for the other), and the next save works."""
+    from ckptkit.adapters import deepspeed as ds_ckpt
+    from tests import deepspeed_job as job
+
+    rank = torch.distributed.get_rank()
+    engine = job.build(2, "fp32")
+    job.train_step(engine, 1)
+    out: dict = {}
+    for name, value in _failing_rank_cases(rank, failing, {"pos": rank}):
+        out[f"save {name}"] = _attempt(lambda: ds_ckpt.save(engine, f"{folder}/{name}", client_state=value))
+    ckpt = ds_ckpt.DeepSpeedCheckpointer(engine, f"{folder}/run", every_steps=1, asynchronous=True)
+    out["checkpointer"] = _attempt(lambda: ckpt.save(client_state=_failing_rank_cases(rank, failing, {})[0][1]))
+    out["then"] = _attempt(lambda: (ckpt.save(client_state={"pos": rank}), ckpt.wait()))
+    ckpt.close()
+    return out
+
+
+def mg_one_rank_fails_preparing(folder: str, failing: int) -> dict:
+    """As :func:`ds_one_rank_fails_preparing`, for Megatron's ``extra`` and a scheduler raising on one rank."""
+    mckpt, mm, t, opts = _megatron()
+    rank = torch.distributed.get_rank()
+    try:
+        mm.train_step(t)
+        out: dict = {}
+        for name, value in _failing_rank_cases(rank, failing, {"pos": rank}):
+            out[f"save {name}"] = _attempt(lambda: mckpt.save(t.model, f"{folder}/{name}", optimizer=t.optimizer,
+                                                              scheduler=t.scheduler, iteration=1, extra=value,
+                                                              options=opts))
+        ckpt = mckpt.MegatronCheckpointer(t.model, t.optimizer, t.scheduler, f"{folder}/run", every_steps=1,
+                                          options=opts)
+        if rank == failing:
+            def broken() -> dict:
+                raise RuntimeError("scheduler state unavailable")
+            t.scheduler.state_dict = broken
+        out["checkpointer"] = _attempt(lambda: ckpt.save(1, extra={"pos": rank}))
+        vars(t.scheduler).pop("state_dict", None)
+        out["then"] = _attempt(lambda: (ckpt.save(2, extra={"pos": rank}), ckpt.wait()))
+        ckpt.close()
+        return out
+    finally:
+        mm.teardown()
+
+
 def save_split_records(folder: str) -> None:
     """Records that differ between the two ranks (as the old adapters wrote them with per-rank user data)."""
     rank = torch.distributed.get_rank()
@@ -336,3 +396,24 @@ def test_megatron_refuses_a_stored_bias_the_model_lacks(worlds, tmp_path):
 @pytest.mark.parametrize("dist_opt", [True, False], ids=["distributed", "plain"])
 def test_megatron_rollback_to_a_step0_checkpoint_replays_bit_exact(worlds, tmp_path, dist_opt):
     assert worlds.run(2, mg_rollback, str(tmp_path / "it0"), dist_opt, timeout=300) == [True, True]
+
+
+@pytest.mark.parametrize("framework", ["deepspeed", "megatron"])
+def test_a_save_one_rank_cannot_prepare_fails_on_every_rank_naming_it(worlds, tmp_path, framework):
+    """Building the state to save runs on each rank before the save's first collective; a failure there
+    (a client state or ``extra`` one rank alone cannot store, a scheduler raising) used to raise on that
+    rank alone while the other waited in the save until the job died."""
+    failing = random.randrange(2)
+    rank_fn = ds_one_rank_fails_preparing if framework == "deepspeed" else mg_one_rank_fails_preparing
+    got = worlds.run(2, rank_fn, str(tmp_path), failing, timeout=240)
+    for rank in range(2):
+        for case, said in got[rank].items():
+            if case == "then":
+                assert said == "saved", (rank, said)
+                continue
+            assert said.startswith("SaveError") and f"rank {failing}:" in said, (rank, case, said)
+            assert f"rank {1 - failing}:" not in said, (rank, case, said)
+    for case in got[0]:
+        if case.startswith("save "):
+            with pytest.raises((ckptkit.CheckpointNotFoundError, ckptkit.UncommittedCheckpointError)):
+                ckptkit.open(tmp_path / case[len("save "):])

@@ -68,9 +68,9 @@ from torchtitan.tools import filesystem
 
 import ckptkit
 from ckptkit.adapters import dataloader_remap as remap
-from ckptkit.adapters.torchtitan_checks import agreed_preparation, check_keys, take_rank0_values
+from ckptkit.adapters.torchtitan_checks import check_keys, take_rank0_values
 from ckptkit.adapters.torchtitan_experts import expert_axes, mark_model, mark_optimizer
-from ckptkit.engine.collective import Comm, first_rank_does, resolve_comm
+from ckptkit.engine.collective import Comm, agreed_preparation, first_rank_does, resolve_comm
 from ckptkit.engine.metadata_io import read_indexes, read_manifest
 from ckptkit.engine.state import PerRank
 from ckptkit.errors import CheckpointNotFoundError, MissingKeysError, OptionsError, SaveError, StateMismatchError
@@ -434,7 +434,8 @@ class CkptkitCheckpointManager(BaseCheckpointManager):
     def _state_to_save(self, *, model_only: bool, export: bool = False, step: int = -1) -> dict[str, Any]:
         """The state to save, once every rank prepared its own (:func:`agreed_preparation`): one rank's
         failure raises on every rank, naming it, before any of the save's collectives."""
-        state, dp_ranks = agreed_preparation(self._comm, lambda: self._local_state(model_only, export), step)
+        state, dp_ranks = agreed_preparation(self._comm, lambda: self._local_state(model_only, export),
+                                             f"checkpoint of step {step}")
         loader_meta = None
         if DATALOADER in state:
             loader_meta = self._loader_meta(dp_ranks)

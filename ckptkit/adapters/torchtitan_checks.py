@@ -1,6 +1,7 @@
 """The torchtitan manager's agreements with ckptkit's engine: which checkpoint keys a partial load
-may leave unread, what a resize does with values the saving ranks disagreed on, and how one rank's
-failed save preparation reaches every rank. Kept apart from :mod:`ckptkit.adapters.torchtitan`, which
+may leave unread and what a resize does with values the saving ranks disagreed on (how one rank's
+failed save preparation reaches every rank is :func:`ckptkit.engine.collective.agreed_preparation`,
+shared with the DeepSpeed and Megatron adapters). Kept apart from :mod:`ckptkit.adapters.torchtitan`, which
 wires torchtitan's objects; everything here is collective where it says so, entered by every rank."""
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from typing import Any
 
 from ckptkit.engine.collective import Comm, every_rank_does
 from ckptkit.engine.state import flatten_state
-from ckptkit.errors import MissingKeysError, SaveError, StateMismatchError, UnexpectedKeysError
+from ckptkit.errors import MissingKeysError, StateMismatchError, UnexpectedKeysError
 from ckptkit.layout.manifest import Manifest
 from ckptkit.layout.values import decode_value, join_key
 
@@ -92,15 +93,3 @@ def take_rank0_values(comm: Comm, manifest: Manifest, state: dict[str, Any], pat
                     path, manifest.world_size, comm.world_size, ", ".join(leaf.key for leaf in flat.generators[:8]))
     return taken
 
-
-def agreed_preparation(comm: Comm, work: Callable[[], tuple[Any, Any]], step: int) -> tuple[Any, list[Any]]:
-    """``work()`` -> (state, fact) on this rank; the state and every rank's fact (JSON), once every rank
-    prepared its state (:func:`~ckptkit.engine.collective.every_rank_does`). Preparing a save runs user
-    code on each rank (every Stateful's ``state_dict``, the data loader's JSON check), and one rank
-    failing there used to raise on that rank alone while the others went on into the save's
-    collectives and waited for it forever. Now every rank raises a :class:`SaveError` naming the failed
-    ranks and what each said, before anything is written."""
-    state, facts, failed = every_rank_does(comm, work, f"preparing the checkpoint of step {step}")
-    if failed is not None:
-        raise SaveError(f"checkpoint of step {step} not saved: preparing the state failed on {failed}")
-    return state, facts

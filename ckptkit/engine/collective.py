@@ -25,7 +25,7 @@ from typing import Any, Callable, Protocol
 import torch
 import torch.distributed as dist
 
-from ..errors import CkptkitError
+from ..errors import CkptkitError, SaveError
 
 log = logging.getLogger("ckptkit")
 
@@ -115,6 +115,20 @@ def every_rank_does(comm: Comm, work: Callable[[], tuple[Any, Any]], doing: str)
     said = comm.all_gather_json([failure, fact])
     failures = [s[0] for s in said]
     return result, [s[1] for s in said], failed_ranks(failures) if any(f is not None for f in failures) else None
+
+
+def agreed_preparation(comm: Comm, work: Callable[[], tuple[Any, Any]], what: str) -> tuple[Any, list[Any]]:
+    """``work()`` -> (state, fact) on this rank; the state and every rank's fact (JSON), once every rank
+    prepared the state it saves (:func:`every_rank_does`). An adapter's save runs code on each rank
+    before the save's first collective (a Stateful's ``state_dict``, a user's client state checked for
+    JSON, the engine's own records), and one rank failing there used to raise on that rank alone while
+    the others went on into the save and waited for it. Now every rank raises a :class:`SaveError`
+    naming ``what`` (``"checkpoint of step 500"``), the failed ranks and what each said, before
+    anything is written."""
+    state, facts, failed = every_rank_does(comm, work, f"preparing the {what}")
+    if failed is not None:
+        raise SaveError(f"{what} not saved: preparing the state failed on {failed}")
+    return state, facts
 
 
 class LocalComm:

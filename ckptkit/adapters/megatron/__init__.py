@@ -44,7 +44,7 @@ from __future__ import annotations
 import json
 import os
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,6 +63,7 @@ from ckptkit.adapters.megatron.model_space import (
     padding_plan,
     unwrap,
 )
+from ckptkit.engine.collective import Comm, agreed_preparation, resolve_comm
 from ckptkit.engine.metadata_io import read_manifest
 from ckptkit.engine.state import PerRank, Sharded
 from ckptkit.errors import MissingKeysError, StateMismatchError
@@ -219,6 +220,15 @@ def megatron_state(model: Any, *, optimizer: Any = None, scheduler: Any = None, 
     return {ROOT: entries}
 
 
+def agreed_state(comm: Comm, make_state: Callable[[], dict[str, Any]], what: str) -> dict[str, Any]:
+    """``make_state()`` (:func:`megatron_state`) once every rank built its own (collective): an ``extra``
+    one rank alone cannot save (not JSON), a module's ``get_extra_state`` or a scheduler raising on one
+    rank, now raise a :class:`ckptkit.SaveError` naming that rank on every rank, where they raised on that
+    rank while the others waited in the save (:func:`ckptkit.engine.collective.agreed_preparation`)."""
+    state, _ = agreed_preparation(comm, lambda: (make_state(), None), what)
+    return state
+
+
 def _by_tensor(local: torch.Tensor, pieces: Sequence[Any], space: ParamSpace, prefix: str) -> list[Sharded]:
     """One Sharded per global tensor, each with that tensor's partition rule (a vocabulary's padding
     side tensor has none). No pieces (a replica that does not write): one Sharded without pieces."""
@@ -239,8 +249,9 @@ def save(model: Any, path: str | os.PathLike[str], *, optimizer: Any = None, sch
     "overlap")`` it returns before the copy, and ``optimizer.step()`` waits for it
     (:func:`~ckptkit.adapters.megatron.optimizer_state.guards`)."""
     guard = opt_state.guards(optimizer, _chunks(model)) if asynchronous and async_options.snapshot == "overlap" else None
-    state = megatron_state(model, optimizer=optimizer, scheduler=scheduler, iteration=iteration, extra=extra,
-                           options=options)
+    state = agreed_state(resolve_comm(None), lambda: megatron_state(
+        model, optimizer=optimizer, scheduler=scheduler, iteration=iteration, extra=extra, options=options),
+        f"checkpoint {os.fspath(path)}")
     if asynchronous:
         return ckptkit.save_async(state, path, options=async_options, storage_options=storage_options, guard=guard)
     return ckptkit.save(state, path, storage_options=storage_options)

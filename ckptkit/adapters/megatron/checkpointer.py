@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import ckptkit
+from ckptkit.engine.collective import resolve_comm
 from ckptkit.options import AsyncOptions
 
 
@@ -31,6 +32,7 @@ class MegatronCheckpointer:
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.options = options if options is not None else MegatronOptions()
         self.storage_options = storage_options
+        self._comm = resolve_comm(None)  # the manager's ranks: the default group
         from ckptkit.adapters.megatron import _chunks
         from ckptkit.adapters.megatron.optimizer_state import guards
 
@@ -48,10 +50,11 @@ class MegatronCheckpointer:
 
     def save(self, iteration: int, *, extra: Mapping[str, Any] | None = None) -> Any:
         """Save now (blocks only for the snapshot when asynchronous)."""
-        from ckptkit.adapters.megatron import megatron_state
+        from ckptkit.adapters.megatron import agreed_state, megatron_state
 
-        state = megatron_state(self.model, optimizer=self.optimizer, scheduler=self.scheduler, iteration=iteration,
-                               extra=extra, options=self.options)
+        state = agreed_state(self._comm, lambda: megatron_state(
+            self.model, optimizer=self.optimizer, scheduler=self.scheduler, iteration=iteration, extra=extra,
+            options=self.options), f"checkpoint of step {iteration}")
         return self.manager.save(iteration, state)
 
     def restore_latest(self) -> Any:
