@@ -23,14 +23,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import operator
 import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable
 
-import torch
 
 from ckptkit.engine.async_save import AsyncSaver, SaveHandle
 from ckptkit.engine.collective import Comm, first_rank_does, resolve_comm
@@ -39,6 +37,7 @@ from ckptkit.fallback import (newest_that_loads, prune_local_copies, replace_sup
 from ckptkit.engine.saver import SaveResult, save_state
 from ckptkit.errors import CheckpointUnreadableError, OptionsError, StorageError
 from ckptkit.layout.manifest import MANIFEST_NAME
+from ckptkit.manager_inputs import checked_step, metric_values, step_bound
 from ckptkit.memory.options import MemoryTier
 from ckptkit.options import AsyncOptions, LoadOptions
 from ckptkit import run_identity
@@ -185,7 +184,8 @@ class CheckpointManager:
     def request_save(self) -> None:
         """Ask for a save at the next :meth:`maybe_save` (e.g. from a preemption signal handler); every
         rank saves at the first step at which any rank has asked (``SavePolicy.agree_requests``). A
-        request stays pending until a save starts (a save skipped as busy leaves it pending)."""
+        request stays pending until a save starts; one skipped as busy, refused or failed before it starts,
+        or a synchronous one that failed, leaves it pending."""
         if self._comm.world_size > 1 and not self._agree_requests:
             log.error("%s: request_save ignored: this job's SavePolicy(agree_requests=False) does not agree on "
                       "requests, and a request seen by some ranks only would save different steps", self.root.url)
@@ -253,41 +253,10 @@ class CheckpointManager:
         return handle
 
     def _step(self, step: Any) -> int:
-        """``step`` as a plain int, or OptionsError naming it: a restore looks only at steps in
-        [0, 2**62] (the bound of every integer in a checkpoint), so a save of any other step used to
-        commit a checkpoint that no restore would ever return, and resume from an older one, or from
-        scratch, without a word. numpy integers are steps; bools, floats and strings are not."""
-        value = self._bound(step, "step")
-        if not 0 <= value <= MAX_STEP:
-            raise OptionsError(f"{self.root.url}: step {step!r} ({type(step).__name__}) is not a step: a step is an "
-                               f"integer from 0 to 2**62")
-        return value
-
-    def _metrics(self, metrics: dict[str, Any] | None) -> dict[str, Any]:
-        """``metrics`` with a one-element tensor (a loss) or a numpy scalar taken as its Python number:
-        they failed the save as values its metadata cannot hold. A tensor of more elements is refused
-        naming the metric, before the save starts; other values are kept as given (JSON-like ones)."""
-        out: dict[str, Any] = {}
-        for name, value in dict(metrics or {}).items():
-            if isinstance(value, torch.Tensor):
-                if value.numel() != 1 or value.is_complex():
-                    raise OptionsError(f"{self.root.url}: metric {name!r} is a tensor of shape {list(value.shape)}; "
-                                       "a metric is one number (a one-element tensor is taken as its number)")
-                value = value.detach().item()
-            elif type(value).__module__ == "numpy" and hasattr(value, "item") and getattr(value, "ndim", 1) == 0:
-                value = value.item()
-            out[name] = value
-        return out
+        return checked_step(step, self.root.url)
 
     def _bound(self, value: Any, what: str) -> int:
-        """A step or a step bound (``at_most``, ``discard_after``) as a plain int: a bool or a string there
-        is a mistake in the calling code (``at_most=True`` restored nothing newer than step 1, without a word)."""
-        if not isinstance(value, bool):
-            try:
-                return operator.index(value)
-            except TypeError:
-                pass
-        raise OptionsError(f"{self.root.url}: {what}={value!r} ({type(value).__name__}) is not a step: pass an integer")
+        return step_bound(value, what, self.root.url)
 
     def _lineage_base(self) -> int:
         """The newest persistent step committed on this trajectory (-1: none)."""
@@ -322,13 +291,25 @@ class CheckpointManager:
             return last
         requested = self._save_requested.is_set()
         self._save_requested.clear()  # before the save starts: a request that comes during it is for the next
+        try:
+            handle = self._start_save(step, state, metrics, deadline, private)
+        except BaseException:
+            if requested:  # no save started (a metric refused, the last save's failure raised), or this one failed
+                self._save_requested.set()  # still pending: until 2026-12-06 a preemption's request was lost here
+            raise
+        if handle is None and requested:  # skipped on every rank (on_busy="skip"): pending for the next step
+            self._save_requested.set()
+        return handle
+
+    def _start_save(self, step: int, state: dict[str, Any], metrics: dict[str, Any] | None, deadline: float | None,
+                    private: bool) -> SaveHandle | None:
         name = self.folder.naming.name(step)
         store = self.root.child(name)
         self._replace_superseded(step)
         retention = self.retention.to_json()
         if self._rollback_hold is not None:  # `ckptkit ls` then shows what the controller holds
             retention["rollback"] = self._rollback_hold.to_json()
-        metadata = {"step": step, "metrics": self._metrics(metrics), "retention": retention}
+        metadata = {"step": step, "metrics": metric_values(metrics, self.root.url), "retention": retention}
         if self._saver is None:
             result = save_state(state, store, self._comm, block=self.options.block_size,
                                 metadata=metadata, deadline=deadline)
@@ -351,10 +332,8 @@ class CheckpointManager:
         except BaseException:
             self._settled(name)
             raise
-        if handle is None:  # skipped on every rank (on_busy="skip"): a request stays pending for the next step
+        if handle is None:  # skipped on every rank (on_busy="skip")
             self._settled(name)
-            if requested:
-                self._save_requested.set()
             return None
         handle.committed.add_done_callback(lambda _: self._settled(name))  # committed, or failed
         self._last_save = time.monotonic()

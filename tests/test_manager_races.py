@@ -137,6 +137,40 @@ def test_a_request_whose_save_was_skipped_stays_pending(tmp_path, slow_writes):
     assert [r.step for r in mgr.records() if r.committed] == [10, 12]
 
 
+def _failing_save(kind: str, mgr, monkeypatch) -> dict:
+    """Make the next save fail or be refused in the way named; the kwargs of the ``maybe_save`` that does."""
+    if kind == "previous save failed":  # the disk filled during the last save; the error raises at the next
+        def disk_full(*args, **kwargs):
+            raise OSError(28, "No space left on device")
+        with monkeypatch.context() as m:
+            m.setattr(async_save, "write_staged", disk_full)
+            mgr.maybe_save(100, {"w": torch.zeros(4)})
+            mgr._saver._wait_inflight()
+        return {}
+    if kind == "metric refused":
+        return {"metrics": {"loss": torch.ones(2)}}
+    return {"state": {"w": torch.zeros(4), "bad": object()}}  # "state refused": a value no checkpoint holds
+
+
+@pytest.mark.parametrize("kind, asynchronous", [("previous save failed", True), ("metric refused", True),
+                                                 ("state refused", True), ("metric refused", False),
+                                                 ("state refused", False)])
+def test_a_request_whose_save_raised_stays_pending(tmp_path, monkeypatch, kind, asynchronous):
+    """A preemption's request reached a ``maybe_save`` that raised before its save started (the last
+    save's failure, a metric or a value refused): the request was cleared first and lost, so after the
+    user caught the error the emergency save never came (hunt, 2026-12-06)."""
+    mgr = ckptkit.CheckpointManager(str(tmp_path / "run"), save=ckptkit.SavePolicy(every_steps=100),
+                                    asynchronous=ckptkit.AsyncOptions() if asynchronous else None)
+    failing = _failing_save(kind, mgr, monkeypatch)
+    mgr.request_save()
+    with pytest.raises(ckptkit.CkptkitError):
+        mgr.maybe_save(101, failing.pop("state", {"w": torch.ones(4)}), **failing)
+    assert mgr.maybe_save(102, {"w": torch.full((4,), 2.0)}) is not None  # still pending: saved here
+    assert mgr.maybe_save(103, {"w": torch.full((4,), 3.0)}) is None  # and then done with
+    mgr.close()
+    assert [r.step for r in mgr.records() if r.committed] == [102]
+
+
 def test_a_restore_racing_retention_takes_the_newer_checkpoint(tmp_path):
     run = str(tmp_path / "run")
     trainer = ckptkit.CheckpointManager(run, save=ckptkit.SavePolicy(every_steps=1),

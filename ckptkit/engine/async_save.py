@@ -30,6 +30,7 @@ A background failure is kept and raised on the next ``save``/``wait``/
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 import threading
@@ -222,6 +223,9 @@ class AsyncSaver:
         cls: Classified | None = None
         failure = Outcome(True)
         try:
+            # as it is now: the commit encodes it later, and the caller may change its dict (a reused one,
+            # a metric's list) the moment this returns (until 2026-12-06 the later values were committed)
+            metadata = copy.deepcopy(metadata)
             cls = self._classified.classify(flatten_state(state), self.rank)
         except Exception as exc:  # noqa: BLE001 - carried through the flags below
             failure = _fail(exc)

@@ -283,14 +283,17 @@ def classify_state(flat: FlatState, rank: int, *, shapes_only: bool = False) -> 
 
 
 def structure_fingerprint(grid: list[GridDecl], explicit: list[ExplicitDecl]) -> str:
-    """Identity of everything a plan depends on (not of tensor values)."""
+    """Identity of everything a plan depends on (not of tensor values): an asynchronous save reuses the
+    plan of an equal fingerprint. The partition rule is part of it (the manifest records it; until
+    2026-12-06 a save whose rule alone changed committed the previous save's), and so is each leaf's
+    position in the state (the plan binds tensors by it)."""
     h = hashlib.sha256()
     for d in grid:
         lay = d.layout
-        h.update(repr((d.key, d.dtype, d.local_shape, mesh_fingerprint(lay.mesh), lay.placements, lay.shape,
-                       lay.padded, lay.fused, d.coord)).encode())
+        h.update(repr((d.ref, d.key, d.dtype, d.local_shape, mesh_fingerprint(lay.mesh), lay.placements, lay.shape,
+                       lay.padded, lay.fused, d.coord, d.rule)).encode())
     for e in explicit:
-        h.update(repr((e.dtype, e.local_shape, e.pieces)).encode())
+        h.update(repr((e.ref, e.dtype, e.local_shape, e.pieces, e.rule)).encode())
     return h.hexdigest()
 
 
