@@ -47,6 +47,7 @@ class Layout:
     moe_layers: tuple[int, ...] | None = None  # 1 = MoE, 0 = dense, per layer (None: MoE on every layer)
     frozen: tuple[str, ...] = ()  # parameter names set requires_grad=False before DDP (Megatron-LM's --freeze-*)
     bias: bool = False  # biases on the linear layers (add_bias_linear): qkv's 96 rows are no multiple of 64
+    overlap_param_gather: bool = False  # Megatron-LM's --overlap-param-gather: the step updates this rank's shard only
     hidden: int = 64  # larger sizes for benchmarks (benchmarks/bench_megatron_legacy_import.py)
     ffn: int = 96
 
@@ -116,7 +117,9 @@ def setup(layout: Layout, seed: int = 1234) -> Trainer:
         for name, param in model.named_parameters():
             if any(name == f or name.startswith(f + ".") for f in layout.frozen):
                 param.requires_grad_(False)
-        ddp = DistributedDataParallelConfig(use_distributed_optimizer=layout.dist_opt, bucket_size=4096)
+        ddp = DistributedDataParallelConfig(use_distributed_optimizer=layout.dist_opt, bucket_size=4096,
+                                            overlap_param_gather=layout.overlap_param_gather,
+                                            overlap_grad_reduce=layout.overlap_param_gather)
         if layout.bf16 or layout.fp16:
             from megatron.core.transformer.module import Float16Module
 

@@ -196,7 +196,9 @@ def save_state(job: MegatronJob, rank: int, *, perform_initialization: bool = Tr
     # a job that has trained holds Adam moments and a step; a meta model cannot step, so the adapter's
     # own prime creates them (as a load does), shaped like each shard
     states = opt_state.param_states(optimizer, mckpt._spaces(chunks, ModelSpaceOptions(job.shape.vocab, DIVISIBLE_BY)))
-    opt_state.prime(states, ["exp_avg", "exp_avg_sq"], {"step": {"dtype": "float32", "value": 1000.0}})
+    from ckptkit.adapters.primed_states import PrimedStates
+
+    opt_state.prime(PrimedStates(), states, ["exp_avg", "exp_avg_sq"], {"step": {"dtype": "float32", "value": 1000.0}})
     return mckpt.megatron_state(chunks, optimizer=optimizer, iteration=1000, extra={"consumed_samples": 1 << 30},
                                 options=options)
 

@@ -319,6 +319,32 @@ def mg_one_rank_fails_preparing(folder: str, failing: int) -> dict:
         mm.teardown()
 
 
+def mg_overlapped_param_gather(folder: str) -> bool:
+    """Train with ``overlap_param_gather`` (dp 2), save through the checkpointer right after the step, then
+    finish the deferred all-gather (as the next forward would) and load the checkpoint back: the weights
+    must be those of after the step, every element."""
+    from ckptkit.adapters.megatron.model_space import unwrap
+
+    mckpt, mm, t, opts = _megatron(overlap_param_gather=True)
+    try:
+        ckpt = mckpt.MegatronCheckpointer(t.model, t.optimizer, t.scheduler, folder, every_steps=1,
+                                          asynchronous=False, options=opts)
+        for _ in range(2):
+            mm.train_step(t)
+            ckpt.maybe_save(t.iteration)
+        ckpt.close()
+        for chunk in t.model:
+            chunk.start_param_sync(force_sync=True)
+        trained = [p.detach().clone() for c in t.model for p in unwrap(c).parameters()]
+        for c in t.model:
+            for p in unwrap(c).parameters():
+                p.data.zero_()
+        mckpt.load(t.model, f"{folder}/step-0000002", optimizer=t.optimizer, scheduler=t.scheduler)
+        return all(torch.equal(a, b) for a, b in zip(trained, (p for c in t.model for p in unwrap(c).parameters())))
+    finally:
+        mm.teardown()
+
+
 def save_split_records(folder: str) -> None:
     """Records that differ between the two ranks (as the old adapters wrote them with per-rank user data)."""
     rank = torch.distributed.get_rank()
@@ -347,6 +373,16 @@ def test_per_rank_user_values_come_back_to_each_rank_and_resizes_follow_the_opti
     assert refused.startswith("StateMismatchError") and key in refused, refused
     skipped, warned = worlds.run(1, resized, str(tmp_path), "nested", "skip", timeout=300)[0]
     assert skipped == {} and any(key in m and "per_rank_on_resize='skip'" in m for m in warned), warned
+    # `ckptkit reshard` drops per-rank values: the adapter refuses the checkpoint naming the key (Megatron
+    # returned {} without a word, the fields the ranks agreed on lost too), or gives {} and a warning
+    from ckptkit.layout.config import ParallelConfig
+
+    ckptkit.reshard(tmp_path / "differ", tmp_path / "once", ParallelConfig.parse("tp1pp1"))
+    ckptkit.reshard(tmp_path / "once", tmp_path / "resharded", ParallelConfig.parse("tp1pp1"))  # and again
+    refused = worlds.run(1, resized, str(tmp_path), "resharded", "error", timeout=300)[0]
+    assert refused.startswith("MissingKeysError") and key in refused and "reshard" in refused, refused
+    skipped, warned = worlds.run(1, resized, str(tmp_path), "resharded", "skip", timeout=300)[0]
+    assert skipped == {} and any(key in m and "reshard" in m for m in warned), warned
 
 
 def resized_value(worlds, resized, tmp_path, case: str, mode: str) -> object:
@@ -417,3 +453,11 @@ def test_a_save_one_rank_cannot_prepare_fails_on_every_rank_naming_it(worlds, tm
         if case.startswith("save "):
             with pytest.raises((ckptkit.CheckpointNotFoundError, ckptkit.UncommittedCheckpointError)):
                 ckptkit.open(tmp_path / case[len("save "):])
+
+
+def test_megatron_saves_the_weights_of_after_the_step_with_overlapped_param_gathers(worlds, tmp_path):
+    """With ``overlap_param_gather`` the distributed optimizer's step updates each rank's shard of the
+    weights only; the rest arrives at the next forward. The save took them as they were: one step stale
+    outside each rank's shard, silently (found by a hunt, 2026-12-06). It now finishes the all-gather first,
+    as Megatron-LM's own save does."""
+    assert worlds.run(2, mg_overlapped_param_gather, str(tmp_path / "run"), timeout=300) == [True, True]

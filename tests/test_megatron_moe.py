@@ -507,3 +507,21 @@ def test_grouped_gemm_experts_are_refused_with_the_way_out():
     model.add_module("experts", GroupedMLP())
     with pytest.raises(StateMismatchError, match="'experts' is a GroupedMLP.*import with `ckptkit convert"):
         chunk_params([model], ModelSpaceOptions(None, 128), DataParallelSizes(1))
+
+
+@pytest.mark.parametrize("optimizer", ["distributed", "plain"])
+def test_an_export_whose_target_builds_another_number_of_optimizers_is_refused_before_writing(saved, tmp_path,
+                                                                                               optimizer):
+    """The ep2 job kept its experts in a second optimizer; a Megatron job at ep 1 builds one, and its load
+    refused the export's two param-group entries (``KeyError: 'optimizer'``) after the export reported
+    success (found by a hunt, 2026-12-06). Refused now before anything is written; the weights alone go."""
+    from ckptkit_converters.megatron.exporter import export_torch_dist
+
+    from ckptkit.errors import LayoutError
+
+    out = tmp_path / "torch_dist"
+    with pytest.raises(LayoutError, match=r"2 Megatron optimizer\(s\).*ep 1 builds 1"):
+        export_torch_dist(saved[0], str(out), tp=1, pp=1, ep=1, optimizer=optimizer)
+    assert not out.exists() or not any(out.iterdir())
+    export_torch_dist(saved[0], str(out), tp=1, pp=1, ep=1, weights_only=True)
+    assert (out / ".metadata").exists()

@@ -65,7 +65,9 @@ from ckptkit.adapters.deepspeed_record import (  # FORMAT, META: the record's na
     CLIENT_KEY, CLIENT_STATE, FORMAT, META, RECORD_KEY, Counters, FrameworkState, RecordSources, SavedLayout, build_record,
     client_state_record, parse_record, scalar_value, split_client_state,
 )
-from ckptkit.adapters.load_checks import NOT_LOADED, record_text, refuse_unexpected, user_value
+from ckptkit.adapters.load_checks import (DROPPED, NOT_LOADED, dropped, dropped_user_value, record_text,
+                                          refuse_unexpected, user_value)
+from ckptkit.adapters.primed_states import PrimedStates
 from ckptkit.engine.collective import Comm, agreed_preparation, resolve_comm
 from ckptkit.engine.metadata_io import read_manifest
 from ckptkit.engine.state import Sharded
@@ -166,7 +168,8 @@ def read_meta(path: str | os.PathLike[str], storage_options: dict[str, Any] | No
     """The ``deepspeed`` JSON record of a checkpoint (read from its manifest; no tensor is touched).
     Its ``client_state``: the one in the record (an import, a checkpoint saved before it moved out),
     else the agreed value at :data:`CLIENT_KEY`, else None when the saving ranks' client states
-    differed (:func:`load` restores each rank's own)."""
+    differed (:func:`load` restores each rank's own), else :data:`~ckptkit.adapters.load_checks.DROPPED`
+    (``ckptkit reshard`` dropped it)."""
     store = open_store(path, storage_options)
     manifest = read_manifest(store)
     meta = parse_record(record_text(manifest, RECORD_KEY, store.url, "DeepSpeed"), store.url)
@@ -174,8 +177,11 @@ def read_meta(path: str | os.PathLike[str], storage_options: dict[str, Any] | No
     if CLIENT_STATE not in meta:
         text = manifest.values.get(CLIENT_KEY)
         if text is None and CLIENT_KEY not in manifest.rank_values:
-            raise MissingKeysError(f"{store.url}: the DeepSpeed record holds no client state and there is no "
-                                   f"{CLIENT_KEY!r} value")
+            if not dropped(manifest, CLIENT_KEY):
+                raise MissingKeysError(f"{store.url}: the DeepSpeed record holds no client state and there is no "
+                                       f"{CLIENT_KEY!r} value")
+            meta[CLIENT_STATE] = DROPPED
+            return meta
         meta[CLIENT_STATE] = None if text is None else user_value(
             decode_value(text, f"{store.url}: {CLIENT_KEY}"), CLIENT_KEY, store.url)
     return meta
@@ -187,19 +193,18 @@ after its EP size (``ep_size_2``) and looks its process groups up by that name, 
 EP size keeps its own."""
 
 
-def _prime_state(base: Any, g: FlatGroup, keys: list[str], scalars: Mapping[str, Any]) -> dict[str, Any]:
-    """The base optimizer's state for ``g``, made exactly the checkpoint's kinds: cleared first (a rollback
-    to a checkpoint saved before the first step must not keep the live moments and step count), then
-    zeroed tensors of ``keys`` for the load to fill (padding stays zero) and the saved scalars."""
+def _prime_state(primed: PrimedStates, base: Any, g: FlatGroup, keys: list[str], scalars: Mapping[str, Any]) -> dict[
+        str, Any]:
+    """The base optimizer's state for ``g``, made exactly the checkpoint's kinds (:class:`PrimedStates`):
+    ``keys`` shaped like the fp32 partition for the load to fill, and the saved scalars (a tensor scalar
+    keeps its device: a capturable step's)."""
     st = base.state.setdefault(g.fp32, {})
-    devices = {k: v.device for k, v in st.items() if isinstance(v, torch.Tensor)}  # a capturable step's device
-    st.clear()
-    for key in keys:
-        st[key] = torch.zeros_like(g.fp32, memory_format=torch.preserve_format)
+    devices = {k: v.device for k, v in st.items() if isinstance(v, torch.Tensor)}
+    values = {}
     for key, rec in scalars.items():
         value = scalar_value(rec)
-        st[key] = value.to(devices[key]) if isinstance(value, torch.Tensor) and key in devices else value
-    return st
+        values[key] = value.to(devices[key]) if isinstance(value, torch.Tensor) and key in devices else value
+    return primed.prime(st, g.fp32, keys, values)
 
 
 def load(engine: Any, path: str | os.PathLike[str], *, load_optimizer_states: bool = True,
@@ -213,6 +218,8 @@ def load(engine: Any, path: str | os.PathLike[str], *, load_optimizer_states: bo
     engine's model does not have, as DeepSpeed's ``load_module_strict`` does; False loads the rest.
     Loading optimizer states makes each partition's state exactly the checkpoint's."""
     meta = read_meta(path, storage_options)
+    if meta[CLIENT_STATE] is DROPPED:  # before anything of the engine is touched
+        meta[CLIENT_STATE] = dropped_user_value(CLIENT_KEY, str(path), options.per_rank_on_resize)
     layout = engine_layout(engine)
     base = engine.optimizer.optimizer
     where = str(path)
@@ -228,38 +235,25 @@ def load(engine: Any, path: str | os.PathLike[str], *, load_optimizer_states: bo
     if strict:
         names = {n for g in layout.groups for n in g.names} | {k.removeprefix("model/") for k in frozen}
         refuse_unexpected(meta["_tensors"], names, where, "engine's model")
+    if load_optimizer_states and len(meta["param_groups"]) != len(base.param_groups):
+        raise StateMismatchError(f"{where}: {len(meta['param_groups'])} optimizer param group(s) saved, the engine has "
+                                 f"{len(base.param_groups)}")
     saved_scalars = {n: meta["optimizer_scalars"][i] for i, fg in enumerate(meta["flat_groups"]) for n in fg["names"]}
+    primed = PrimedStates()
     if engine.zero_optimization_stage() == 3:
         engine.optimizer.checkpoint_event_prologue()
-    state: dict[str, Any] = {}
-    for i, g in enumerate(layout.groups):
-        entry: dict[str, Any] = {FP32: Sharded(g.fp32, group_pieces(g, lambda n: optim_key(FP32, n)), g.rule)}
-        if load_optimizer_states:
-            scalars = {}
-            for n in g.names:  # every member of a flat group shares its scalars; check the checkpoint agrees
-                if scalars and saved_scalars[n] != scalars:
-                    raise StateMismatchError(f"{where}: optimizer scalars of {n!r} ({saved_scalars[n]}) differ from "
-                                             f"those of its new flat group ({scalars}); cannot merge them")
-                scalars = saved_scalars[n]
-            st = _prime_state(base, g, keys, scalars)
-            for key in keys:
-                entry[key] = Sharded(st[key], group_pieces(g, lambda n, k=key: optim_key(k, n)), g.rule)
-        state[f"g{i}"] = entry
-    for key, (local, pieces) in frozen.items():
-        state[key] = Sharded(local, pieces)
-    per_rank = meta[CLIENT_STATE] is None
-    if per_rank:  # each rank's own at the saving world size; per_rank_on_resize at another
-        state[CLIENT_STATE] = NOT_LOADED
-    ckptkit.load({"deepspeed_engine": state}, path, strict=False, options=options, storage_options=storage_options)
-    if per_rank:
-        meta[CLIENT_STATE] = user_value(state[CLIENT_STATE], CLIENT_KEY, where)
+    try:
+        _load_into(engine, layout, path, primed, keys if load_optimizer_states else None, saved_scalars, frozen, meta,
+                   options, storage_options)
+    except BaseException:
+        primed.undo()  # refused before a byte landed: the job as it was (else the error says partly overwritten)
+        if engine.zero_optimization_stage() == 3:
+            engine.optimizer.checkpoint_event_epilogue()
+        raise
     _restore_training_dtype(engine, layout)
+    _relink_fragments(engine)
     if load_optimizer_states:
-        saved_groups = meta["param_groups"]
-        if len(saved_groups) != len(base.param_groups):
-            raise StateMismatchError(f"{where}: {len(saved_groups)} optimizer param group(s) saved, the engine has "
-                                     f"{len(base.param_groups)}")
-        for pg, saved in zip(base.param_groups, saved_groups):
+        for pg, saved in zip(base.param_groups, meta["param_groups"]):
             for k, v in saved.items():
                 if k in _GROUP_IDENTITY:
                     continue
@@ -271,6 +265,47 @@ def load(engine: Any, path: str | os.PathLike[str], *, load_optimizer_states: bo
     engine.skipped_steps = meta["skipped_steps"]
     engine.micro_steps = meta["global_steps"] * engine.gradient_accumulation_steps()
     return meta["client_state"]
+
+
+def _load_into(engine: Any, layout: EngineLayout, path: Any, primed: PrimedStates, keys: list[str] | None,
+               saved_scalars: Mapping[str, Any], frozen: Mapping[str, Any], meta: dict[str, Any], options: LoadOptions,
+               storage_options: dict[str, Any] | None) -> None:
+    """The checkpoint's tensors into the engine's fp32 partitions, optimizer states (``keys``; None: not
+    loaded), frozen parameters and buffers; the client state into ``meta``."""
+    base = engine.optimizer.optimizer
+    where = str(path)
+    state: dict[str, Any] = {}
+    for i, g in enumerate(layout.groups):
+        entry: dict[str, Any] = {FP32: Sharded(g.fp32, group_pieces(g, lambda n: optim_key(FP32, n)), g.rule)}
+        if keys is not None:
+            scalars = {}
+            for n in g.names:  # every member of a flat group shares its scalars; check the checkpoint agrees
+                if scalars and saved_scalars[n] != scalars:
+                    raise StateMismatchError(f"{where}: optimizer scalars of {n!r} ({saved_scalars[n]}) differ from "
+                                             f"those of its new flat group ({scalars}); cannot merge them")
+                scalars = saved_scalars[n]
+            st = _prime_state(primed, base, g, keys, scalars)
+            for key in keys:
+                entry[key] = Sharded(st[key], group_pieces(g, lambda n, k=key: optim_key(k, n)), g.rule)
+        state[f"g{i}"] = entry
+    for key, (local, pieces) in frozen.items():
+        state[key] = Sharded(local, pieces)
+    per_rank = meta[CLIENT_STATE] is None
+    if per_rank:  # each rank's own at the saving world size; per_rank_on_resize at another
+        state[CLIENT_STATE] = NOT_LOADED
+    ckptkit.load({"deepspeed_engine": state}, path, strict=False, options=options, storage_options=storage_options)
+    if per_rank:
+        meta[CLIENT_STATE] = user_value(state[CLIENT_STATE], CLIENT_KEY, where)
+
+
+def _relink_fragments(engine: Any) -> None:
+    """Point DeepSpeed's per-parameter fragment mappings (``safe_get_full_optimizer_state``) at the state
+    the optimizer now holds, where they were linked already (ZeRO-1/2 and bf16 link once, lazily, after
+    the first step; a state tensor the load had to make anew would otherwise not be seen there)."""
+    opt = engine.optimizer
+    if getattr(opt, "_hp_optimizer_states_linked", False) and hasattr(opt, "_lazy_init_hp_params_optimizer_state"):
+        opt._hp_optimizer_states_linked = False
+        opt._lazy_init_hp_params_optimizer_state()
 
 
 @torch.no_grad()

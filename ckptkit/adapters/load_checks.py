@@ -25,7 +25,7 @@ from typing import Any
 
 from ckptkit.engine.collective import resolve_comm
 from ckptkit.errors import MissingKeysError, StateMismatchError, UnexpectedKeysError
-from ckptkit.layout.manifest import Manifest
+from ckptkit.layout.manifest import Manifest, dropped_per_rank_values
 from ckptkit.layout.values import decode_value
 
 log = logging.getLogger("ckptkit")
@@ -96,3 +96,28 @@ def user_value(text: Any, key: str, where: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise StateMismatchError(f"{where}: {key!r} holds a {type(value).__name__}, not a dict")
     return value
+
+
+DROPPED = object()
+"""What :func:`read_meta` of an adapter records for a user value its checkpoint lacks altogether."""
+
+
+def dropped(manifest: Manifest, key: str) -> bool:
+    """Whether ``ckptkit reshard`` dropped ``key``'s per-rank values (it records those it dropped, and
+    those earlier reshards of its source did)."""
+    return key in dropped_per_rank_values(manifest.meta)
+
+
+def dropped_user_value(key: str, where: str, per_rank_on_resize: str) -> dict[str, Any]:
+    """A user value (``client_state`` / ``extra``) the checkpoint holds neither agreed nor per rank: one
+    that differed between the saving ranks, dropped by ``ckptkit reshard`` (per-rank values cannot follow
+    their ranks into another layout). Refused naming it, or ``{}`` with a warning under
+    ``per_rank_on_resize="skip"``, as a per-rank value at another world size is. Until 2026-12-06 the
+    Megatron adapter returned ``{}`` without a word, the fields the ranks agreed on lost with it (a hunt)."""
+    if per_rank_on_resize == "skip":
+        log.warning("%s: %r is not in this checkpoint (its saving ranks held different values, and `ckptkit "
+                    "reshard` drops per-rank values); per_rank_on_resize='skip': returning {} for it", where, key)
+        return {}
+    raise MissingKeysError(f"{where}: {key!r} is not in this checkpoint: the saving ranks held different values, "
+                           "and `ckptkit reshard` drops per-rank values (they cannot follow their ranks into another "
+                           "layout); pass LoadOptions(per_rank_on_resize='skip') to load without it")

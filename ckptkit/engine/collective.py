@@ -124,11 +124,24 @@ def agreed_preparation(comm: Comm, work: Callable[[], tuple[Any, Any]], what: st
     JSON, the engine's own records), and one rank failing there used to raise on that rank alone while
     the others went on into the save and waited for it. Now every rank raises a :class:`SaveError`
     naming ``what`` (``"checkpoint of step 500"``), the failed ranks and what each said, before
-    anything is written."""
-    state, facts, failed = every_rank_does(comm, work, f"preparing the {what}")
+    anything is written. When every rank refused with a ckptkit error (the job's configuration: an
+    unsupported optimizer's ``StateMismatchError``), each raises its own, as it did before the agreement."""
+    own: list[BaseException] = []
+
+    def kept() -> tuple[Any, Any]:
+        try:
+            state, fact = work()
+        except Exception as exc:
+            own.append(exc)
+            raise
+        return state, [fact]  # a list: None in the gathered facts means "failed" only
+
+    state, facts, failed = every_rank_does(comm, kept, f"preparing the {what}")
     if failed is not None:
+        if own and isinstance(own[0], CkptkitError) and all(f is None for f in facts):
+            raise own[0]
         raise SaveError(f"{what} not saved: preparing the state failed on {failed}")
-    return state, facts
+    return state, [f[0] for f in facts]
 
 
 class LocalComm:

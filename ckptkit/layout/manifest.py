@@ -487,3 +487,12 @@ def check_header(doc: dict, fmt: str, where: str, versions: tuple[int, ...]) -> 
             f"{', '.join(map(str, versions))}); "
             + ("upgrade ckptkit" if version > newest else "convert it with an older ckptkit")
         )
+
+
+def dropped_per_rank_values(meta: dict[str, Any]) -> list[str]:
+    """The per-rank values ``ckptkit reshard`` dropped from a checkpoint (and earlier reshards from its
+    source), as its metadata records them: an adapter refuses a checkpoint that lost its user's per-rank
+    value by name, instead of reading it as never stored."""
+    earlier = meta.get("resharded_from")
+    listed = earlier.get("dropped_per_rank_values") if isinstance(earlier, dict) else None
+    return [k for k in listed if isinstance(k, str)] if isinstance(listed, list) else []

@@ -49,7 +49,7 @@ from ckptkit.engine.prefetch import PrefetchedPieces
 from ckptkit.errors import SaveError
 from ckptkit.layout.box import Box, Region
 from ckptkit.layout.config import ParallelConfig
-from ckptkit.layout.manifest import MANIFEST_NAME, Manifest
+from ckptkit.layout.manifest import MANIFEST_NAME, Manifest, dropped_per_rank_values
 from ckptkit.offline.view import CheckpointView, ViewOptions
 from ckptkit.offline.formats import ImportOptions, RunOptions, detect_format, import_options_for
 from ckptkit.engine.collective import Comm
@@ -224,8 +224,9 @@ def _reshard(prep: _Prepared, options: ReshardOptions, progress: Progress | None
                    if out.streams_writes else None)
     scratch = BufferPool(the_plan.threads * the_plan.io_threads, the_plan.read_window)
     view = CheckpointView(src, manifest, ViewOptions(io_threads=the_plan.io_threads, scratch=scratch))
-    dropped = tuple(sorted({*manifest.per_rank_keys, *manifest.rank_values}))  # values of source ranks
     orig = manifest.meta
+    # values of source ranks, and those an earlier reshard dropped: a loader asks for them by name
+    dropped = tuple(sorted({*manifest.per_rank_keys, *manifest.rank_values, *dropped_per_rank_values(orig)}))
     meta = {
         "user": orig.get("user", {}),
         "resharded_from": {

@@ -36,6 +36,7 @@ from ckptkit_converters.megatron import extra_states, names, optimizer_export
 from ckptkit_converters.megatron.files import META_KEY, MODEL, MegatronConvertResult
 from ckptkit_converters.megatron.options import check_optimizer_form
 from ckptkit_converters.common.failures import export_step
+from ckptkit_converters.common.source_paths import local_destination
 from ckptkit_converters.common.renamed import divisible_by_renamed
 
 Chunk = tuple[int, tuple[int, ...], tuple[int, ...]]
@@ -195,6 +196,7 @@ class _ExportPlan:
     skipped: list[str] = field(default_factory=list)
     chunks: dict[str, tuple[tuple[int, ...], list[Chunk]]] = field(default_factory=dict)
     max_memory: int | None = None
+    experts: bool = False  # routed experts among the tensors: an MoE model
 
     def add(self, fqn: str, source: str, dtype: torch.dtype, padded: tuple[int, ...], chunks: list[Chunk]) -> None:
         """One DCP shard ``WriteItem`` per chunk of ``fqn``, on the rank that writes it, read from ``source``;
@@ -263,7 +265,7 @@ def _target_layout(num_layers: int, tp: int, pp: int, ep: int, etp: int | None, 
 def _empty_destination(dest: str | os.PathLike[str]) -> str:
     """``dest``, refused when it holds anything: an export writes a whole new directory, and a failed
     one removes it."""
-    out = os.fspath(dest)
+    out = local_destination(dest, "the Megatron torch_dist export")
     if os.path.exists(out) and os.listdir(out):
         raise SaveError(f"{out} is not empty; an export writes a new torch_dist directory")
     return out
@@ -286,6 +288,7 @@ def _plan_tensors(view: Any, config: ParallelConfig, make_vocab_size_divisible_b
             raise LayoutError(f"{view.url}: {mkey!r} is a per-layer tensor (an MoE layer pattern); the torch_dist "
                               "export writes stacked layers only")
         padded, chunks = _target_chunks(mkey, tmeta.shape, rule, config, make_vocab_size_divisible_by, num_layers)
+        plan.experts = plan.experts or rule.is_expert
         plan.keys[mkey] = key
         plan.chunks[mkey] = (padded, chunks)
         plan.add(mkey, key, view[key].dtype, padded, chunks)
@@ -449,6 +452,7 @@ def export_torch_dist(source: str | os.PathLike[str], dest: str | os.PathLike[st
         record = None if weights_only else meta.get("optimizer")
         common_entry = None
         if record is not None:
+            optimizer_export.check_optimizer_count(record, plan.experts, config.ep, view.url)
             common_entry = optimizer_export.optimizer_common(record, view.url, optimizer)
             _plan_optimizer(view, plan, record, optimizer)
         _plan_extra_states(view, plan, config, num_layers)

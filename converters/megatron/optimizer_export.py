@@ -40,7 +40,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ckptkit.adapters.megatron.optimizer_state import MAIN, scaler_state_dict
-from ckptkit.errors import ManifestError
+from ckptkit.errors import LayoutError, ManifestError
 
 SHARDING_TYPE = "fully_reshardable"
 IDENTIFIER_KEYS = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr")
@@ -137,6 +137,24 @@ def _grad_scaler(state: Any, where: str) -> dict[str, Any]:
                             "hysteresis_tracker")
     trackers = {k: int(_number(state.get(k, 0), f"loss scaler {k}", where)) for k in ("growth_tracker", "hysteresis_tracker")}
     return scaler_state_dict({"scale": _number(state["scale"], "loss scale", where), **trackers})
+
+
+def check_optimizer_count(record: Mapping[str, Any], experts: bool, ep: int, where: str) -> None:
+    """Refuse, before anything is written, an export whose target builds another number of Megatron
+    optimizers than the saving job did: an MoE job at ep > 1 keeps its expert parameters in a second
+    optimizer (a ``ChainedOptimizer`` of two), at ep 1 they join the dense one. ``common.pt`` holds one
+    param-group entry per optimizer, and Megatron's load refused the other count with ``KeyError:
+    'optimizer'`` or "Expected 2 entries" after the export had reported success (a hunt, 2026-12-06)."""
+    saved = record.get("hyper_parameters") if isinstance(record, Mapping) else None
+    if not experts or not isinstance(saved, list):
+        return  # a dense model's optimizers do not depend on ep; optimizer_common names a bad record
+    want = 2 if ep > 1 else 1
+    if len(saved) != want:
+        raise LayoutError(
+            f"{where}: the optimizer state was saved by {len(saved)} Megatron optimizer(s) (an MoE job at "
+            f"{'ep > 1' if len(saved) > 1 else 'ep 1'}), and a Megatron job at ep {ep} builds {want}: its param "
+            "groups cannot be written for that job. Export with weights_only=True, or at an ep on the same side "
+            "of 1 as the saving job's")
 
 
 def optimizer_common(record: Mapping[str, Any], where: str, form: str = "distributed") -> dict[Any, Any]:

@@ -51,9 +51,11 @@ from typing import Any
 import torch
 
 import ckptkit
-from ckptkit.adapters.load_checks import NOT_LOADED, record_text, refuse_unexpected, user_value
+from ckptkit.adapters.load_checks import (DROPPED, NOT_LOADED, dropped, dropped_user_value, record_text,
+                                          refuse_unexpected, user_value)
 from ckptkit.adapters.megatron import extra_state
 from ckptkit.adapters.megatron import optimizer_state as opt_state
+from ckptkit.adapters.primed_states import PrimedStates
 from ckptkit.adapters.megatron.model_space import (
     DataParallelSizes,
     PADDING_SUFFIX,
@@ -188,7 +190,9 @@ def _set_rng_state(state: Mapping[str, Any]) -> None:
 # ----------------------------------------------------------------- save
 def megatron_state(model: Any, *, optimizer: Any = None, scheduler: Any = None, iteration: int = 0,
                    extra: Mapping[str, Any] | None = None, options: MegatronOptions = MegatronOptions()) -> dict[str, Any]:
-    """The ckptkit state of a Megatron job (tensors are the job's own; the saver snapshots them)."""
+    """The ckptkit state of a Megatron job (tensors are the job's own; the saver snapshots them).
+    Collective over the data-parallel group where parameter all-gathers overlap (:func:`_synced_params`)."""
+    _synced_params(model)
     vocab = ModelSpaceOptions(options.vocab_size, options.make_vocab_size_divisible_by)
     spaces, extras = _declared(model, vocab, saving=True)
     entries: dict[str, Any] = {}
@@ -218,6 +222,17 @@ def megatron_state(model: Any, *, optimizer: Any = None, scheduler: Any = None, 
     entries[USER_EXTRA] = json.dumps(json_ready(dict(extra or {}), "extra"))  # may differ per rank; meta may not
     entries["rng"] = PerRank(_rng_state())
     return {ROOT: entries}
+
+
+def _synced_params(model: Any) -> None:
+    """Finish the parameter all-gather Megatron defers with ``overlap_param_gather`` (the distributed
+    optimizer's step updates only this rank's shard of the weights; the rest arrives at the next forward),
+    as Megatron-LM's own save does. Until 2026-12-06 the save took the weights as they were, one step
+    stale outside each rank's shard, and without main copies (fp32) nothing newer was stored (a hunt)."""
+    for chunk in _chunks(model):
+        cfg = getattr(chunk, "ddp_config", None)
+        if getattr(cfg, "overlap_param_gather", False) and getattr(cfg, "use_distributed_optimizer", False):
+            chunk.start_param_sync(force_sync=True)
 
 
 def agreed_state(comm: Comm, make_state: Callable[[], dict[str, Any]], what: str) -> dict[str, Any]:
@@ -262,7 +277,7 @@ def read_meta(path: str | os.PathLike[str], storage_options: dict[str, Any] | No
     """The ``megatron/meta`` record and the stored tensors' shapes (from the manifest; no tensor read).
     The record's ``extra``: its own (saved before ``extra`` moved out of it, an import), else the agreed
     value at :data:`USER_EXTRA_KEY`, else None when the saving ranks' differed (:func:`load` restores
-    each rank's own)."""
+    each rank's own), else :data:`~ckptkit.adapters.load_checks.DROPPED` (``ckptkit reshard`` dropped it)."""
     store = open_store(path, storage_options)
     manifest = read_manifest(store)
     meta = json.loads(record_text(manifest, META_KEY, store.url, "Megatron"))
@@ -270,8 +285,11 @@ def read_meta(path: str | os.PathLike[str], storage_options: dict[str, Any] | No
         raise StateMismatchError(f"{store.url}: Megatron record format {meta.get('format')!r}, expected {FORMAT}")
     if "extra" not in meta:
         text = manifest.values.get(USER_EXTRA_KEY)
-        meta["extra"] = None if USER_EXTRA_KEY in manifest.rank_values else {} if text is None else user_value(
-            decode_value(text, f"{store.url}: {USER_EXTRA_KEY}"), USER_EXTRA_KEY, store.url)
+        if text is None:  # per rank; dropped by a reshard (which says so); or never stored (an import)
+            meta["extra"] = None if USER_EXTRA_KEY in manifest.rank_values else DROPPED if dropped(
+                manifest, USER_EXTRA_KEY) else {}
+        else:
+            meta["extra"] = user_value(decode_value(text, f"{store.url}: {USER_EXTRA_KEY}"), USER_EXTRA_KEY, store.url)
     return meta, {k: t.shape for k, t in manifest.tensors.items()}
 
 
@@ -282,7 +300,8 @@ def load_entries(model: Any, meta: Mapping[str, Any], shapes: Mapping[str, tuple
     not stepped). ``meta`` and ``shapes`` are :func:`read_meta`'s. Also the optimizer's per-parameter
     states and whether main copies are loaded. Apart so that the load a large layout would do can be
     planned without reading (tests/scale_megatron.py)."""
-    plan = _load_plan(model, meta, shapes, optimizer=optimizer, load_optimizer=load_optimizer, where=where)
+    plan = _load_plan(model, meta, shapes, optimizer=optimizer, load_optimizer=load_optimizer, where=where,
+                      primed=PrimedStates())
     return plan.entries, plan.states, plan.load_main
 
 
@@ -295,7 +314,7 @@ class _LoadPlan:
 
 
 def _load_plan(model: Any, meta: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]], *, optimizer: Any,
-               load_optimizer: bool, where: str) -> _LoadPlan:
+               load_optimizer: bool, where: str, primed: PrimedStates) -> _LoadPlan:
     vocab = ModelSpaceOptions(meta["vocab_size"], meta["make_vocab_size_divisible_by"])
     spaces, extras = _declared(model, vocab)
     spaces = padding_plan(spaces, dict(shapes), "model/")
@@ -323,7 +342,7 @@ def _load_plan(model: Any, meta: Mapping[str, Any], shapes: Mapping[str, tuple[i
         raise MissingKeysError(f"{where}: {len(missing)} tensor(s) this job needs are not in the checkpoint: "
                                f"{', '.join(repr(k) for k in missing[:8])}")
     if states:
-        opt_state.prime(states, saved_opt["tensor_states"], saved_opt["scalars"])
+        opt_state.prime(primed, states, saved_opt["tensor_states"], saved_opt["scalars"])
         for j, ps in enumerate(states):
             for name in kinds:
                 entries[f"o{j}/{name}"] = opt_state.state_pieces(ps, name, for_save=False)
@@ -343,17 +362,27 @@ def load(model: Any, path: str | os.PathLike[str], *, optimizer: Any = None, sch
     model does not have (an extra layer, a bias the config dropped), as Megatron does; False loads the
     rest. ``info.extra`` is this rank's own where the saving ranks' differed (docs/megatron.md)."""
     meta, shapes = read_meta(path, storage_options)
-    if strict:  # before anything of the job is touched
+    if meta["extra"] is DROPPED:  # before anything of the job is touched
+        meta["extra"] = dropped_user_value(USER_EXTRA_KEY, str(path), options.per_rank_on_resize)
+    if strict:
         _refuse_unexpected(model, meta, shapes, str(path))
-    plan = _load_plan(model, meta, shapes, optimizer=optimizer, load_optimizer=load_optimizer, where=str(path))
-    entries, states, load_main = plan.entries, plan.states, plan.load_main
-    same = same_layout(meta["layout"], layout())
-    if same:
-        entries["rng"] = PerRank(None)
-    per_rank = meta["extra"] is None
-    if per_rank:  # each rank's own at the saving world size; per_rank_on_resize at another
-        entries[USER_EXTRA] = NOT_LOADED
-    ckptkit.load({ROOT: entries}, path, strict=False, options=options, storage_options=storage_options)
+    scalers = opt_state.grad_scaler_plan(optimizer, (meta.get("optimizer") or {}).get("grad_scalers"), str(path)) if (
+        optimizer is not None and load_optimizer) else []
+    primed = PrimedStates()
+    try:
+        plan = _load_plan(model, meta, shapes, optimizer=optimizer, load_optimizer=load_optimizer, where=str(path),
+                          primed=primed)
+        entries, states, load_main = plan.entries, plan.states, plan.load_main
+        same = same_layout(meta["layout"], layout())
+        if same:
+            entries["rng"] = PerRank(None)
+        per_rank = meta["extra"] is None
+        if per_rank:  # each rank's own at the saving world size; per_rank_on_resize at another
+            entries[USER_EXTRA] = NOT_LOADED
+        ckptkit.load({ROOT: entries}, path, strict=False, options=options, storage_options=storage_options)
+    except BaseException:
+        primed.undo()  # refused before a byte landed: the job as it was (else the error says partly overwritten)
+        raise
     if per_rank:
         meta["extra"] = user_value(entries[USER_EXTRA], USER_EXTRA_KEY, str(path))
     if extra_state.stores_any(shapes):  # a checkpoint without FP8 payloads: no vetting exchange
@@ -361,7 +390,7 @@ def load(model: Any, path: str | os.PathLike[str], *, optimizer: Any = None, sch
     if states:
         opt_state.zero_fresh_rows(states)
         opt_state.sync_model_from_main(optimizer, had_main=load_main, have_main=any(ps.main is not None for ps in states))
-        opt_state.load_grad_scalers(optimizer, meta["optimizer"].get("grad_scalers"), str(path))
+        opt_state.load_grad_scalers(scalers)
     elif optimizer is not None:  # weights only: the main copies are derived from the loaded weights
         opt_state.sync_model_from_main(optimizer, had_main=False, have_main=True)
     if scheduler is not None and meta.get("scheduler") is not None:

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from ckptkit.adapters.megatron.model_space import ParamSpace, storage_id
+from ckptkit.adapters.primed_states import PrimedStates
 from ckptkit.engine.state import Sharded, dtype_name
 from ckptkit.errors import OptionsError, StateMismatchError
 
@@ -174,20 +175,17 @@ def scalar_state(states: list[ParamState]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def prime(states: list[ParamState], tensor_keys: list[str], scalars: dict[str, dict[str, Any]]) -> None:
-    """Make each parameter's optimizer state the checkpoint's kinds, for the load to fill: cleared first
-    (a rollback to a checkpoint saved before the first step must not keep the live moments and step
-    count, or the replayed step differs), then zeroed tensors of ``tensor_keys`` and the saved scalars."""
+def prime(primed: PrimedStates, states: list[ParamState], tensor_keys: list[str],
+          scalars: dict[str, dict[str, Any]]) -> None:
+    """Make each parameter's optimizer state the checkpoint's kinds, for the load to fill
+    (:class:`~ckptkit.adapters.primed_states.PrimedStates`: undone if the load fails): ``tensor_keys``
+    shaped like the main parameter and the saved scalars (a tensor scalar keeps its device)."""
     for ps in states:
         devices = {k: v.device for k, v in ps.state.items() if isinstance(v, torch.Tensor)}  # a capturable step's
-        ps.state.clear()
-        for k in tensor_keys:
-            ps.state[k] = torch.zeros_like(ps.main_param, memory_format=torch.preserve_format)
-        for k, rec in scalars.items():
-            if rec["dtype"] is None:
-                ps.state[k] = rec["value"]
-            else:
-                ps.state[k] = torch.tensor(rec["value"], dtype=getattr(torch, rec["dtype"]), device=devices.get(k))
+        values = {k: rec["value"] if rec["dtype"] is None else
+                  torch.tensor(rec["value"], dtype=getattr(torch, rec["dtype"]), device=devices.get(k))
+                  for k, rec in scalars.items()}
+        primed.prime(ps.state, ps.main_param, tensor_keys, values)
 
 
 def hyper_parameters(optimizer: Any) -> list[list[dict[str, Any]]]:
@@ -218,23 +216,40 @@ def grad_scaler_states(optimizer: Any) -> list[dict[str, Any] | None]:
     return out
 
 
-def load_grad_scalers(optimizer: Any, saved: list[dict[str, Any] | None] | None, where: str) -> None:
-    """Restore the loss scalers :func:`grad_scaler_states` recorded (None: a checkpoint from before they were
-    recorded, or an import without them: the scalers keep their initial state). A job without scalers (bf16,
-    fp32) ignores them. The scalers are matched by position; at another count (a ChainedOptimizer split
-    differently) only one state shared by all of them can be applied."""
+def grad_scaler_plan(optimizer: Any, saved: list[dict[str, Any] | None] | None, where: str) -> list[tuple[Any, dict]]:
+    """The loss scalers :func:`grad_scaler_states` recorded, paired with this job's scalers; checked before a
+    load writes anything, applied after it (:func:`load_grad_scalers`). None: a checkpoint from before they
+    were recorded, or an import without them; ``{}``: a constant scale's (nothing to restore). Either way
+    the scalers keep their initial state. A job without scalers (bf16, fp32) ignores them. The scalers are
+    matched by position; at another count (a ChainedOptimizer split differently) only one state shared by
+    all of them can be applied. A recorded state lacking what a scaler here keeps is refused naming it:
+    a constant scale's ``{}`` loaded into a dynamic scaler raised ``KeyError: 'scale'`` after every tensor
+    had been loaded (found by a hunt, 2026-12-06)."""
     if not saved:
-        return
+        return []
     scalers = [getattr(opt, "grad_scaler", None) for opt in _optimizers(optimizer)]
-    states = [s for s in saved if s is not None]
+    states = [s for s in saved if s]
     if len(saved) != len(scalers):
         if any(s != states[0] for s in states):
             raise StateMismatchError(f"{where}: {len(saved)} saved loss scalers with different states for "
                                      f"{len(scalers)} optimizers here")
         saved = [states[0] if states else None] * len(scalers)
-    for scaler, state in zip(scalers, saved):
-        if scaler is not None and state is not None:
-            scaler.load_state_dict(scaler_state_dict(state))
+    plan = []
+    for i, (scaler, state) in enumerate(zip(scalers, saved)):
+        if scaler is None or not state:
+            continue
+        lacking = sorted(set(scaler.state_dict()) - set(state))
+        if lacking:
+            raise StateMismatchError(f"{where}: the loss scaler recorded for optimizer {i} ({sorted(state)}) lacks "
+                                     f"{lacking}, which this job's {type(scaler).__name__} keeps")
+        plan.append((scaler, state))
+    return plan
+
+
+def load_grad_scalers(plan: list[tuple[Any, dict]]) -> None:
+    """Restore the loss scalers of a :func:`grad_scaler_plan`."""
+    for scaler, state in plan:
+        scaler.load_state_dict(scaler_state_dict(state))
 
 
 def scaler_state_dict(state: dict[str, Any]) -> dict[str, Any]:
