@@ -151,6 +151,11 @@ class SaveError(CkptkitError):
     """A save failed; the previous committed checkpoint is untouched."""
 
 
+class PreviousSaveFailedError(SaveError):
+    """An asynchronous save that failed in the background, raised by the next save before it starts
+    (that save did not start; the failure is reported once, so the next attempt goes ahead)."""
+
+
 class SnapshotRaceError(SaveError):
     """An overlapped snapshot (``AsyncOptions(snapshot="overlap")``) saw a saved tensor change in place
     before its copy was final, by a path no guard hooks: that save fails, nothing of it is committed."""

@@ -124,3 +124,61 @@ def test_close_gives_the_signals_back(tmp_path):
         assert signal.getsignal(signal.SIGTERM) == default_term and signal.getsignal(signal.SIGUSR1) is mine
     finally:
         signal.signal(signal.SIGUSR1, before)
+
+
+def _preempted_run(run: str, asynchronous, grace: float, at: int = 3, fail_saves=(), monkeypatch=None):
+    """Train until the controller stops after a preemption at step ``at`` (saves every 2 steps); the
+    error ``maybe_save`` raised (None is right), ``should_stop``, the incidents and the committed steps.
+    ``fail_saves``: steps whose background write fails (a disk that filled up, then has room again)."""
+    write = async_save.write_staged
+
+    def failing(*args, **kwargs):
+        if failing.step in fail_saves:
+            raise OSError(28, "No space left on device")
+        return write(*args, **kwargs)
+
+    failing.step = -1
+    if monkeypatch is not None:
+        monkeypatch.setattr(async_save, "write_staged", failing)
+    mgr = ckptkit.CheckpointManager(run, save=ckptkit.SavePolicy(every_steps=2), asynchronous=asynchronous)
+    ctl = ckptkit.ResilienceController(mgr, batch_size=4, signals=(), grace_seconds=grace, watchdog_seconds=None)
+    state = {"w": torch.zeros(8)}
+    error = None
+    for step, _ in ctl.batches(lambda p: p, ctl.resume(state)):
+        if step == at:
+            ctl.preempt()
+        ctl.observe(step, loss=1.0)
+        state["w"] += 1
+        failing.step = step
+        try:
+            ctl.maybe_save(step, state)
+            if step in fail_saves:
+                mgr.wait_snapshot()
+                time.sleep(0.3)  # the background write fails before the next step
+        except Exception as exc:  # noqa: BLE001 - what the training loop would see
+            error = exc
+            break
+        if ctl.should_stop or step >= 8:
+            break
+    ctl.close()
+    kinds = [(i.kind, i.step) for i in ctl.log.read()]
+    return error, ctl.should_stop, kinds, sorted(r.step for r in mgr.records() if r.committed)
+
+
+@pytest.mark.parametrize("asynchronous", [ckptkit.AsyncOptions(), None], ids=["async", "sync"])
+def test_an_emergency_save_past_its_deadline_is_abandoned_whatever_the_saver(tmp_path, asynchronous):
+    """A grace period too short for the save: abandoned, the previous checkpoint stands, the job stops.
+    A synchronous manager's save raised its deadline out of ``maybe_save`` instead (found by a hunt,
+    2026-12-06): a traceback, no incident, ``should_stop`` False."""
+    error, stopped, kinds, committed = _preempted_run(str(tmp_path / "run"), asynchronous, grace=0.0)
+    assert error is None and stopped
+    assert kinds == [("preempt", 3), ("save_abandoned", 3)] and committed == [2]
+
+
+def test_an_emergency_save_after_a_failed_periodic_save_is_still_made(tmp_path, monkeypatch):
+    """The periodic save of step 2 failed in the background; the preemption at step 3 raised that old
+    failure instead of saving (found by a hunt, 2026-12-06). It is reported, and step 3 saved."""
+    error, stopped, kinds, committed = _preempted_run(str(tmp_path / "run"), ckptkit.AsyncOptions(), grace=30.0,
+                                                      fail_saves=(2,), monkeypatch=monkeypatch)
+    assert error is None and stopped
+    assert kinds == [("preempt", 3), ("emergency_save", 3)] and committed == [3]

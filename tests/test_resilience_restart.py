@@ -262,3 +262,29 @@ def test_the_report_names_the_run_and_shades_the_steps_the_crash_lost():
     ax = figure(rep).axes[0]
     assert ax.get_title(loc="left") == "exp-7" and "4 steps lost" in {t.get_text() for t in ax.texts}
     assert [p.get_gid() for p in ax.patches if p.get_gid()] == ["lost:80-84"]
+
+
+HOSTILE_MARKERS = {
+    "infinity": b'{"step": Infinity, "entering": null}', "overflow": b'{"step": 3, "entering": 1e999}',
+    "huge int": b'{"step": 1' + b"0" * 40 + b"}", "negative": b'{"step": -5}', "float step": b'{"step": 3.5}',
+    "string step": b'{"step": "12"}', "bool closed": b'{"step": 3, "closed": "yes"}', "a list": b"[1, 2]",
+    "deep": b'{"step": 3, "job": ' + b"[" * 5000 + b"]" * 5000 + b"}", "nan": b'{"step": NaN}',
+    "duplicate keys": b'{"step": 3, "step": 4}', "not utf-8": b'{"step": 3, "job": "\xff"}',
+    "oversized": b'{"step": 3, "job": "' + b"x" * (1 << 17) + b'"}', "garbage": b"\x00garbage",
+}
+
+
+@pytest.mark.parametrize("marker", list(HOSTILE_MARKERS))
+def test_a_hostile_progress_marker_is_no_marker(marker):
+    """The marker is advisory and read by rank 0 alone before the collective restore: whatever it holds,
+    the resume goes on from the newest checkpoint (as without a marker). ``Infinity`` and ``1e999`` raised
+    OverflowError there, on rank 0 alone, and the other ranks waited in the restore (hunt, 2026-12-06)."""
+    from ckptkit.resilience.progress import PROGRESS
+
+    run = new_run()
+    job(run, [], crash_after=24)
+    with open(os.path.join(run, PROGRESS), "wb") as f:
+        f.write(HOSTILE_MARKERS[marker])
+    records: list = []
+    job(run, records, stop=lambda ctl, step: step >= 23)
+    assert records[0][0] == 21

@@ -63,7 +63,7 @@ from ckptkit.engine.waves import WaveChannel, WaveSchedule, stage_in_waves, writ
 from ckptkit.engine.state import flatten_state
 from ckptkit.engine.structure import ClassifyMemo
 from ckptkit.engine.writer import write_staged
-from ckptkit.errors import OptionsError, SaveError, SnapshotRaceError
+from ckptkit.errors import OptionsError, PreviousSaveFailedError, SaveError, SnapshotRaceError
 from ckptkit.options import AsyncOptions
 from ckptkit.plan.save_plan import SavePlan
 from ckptkit.storage.base import ByteStore
@@ -407,8 +407,8 @@ class AsyncSaver:
         self._inflight = None
         exc = prev.committed.exception() if prev is not None else None
         if exc is not None:
-            raise SaveError(f"the previous checkpoint save failed: {exc}") from exc
-        raise SaveError("the previous checkpoint save failed on another rank")
+            raise PreviousSaveFailedError(f"the previous checkpoint save failed: {exc}") from exc
+        raise PreviousSaveFailedError("the previous checkpoint save failed on another rank")
 
     def _persist(
         self,

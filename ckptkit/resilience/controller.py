@@ -30,6 +30,7 @@ crash cost.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -40,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptkit.engine.async_save import SaveHandle
-from ckptkit.errors import OptionsError, TrainingStopped
+from ckptkit.errors import OptionsError, PreviousSaveFailedError, TrainingStopped
 from ckptkit.manager import CheckpointManager
 from ckptkit.resilience.incidents import Incident, IncidentLog, IncidentLogOptions
 from ckptkit.resilience.ladder import Decision, Ladder
@@ -231,6 +232,9 @@ class ResilienceController:
             log.warning("ckptkit: the previous job was killed inside its rollback at step %d; finishing it",
                         unfinished.at)
             self._finish_rollback(unfinished, step, state)
+            # the rollback counted the steps it lost and moved the marker back: the crash inside it lost no
+            # more (until 2026-12-06 the restart counted them again from the marker read above)
+            previous = dataclasses.replace(previous, step=self.step, entering=None) if previous is not None else None
         self._hold_rollback_targets()
         self._note_restart(step, previous)
         if step is None:
@@ -463,7 +467,9 @@ class ResilienceController:
         if preempting:  # an emergency save: persistent at once, whatever the policy says
             deadline = self._preempted_at + self.grace_seconds if self._preempted_at else None
             self.log.flush_metrics()
-            handle = self.manager.save(step, state, metrics=metrics, deadline=deadline)
+            handle = self._emergency_save(step, state, metrics, deadline)
+            if handle is None:
+                return None
         else:  # through the manager's maybe_save, so its memory tier snapshots at its own interval
             due = self.manager.should_save(step)
             if due:
@@ -478,6 +484,24 @@ class ResilienceController:
             self._finish_emergency(step, handle, deadline)
         return handle
 
+    def _emergency_save(self, step: int, state: dict[str, Any], metrics: dict[str, Any] | None,
+                        deadline: float | None) -> SaveHandle | None:
+        """The preemption's save, or None when it was abandoned before a handle existed: a synchronous
+        save that could not commit by the deadline, or one refused. Every rank gets the same outcome
+        (a save's failure is agreed). A periodic save that had failed in the background is reported and
+        the emergency save made all the same. Until 2026-12-06 both escaped ``maybe_save``: the job died
+        with a traceback, no incident and ``should_stop`` False (found by a hunt)."""
+        try:
+            try:
+                return self.manager.save(step, state, metrics=metrics, deadline=deadline)
+            except PreviousSaveFailedError as exc:  # reported now, and only once: the emergency save is still due
+                log.warning("ckptkit: %s; making the emergency save at step %d", exc, step)
+                return self.manager.save(step, state, metrics=metrics, deadline=deadline)
+        except Exception as exc:  # noqa: BLE001 - abandoned: the previous checkpoint stands
+            self.log.record(Incident("preempt", step, "preemption signal: emergency save"))
+            self._abandon(step, str(exc) or type(exc).__name__)
+            return None
+
     def _finish_emergency(self, step: int, handle: SaveHandle, deadline: float | None) -> None:
         self.should_stop = True
         remaining = max(0.0, (deadline or time.monotonic() + self.grace_seconds) - time.monotonic())
@@ -486,10 +510,13 @@ class ResilienceController:
             self.log.record(Incident("emergency_save", step, "saved on preemption within the grace period"))
         except Exception as exc:  # noqa: BLE001 - abandoned: the previous checkpoint stands
             self.manager.acknowledge(handle)  # also one still running: close() must not raise it again
-            why = (f"not committed within the grace period ({self.grace_seconds:g} s, and 5 s more)"
-                   if isinstance(exc, TimeoutError) else str(exc) or type(exc).__name__)
-            self.log.record(Incident("save_abandoned", step, f"emergency save abandoned: {why}"))
-            log.warning("ckptkit: emergency save at step %d abandoned (%s); the previous checkpoint stands", step, why)
+            self._abandon(step, f"not committed within the grace period ({self.grace_seconds:g} s, and 5 s more)"
+                          if isinstance(exc, TimeoutError) else str(exc) or type(exc).__name__)
+
+    def _abandon(self, step: int, why: str) -> None:
+        self.should_stop = True
+        self.log.record(Incident("save_abandoned", step, f"emergency save abandoned: {why}"))
+        log.warning("ckptkit: emergency save at step %d abandoned (%s); the previous checkpoint stands", step, why)
 
     def recommended_interval_steps(self) -> int | None:
         """Young/Daly interval in steps from the measured save cost and step time (needs ``mtbf_hours``)."""

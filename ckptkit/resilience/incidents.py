@@ -67,6 +67,7 @@ MAX_RECORD_BYTES = 16 << 20
 #: Largest metrics chunk read (``flush_every`` rows of three numbers).
 MAX_CHUNK_BYTES = 16 << 20
 _MAX_STEP = 2**62
+_MAX_TIME = 253402300799.0  # 9999-12-31T23:59:59Z: datetime formats nothing later
 _RECORD = re.compile(r"^[^/]+\.json$")  # directly under INCIDENTS
 _TEMPORARY = re.compile(r"^[^/]+\.json\.tmp-[0-9a-z-]+$")  # a local put_bytes interrupted before its rename
 _FLOAT_TAG = "__float__"
@@ -110,8 +111,10 @@ class Incident:
         step = as_int(doc.get("step"), f"{where}: step", -_MAX_STEP, _MAX_STEP)
         detail = as_str(doc.get("detail"), f"{where}: detail")
         when = doc.get("time")
-        if not isinstance(when, (int, float)) or isinstance(when, bool) or not math.isfinite(when):
-            raise ManifestError(f"{where}: time: expected a finite number, got {when!r:.40}")
+        if not isinstance(when, (int, float)) or isinstance(when, bool) or not 0 <= when <= _MAX_TIME:
+            # a time no clock gives (before 1970, after 9999) is a damaged record: `ckptkit report` crashed
+            # on one formatting it (found by a hunt, 2026-12-06)
+            raise ManifestError(f"{where}: time: expected seconds since 1970 (up to year 9999), got {when!r:.40}")
         data = _decode_floats(as_dict(doc.get("data"), f"{where}: data"), f"{where}: data")
         if kind == "rollback":
             _check_rollback(data, f"{where}: data")

@@ -42,12 +42,14 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from ckptkit.errors import CkptkitError
+from ckptkit.errors import CheckpointNotFoundError, CkptkitError, ManifestError
+from ckptkit.layout.strict_json import as_int, load_json
 from ckptkit.storage.base import ByteStore
 
 log = logging.getLogger("ckptkit")
 
 PROGRESS = ".ckptkit/progress.json"  # dot-prefixed: never mistaken for a checkpoint folder
+MAX_MARKER_BYTES = 1 << 16  # a marker is one small object; anything larger is not one
 WAIT_S = 2.0  # the most a step waits for its "entering" note; a store slower than that costs exactness
 
 
@@ -62,9 +64,13 @@ class Progress:
 
     @staticmethod
     def from_json(doc: dict[str, Any]) -> Progress:
+        """The marker's fields, each of its exact type (ManifestError otherwise)."""
         entering = doc.get("entering")
-        return Progress(int(doc["step"]), int(entering) if entering is not None else None,
-                        bool(doc.get("closed", False)), str(doc.get("job", "")))
+        closed, job = doc.get("closed", False), doc.get("job", "")
+        if not isinstance(closed, bool) or not isinstance(job, str):
+            raise ManifestError(f"{PROGRESS}: 'closed' must be a boolean and 'job' a string")
+        return Progress(as_int(doc.get("step"), f"{PROGRESS}: step", 0),
+                        as_int(entering, f"{PROGRESS}: entering", 0) if entering is not None else None, closed, job)
 
 
 @dataclass(frozen=True)
@@ -197,8 +203,13 @@ class ProgressMarker:
 
     # ---------------------------------------------------------------- reading
     def read(self) -> Progress | None:
-        """What the previous job left (None if no marker, or an unreadable one)."""
+        """What the previous job left (None if no marker, or an unreadable one). Advisory, and read by
+        rank 0 alone before the collective restore: nothing in it may raise. Until 2026-12-06 a marker
+        holding ``Infinity`` or ``1e999`` raised OverflowError there, and the other ranks waited in the
+        restore for rank 0 (found by a hunt); it is now parsed strictly, at most 64 KiB of it."""
         try:
-            return Progress.from_json(json.loads(self.store.read_bytes(PROGRESS)))
-        except (CkptkitError, ValueError, TypeError, KeyError):
+            return Progress.from_json(load_json(self.store.read_bytes(PROGRESS, limit=MAX_MARKER_BYTES), PROGRESS))
+        except Exception as exc:  # noqa: BLE001 - advisory: an unreadable marker is no marker
+            if not isinstance(exc, CheckpointNotFoundError):  # no marker: a fresh run
+                log.warning("ckptkit: ignoring the progress marker %s (%s)", PROGRESS, exc)
             return None
