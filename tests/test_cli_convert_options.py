@@ -100,3 +100,21 @@ def test_the_cli_imports_only_the_public_api():
             if ours and not module.startswith("ckptkit.cli") and module not in ALLOWED:
                 reached.setdefault(path.name, set()).add(module)
     assert reached == {}
+
+
+@pytest.mark.parametrize("fmt, src, extra", [("megatron", "megatron/ckpt", ["--to", "tp1pp1"]),
+                                             ("deepspeed", "deepspeed/ckpt", ["--dp", "2"])])
+@pytest.mark.parametrize("scheme", ["s3", "gs", "memory"])
+def test_an_export_that_writes_local_files_refuses_an_object_store_destination(tmp_path, monkeypatch, fmt, src, extra,
+                                                                                scheme):
+    """The Megatron and DeepSpeed exports write their framework's own folder with local file calls: an
+    ``s3://`` destination became a local folder named ``s3:`` and the CLI said "converted" (a hunt,
+    2026-12-06). Refused with exit 2 before anything is written; a ``file://`` URL is its path."""
+    monkeypatch.chdir(tmp_path)
+    golden = Path(__file__).parent / "golden" / "v2" / src
+    code, said = _run("convert", str(golden), f"{scheme}://bucket/{fmt}-export", "--format", fmt, *extra)
+    assert code == 2 and "local files only" in said, said
+    assert list(tmp_path.iterdir()) == []
+    local = tmp_path / "local"
+    assert _run("convert", str(golden), f"file://{local}", "--format", fmt, *extra)[0] == 0
+    assert any(local.iterdir())

@@ -120,3 +120,42 @@ def test_cli_exports_with_head_counts_from_an_hf_config(tmp_path):
     assert all(torch.equal(back[k], sd[k]) for k in sd)
     res = CliRunner().invoke(cli, ["convert", str(tmp_path / "ckpt"), str(tmp_path / "hf2"), "--format", "hf"])
     assert res.exit_code != 0 and "head counts" in res.output
+
+
+def test_a_failed_export_leaves_only_the_users_files_whichever_write_fails(tmp_path, monkeypatch):
+    """The disk fills up at any write of an export, a shard's or the index's (written last): the user's
+    folder keeps its own files and nothing of the export. A failed index write left every shard behind (a
+    folder no loader can use, refused by the retry), found by a hunt on 2026-12-06."""
+    from ckptkit.storage.local import LocalStore
+
+    _, cfg, model = debug_model()
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    ckptkit.save({"model": sd}, str(tmp_path / "a"))
+    heads = AttentionHeads(cfg.layers[0].attention.n_heads, cfg.layers[0].attention.n_heads)
+    options = HFExportOptions(max_shard_bytes=2 << 20)
+    writes = {"count": 0, "fail_at": None}
+
+    def counting(real, chunked: bool):
+        def write(self, name, data):
+            writes["count"] += 1
+            if writes["count"] == writes["fail_at"]:
+                blob = b"".join(bytes(c) for c in data) if chunked else bytes(data)
+                half = blob[: len(blob) // 2]
+                real(self, name, [half] if chunked else half)  # half of it lands, then the disk is full
+                raise OSError(28, "No space left on device", name)
+            return real(self, name, data)
+        return write
+
+    monkeypatch.setattr(LocalStore, "write_object", counting(LocalStore.write_object, True))
+    monkeypatch.setattr(LocalStore, "put_bytes", counting(LocalStore.put_bytes, False))
+    total = len(export_hf(str(tmp_path / "a"), str(tmp_path / "probe"), heads, options=options).shards) + 1
+    for fail_at in range(1, total + 1):
+        out = tmp_path / f"hf{fail_at}"
+        out.mkdir()
+        (out / "config.json").write_text("{}")
+        writes.update(count=0, fail_at=fail_at)
+        with pytest.raises((ckptkit.CkptkitError, OSError)):
+            export_hf(str(tmp_path / "a"), str(out), heads, options=options)
+        assert sorted(p.name for p in out.iterdir()) == ["config.json"], fail_at
+    writes["fail_at"] = None
+    export_hf(str(tmp_path / "a"), str(tmp_path / f"hf{total}"), heads, options=options)  # the retry goes through

@@ -70,7 +70,9 @@ def overlaps(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> bool:
         protocol, _ = split_protocol(text)
         if protocol in LOCAL_PROTOCOLS:
             return os.path.realpath(strip_protocol(text) if protocol else text).rstrip("/") or "/"
-        return f"{protocol}://{strip_protocol(text).rstrip('/')}"
+        # by text: fsspec's strip_protocol imports the protocol's filesystem, and one not installed (gs://
+        # without gcsfs) raised ImportError here, before the command could say the protocol is not supported
+        return f"{protocol}://{text.split('://', 1)[-1].rstrip('/')}"
 
     x, y = canonical(a), canonical(b)
     return x == y or y.startswith(x.rstrip("/") + "/") or x.startswith(y.rstrip("/") + "/")

@@ -15,15 +15,20 @@ anything is opened, that a path resolves inside the source folder (links that st
 followed, as :class:`ckptkit.storage.local.LocalStore` does for ckptkit's own folders) and, for
 files, that it is a regular file (a FIFO would hang ``torch.load``, ``/dev/zero`` stream forever).
 Pointer files are read through the same store (:func:`read_pointer`): bounded, regular, inside.
+
+Exports that write a framework's own folder (Megatron ``torch_dist``, DeepSpeed) write local files:
+:func:`local_destination` refuses an object-store URL for them, which they used to write as a local
+folder named ``s3:`` while reporting success.
 """
 
 from __future__ import annotations
 
 import ntpath
 import os
+import re
 import unicodedata
 
-from ckptkit.errors import CheckpointNotFoundError, ManifestError, UnsafePathError
+from ckptkit.errors import CheckpointNotFoundError, ManifestError, OptionsError, UnsafePathError
 from ckptkit.storage.local import LocalStore
 
 MAX_NAME_BYTES = 255
@@ -114,3 +119,19 @@ def regular_file(folder: str, path: str) -> str:
         raise UnsafePathError(f"{path}: not inside the checkpoint folder {folder}")
     LocalStore(folder).checked_size(key.replace(os.sep, "/"))
     return path
+
+
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def local_destination(dest: str | os.PathLike[str], what: str) -> str:
+    """``dest`` as a local path (a ``file://`` URL's path), or OptionsError for any other URL: ``what``
+    (an export writing a framework's own folder) writes local files only. Until 2026-12-06 an ``s3://``
+    destination became a local folder named ``s3:`` and the export reported success (found by a hunt)."""
+    text = os.fspath(dest)
+    if text.startswith("file://"):
+        return text[len("file://"):]
+    if _URL.match(text):
+        raise OptionsError(f"{text}: {what} writes local files only; export to a local folder, then copy it to the "
+                           "object store")
+    return text

@@ -31,7 +31,7 @@ from ckptkit.errors import LayoutError
 from ckptkit.layout.zero_partition import Zero3SubGroup, zero3_partition_numel
 from ckptkit.offline.spread import Dealt, agreed, same_source, spread_comm, write_then_commit
 from ckptkit.options import Progress
-from ckptkit_converters.common.source_paths import plain_name
+from ckptkit_converters.common.source_paths import local_destination, plain_name
 from ckptkit_converters.deepspeed import files as fmt
 from ckptkit_converters.deepspeed import moe as dsm
 from ckptkit_converters.deepspeed.flat_layout import FlatLayout, flat_layouts
@@ -149,6 +149,7 @@ class _Job:
 def _prepare(source: str | os.PathLike[str], dest: str | os.PathLike[str], dp: int, zero_stage: int | None,
              tag: str | None, ds_config: dict[str, Any] | None, ep: int | None,
              storage_options: dict[str, Any] | None) -> _Job:
+    dest = local_destination(dest, "the DeepSpeed export")  # before anything is read
     ds = DeepSpeedClasses.load()
     view = ckptkit.open(source, storage_options=storage_options)
     plan = plan_export(view.url, read_meta(view), dp, zero_stage, ep)
@@ -175,8 +176,19 @@ def _write_units(job: _Job, mine: list[int], tick: Callable[[int], None]) -> Non
 
 
 def _write_latest(job: _Job) -> None:
-    with open(os.path.join(job.dest, fmt.LATEST), "w", encoding="utf-8") as f:
-        f.write(job.tag)
+    """Point ``latest`` at the new tag by an atomic rename: rewriting it in place could leave an existing
+    DeepSpeed folder with an empty or partial ``latest`` if the write failed half-way."""
+    path = os.path.join(job.dest, fmt.LATEST)
+    staged = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(staged, "w", encoding="utf-8") as f:
+            f.write(job.tag)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(staged, path)
+    finally:
+        if os.path.exists(staged):
+            os.remove(staged)
 
 
 def _groups_of(meta: dict[str, Any]) -> list[Group]:

@@ -312,17 +312,20 @@ def export_hf(
     sizes = {i: sum(_unit_bytes(u, job.dtypes[u.key]) for u in shard) for i, shard in enumerate(job.shards)}
     dealt = Dealt(comm, sizes, len(job.shards), progress, job.total, "hf-export")
     written: list[str] = []
-    # a failed export leaves no shard that a later config.json could pass off as one: each process
-    # removes its own; the index is written after (below), as before
-    write_then_commit(comm, dealt, lambda mine: _write_shards(job, mine, dealt.tick, written), None,
-                      lambda: _remove(job.out, written), every_process_discards=True)
     weight_map = {n: name for shard, name in zip(job.shards, job.names) for u in shard for n in u.names}
     index = {"metadata": {"total_size": job.total, "ckptkit_source": job.view.url,
                           "ckptkit_family": job.plan.family.name},
              "weight_map": dict(sorted(weight_map.items()))}
-    # written last, once every shard is there (by process 0): the export is complete
-    agreed(comm, lambda: job.out.put_bytes(INDEX_NAME, json.dumps(index, indent=2).encode())
-           if comm is None or comm.rank == 0 else None)
+
+    def commit(_: list[Any]) -> None:  # process 0, once every shard is there: the export is complete
+        written.append(INDEX_NAME)  # a partly written index goes with the shards
+        job.out.put_bytes(INDEX_NAME, json.dumps(index, indent=2).encode())
+
+    # a failed export, the index's write included, leaves no shard that a later config.json could pass off
+    # as one: each process removes its own (until 2026-12-06 a failed index write left every shard, and a
+    # retry into the folder was refused: found by a hunt)
+    write_then_commit(comm, dealt, lambda mine: _write_shards(job, mine, dealt.tick, written), commit,
+                      lambda: _remove(job.out, written), every_process_discards=True)
     return HFExportResult(job.view.url, job.out.url, "hf", len(weight_map), job.total, job.view.bytes_read - job.read0,
                           time.perf_counter() - t0, tuple(job.names), job.plan.family.name, job.plan.prefix,
                           job.plan.dropped)
