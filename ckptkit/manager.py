@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 
 from ckptkit.engine.async_save import AsyncSaver, SaveHandle
-from ckptkit.engine.collective import Comm, first_rank_does, resolve_comm
+from ckptkit.engine.collective import Comm, failure_text, first_rank_does, resolve_comm
 from ckptkit.fallback import (newest_that_loads, prune_local_copies, replace_superseded, restore_state,
                               superseded_after)
 from ckptkit.engine.saver import SaveResult, save_state
@@ -349,7 +349,11 @@ class CheckpointManager:
         """Rank 0, after a restore: the damaged step folders newer than ``restored``, each replaced when
         the run saves its step again (:func:`ckptkit.fallback.superseded_after`)."""
         if self.rank == 0:
-            self._superseded = superseded_after(self.folder, self.skipped, restored)
+            try:  # rank 0 alone: a listing failing here must not fail a restore the other ranks finished
+                self._superseded = superseded_after(self.folder, self.skipped, restored)
+            except Exception as exc:  # noqa: BLE001 - bookkeeping: the damaged folders just stay (logged)
+                log.warning("%s: could not list the damaged checkpoints newer than the one restored (%s); they stay, "
+                            "and a save of their step will be refused until they are moved aside", self.root.url, exc)
 
     def _replace_superseded(self, step: int) -> None:
         if self.rank == 0:
@@ -460,13 +464,16 @@ class CheckpointManager:
         that fails its checks; at any step) on any rank, -1 if none; and the steps of those this rank
         sees. What a memory snapshot's lineage is checked against (:func:`ckptkit.memory.restore._foreign`)."""
         bound = MAX_STEP if at_most is None else at_most
-        everything = self.records()
+        try:
+            everything, listing = self.records(), None
+        except Exception as exc:  # noqa: BLE001 - agreed below: a rank failing alone left the others waiting
+            everything, listing = [], f"listing the run's checkpoints failed: {failure_text(exc, 'listing')}"
         steps = tuple(r.step for r in everything if r.status != "uncommitted")
         present = max(steps, default=-1)
         records = [r for r in everything if r.step <= bound]
         mine = max((r.step for r in records if r.committed), default=-1)
         blind = [r for r in records if r.status == "unreadable" and r.step > mine]
-        problem = f"{blind[-1].name}: {blind[-1].reason}" if blind else None
+        problem = listing or (f"{blind[-1].name}: {blind[-1].reason}" if blind else None)
         for r in records:
             if r.status == "damaged" and r.step > mine:
                 log.warning("skipping %s: %s", r.name, r.reason)

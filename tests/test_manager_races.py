@@ -264,3 +264,42 @@ def test_a_failed_save_is_saved_again_on_every_rank(worlds, tmp_path):
     """Whether the last save failed is agreed: no rank returns the old handle while another saves again."""
     outs = worlds.run(2, save_fail_retry, str(tmp_path / "run"), "thread", 0, timeout=60)
     assert outs == [{"first": "SaveError", "retry": True, "committed": True}] * 2, outs
+
+
+def listing_fails_on_one_rank(run: str, failing: int) -> dict:
+    """Two committed steps; then rank ``failing``'s listing of the run folder fails (an S3 connection
+    dropped on that node): every question that lists must fail on every rank, naming that rank."""
+    from ckptkit.errors import StorageError
+
+    rank = dist.get_rank()
+    mgr = ckptkit.CheckpointManager(run, save=ckptkit.SavePolicy(every_steps=1), asynchronous=None)
+    for step in (1, 2):
+        mgr.maybe_save(step, {"w": torch.full((4,), float(step))})
+    if rank == failing:
+        def broken():
+            raise StorageError(f"listing in {run}: Connection was closed before we received a valid response")
+        mgr.folder.records = broken
+    out = {}
+    for what, ask in (("restore", lambda: mgr.restore_latest({"w": torch.zeros(4)})),
+                      ("latest", mgr.latest_common_step)):
+        begin = time.monotonic()
+        try:
+            out[what] = ("returned", ask())
+        except ckptkit.CkptkitError as exc:
+            out[what] = (type(exc).__name__, str(exc))
+        out[f"{what} seconds"] = time.monotonic() - begin
+    mgr.close()
+    return out
+
+
+def test_a_listing_failing_on_one_rank_fails_every_rank_naming_it(worlds, tmp_path):
+    """Every rank listed the run folder before the restore's first agreement; one rank's listing failing
+    raised there alone and the others waited in the agreement for the process group's timeout (found by
+    a hunt on S3, 2026-12-06)."""
+    failing = 1
+    got = worlds.run(2, listing_fails_on_one_rank, str(tmp_path / "run"), failing, timeout=90)
+    for rank in range(2):
+        for what in ("restore", "latest"):
+            kind, said = got[rank][what]
+            assert kind == "CheckpointUnreadableError" and f"(rank {failing})" in said and "Connection" in said, said
+            assert got[rank][f"{what} seconds"] < 20

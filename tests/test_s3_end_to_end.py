@@ -128,3 +128,37 @@ def test_local_tier_in_front_of_the_bucket(s3_env, tmp_path):  # noqa: F811
     s3.delete_object(Bucket=s3_env, Key="tiered/step-0000003/manifest.json")
     with ckptkit.CheckpointManager(root, local_dir=str(local)) as mgr:
         assert mgr.restore_latest(empty()) == 2
+
+
+def test_every_child_store_keeps_the_callers_options(s3_env):  # noqa: F811
+    """Step folders are child stores: each keeps the options the run was opened with. The endpoint in
+    ``storage_options`` reached the run root only, and tensorstore's data path (which reads it from the
+    child) sent a step's data objects to AWS_ENDPOINT_URL's server instead (a hunt, 2026-12-06)."""
+    from ckptkit.storage.tensorstore_kv import kvstore_spec
+    from ckptkit.storage.url import open_store
+
+    options = {"endpoint_url": "http://127.0.0.1:9/elsewhere"}
+    store = open_store(f"s3://{s3_env}/run", options)
+    for child in (store.child("step-0000001"), store.child("step-0000001").child("data")):
+        assert child._storage_options == options
+        assert kvstore_spec(child)["endpoint"] == options["endpoint_url"]
+
+
+def test_a_manager_on_tensorstore_with_the_endpoint_in_its_options_and_a_writer_process(s3_env, s3_server,  # noqa: F811
+                                                                                           monkeypatch):
+    """The endpoint given in ``storage_options`` only (none in the environment), data through tensorstore,
+    persisted by a writer process: every object lands where the caller said, and the step restores
+    exactly. The process executor hung for ever with tensorstore (its store could not be pickled, and the
+    queue dropped the request; a hunt, 2026-12-06)."""
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    options = {"endpoint_url": s3_server.endpoint, "io_engine": "tensorstore"}
+    run = f"s3://{s3_env}/run"
+    for executor in ("thread", "process"):
+        mgr = ckptkit.CheckpointManager(f"{run}-{executor}", storage_options=options, save=ckptkit.SavePolicy(every_steps=1),
+                                        asynchronous=ckptkit.AsyncOptions(executor=executor))
+        mgr.maybe_save(1, state_at(1))
+        mgr.close()
+        back = empty()
+        assert ckptkit.CheckpointManager(f"{run}-{executor}", storage_options=options).restore_latest(back) == 1
+        want = state_at(1)
+        assert torch.equal(back["w"], want["w"]) and torch.equal(back["h"], want["h"]) and back["step"] == 1, executor

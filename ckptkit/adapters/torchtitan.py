@@ -73,7 +73,8 @@ from ckptkit.adapters.torchtitan_experts import expert_axes, mark_model, mark_op
 from ckptkit.engine.collective import Comm, agreed_preparation, first_rank_does, resolve_comm
 from ckptkit.engine.metadata_io import read_indexes, read_manifest
 from ckptkit.engine.state import PerRank
-from ckptkit.errors import CheckpointNotFoundError, MissingKeysError, OptionsError, SaveError, StateMismatchError
+from ckptkit.errors import (CheckpointNotFoundError, CheckpointUnreadableError, MissingKeysError, OptionsError, SaveError,
+                            StateMismatchError)
 from ckptkit.layout.values import decode_value
 from ckptkit.options import AsyncOptions, LoadOptions
 from ckptkit.retention import RetentionPolicy
@@ -359,9 +360,14 @@ class CkptkitCheckpointManager(BaseCheckpointManager):
                             "never overwrites one (resume from the newest step, or delete the newer checkpoints first)")
 
     def _load(self, step: int = -1) -> bool:
-        committed = [r.step for r in self.manager.records() if r.committed]
         if step != -1:
-            if not self._comm.all_min([int(step in committed)])[0]:  # agreed: no rank enters a load alone
+            # rank 0 lists, every rank gets its answer: a listing failing on one rank left the others waiting
+            committed, unlisted = first_rank_does(
+                self._comm, lambda: [r.step for r in self.manager.records() if r.committed], "listing the checkpoints")
+            if unlisted is not None:
+                raise CheckpointUnreadableError(f"{self.folder}: could not list the checkpoints on rank 0 to find step "
+                                                f"{step} ({unlisted})")
+            if step not in committed:
                 raise FileNotFoundError(f"--checkpoint.load_step={step}: no committed ckptkit checkpoint of step "
                                         f"{step} ({NAMING.name(step)} or {StepNaming().name(step)}) under {self.folder}")
             self._restore(step, explicit=True)

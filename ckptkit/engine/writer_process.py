@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 import torch.multiprocessing as mp
+from multiprocessing.reduction import ForkingPickler
 
 from ckptkit.engine.tensor_bytes import as_bytes
 from ckptkit.engine.waves import WaveChannel, WaveSchedule, write_waves
@@ -144,6 +145,7 @@ class WriterProcess:
         else:
             (obj,) = plan.objects
             job = ("spans", obj, array("q", itertools.chain.from_iterable((i.offset, i.nbytes) for i in plan.items)).tobytes())
+        self._check_sendable(store)
         self._requests.put((buffer_id, send, store, job, block))
         self._sent = buffer
         while True:
@@ -158,6 +160,16 @@ class WriterProcess:
         # answered in plan.items order
         crcs = _unpack_crcs(reply[1], len(plan.items))
         return [IndexEntry(i.tensor, i.region, i.object, i.offset, i.nbytes, c) for i, c in zip(plan.items, crcs)]
+
+    def _check_sendable(self, store: ByteStore) -> None:
+        """Pickle ``store`` here (a small object: a URL and its options): the queue pickles requests in its
+        feeder thread, which only prints a failure and drops the request, and the save then waited for an
+        answer forever."""
+        try:
+            ForkingPickler.dumps(store)
+        except Exception as exc:  # noqa: BLE001 - any pickling failure
+            raise SaveError(f"{store.url}: this store cannot be handed to the writer process ({type(exc).__name__}: "
+                            f"{exc}); use AsyncOptions(executor='thread') with it") from exc
 
     def close(self) -> None:
         if self._proc.is_alive():

@@ -174,8 +174,11 @@ class S3Store(ByteStore):
 
     def child(self, name: str) -> S3Store:
         url = f"s3://{self.bucket}/{self._key(name)}"
-        return S3Store(url, _fs=self.fs, part_size=self.part_size, max_concurrency=self.max_concurrency,
-                       commit_attempts=self.commit_attempts, commit_seconds=self.commit_seconds)
+        # the options go along (only the filesystem was shared): tensorstore's data path reads the endpoint
+        # from them, and a step folder's data went to AWS_ENDPOINT_URL's server (a hunt, 2026-12-06)
+        return S3Store(url, self._storage_options, _fs=self.fs, part_size=self.part_size,
+                       max_concurrency=self.max_concurrency, commit_attempts=self.commit_attempts,
+                       commit_seconds=self.commit_seconds)
 
     # ----------------------------------------------------------------- writing
     def write_object(self, key: str, chunks: Iterable[memoryview | bytes]) -> int:

@@ -45,6 +45,12 @@ class TensorstoreStore(ByteStore):
 
     streams_writes = False  # every chunk is held (then joined into the one value tensorstore takes)
 
+    def __reduce__(self) -> tuple[Any, tuple[ByteStore]]:
+        """Sent to a writer process (``AsyncOptions(executor="process")``) as its wrapped store, and opened
+        again there: the tensorstore handles cannot be pickled, and the request carrying them was dropped
+        by the queue's feeder thread while the save waited for its answer forever (a hunt, 2026-12-06)."""
+        return TensorstoreStore, (self.base,)
+
     def __init__(self, base: ByteStore) -> None:
         import tensorstore as ts
 
