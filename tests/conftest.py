@@ -74,6 +74,7 @@ WORLDS_TAIL = (
     "test_convert_hf_megatron.py", "test_memory_tier.py", "test_catalog.py", "test_bitflips.py",
     "test_modelspace_diff.py", "test_modelspace_view.py", "test_modelspace_zarr.py", "test_heterogeneous_states.py",
     "test_megatron_extra_state.py", "test_deepspeed_frozen.py", "test_megatron_legacy_optimizer.py",
+    "test_adapter_refused_loads.py",
 )
 """Modules with worlds that run as a second worlds unit, queued after every other module: the worker whose
 single-process modules end first (measured: 476 s against the worlds lane's 641 s) takes them, while the
