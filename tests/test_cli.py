@@ -179,3 +179,24 @@ def test_installed_console_script(run_dir: Path, tmp_path: Path):
                              capture_output=True, text=True, timeout=120, check=False)
     assert missing.returncode == 2 and missing.stdout == ""
     assert missing.stderr == f"error: no checkpoint at {tmp_path / 'nowhere'}\n"
+
+
+@pytest.mark.parametrize("cmd", ["verify", "inspect"])
+def test_a_folder_that_is_no_checkpoint_is_named_for_what_it_is(run_dir: Path, tmp_path: Path, cmd: str):
+    """A run folder, or a folder of other files (a DCP or zarr checkpoint, the user's own), was reported
+    as a save that did not finish, "saving to this path again replaces the leftovers" (verify: exit 1,
+    FAILED). Found by a hunt, 2026-12-06: now exit 2 saying what the folder is; a save's leftovers
+    (only ``data/`` and ``index/``) are still an unfinished save."""
+    result = run(cmd, str(run_dir))
+    assert result.exit_code == 2 and "is a run folder" in result.stderr and "ckptkit ls" in result.stderr, result.output
+    other = tmp_path / "dcp"
+    other.mkdir()
+    (other / ".metadata").write_bytes(b"x")
+    (other / "__0_0.distcp").write_bytes(b"x")
+    result = run(cmd, str(other))
+    assert result.exit_code == 2 and "which no ckptkit save writes" in result.stderr and ".metadata" in result.stderr
+    leftovers = tmp_path / "crashed"
+    (leftovers / "data").mkdir(parents=True)
+    (leftovers / "data" / "rank-00000-abc.bin").write_bytes(b"x")
+    result = run(cmd, str(leftovers))
+    assert result.exit_code == (1 if cmd == "verify" else 2) and "did not finish" in result.output

@@ -8,6 +8,7 @@ torn or swapped index is caught before any of its offsets is trusted.
 
 from __future__ import annotations
 
+import re
 from concurrent.futures import ThreadPoolExecutor
 
 from ckptkit.errors import CheckpointNotFoundError, CorruptCheckpointError, UncommittedCheckpointError
@@ -15,6 +16,11 @@ from ckptkit.layout.index import Index
 from ckptkit.layout.manifest import MANIFEST_NAME, Manifest, sha256_hex
 from ckptkit.layout.strict_json import MAX_METADATA_BYTES
 from ckptkit.storage.base import ByteStore
+
+
+SAVE_LEFTOVERS = frozenset({"data", "index"})
+"""What a save writes before its manifest: a folder holding only these is one whose save did not finish."""
+_STEP_FOLDER = re.compile(r"^step-[0-9]+$")
 
 
 def read_manifest(store: ByteStore) -> Manifest:
@@ -28,11 +34,20 @@ def _manifest_bytes(store: ByteStore) -> bytes:
     except CheckpointNotFoundError:
         pass
     children = store.list_children()
-    if children:
+    others = sorted(n for n in children if n not in SAVE_LEFTOVERS and not n.startswith(f"{MANIFEST_NAME}.tmp-"))
+    if children and not others:
         raise UncommittedCheckpointError(
             f"{store.url} has no committed manifest ({MANIFEST_NAME}): the save that wrote it did not "
             "finish, so it is not a checkpoint (saving to this path again replaces the leftovers)"
         )
+    if others:  # not what a save leaves: a run folder, another format, the user's files (said as such, 2026-12-06)
+        steps = [n for n in others if _STEP_FOLDER.match(n)]
+        if steps:
+            raise CheckpointNotFoundError(f"{store.url} is a run folder (step folders such as {steps[-1]}), not a "
+                                          "checkpoint: name one of its steps (`ckptkit ls` lists them)")
+        shown = ", ".join(others[:4]) + (f" and {len(others) - 4} more" if len(others) > 4 else "")
+        raise CheckpointNotFoundError(f"no checkpoint at {store.url}: no {MANIFEST_NAME}, and it holds {shown}, which "
+                                      "no ckptkit save writes (`ckptkit convert` reads other formats)")
     raise CheckpointNotFoundError(f"no checkpoint at {store.url}")
 
 
