@@ -223,9 +223,7 @@ class AsyncSaver:
         cls: Classified | None = None
         failure = Outcome(True)
         try:
-            # as it is now: the commit encodes it later, and the caller may change its dict (a reused one,
-            # a metric's list) the moment this returns (until 2026-12-06 the later values were committed)
-            metadata = copy.deepcopy(metadata)
+            metadata = copy.deepcopy(metadata)  # as at the call: the commit encodes it later (it took later values)
             cls = self._classified.classify(flatten_state(state), self.rank)
         except Exception as exc:  # noqa: BLE001 - carried through the flags below
             failure = _fail(exc)
