@@ -207,7 +207,6 @@ class AsyncSaver:
         private: bool = False,
     ) -> SaveHandle | None:
         """Snapshot ``state`` and persist it in the background. None if skipped (``on_busy="skip"``).
-
         ``deadline`` (``time.monotonic()``, decided by rank 0): past it, the commit is abandoned. A save
         with one waits for the save in flight even with ``on_busy="skip"``.
         ``private``: the state's tensors are already a private copy that nothing changes until the
