@@ -413,3 +413,104 @@ def test_guards_are_harmless_in_the_blocking_mode_and_removed_on_close(tmp_path)
     s.close()
     assert_checkpoint_equals(h.path, expected)
     assert len(job.optim._optimizer_step_pre_hooks) == 0
+
+
+# ---------------------------------------------------------------- changes no version counter of the tensor shows
+def _second_optimizer(kind: str, params) -> torch.optim.Optimizer:
+    if kind == "sgd fused":  # fused kernels move no version counter, and SGD's state has no step tensor
+        return torch.optim.SGD(params, lr=1e-2, momentum=0.9, fused=True)
+    if kind == "adamw fused":
+        return torch.optim.AdamW(params, lr=1e-2, fused=True)
+    return torch.optim.SGD(params, lr=1e-2, momentum=0.9, foreach=kind == "sgd foreach")
+
+
+@pytest.mark.parametrize("kind", ["sgd fused", "adamw fused", "sgd foreach", "sgd single"])
+def test_an_optimizer_not_named_as_a_guard_waits_for_the_copy_too(tmp_path, kind):
+    """A second optimizer stepping during the copy: every torch optimizer of the process waits at the gate
+    (a global step pre-hook), so the checkpoint holds the state at the save call. A fused one, which moves
+    no version counter, committed its update silently (a hunt, 2026-12-06)."""
+    from tests.overlap_job import copy_held_back
+
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+    opt_a, opt_b = torch.optim.AdamW(a.parameters(), lr=1e-2), _second_optimizer(kind, b.parameters())
+
+    def train() -> None:
+        x = torch.randn(4, 16)
+        (a(x).square().mean() + b(x).square().mean()).backward()
+        opt_b.step()  # the unguarded one first
+        opt_a.step()
+        opt_a.zero_grad()
+        opt_b.zero_grad()
+
+    def state() -> dict:
+        return {"a": a.state_dict(), "b": b.state_dict(),
+                "opt_b": {f"{i}.{k}": v for i, s in enumerate(opt_b.state.values()) for k, v in s.items()}}
+
+    train()
+    with copy_held_back() as held, ckptkit.CheckpointManager(
+            str(tmp_path / "run"), asynchronous=ckptkit.AsyncOptions(snapshot="overlap"), guard=opt_a) as mgr:
+        expected = {k: {n: t.clone() for n, t in v.items()} for k, v in state().items()}
+        handle = mgr.save(1, state())
+        train()
+        handle.wait()
+    assert held
+    target = {k: {n: torch.full_like(t, -7) for n, t in v.items()} for k, v in expected.items()}
+    ckptkit.load(target, handle.path)
+    assert all(same_bits(target[k][n], t) for k, v in expected.items() for n, t in v.items())
+
+
+def test_ckptkit_load_into_the_live_state_after_an_overlapped_save_waits_for_its_copy(tmp_path):
+    """A rollback with ``ckptkit.load`` into the live tensors right after an overlapped save: the loader's
+    writes move no version counter (they land through memoryviews), and the save committed the loaded
+    bytes under its step (a hunt, 2026-12-06). The loader passes every pending gate first, and tells
+    torch the destinations moved."""
+    from tests.overlap_job import copy_held_back
+
+    job = Job()
+    with ckptkit.CheckpointManager(str(tmp_path / "run"), asynchronous=ckptkit.AsyncOptions(snapshot="overlap"),
+                                   guard=job.optim) as mgr:
+        mgr.save(1, job.state())
+        mgr.wait()
+        job.step()
+        expected = clone(job.state())
+        versions = [t._version for t in job.model.parameters()]
+        with copy_held_back() as held:
+            handle = mgr.save(2, job.state())
+            ckptkit.load(job.state(), mgr.step_url(1))  # the rollback, before any guarded step
+        handle.wait()
+    assert held
+    assert_checkpoint_equals(handle.path, expected)
+    assert all(t._version > v for t, v in zip(job.model.parameters(), versions))
+
+
+def dtensor_change_outside_the_guard(folder: str) -> str:
+    """A DTensor parameter and an EMA DTensor changed in place under no_grad right after an overlapped save."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    from tests.overlap_job import copy_held_back
+
+    mesh = init_device_mesh("cpu", (1,))
+    w = torch.nn.Parameter(distribute_tensor(torch.randn(8, 8), mesh, [Replicate()]))
+    ema = distribute_tensor(torch.randn(8, 8), mesh, [Replicate()])
+    opt = torch.optim.AdamW([w], lr=1e-2)
+    with copy_held_back(), ckptkit.CheckpointManager(folder, asynchronous=ckptkit.AsyncOptions(snapshot="overlap"),
+                                                     guard=opt) as mgr:
+        handle = mgr.save(1, {"w": w, "ema": ema})
+        with torch.no_grad():
+            ema.mul_(0.9)
+            w.mul_(2.0)
+        try:
+            handle.wait()
+            return "committed"
+        except ckptkit.SnapshotRaceError as exc:
+            mgr.acknowledge(handle)
+            return str(exc)
+
+
+def test_an_in_place_change_of_a_dtensor_outside_the_guard_fails_the_save(worlds, tmp_path):
+    """An in-place op on a DTensor moves the DTensor's version counter, not its local tensor's: the checks
+    watched the local one, and no change of DTensor state was ever seen (a hunt, 2026-12-06)."""
+    said = worlds.run(1, dtensor_change_outside_the_guard, str(tmp_path / "run"), timeout=120)[0]
+    assert "was changed in place" in said and ("'w'" in said or "'ema'" in said), said

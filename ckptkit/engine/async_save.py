@@ -282,7 +282,7 @@ class AsyncSaver:
         or an overlapped snapshot (copied by the persist thread; the gate is its own until passed)."""
         if overlap:
             return None, None, OverlapSnapshot(prep.plan, prep.tensors,
-                                               functools.partial(self.pool.buffer_for, prep.plan), where)
+                                               functools.partial(self.pool.buffer_for, prep.plan), where, prep.watched)
         if self.options.over_budget == "waves" and self.pool.over_budget(prep.plan):
             return None, self._waves_for(prep.plan, prep.tensors), None
         return snapshot(prep.plan, prep.tensors, self.pool), None, None

@@ -26,12 +26,28 @@ class Guards:
     def __init__(self, gate: Callable[[], None]) -> None:
         self._gate = weakref.WeakMethod(gate)  # type: ignore[arg-type]
         self._hooks: dict[int, tuple[weakref.ref[Any] | None, Any]] = {}
+        self._every_optimizer: Any = None  # the global step pre-hook's handle (see add)
 
     def __bool__(self) -> bool:
         return any(ref is None or ref() is not None for ref, _ in self._hooks.values())
 
     def add(self, *optimizers: Any) -> None:
-        """Hook each optimizer's ``step``; refuse anything without ``register_step_pre_hook``."""
+        """Hook each optimizer's ``step``; refuse anything without ``register_step_pre_hook``. Every other
+        ``torch.optim.Optimizer`` of the process waits at the gate too (a global step pre-hook): an
+        optimizer not named as a guard changed the state during the copy, and one with fused kernels
+        (``fused=True``) does so without moving the version counters, so its race was committed silently
+        (found by a hunt, 2026-12-06)."""
+        if self._every_optimizer is None and any(opt is not None for opt in optimizers):
+            from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+            gate = self._gate
+
+            def every_step(_optimizer: Any, _args: Any, _kwargs: Any) -> None:
+                fn = gate()
+                if fn is not None:
+                    fn()
+
+            self._every_optimizer = register_optimizer_step_pre_hook(every_step)
         for opt in optimizers:
             if opt is None:
                 continue
@@ -70,3 +86,6 @@ class Guards:
         for _, handle in self._hooks.values():
             handle.remove()
         self._hooks.clear()
+        if self._every_optimizer is not None:
+            self._every_optimizer.remove()
+            self._every_optimizer = None

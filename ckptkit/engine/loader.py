@@ -29,6 +29,7 @@ import torch
 from ckptkit.engine.dtensor_grid import grid_of, is_dtensor, local_of
 from ckptkit.engine.collective import Comm, failed_ranks
 from ckptkit.engine.load_progress import LoadProgress, ProgressRecord, WatchedComm
+from ckptkit.engine.overlap import pass_pending_gates
 from ckptkit.engine.read_once import read_once
 from ckptkit.engine.read_session import ReadSession
 from ckptkit.engine.shared_targets import SharedTargets, is_staged, is_wrapper, share_targets
@@ -260,9 +261,25 @@ def load_state(
     Under the load watchdog (``options.stall_seconds``, :mod:`ckptkit.engine.watchdog`) the load
     runs on a worker thread while this one watches its progress, so a read that never returns
     fails the load on every rank, naming the rank and the object, instead of hanging the job."""
+    pass_pending_gates()  # an overlapped save of this state copies it first (our writes move no version)
     record = ProgressRecord(comm.rank)
-    return supervise(lambda: _load(flat, store, WatchedComm(comm, record), strict, options, record), record,
-                     where=store.url, comm=comm, stall_seconds=options.stall_seconds, on_progress=options.on_progress)
+    try:
+        return supervise(lambda: _load(flat, store, WatchedComm(comm, record), strict, options, record), record,
+                         where=store.url, comm=comm, stall_seconds=options.stall_seconds, on_progress=options.on_progress)
+    finally:
+        _moved(flat)
+
+
+def _moved(flat: FlatState) -> None:
+    """Tell torch that every destination tensor may have changed: the reads land through memoryviews, behind
+    its version counters (autograd's saved-tensor checks and an overlapped snapshot's race checks read them).
+    A DTensor's own counter moves too: an in-place change of one moves that, not its local tensor's."""
+    for obj in [leaf.obj for leaf in flat.tensors] + [leaf.obj.local for leaf in flat.sharded]:
+        for t in (obj, local_of(obj)) if is_dtensor(obj) else (obj,):
+            try:
+                torch.autograd.graph.increment_version(t)
+            except RuntimeError:  # an inference tensor keeps no version
+                pass
 
 
 def _load(flat: FlatState, store: ByteStore, comm: Comm, strict: bool, options: LoadOptions,

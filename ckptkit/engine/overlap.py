@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -54,24 +55,41 @@ def _version(t: torch.Tensor, name: str) -> int:
         ) from exc
 
 
+_PENDING: weakref.WeakSet[OverlapSnapshot] = weakref.WeakSet()
+"""The snapshots of this process whose gate is not passed yet (what :func:`pass_pending_gates` waits for)."""
+
+
+def pass_pending_gates() -> None:
+    """Pass the gate of every pending overlapped snapshot of this process: what ckptkit's own loader does
+    before writing into tensors (its writes go through a memoryview, which no guard hooks and no version
+    counter sees: a ``ckptkit.load`` into the live state right after an overlapped save committed the
+    loaded bytes under the new step, found by a hunt on 2026-12-06)."""
+    for snap in list(_PENDING):
+        snap.pass_gate()
+
+
 class OverlapSnapshot:
     """One overlapped snapshot: made on the training thread at the save call, copied by the persist
     thread (:meth:`copy`), waited for at the gate (:meth:`pass_gate`), judged before the commit
     (:meth:`verdict`)."""
 
     def __init__(self, plan: SavePlan, tensors: list[torch.Tensor], buffer_of: Callable[[bool], torch.Tensor],
-                 where: str) -> None:
+                 where: str, watched: list[torch.Tensor] | None = None) -> None:
         """``buffer_of(on_device)``: the staging buffer, asked for on the persist thread (allocating a
-        pinned buffer of many GiB the first time takes a while, and the save call should not wait)."""
+        pinned buffer of many GiB the first time takes a while, and the save call should not wait).
+        ``watched``: per tensor, the object whose version counter an in-place change moves — a DTensor
+        for its local tensor (an in-place op on a DTensor moves the DTensor's counter, not its local
+        tensor's: until 2026-12-06 no change of DTensor state could be seen here); default ``tensors``."""
         self.plan = plan
         self.tensors = tensors
+        self.watched = watched if watched is not None else tensors
         self._buffer_of = buffer_of
         self.buffer: torch.Tensor | None = None
         self.where = where
         self.names: dict[int, str] = {}
         for item in plan.items:
             self.names.setdefault(item.ref, item.tensor)
-        self.versions = {ref: _version(tensors[ref], name) for ref, name in self.names.items()}
+        self.versions = {ref: _version(self.watched[ref], name) for ref, name in self.names.items()}
         devices = {tensors[ref].device for ref in self.names if tensors[ref].device.type == "cuda"}
         if len(devices) > 1:
             raise SaveError(f"saving {where} with snapshot='overlap': this rank's tensors are on several GPUs "
@@ -90,6 +108,7 @@ class OverlapSnapshot:
         self._gate_checked = threading.Event()
         self.gate_error: SnapshotRaceError | None = None
         self.verified = False  # the verdict passed: the copy is final and was the state at the save call
+        _PENDING.add(self)
 
     # ----------------------------------------------------------- the persist thread
     def copy(self, side_stream: Any = None) -> None:
@@ -145,7 +164,7 @@ class OverlapSnapshot:
             self._done.record(side)
 
     def _moved(self, refs: Any) -> int | None:
-        return next((ref for ref in refs if self.tensors[ref]._version != self.versions[ref]), None)
+        return next((ref for ref in refs if self.watched[ref]._version != self.versions[ref]), None)
 
     def _check(self, refs: Any) -> None:
         """Raise if a tensor of ``refs`` moved, unless the gate was passed: from then on the state may
@@ -193,6 +212,7 @@ class OverlapSnapshot:
             if self.gate_passed:
                 return
             self.gate_passed = True
+            _PENDING.discard(self)
             if self.verified:  # the copy was verified final before the commit: nothing to wait for
                 self._gate_checked.set()
                 return

@@ -28,7 +28,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -79,6 +79,7 @@ class Classified:
     per_rank_values: dict[str, Any]
     per_rank_keys: tuple[str, ...]
     fingerprint: str
+    watched: list[Any] = field(default_factory=list)  # per tensor, what its in-place changes move (watched_of)
 
 
 @dataclass
@@ -91,6 +92,7 @@ class Prepared:
     per_rank_values: dict[str, Any]
     per_rank_keys: tuple[str, ...]
     attempt: str | None = None
+    watched: list[Any] | None = None  # Classified.watched (an overlapped snapshot checks their versions)
 
     def for_attempt(self, attempt: str) -> Prepared:
         """Bound to save attempt ``attempt``: its objects named for it (see :func:`data_object_key`)."""
@@ -279,7 +281,13 @@ def classify_state(flat: FlatState, rank: int, *, shapes_only: bool = False) -> 
         grid, plain, explicit, tensors = classify(flat, rank, shapes_only=shapes_only)
         values, per_rank_values, per_rank_keys = encode_values(flat)
     return Classified(grid, plain, explicit, tensors, values, per_rank_values, per_rank_keys,
-                      structure_fingerprint(grid + plain, explicit))
+                      structure_fingerprint(grid + plain, explicit), watched_of(flat))
+
+
+def watched_of(flat: FlatState) -> list[Any]:
+    """Per tensor of :func:`classify` (same order), the object whose version counter moves when it is
+    changed in place: the DTensor itself for a DTensor's local tensor, else the tensor."""
+    return [leaf.obj for leaf in flat.tensors] + [leaf.obj.local for leaf in flat.sharded]
 
 
 def structure_fingerprint(grid: list[GridDecl], explicit: list[ExplicitDecl]) -> str:
@@ -328,7 +336,7 @@ def plan_agreed(cls: Classified, groups: dict[str, tuple[int, ...]], combined: d
 
 def bind(plan: SavePlan, cls: Classified) -> Prepared:
     """A plan (possibly cached from an earlier save of the same structure) with this save's tensors."""
-    return Prepared(plan, cls.tensors, cls.values, cls.per_rank_values, cls.per_rank_keys)
+    return Prepared(plan, cls.tensors, cls.values, cls.per_rank_values, cls.per_rank_keys, watched=cls.watched)
 
 
 def check_target_collective(store: ByteStore, comm: Comm) -> Target:
