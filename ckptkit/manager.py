@@ -43,7 +43,7 @@ from ckptkit.options import AsyncOptions, LoadOptions
 from ckptkit import run_identity
 from ckptkit.retention import Record, RetentionPolicy, RollbackHold
 from ckptkit.run_folder import LEASES, MAX_STEP, STEP_PATTERN, RunFolder, StepNaming, step_dir
-from ckptkit.storage.tiered import TieredStore
+from ckptkit.storage.tiered import TieredStore, run_cache_name
 from ckptkit.storage.url import open_store, overlaps
 
 log = logging.getLogger("ckptkit")
@@ -116,7 +116,8 @@ class CheckpointManager:
             if overlaps(local_dir, root):
                 raise OptionsError(f"local_dir {local_dir} overlaps the run's folder {root}: give it a folder of its own")
             authoritative = {MANIFEST_NAME, run_identity.RUN_FILE, ".ckptkit/", f"{LEASES}/"}  # unchecksummed, changing
-            store = TieredStore(open_store(local_dir), store, remote_only=frozenset(authoritative))
+            local = open_store(local_dir).child(run_cache_name(store.url))  # this run's own folder in local_dir
+            store = TieredStore(local, store, remote_only=frozenset(authoritative))
         self.root = store
         self.folder = RunFolder(store, naming, lease_seconds)
         self.save_policy = save

@@ -401,7 +401,9 @@ def test_on_s3_with_a_local_disk_the_run_id_is_the_buckets(tmp_path, s3_env, s3_
     client = s3_server.client()
     for obj in client.list_objects_v2(Bucket=s3_env, Prefix="run/").get("Contents", []):
         client.delete_object(Bucket=s3_env, Key=obj["Key"])  # the run deleted from the bucket only
-    assert os.path.exists(tmp_path / "nvme" / "step-0000002")
+    from ckptkit.storage.tiered import run_cache_name
+
+    assert os.path.exists(tmp_path / "nvme" / run_cache_name(url) / "step-0000002")
     with manager() as mgr:
         state = {"w": torch.zeros(3)}
         assert mgr.restore_latest(state) is None

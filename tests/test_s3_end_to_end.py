@@ -107,8 +107,11 @@ def test_distributed_async_save_to_a_bucket_and_reshard(worlds, s3_env, s3_serve
 
 
 def test_local_tier_in_front_of_the_bucket(s3_env, tmp_path):  # noqa: F811
-    root, local = f"s3://{s3_env}/tiered", tmp_path / "nvme"
-    with ckptkit.CheckpointManager(root, save=ckptkit.SavePolicy(every_steps=1), keep=ckptkit.RetentionPolicy(keep_last=2), local_dir=str(local)) as mgr:
+    from ckptkit.storage.tiered import run_cache_name
+
+    root, nvme = f"s3://{s3_env}/tiered", tmp_path / "nvme"
+    local = nvme / run_cache_name(root)  # this run's own folder in local_dir
+    with ckptkit.CheckpointManager(root, save=ckptkit.SavePolicy(every_steps=1), keep=ckptkit.RetentionPolicy(keep_last=2), local_dir=str(nvme)) as mgr:
         for step in (1, 2, 3):
             mgr.maybe_save(step, state_at(step))
     s3 = boto3.client("s3")
@@ -121,12 +124,12 @@ def test_local_tier_in_front_of_the_bucket(s3_env, tmp_path):  # noqa: F811
     data.write_bytes(bytes(raw))
     index_file(local / "step-0000003").unlink()  # and its index is gone
     target = empty()
-    with ckptkit.CheckpointManager(root, local_dir=str(local)) as mgr:
+    with ckptkit.CheckpointManager(root, local_dir=str(nvme)) as mgr:
         assert mgr.restore_latest(target) == 3
     assert torch.equal(target["w"], state_at(3)["w"]) and target["step"] == 3
     # a local copy without the bucket's commit is not a checkpoint
     s3.delete_object(Bucket=s3_env, Key="tiered/step-0000003/manifest.json")
-    with ckptkit.CheckpointManager(root, local_dir=str(local)) as mgr:
+    with ckptkit.CheckpointManager(root, local_dir=str(nvme)) as mgr:
         assert mgr.restore_latest(empty()) == 2
 
 

@@ -212,6 +212,8 @@ def save_five_keeping_one(bucket: str, nodes: str) -> list[str]:
 
     import ckptkit
 
+    from ckptkit.storage.tiered import run_cache_name
+
     local = os.path.join(nodes, f"node{dist.get_rank()}")
     mgr = ckptkit.CheckpointManager(bucket, local_dir=local, keep=ckptkit.RetentionPolicy(keep_last=1),
                                     asynchronous=ckptkit.AsyncOptions())
@@ -219,7 +221,8 @@ def save_five_keeping_one(bucket: str, nodes: str) -> list[str]:
         mgr.save(step, {"w": torch.full((64,), float(step))})
         mgr.wait()
     mgr.close()
-    return sorted(n for n in os.listdir(local) if n.startswith("step-"))
+    cache = os.path.join(local, run_cache_name(mgr.root.remote.url))  # this run's folder in local_dir
+    return sorted(n for n in os.listdir(cache) if n.startswith("step-"))
 
 
 def test_every_node_prunes_its_local_copies_of_deleted_steps(worlds, tmp_path):
@@ -231,3 +234,78 @@ def test_every_node_prunes_its_local_copies_of_deleted_steps(worlds, tmp_path):
     assert sorted(n for n in os.listdir(bucket) if n.startswith("step-")) == ["step-0000005"]
     for names in kept:
         assert set(names) <= {"step-0000004", "step-0000005"} and "step-0000005" in names, kept
+
+
+def _restores(run: str, **kwargs) -> int | None:
+    import torch
+
+    import ckptkit
+
+    state = {"w": torch.zeros(64)}
+    step = ckptkit.CheckpointManager(run, **kwargs).restore_latest(state)
+    assert step is None or torch.equal(state["w"], torch.full((64,), float(step)))
+    return step
+
+
+def test_what_else_lives_in_local_dir_is_never_touched(tmp_path):
+    """``local_dir`` is a node's disk: an older run saved there directly, another run's local copies. The
+    tier's housekeeping (pruning after each commit, gc, retention) took every step folder there for its own:
+    a run's first commit deleted the older run's committed checkpoints, gc left them as bare manifests,
+    and one run's commit deleted another run's save in flight (found by a hunt, 2026-12-06). Each run now
+    keeps its local copies in a folder of its own under ``local_dir``."""
+    import torch
+
+    import ckptkit
+
+    nvme = str(tmp_path / "nvme")
+    with ckptkit.CheckpointManager(nvme, asynchronous=None) as old:  # a run saved straight to the node's disk
+        for step in (1, 2, 3):
+            old.save(step, {"w": torch.full((64,), float(step))})
+    a, b = (ckptkit.CheckpointManager(str(tmp_path / f"bucket-{x}"), local_dir=nvme, asynchronous=None,
+                                      keep=ckptkit.RetentionPolicy(keep_last=1)) for x in "ab")
+    for step in (1, 2, 3, 4):
+        for mgr in (a, b):  # the two runs share local_dir, and their step names
+            mgr.save(step, {"w": torch.full((64,), float(step))})
+    a.gc()
+    b.gc()
+    a.close()
+    b.close()
+    assert _restores(nvme) == 3 and [r.step for r in ckptkit.CheckpointManager(nvme).records()] == [1, 2, 3]
+    for x in "ab":
+        assert _restores(str(tmp_path / f"bucket-{x}"), local_dir=nvme) == 4
+
+
+def test_nothing_outside_local_dir_is_deleted_through_a_link(tmp_path):
+    """A local step folder replaced by a link to another place (an archive of that step): retention deleted
+    the link's target, manifest included (a hunt, 2026-12-06). Nothing is deleted through a link now."""
+    import shutil
+
+    import torch
+
+    import ckptkit
+    from ckptkit.storage.tiered import run_cache_name
+
+    nvme, bucket = tmp_path / "nvme", str(tmp_path / "bucket")
+    mgr = ckptkit.CheckpointManager(bucket, local_dir=str(nvme), asynchronous=None,
+                                    keep=ckptkit.RetentionPolicy(keep_last=1))
+    mgr.save(1, {"w": torch.full((64,), 1.0)})
+    archive = tmp_path / "archive" / "step-0000001"
+    shutil.copytree(tmp_path / "bucket" / "step-0000001", archive)
+    local = nvme / run_cache_name(mgr.root.remote.url) / "step-0000001"
+    shutil.rmtree(local)
+    local.symlink_to(archive, target_is_directory=True)
+    before = sorted(p.name for p in archive.rglob("*"))
+    mgr.save(2, {"w": torch.full((64,), 2.0)})  # retention deletes step 1; the prune runs after the commit
+    mgr.gc()
+    mgr.close()
+    assert sorted(p.name for p in archive.rglob("*")) == before
+    assert _restores(str(archive.parent)) == 1
+    # a run folder on local disk whose step folder is a link: the same (no tier involved)
+    run = tmp_path / "plain"
+    plain = ckptkit.CheckpointManager(str(run), asynchronous=None, keep=ckptkit.RetentionPolicy(keep_last=1))
+    plain.save(1, {"w": torch.full((64,), 1.0)})
+    shutil.rmtree(run / "step-0000001")
+    (run / "step-0000001").symlink_to(archive, target_is_directory=True)
+    plain.save(2, {"w": torch.full((64,), 2.0)})
+    plain.close()
+    assert sorted(p.name for p in archive.rglob("*")) == before

@@ -11,6 +11,7 @@ put-if-absent, and readers never observe a partial manifest.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import shutil
 import stat
@@ -26,6 +27,8 @@ from ckptkit.errors import (
     UnsafePathError,
 )
 from ckptkit.storage.base import ByteStore, too_large
+
+log = logging.getLogger("ckptkit")
 
 
 _WRITEBACK_EVERY = 64 << 20
@@ -57,15 +60,25 @@ def _storage_error(exc: OSError, what: str) -> StorageError:
 class LocalStore(ByteStore):
     streams_writes = True  # plain write(2) of each chunk, in order
 
-    def __init__(self, root: str) -> None:
+    def __init__(self, root: str, *, anchor: str | None = None) -> None:
         self.root = os.path.abspath(root)
         self.url = self.root
+        # the folder the store was opened at (its children keep it): nothing outside it is ever deleted
+        self._anchor = anchor if anchor is not None else self.root
 
     def _path(self, key: str) -> str:
         return os.path.join(self.root, *key.split("/")) if key else self.root
 
     def child(self, name: str) -> LocalStore:
-        return LocalStore(self._path(name))
+        return LocalStore(self._path(name), anchor=self._anchor)
+
+    def _deletable(self, path: str) -> bool:
+        """Whether ``path`` resolves inside the folder this store was opened at. A child folder that is a
+        link elsewhere (a step folder replaced by a link to an archive) must never have its target's
+        files deleted: retention and gc did, manifest included (found by a hunt, 2026-12-06)."""
+        anchor = os.path.realpath(self._anchor)
+        real = os.path.realpath(path)
+        return real == anchor or real.startswith(anchor.rstrip(os.sep) + os.sep)
 
     def _write_path(self, key: str) -> str:
         """The path to write or delete ``key`` at; UnsafePathError for a key that would leave the root.
@@ -336,6 +349,10 @@ class LocalStore(ByteStore):
         swallowed, so deleting a manifest on a read-only mount "succeeded", and ``discard_after``
         reported a rolled-back trajectory's checkpoint discarded that a restart then resumed from."""
         path = self._write_path(key)
+        folder = os.path.dirname(path)  # a link itself is removed (its target never is), so its folder counts
+        if not self._deletable(folder):
+            raise UnsafePathError(f"refusing to delete {path}: its folder resolves to {os.path.realpath(folder)}, "
+                                  f"outside {self._anchor} (a folder reached through a link)")
         try:
             os.remove(path)
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
@@ -344,6 +361,8 @@ class LocalStore(ByteStore):
             raise _storage_error(exc, f"deleting {path}") from exc
 
     def prune_empty(self) -> None:
+        if not self._deletable(self.root):
+            return
         for dirpath, _, _ in sorted(os.walk(self.root), key=lambda w: -w[0].count(os.sep)):
             try:
                 os.rmdir(dirpath)  # only ever succeeds on an empty directory
@@ -351,6 +370,9 @@ class LocalStore(ByteStore):
                 pass
 
     def delete_all(self) -> None:
+        if os.path.islink(self.root) or not self._deletable(self.root):  # never through a link
+            log.warning("not deleting %s: it is a link, or leads outside %s", self.root, self._anchor)
+            return
         shutil.rmtree(self.root, ignore_errors=True)
 
     def is_dir(self) -> bool:

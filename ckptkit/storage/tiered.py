@@ -19,6 +19,7 @@ disk and a resharded or moved restart reads from the bucket.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Iterable, Iterator
 
@@ -27,6 +28,14 @@ from ckptkit.storage.base import ByteStore
 
 log = logging.getLogger("ckptkit")
 _COPY_CHUNK = 64 << 20
+
+def run_cache_name(remote_url: str) -> str:
+    """The folder under ``local_dir`` holding one run's local copies: named by the run's URL, so runs (and
+    whatever else lives in ``local_dir``: an older run saved there directly) never share step folders.
+    Until 2026-12-06 step folders sat directly under ``local_dir``, and one run's housekeeping deleted
+    another's committed checkpoints and its saves in flight (found by a hunt)."""
+    return f".ckptkit-tier-{hashlib.sha256(remote_url.encode()).hexdigest()[:16]}"
+
 
 class TieredStore(ByteStore):
     """``local`` (node disk) in front of ``remote`` (the bucket); ``remote`` is the truth.
@@ -136,7 +145,8 @@ class TieredStore(ByteStore):
 
     def delete(self, key: str) -> None:
         self.remote.delete(key)
-        self.local.delete(key)
+        if not self._authoritative(key):  # never written locally: a local one is not this tier's
+            self.local.delete(key)
 
     def delete_all(self) -> None:
         self.remote.delete_all()
