@@ -297,7 +297,9 @@ def _load(flat: FlatState, store: ByteStore, comm: Comm, strict: bool, options: 
         record.phase("planning")
         plan = _targets(flat, manifest, strict, where)
         if manifest.world_size == comm.world_size:
-            _check_own_split_values(flat, manifest, comm.rank, where)
+            _check_own_split_values(flat, manifest, comm.rank, where, None if strict else plan.missing)
+        elif options.per_rank_on_resize == "error":  # inside the agreement: only some ranks may hold them
+            _refuse_per_rank_on_resize(flat, manifest, comm.world_size, where)
         assert plan.shared is not None
         ops = session.match(plan.shared.targets)
     except Exception as exc:  # carried through the collective below, then re-raised
@@ -319,15 +321,8 @@ def _load(flat: FlatState, store: ByteStore, comm: Comm, strict: bool, options: 
             f"{' ...' if len(unexpected) > 8 else ''} (pass strict=False to ignore them)"
         )
 
-    split_values = [leaf.key for leaf in flat.values if leaf.key in manifest.rank_values]
     per_rank_needed = bool(flat.generators or flat.per_rank)
     resized = manifest.world_size != comm.world_size
-    if (per_rank_needed or split_values) and resized and options.per_rank_on_resize == "error":
-        keys_pr = [leaf.key for leaf in (*flat.generators, *flat.per_rank)] + split_values
-        raise StateMismatchError(
-            f"{where}: the checkpoint was saved by {manifest.world_size} ranks, this job has {comm.world_size}; "
-            f"per-rank values {keys_pr[:4]} cannot be matched to ranks (LoadOptions(per_rank_on_resize='skip') keeps the current ones)"
-        )
     own = {comm.rank} if per_rank_needed and not resized else set()
     nbytes, error, reading = _read_into_state(session, ops, own, plan, flat, comm, options, resized, strict)
     record.phase("agreement")
@@ -373,6 +368,15 @@ def _read_into_state(session: ReadSession, ops: list[CopyOp], own: set[int], pla
                                 None if strict else plan.missing)
     except Exception as exc:  # noqa: BLE001 - carried through the collective below, then re-raised
         error, read_plan = exc, None
+    if comm.world_size > 1 and comm.any_flags([error is not None])[0]:
+        # every rank's reads are planned (its writers' indexes read and checked) before any rank reads into
+        # a tensor: an index only one rank needs, found damaged there, let the others read into theirs, or
+        # marked them as having begun, and "partly overwritten" replaced "nothing restored" (a hunt, 2026-12-06)
+        said = comm.all_gather_json(_said(error))
+        if error is None:
+            error = PeerFailureError(f"loading {where} failed on another rank before anything was read: "
+                                     f"{failed_ranks(said)}")
+        return 0, error, False
     assert session.progress is not None
     session.progress.phase("reading")
     try:
@@ -443,14 +447,36 @@ def _log_skew(where: str, outcomes: list[Any]) -> None:
              times[-1] - times[0], slowest, sum(n for _, _, n in outcomes) / 2**30)
 
 
-def _check_own_split_values(flat: FlatState, manifest: Manifest, rank: int, where: str) -> None:
+def _refuse_per_rank_on_resize(flat: FlatState, manifest: Manifest, world_size: int, where: str) -> None:
+    """``per_rank_on_resize="error"`` at another world size: this rank's per-rank values, generators and
+    values the saving ranks disagreed on cannot be matched to ranks. Raised before the load's first
+    agreement, so every rank learns it: a pipeline stage holding none of them went on into the reads
+    while the stage that did raised alone, and the load (every rank, under ``restore_latest``) hung
+    (found by a hunt, 2026-12-06)."""
+    keys = [leaf.key for leaf in (*flat.generators, *flat.per_rank)]
+    keys += [leaf.key for leaf in flat.values if leaf.key in manifest.rank_values]
+    if keys:
+        raise StateMismatchError(
+            f"{where}: the checkpoint was saved by {manifest.world_size} ranks, this job has {world_size}; "
+            f"per-rank values {keys[:4]} cannot be matched to ranks (LoadOptions(per_rank_on_resize='skip') keeps "
+            "the current ones)")
+
+
+def _check_own_split_values(flat: FlatState, manifest: Manifest, rank: int, where: str,
+                            missing: list[str] | None) -> None:
     """A value the saving ranks disagreed about is restored to the rank that held it; a rank that
-    asks for one it did not hold is told so before anything is read (with every rank failing)."""
+    asks for one it did not hold is told so before anything is read (with every rank failing), or,
+    not strict (``missing`` given), keeps its own with the key listed as missing (it failed the load
+    whatever ``strict`` said until 2026-12-06)."""
     for leaf in flat.values:
         groups = manifest.rank_values.get(leaf.key)
         if groups is not None and not any(rank in ranks for _, ranks in groups):
-            raise MissingKeysError(f"{where}: value {leaf.key!r} was saved per rank (the saving ranks held "
-                                   f"different values) and rank {rank} held none")
+            if missing is None:
+                raise MissingKeysError(f"{where}: value {leaf.key!r} was saved per rank (the saving ranks held "
+                                       f"different values) and rank {rank} held none (pass strict=False to keep "
+                                       "this rank's own)")
+            if leaf.key not in missing:
+                missing.append(leaf.key)
 
 
 def _check_own_per_rank(flat: FlatState, own_index: Index | None, where: str, rank: int,
@@ -480,9 +506,7 @@ def _assign_values(flat: FlatState, manifest: Manifest, own_index: Index | None,
                 if rank in ranks:
                     flat.assign(leaf, decode_value(encoded, f"{where}: value {leaf.key!r} of rank {rank}"))
                     break
-            else:
-                raise MissingKeysError(f"{where}: value {leaf.key!r} was saved per rank (the saving ranks held "
-                                       f"different values) and rank {rank} held none")
+            # else: none for this rank, which keeps its own (checked before the reads, listed as missing)
     if own_index is None:
         return
     for leaf in flat.generators:
