@@ -212,3 +212,23 @@ def dtensor_checkpoints(worlds, tmp_path_factory):
             path = str(tmp_path_factory.mktemp("ckpt") / f"{layout}-{dtype}")
             out[(layout, dtype)] = (path, worlds.run(4, save_run, layout, dtype, path)[0])
     return out
+
+
+@pytest.fixture
+def held_writes(monkeypatch):
+    """Background writes (the thread executor's) wait until the test sets the event this yields: the test
+    acts while its save persists."""
+    import threading
+
+    import ckptkit.engine.async_save as async_save
+
+    gate = threading.Event()
+    write = async_save.write_staged
+
+    def held(*args, **kwargs):
+        gate.wait(30)
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(async_save, "write_staged", held)
+    yield gate
+    gate.set()

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 import ckptkit
-import ckptkit.engine.async_save as async_save
 from ckptkit.engine.async_save import AsyncSaver
 from ckptkit.storage import open_store
 
@@ -82,30 +81,20 @@ def test_state_mutated_right_after_save_async_does_not_leak(saver, tmp_path):
         assert_loads_as(tmp_path / f"c{i}", expected[i])
 
 
-def test_one_save_in_flight_and_plan_and_buffer_reuse(saver, tmp_path, monkeypatch):
+def test_one_save_in_flight_and_plan_and_buffer_reuse(saver, tmp_path, held_writes):
     state = make_state()
-    gate = threading.Event()
-    real = async_save.write_staged
-
-    def gated(*a, **k):
-        gate.wait(30)
-        return real(*a, **k)
-
-    monkeypatch.setattr(async_save, "write_staged", gated)
     h1 = saver.save(state, open_store(str(tmp_path / "c1")))
     plan, buf = saver._plans.copy(), saver.pool._buffer
     assert not h1.done()  # persist is held at the gate
-    threading.Timer(0.3, gate.set).start()
+    threading.Timer(0.3, held_writes.set).start()
     h2 = saver.save(state, open_store(str(tmp_path / "c2")))  # waits for h1 before snapshotting
     assert h1.done() and h1.committed.exception() is None
     assert saver._plans == plan and saver.pool._buffer is buf  # no replanning, same staging memory
     assert h2.wait().total_bytes == h1.wait().total_bytes
 
 
-def test_skip_policy_drops_the_new_save_while_one_persists(tmp_path, monkeypatch):
-    gate = threading.Event()
-    real = async_save.write_staged
-    monkeypatch.setattr(async_save, "write_staged", lambda *a, **k: (gate.wait(30), real(*a, **k))[1])
+def test_skip_policy_drops_the_new_save_while_one_persists(tmp_path, held_writes):
+    gate = held_writes
     mgr = ckptkit.CheckpointManager(str(tmp_path), save=ckptkit.SavePolicy(every_steps=1), asynchronous=ckptkit.AsyncOptions(on_busy="skip"))
     state = make_state()
     assert mgr.maybe_save(1, state) is not None

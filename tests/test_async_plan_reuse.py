@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import json
 import random
-import threading
 
 import pytest
 import torch
 
 import ckptkit
-import ckptkit.engine.async_save as async_save
 from ckptkit.engine.async_save import AsyncSaver
 from ckptkit.storage import open_store
 
@@ -109,21 +107,6 @@ def test_every_async_save_commits_what_a_sync_save_of_its_state_does(tmp_path, e
             assert _same_tensors(back, state), (seed, i)
     finally:
         saver.close()
-
-
-@pytest.fixture
-def held_writes(monkeypatch):
-    """Background writes wait until the test lets them go: the caller acts while its save persists."""
-    gate = threading.Event()
-    write = async_save.write_staged
-
-    def held(*args, **kwargs):
-        gate.wait(30)
-        return write(*args, **kwargs)
-
-    monkeypatch.setattr(async_save, "write_staged", held)
-    yield gate
-    gate.set()
 
 
 def test_metadata_is_committed_as_it_was_when_the_save_was_called(tmp_path, held_writes):
