@@ -484,8 +484,9 @@ def test_ckptkit_load_into_the_live_state_after_an_overlapped_save_waits_for_its
     assert all(t._version > v for t, v in zip(job.model.parameters(), versions))
 
 
-def dtensor_change_outside_the_guard(folder: str) -> str:
-    """A DTensor parameter and an EMA DTensor changed in place under no_grad right after an overlapped save."""
+def dtensor_change_outside_the_guard(folder: str, through_local: bool) -> str:
+    """A DTensor parameter and an EMA DTensor changed in place under no_grad right after an overlapped save:
+    through the DTensors, or through their local tensors (``to_local()``, an EMA on the shard)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, distribute_tensor
 
@@ -499,8 +500,11 @@ def dtensor_change_outside_the_guard(folder: str) -> str:
                                                      guard=opt) as mgr:
         handle = mgr.save(1, {"w": w, "ema": ema})
         with torch.no_grad():
-            ema.mul_(0.9)
-            w.mul_(2.0)
+            if through_local:
+                ema.to_local().mul_(0.9)
+            else:
+                ema.mul_(0.9)
+                w.mul_(2.0)
         try:
             handle.wait()
             return "committed"
@@ -509,8 +513,10 @@ def dtensor_change_outside_the_guard(folder: str) -> str:
             return str(exc)
 
 
-def test_an_in_place_change_of_a_dtensor_outside_the_guard_fails_the_save(worlds, tmp_path):
-    """An in-place op on a DTensor moves the DTensor's version counter, not its local tensor's: the checks
-    watched the local one, and no change of DTensor state was ever seen (a hunt, 2026-12-06)."""
-    said = worlds.run(1, dtensor_change_outside_the_guard, str(tmp_path / "run"), timeout=120)[0]
+@pytest.mark.parametrize("through_local", [False, True], ids=["dtensor", "to_local"])
+def test_an_in_place_change_of_a_dtensor_outside_the_guard_fails_the_save(worlds, tmp_path, through_local):
+    """An in-place op on a DTensor moves the DTensor's version counter, not its local tensor's, and one on
+    its local tensor the reverse: the checks watched the local one only, and no change of DTensor state was
+    ever seen; the first fix watched the DTensor only, and lost the second kind (hunts, 2026-12-06)."""
+    said = worlds.run(1, dtensor_change_outside_the_guard, str(tmp_path / "run"), through_local, timeout=120)[0]
     assert "was changed in place" in said and ("'w'" in said or "'ema'" in said), said

@@ -300,6 +300,7 @@ def test_nothing_outside_local_dir_is_deleted_through_a_link(tmp_path):
     mgr.close()
     assert sorted(p.name for p in archive.rglob("*")) == before
     assert _restores(str(archive.parent)) == 1
+    assert not (tmp_path / "bucket" / "step-0000001").exists()  # the bucket's step went whole
     # a run folder on local disk whose step folder is a link: the same (no tier involved)
     run = tmp_path / "plain"
     plain = ckptkit.CheckpointManager(str(run), asynchronous=None, keep=ckptkit.RetentionPolicy(keep_last=1))

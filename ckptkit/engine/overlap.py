@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from ckptkit.engine.dtensor_grid import is_dtensor, local_of
 from ckptkit.engine.staging import piece_pair
 from ckptkit.errors import SaveError, SnapshotRaceError
 from ckptkit.plan.save_plan import SavePlan
@@ -45,9 +46,17 @@ from ckptkit.plan.save_plan import SavePlan
 log = logging.getLogger("ckptkit")
 
 
+def _counter(t: torch.Tensor) -> int:
+    """What an in-place change of ``t`` moves: for a DTensor both its own counter (an op on the DTensor)
+    and its local tensor's (an op on ``to_local()``, an EMA on the shard); each moves alone."""
+    if is_dtensor(t):
+        return int(t._version) + int(local_of(t)._version)
+    return int(t._version)
+
+
 def _version(t: torch.Tensor, name: str) -> int:
     try:
-        return int(t._version)
+        return _counter(t)
     except RuntimeError as exc:  # inference tensors track no versions
         raise SaveError(
             f"tensor {name!r} cannot be saved with snapshot='overlap': it has no version counter "
@@ -164,7 +173,7 @@ class OverlapSnapshot:
             self._done.record(side)
 
     def _moved(self, refs: Any) -> int | None:
-        return next((ref for ref in refs if self.watched[ref]._version != self.versions[ref]), None)
+        return next((ref for ref in refs if _counter(self.watched[ref]) != self.versions[ref]), None)
 
     def _check(self, refs: Any) -> None:
         """Raise if a tensor of ``refs`` moved, unless the gate was passed: from then on the state may

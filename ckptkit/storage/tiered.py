@@ -23,7 +23,7 @@ import hashlib
 import logging
 from collections.abc import Iterable, Iterator
 
-from ckptkit.errors import CheckpointNotFoundError, CkptkitError
+from ckptkit.errors import CheckpointNotFoundError, CkptkitError, UnsafePathError
 from ckptkit.storage.base import ByteStore
 
 log = logging.getLogger("ckptkit")
@@ -145,8 +145,12 @@ class TieredStore(ByteStore):
 
     def delete(self, key: str) -> None:
         self.remote.delete(key)
-        if not self._authoritative(key):  # never written locally: a local one is not this tier's
+        if self._authoritative(key):  # never written locally: a local one is not this tier's
+            return
+        try:
             self.local.delete(key)
+        except UnsafePathError as exc:  # a local folder linked elsewhere: the cache's copy stays, the bucket's went
+            log.warning("not deleting the local copy of %s: %s", key, exc)
 
     def delete_all(self) -> None:
         self.remote.delete_all()
