@@ -181,8 +181,15 @@ def torchtitan_moe_overlap(folder: str, *, snapshot: str, gate_first: bool = Tru
 
 
 def _load_balancing_first(optimizer: Any) -> None:
-    """Put torchtitan's load-balancing pre-hook (and any other non-ckptkit one) before ckptkit's gate."""
+    """Put torchtitan's load-balancing pre-hook (and any other non-ckptkit one) before ckptkit's gate: the
+    optimizer's own ckptkit hook moved last, and ckptkit's global step pre-hook (which runs before every
+    optimizer's own hooks, and would hold the load balancing at the gate all the same) taken out."""
     hooks = optimizer._optimizer_step_pre_hooks
     ours = [k for k, h in hooks.items() if "ckptkit" in getattr(h, "__module__", "")]
     for k in ours:
         hooks.move_to_end(k)
+    from torch.optim import optimizer as torch_optimizer
+
+    everyone = torch_optimizer._global_optimizer_pre_hooks
+    for k in [k for k, h in everyone.items() if "ckptkit" in getattr(h, "__module__", "")]:
+        del everyone[k]
