@@ -77,11 +77,19 @@ policies = st.builds(
 
 
 def provided_for(events: list[tuple], retain: int) -> int:
-    """How many of ``events`` the hold provides for: up to the first rollback that is the
-    ``retain + 1``-th in a row with nothing saved between (all of them when there is none)."""
-    in_a_row = 0
+    """How many of ``events`` the hold provides for: up to the first rollback that is the ``retain + 1``-th
+    in a row (all of them when there is none). A rollback is in a row with the one before when it restores
+    an older step than that one did: it reaches into history the first rollback's retention already let go
+    of (the hold keeps ``depth`` such levels, :class:`ckptkit.retention.RollbackHold`). A save between does
+    not end the row: a save on the new trajectory below the first rollback's step cannot bring back the
+    older checkpoints retention deleted before it (hypothesis found rollback 5 -> 2, save 3, rollback
+    4 -> 1 with ``retain=1``, which the earlier reading, "nothing saved between", counted as provided)."""
+    in_a_row, last = 0, None
     for i, event in enumerate(events):
-        in_a_row = in_a_row + 1 if event[0] == "rollback" else 0 if event[0] == "saved" else in_a_row
+        if event[0] != "rollback":
+            continue
+        in_a_row = in_a_row + 1 if last is not None and event[2] < last else 1
+        last = event[2]
         if in_a_row > retain:
             return i
     return len(events)
@@ -102,6 +110,12 @@ def shm_dir():
 
 @settings(max_examples=trials(12, 150), deadline=None)
 @given(keep=retention, every=st.integers(1, 12), policy=policies, bad=poison, asynchronous=st.booleans())
+@example(keep=ckptkit.RetentionPolicy(keep_last=1), every=1,  # a second rollback reaching further back, one kept
+         policy=ckptkit.SpikePolicy(loss=DetectorConfig(window=8, warmup=2), grad_norm=None,
+                                    rollback=Rollback(after_spikes=1, window_steps=20, steps_before=3, skip_before=1,
+                                                      skip_after=0, retain=1),
+                                    rewarm=None, lower_lr=LowerLR(max_rollbacks=1, max_drops=1)),
+         bad=frozenset(range(16, 21)), asynchronous=False)
 @example(keep=ckptkit.RetentionPolicy(keep_last=1), every=10,  # the reproduced case: it stopped at step 43
          policy=ckptkit.SpikePolicy(loss=DetectorConfig(window=8, warmup=2), grad_norm=None,
                                     rollback=Rollback(after_spikes=3, steps_before=30, skip_before=2, skip_after=4),
