@@ -36,8 +36,9 @@ def restore_state(mgr: Any, state: dict[str, Any], strict: bool, at_most: int | 
                   t0: float) -> int | None:
     """:meth:`ckptkit.CheckpointManager.restore_latest` into ``state``: the memory tier's newest step
     if it is at least as new as the newest persistent one (and ``floor``), else the newest persistent
-    step that loads; when damaged persistent steps are skipped, a memory step newer than the one the
-    fallback reached is taken instead. Until 2026-12-06 the newest persistent step counted by its
+    step that loads; when damaged persistent steps are skipped, a memory step at least as new as the one
+    the fallback reached is taken instead (a tie prefers memory, as the first question does; it took the
+    persistent step until 2026-12-06, which hypothesis found). Until 2026-12-06 the newest persistent step counted by its
     manifest alone: one with damaged data hid every newer snapshot, the fallback went to an older
     persistent step, and the snapshots after it were deleted (found by a model-based hunt)."""
     bound = MAX_STEP if at_most is None else at_most
@@ -61,7 +62,7 @@ def restore_state(mgr: Any, state: dict[str, Any], strict: bool, at_most: int | 
                                                "state was loaded (see the log)"))
 
         def newer_in_memory(below: int) -> tuple[int | None, bool]:
-            got, wrote = from_memory(below + 1)
+            got, wrote = from_memory(below)  # at least as new: a tie prefers memory, as the first question does
             if got is not None:
                 taken.append((got, below))
             return (None if got is None else got.step), wrote

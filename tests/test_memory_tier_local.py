@@ -228,9 +228,20 @@ def test_a_damaged_persistent_step_never_hides_a_newer_snapshot(tmp_path_factory
     data): the restart restores the newest step that loads from either, bit-exact. The newest persistent
     step counted by its manifest alone: a damaged one hid every older-but-newer-than-the-fallback snapshot,
     the fallback went further back, and the snapshot was deleted (found by a model-based hunt, 2026-12-06)."""
+    saved = [s for s in range(1, steps + 1) if s % persist == 0]
+    damaged = data.draw(st.sets(st.sampled_from(saved)) if saved else st.just(set()), label="damaged")
+    _damaged_run(tmp_path_factory.mktemp("tier"), persist, memory, steps, damaged)
+
+
+def test_a_snapshot_as_new_as_the_persistent_step_a_fallback_reached_is_taken(tmp_path):
+    """A tie after a fallback (hypothesis, 2026-12-06): persistent steps 2, 4, 6, step 6 damaged, a snapshot
+    of step 4. The restore takes step 4 from memory, as it does when nothing is damaged."""
+    _damaged_run(tmp_path, 2, 4, 6, {6})
+
+
+def _damaged_run(root, persist: int, memory: int, steps: int, damaged: set[int]) -> None:
     from tests.damage import flip_byte
 
-    root = tmp_path_factory.mktemp("tier")
     tier = ckptkit.MemoryTier(every_steps=memory, replicas=0, root=str(root / "mem"))
     mgr = ckptkit.CheckpointManager(str(root / "run"), save=ckptkit.SavePolicy(every_steps=persist), memory=tier,
                                     asynchronous=None)
@@ -238,7 +249,6 @@ def test_a_damaged_persistent_step_never_hides_a_newer_snapshot(tmp_path_factory
         mgr.maybe_save(step, _state(step))
     mgr.close()
     saved = [s for s in range(1, steps + 1) if s % persist == 0]
-    damaged = data.draw(st.sets(st.sampled_from(saved)) if saved else st.just(set()), label="damaged")
     for step in damaged:
         folder = root / "run" / f"step-{step:07d}" / "data"
         for name in os.listdir(folder):
