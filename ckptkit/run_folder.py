@@ -14,13 +14,12 @@ nothing is deleted while any folder's state is unknown.
 from __future__ import annotations
 
 import logging
-import re
 import time
 import uuid
 from dataclasses import dataclass
 
 from ckptkit.engine.checkpoint_dir import remove_uncommitted
-from ckptkit.engine.metadata_io import read_manifest
+from ckptkit.engine.metadata_io import STEP_PATTERN, read_manifest  # noqa: F401 - STEP_PATTERN importable here
 from ckptkit.errors import CkptkitError, OptionsError, StorageError, UncommittedCheckpointError
 from ckptkit.layout.manifest import MANIFEST_NAME
 from ckptkit.layout.strict_json import MAX_LAYOUT_INT
@@ -30,7 +29,6 @@ from ckptkit.storage.base import ByteStore
 log = logging.getLogger("ckptkit")
 
 MAX_STEP = MAX_LAYOUT_INT  # the newest step a restore looks at; a save of a later one is refused
-STEP_PATTERN = re.compile(r"^step-([0-9]+)$")  # ASCII digits: `\d` takes "step-١٢" for step 12
 LEASES = ".leases"
 
 

@@ -68,7 +68,7 @@ from ckptkit.adapters.deepspeed_record import (  # FORMAT, META: the record's na
 from ckptkit.adapters.load_checks import (DROPPED, NOT_LOADED, dropped, dropped_user_value, record_text,
                                           refuse_unexpected, user_value)
 from ckptkit.adapters.primed_states import PrimedStates
-from ckptkit.engine.collective import Comm, agreed_preparation, resolve_comm
+from ckptkit.engine.collective import agreed_state, resolve_comm
 from ckptkit.engine.metadata_io import read_manifest
 from ckptkit.engine.state import Sharded
 from ckptkit.errors import MissingKeysError, OptionsError, StateMismatchError
@@ -102,15 +102,6 @@ def engine_state(engine: Any, client_state: Mapping[str, Any] | None = None) -> 
     return {"deepspeed_engine": state}
 
 
-def agreed_state(comm: Comm, engine: Any, client_state: Mapping[str, Any] | None, what: str) -> dict[str, Any]:
-    """:func:`engine_state` once every rank built its own (collective): a client state one rank alone
-    cannot save (not JSON, a reserved key), or any other failure there, raises a :class:`ckptkit.SaveError`
-    naming that rank on every rank, where it used to raise on that rank while the others waited in the
-    save (:func:`ckptkit.engine.collective.agreed_preparation`)."""
-    state, _ = agreed_preparation(comm, lambda: (engine_state(engine, client_state), None), what)
-    return state
-
-
 def _engine_record(engine: Any, layout: EngineLayout, scalars: list[dict[str, Any]], state_keys: list[str],
                    client_state: Mapping[str, Any]) -> dict[str, Any]:
     """The ``deepspeed`` record of a live engine, through the builder the importer calls too
@@ -142,7 +133,9 @@ def save(engine: Any, path: str | os.PathLike[str], *, client_state: Mapping[str
     returns a :class:`ckptkit.SaveHandle` once the snapshot is taken; training may continue at once.
     With ``options=AsyncOptions(snapshot="overlap")`` it returns before the copy, and the engine's
     next optimizer step waits for it (:func:`guards`)."""
-    state = agreed_state(resolve_comm(None), engine, client_state, f"checkpoint {os.fspath(path)}")
+    # agreed: a client state one rank alone cannot save raised there while the others waited in the save
+    state = agreed_state(resolve_comm(None), lambda: engine_state(engine, client_state),
+                         f"checkpoint {os.fspath(path)}")
     if asynchronous:
         guard = guards(engine) if options.snapshot == "overlap" else None
         return ckptkit.save_async(state, path, options=options, storage_options=storage_options, guard=guard)
@@ -361,7 +354,8 @@ class DeepSpeedCheckpointer:
     def save(self, *, client_state: Mapping[str, Any] | None = None) -> Any:
         """Save now (blocks only for the snapshot when asynchronous)."""
         step = self.engine.global_steps
-        return self.manager.save(step, agreed_state(self._comm, self.engine, client_state, f"checkpoint of step {step}"))
+        return self.manager.save(step, agreed_state(self._comm, lambda: engine_state(self.engine, client_state),
+                                                    f"checkpoint of step {step}"))
 
     def restore_latest(self) -> dict[str, Any] | None:
         """Load the newest step every rank sees committed and that loads; its client state, or None if

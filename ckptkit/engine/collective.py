@@ -144,6 +144,13 @@ def agreed_preparation(comm: Comm, work: Callable[[], tuple[Any, Any]], what: st
     return state, [f[0] for f in facts]
 
 
+def agreed_state(comm: Comm, make_state: Callable[[], Any], what: str) -> Any:
+    """:func:`agreed_preparation` for a save that has no per-rank fact to share: ``make_state()``'s state
+    (the DeepSpeed and Megatron adapters' ``engine_state`` / ``megatron_state``), once every rank built its own."""
+    state, _ = agreed_preparation(comm, lambda: (make_state(), None), what)
+    return state
+
+
 class LocalComm:
     """A world of one process (no torch.distributed, or a single-rank job)."""
 

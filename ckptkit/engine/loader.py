@@ -274,7 +274,7 @@ def _moved(flat: FlatState) -> None:
     """Tell torch that every destination tensor may have changed: the reads land through memoryviews, behind
     its version counters (autograd's saved-tensor checks and an overlapped snapshot's race checks read them).
     A DTensor's own counter moves too: an in-place change of one moves that, not its local tensor's."""
-    for obj in [leaf.obj for leaf in flat.tensors] + [leaf.obj.local for leaf in flat.sharded]:
+    for obj in flat.tensor_objects():
         for t in (obj, local_of(obj)) if is_dtensor(obj) else (obj,):
             try:
                 torch.autograd.graph.increment_version(t)

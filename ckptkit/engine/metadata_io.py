@@ -20,7 +20,8 @@ from ckptkit.storage.base import ByteStore
 
 SAVE_LEFTOVERS = frozenset({"data", "index"})
 """What a save writes before its manifest: a folder holding only these is one whose save did not finish."""
-_STEP_FOLDER = re.compile(r"^step-[0-9]+$")
+STEP_PATTERN = re.compile(r"^step-([0-9]+)$")  # ASCII digits: `\d` takes "step-١٢" for step 12
+"""A step folder's name (``step-0000500``, torchtitan's ``step-500``); the run folder's listing reads it too."""
 
 
 def read_manifest(store: ByteStore) -> Manifest:
@@ -41,7 +42,7 @@ def _manifest_bytes(store: ByteStore) -> bytes:
             "finish, so it is not a checkpoint (saving to this path again replaces the leftovers)"
         )
     if others:  # not what a save leaves: a run folder, another format, the user's files (said as such, 2026-12-06)
-        steps = [n for n in others if _STEP_FOLDER.match(n)]
+        steps = [n for n in others if STEP_PATTERN.match(n)]
         if steps:
             raise CheckpointNotFoundError(f"{store.url} is a run folder (step folders such as {steps[-1]}), not a "
                                           "checkpoint: name one of its steps (`ckptkit ls` lists them)")

@@ -79,7 +79,7 @@ class Classified:
     per_rank_values: dict[str, Any]
     per_rank_keys: tuple[str, ...]
     fingerprint: str
-    watched: list[Any] = field(default_factory=list)  # per tensor, what its in-place changes move (watched_of)
+    watched: list[Any] = field(default_factory=list)  # FlatState.tensor_objects: what in-place changes move
 
 
 @dataclass
@@ -281,13 +281,7 @@ def classify_state(flat: FlatState, rank: int, *, shapes_only: bool = False) -> 
         grid, plain, explicit, tensors = classify(flat, rank, shapes_only=shapes_only)
         values, per_rank_values, per_rank_keys = encode_values(flat)
     return Classified(grid, plain, explicit, tensors, values, per_rank_values, per_rank_keys,
-                      structure_fingerprint(grid + plain, explicit), watched_of(flat))
-
-
-def watched_of(flat: FlatState) -> list[Any]:
-    """Per tensor of :func:`classify` (same order), the object whose version counter moves when it is
-    changed in place: the DTensor itself for a DTensor's local tensor, else the tensor."""
-    return [leaf.obj for leaf in flat.tensors] + [leaf.obj.local for leaf in flat.sharded]
+                      structure_fingerprint(grid + plain, explicit), flat.tensor_objects())
 
 
 def structure_fingerprint(grid: list[GridDecl], explicit: list[ExplicitDecl]) -> str:

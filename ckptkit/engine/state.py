@@ -107,6 +107,12 @@ class FlatState:
     values: list[Leaf] = field(default_factory=list)
     root: Any = None  # the state walked: a value inside a tuple is put back through it
 
+    def tensor_objects(self) -> list[Any]:
+        """Every tensor leaf as the state holds it, in the order a save classifies them (plain tensors and
+        DTensors, then each ``Sharded``'s local tensor): what an in-place change of the state moves the
+        version counter of (a DTensor's own, besides its local tensor's)."""
+        return [leaf.obj for leaf in self.tensors] + [leaf.obj.local for leaf in self.sharded]
+
     def assign(self, leaf: Leaf, value: Any) -> None:
         """Put a loaded value where ``leaf`` was, with the container and scalar types the state holds
         there (:func:`~ckptkit.layout.values.shaped_like`: a namedtuple stays one). Inside a tuple

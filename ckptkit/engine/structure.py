@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ckptkit.engine.dtensor_grid import grid_of, is_dtensor, local_of
-from ckptkit.engine.saver import Classified, classify_state, encode_values, watched_of
+from ckptkit.engine.saver import Classified, classify_state, encode_values
 from ckptkit.engine.state import FlatState
 from ckptkit.layout.strict_json import gc_paused
 
@@ -70,7 +70,7 @@ class ClassifyMemo:
             tensors += [leaf.obj.local for leaf in flat.sharded]
             values, per_rank_values, per_rank_keys = encode_values(flat)
             return replace(last, tensors=tensors, values=values, per_rank_values=per_rank_values,
-                           per_rank_keys=per_rank_keys, watched=watched_of(flat))
+                           per_rank_keys=per_rank_keys, watched=flat.tensor_objects())
         cls = classify_state(flat, rank)
         self.signature, self.rank, self.last = sig, rank, cls
         return cls

@@ -44,7 +44,7 @@ from __future__ import annotations
 import json
 import os
 import random
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,7 +65,7 @@ from ckptkit.adapters.megatron.model_space import (
     padding_plan,
     unwrap,
 )
-from ckptkit.engine.collective import Comm, agreed_preparation, resolve_comm
+from ckptkit.engine.collective import agreed_state, resolve_comm
 from ckptkit.engine.metadata_io import read_manifest
 from ckptkit.engine.state import PerRank, Sharded
 from ckptkit.errors import MissingKeysError, StateMismatchError
@@ -233,15 +233,6 @@ def _synced_params(model: Any) -> None:
         cfg = getattr(chunk, "ddp_config", None)
         if getattr(cfg, "overlap_param_gather", False) and getattr(cfg, "use_distributed_optimizer", False):
             chunk.start_param_sync(force_sync=True)
-
-
-def agreed_state(comm: Comm, make_state: Callable[[], dict[str, Any]], what: str) -> dict[str, Any]:
-    """``make_state()`` (:func:`megatron_state`) once every rank built its own (collective): an ``extra``
-    one rank alone cannot save (not JSON), a module's ``get_extra_state`` or a scheduler raising on one
-    rank, now raise a :class:`ckptkit.SaveError` naming that rank on every rank, where they raised on that
-    rank while the others waited in the save (:func:`ckptkit.engine.collective.agreed_preparation`)."""
-    state, _ = agreed_preparation(comm, lambda: (make_state(), None), what)
-    return state
 
 
 def _by_tensor(local: torch.Tensor, pieces: Sequence[Any], space: ParamSpace, prefix: str) -> list[Sharded]:

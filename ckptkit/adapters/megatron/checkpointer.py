@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import ckptkit
-from ckptkit.engine.collective import resolve_comm
+from ckptkit.engine.collective import agreed_state, resolve_comm
 from ckptkit.options import AsyncOptions
 
 
@@ -50,7 +50,7 @@ class MegatronCheckpointer:
 
     def save(self, iteration: int, *, extra: Mapping[str, Any] | None = None) -> Any:
         """Save now (blocks only for the snapshot when asynchronous)."""
-        from ckptkit.adapters.megatron import agreed_state, megatron_state
+        from ckptkit.adapters.megatron import megatron_state
 
         state = agreed_state(self._comm, lambda: megatron_state(
             self.model, optimizer=self.optimizer, scheduler=self.scheduler, iteration=iteration, extra=extra,
